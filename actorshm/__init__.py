@@ -1,0 +1,62 @@
+"""actorshm: actors in their own processes on one machine, with zero-copy arrays.
+
+    import actorshm
+    from actorshm import actor
+
+    @actor
+    class Counter:
+        def __init__(self, start=0): self.n = start
+        def incr(self, k=1): self.n += k; return self.n
+
+    async def main():
+        c = await Counter.spawn(5)
+        assert await c.incr(2) == 7
+
+    actorshm.run(main())
+"""
+
+from __future__ import annotations
+
+from ._actor import ActorHandle, actor
+from ._errors import ActorDiedError, ActorError, RemoteError, SharedMemoryError
+from ._runtime import Runtime, current_runtime, get_actor, run
+from ._shm import empty, is_shared, share, stats, zeros
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "actor",
+    "ActorHandle",
+    "Runtime",
+    "run",
+    "current_runtime",
+    "get_actor",
+    "ActorError",
+    "ActorDiedError",
+    "RemoteError",
+    "SharedMemoryError",
+    "empty",
+    "zeros",
+    "share",
+    "is_shared",
+    "stats",
+    "cuda",
+]
+
+for _name in __all__:
+    _obj = globals().get(_name)
+    if getattr(_obj, "__module__", "").startswith("actorshm._"):
+        try:
+            _obj.__module__ = "actorshm"
+        except (AttributeError, TypeError):
+            pass
+del _name, _obj
+
+
+def __getattr__(name: str):
+    if name == "cuda":  # imported lazily: importing actorshm never needs CuPy or a GPU
+        import importlib
+        mod = importlib.import_module("actorshm.cuda")
+        globals()["cuda"] = mod
+        return mod
+    raise AttributeError(f"module 'actorshm' has no attribute {name!r}")

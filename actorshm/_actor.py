@@ -1,0 +1,197 @@
+"""The user-facing layer: the ``@actor`` decorator, spawn options and handles.
+
+Nothing here knows how processes or sockets work: a handle asks the process's
+*client* (the driver's runtime, or the worker inside an actor process) to make a call.
+A second backend slots in as another client.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, replace
+from typing import Any
+
+__all__ = ["actor", "ActorHandle", "ActorOptions"]
+
+_RESERVED = {"spawn", "options", "kill", "pid"}
+
+
+@dataclass(frozen=True)
+class ActorOptions:
+    name: str | None = None
+    max_concurrency: int = 1
+    num_gpus: int = 0
+    max_restarts: int = 0
+    env: dict | None = None
+
+    def merged(self, **kw: Any) -> "ActorOptions":
+        unknown = set(kw) - set(self.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown actor option(s) {sorted(unknown)}; known options: "
+                            f"{sorted(self.__dataclass_fields__)}")
+        new = replace(self, **kw)
+        if not isinstance(new.max_concurrency, int) or new.max_concurrency < 1:
+            raise ValueError("max_concurrency must be an int >= 1")
+        if not isinstance(new.num_gpus, int) or new.num_gpus < 0:
+            raise ValueError("num_gpus must be an int >= 0")
+        if not isinstance(new.max_restarts, int) or new.max_restarts < -1:
+            raise ValueError("max_restarts must be an int >= 0 (or -1 for unlimited)")
+        if new.name is not None and not isinstance(new.name, str):
+            raise TypeError("name must be a str")
+        return new
+
+
+def public_methods(cls: type) -> dict[str, bool]:
+    """Public method names of ``cls`` -> whether each is a coroutine function."""
+    out = {}
+    for name in dir(cls):
+        if name.startswith("_") or name in ("spawn", "options"):
+            continue
+        attr = inspect.getattr_static(cls, name)
+        if isinstance(attr, (staticmethod, classmethod)):
+            attr = attr.__func__
+        if callable(attr):
+            out[name] = inspect.iscoroutinefunction(attr) or inspect.isasyncgenfunction(attr)
+    return out
+
+
+class _Spawner:
+    """What ``Cls.options(...)`` returns: ``await Cls.options(...).spawn(*args)``."""
+
+    def __init__(self, cls: type, options: ActorOptions) -> None:
+        self._cls = cls
+        self._options = options
+
+    async def spawn(self, *args: Any, **kwargs: Any) -> "ActorHandle":
+        from ._client import client
+        return await client().spawn(self._cls, self._options, args, kwargs)
+
+    def options(self, **kw: Any) -> "_Spawner":
+        return _Spawner(self._cls, self._options.merged(**kw))
+
+
+class _ClassBinder:
+    """A descriptor giving the decorated class ``spawn`` and ``options``."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __get__(self, obj: Any, cls: type):
+        opts = cls.__dict__.get("__actorshm_options__") or _options_of(cls)
+        spawner = _Spawner(cls, opts)
+        return spawner.spawn if self.what == "spawn" else spawner.options
+
+
+def _options_of(cls: type) -> ActorOptions:
+    for k in cls.__mro__:
+        o = k.__dict__.get("__actorshm_options__")
+        if o is not None:
+            return o
+    return ActorOptions()
+
+
+def actor(cls: type | None = None, /, **options: Any):
+    """Make a class an actor class: ``await Cls.spawn(...)`` starts it in its own process.
+
+    Use bare (``@actor``) or with options (``@actor(max_concurrency=4, num_gpus=1)``).
+    The class itself is unchanged otherwise: ``Cls(...)`` still makes a local instance.
+    """
+    if cls is None:
+        return lambda c: actor(c, **options)
+    if not isinstance(cls, type):
+        raise TypeError("@actor decorates classes")
+    clash = sorted(n for n in _RESERVED if n in cls.__dict__)
+    if clash:
+        raise TypeError(f"actor class {cls.__qualname__} defines {clash}, names that "
+                        "actorshm reserves for spawning and handles; rename them")
+    opts = ActorOptions().merged(**options)
+    cls.__actorshm_options__ = opts
+    cls.spawn = _ClassBinder("spawn")
+    cls.options = _ClassBinder("options")
+    return cls
+
+
+class ActorMethod:
+    __slots__ = ("_handle", "_name", "_what")
+
+    def __init__(self, handle: "ActorHandle", name: str) -> None:
+        self._handle = handle
+        self._name = name
+        self._what = f"{handle._cls_name}.{name}"
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        h = self._handle
+        return h._client.call(h._actor_id, self._name, args, kwargs, self._what)
+
+    def __repr__(self) -> str:
+        return f"<actor method {self._what}>"
+
+
+class ActorHandle:
+    """A reference to a running actor. Its attributes are the actor's public methods.
+
+    Calling one sends the call at once and returns an awaitable for the result.
+    Handles pickle: pass them to other actors, whose calls then go straight to it.
+    """
+
+    def __init__(self, client: Any, actor_id: int, cls_name: str, methods: dict,
+                 name: str | None, pid: int) -> None:
+        self._client = client
+        self._actor_id = actor_id
+        self._cls_name = cls_name
+        self._methods = methods
+        self._actor_name = name
+        self._pid = pid
+        self._bound: dict[str, ActorMethod] = {}
+
+    def __getattr__(self, name: str) -> ActorMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._bound[name]
+        except KeyError:
+            pass
+        if name not in self._methods:
+            raise AttributeError(
+                f"actor {self._cls_name} has no public method {name!r}; its methods are "
+                f"{sorted(self._methods)}")
+        m = self._bound[name] = ActorMethod(self, name)
+        return m
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(self._methods))
+
+    @property
+    def pid(self) -> int:
+        """The process id of the actor (of its current process, after a restart)."""
+        return self._client.actor_pid(self._actor_id, self._pid)
+
+    @property
+    def actor_id(self) -> int:
+        return self._actor_id
+
+    @property
+    def name(self) -> str | None:
+        return self._actor_name
+
+    async def kill(self) -> None:
+        """End the actor's process now (SIGKILL); pending calls raise ActorDiedError."""
+        await self._client.kill(self._actor_id)
+
+    def __reduce__(self):
+        return (_rebuild_handle, (self._actor_id, self._cls_name, self._methods,
+                                  self._actor_name, self._pid))
+
+    def __repr__(self) -> str:
+        return f"<ActorHandle {self._cls_name} id={self._actor_id} pid={self._pid}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ActorHandle) and other._actor_id == self._actor_id
+
+    def __hash__(self) -> int:
+        return hash(("actorshm.ActorHandle", self._actor_id))
+
+
+def _rebuild_handle(actor_id, cls_name, methods, name, pid):
+    from ._client import client_for_decode
+    return ActorHandle(client_for_decode(), actor_id, cls_name, methods, name, pid)

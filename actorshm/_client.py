@@ -1,0 +1,42 @@
+"""Which object makes calls for this process: the driver's runtime or the actor's worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_runtimes: list = []  # open runtimes in the driver, innermost last
+_worker: list = [None]  # the worker, inside an actor process
+
+
+def client() -> Any:
+    w = _worker[0]
+    if w is not None:
+        return w
+    if _runtimes:
+        return _runtimes[-1]
+    raise RuntimeError(
+        "no actorshm runtime is open. Open one with `async with actorshm.Runtime():` "
+        "around your code, or run it with `actorshm.run(main())`.")
+
+
+def client_for_decode() -> Any:
+    from ._serialization import current_decode_conn
+    conn = current_decode_conn()
+    if conn is not None and hasattr(conn.host, "call"):
+        return conn.host
+    try:
+        return client()
+    except RuntimeError:
+        return _Unbound()
+
+
+class _Unbound:
+    """The client of a handle unpickled outside any runtime: every use says so."""
+
+    def _fail(self, *a, **k):
+        client()  # raises the RuntimeError that says how to open a runtime
+
+    call = kill = _fail
+
+    def actor_pid(self, actor_id, pid):
+        return pid

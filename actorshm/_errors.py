@@ -1,0 +1,68 @@
+"""The library's own exceptions.
+
+Each error says whose fault it is: the actor died (``ActorDiedError``), the actor's
+method raised something that could not travel back (``RemoteError``), or shared memory
+ran out (``SharedMemoryError``, also a ``MemoryError``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ActorError",
+    "ActorDiedError",
+    "RemoteError",
+    "RemoteTraceback",
+    "SharedMemoryError",
+    "ProtocolError",
+]
+
+
+class ActorError(Exception):
+    """Base class of every error raised by actorshm itself."""
+
+
+class ActorDiedError(ActorError):
+    """The actor's process is gone (it crashed, was killed, or exited).
+
+    Every pending call and every later call on a handle to that actor raises this.
+    """
+
+
+class RemoteError(ActorError):
+    """An actor method raised an exception whose type could not be sent back.
+
+    ``type_name`` names the original type; the message carries its text and the
+    remote traceback.
+    """
+
+    def __init__(self, type_name: str, message: str, traceback_text: str = "") -> None:
+        super().__init__(f"{type_name}: {message}\n\nRemote traceback:\n{traceback_text}")
+        self.type_name = type_name
+        self.remote_message = message
+        self.traceback_text = traceback_text
+
+    def __reduce__(self):
+        return (type(self), (self.type_name, self.remote_message, self.traceback_text))
+
+
+class RemoteTraceback(Exception):
+    """Carries the traceback text of an exception raised in another process.
+
+    Set as ``__cause__`` of the re-raised exception, so that the traceback printed in
+    the caller shows where the error happened in the actor.
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n\n" + self.text
+
+
+class SharedMemoryError(ActorError, MemoryError):
+    """Shared memory could not be allocated: the budget or the machine ran out."""
+
+
+class ProtocolError(ActorError):
+    """A peer sent a frame that is not valid actorshm protocol; its connection closes."""

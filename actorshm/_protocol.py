@@ -1,0 +1,448 @@
+"""Framing and messages over a Unix socket pair.
+
+A frame is a 16-byte header followed by a pickled payload::
+
+    uint32 payload length | uint8 kind | pad | uint16 fd count | uint64 call id
+
+File descriptors (arena fds, brokered sockets) ride as SCM_RIGHTS ancillary data on the
+``sendmsg`` that carries the first byte of their frame; the receiver queues them in
+arrival order and hands each frame the number its header announces. Sockets are pairs
+made by the driver and inherited or passed over existing pairs: there is no listening
+socket and no path in the filesystem, so no other process can connect or inject frames.
+A malformed or truncated frame closes that one connection with a logged error.
+
+``Connection`` is symmetric: either side can make calls and answer them. The host
+object (the driver's runtime or an actor process's worker) answers calls and is told
+when a connection closes.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import os
+import pickle
+import socket
+import struct
+from typing import Any
+
+from . import _serialization as ser
+from . import _shm
+from ._errors import ActorDiedError, ProtocolError
+
+logger = logging.getLogger("actorshm")
+
+HEADER = struct.Struct("<IBxHQ")
+HSIZE = HEADER.size
+CALL, RESULT, ERROR, RELEASE, RETIRE = 1, 2, 3, 4, 5
+MAX_FRAME = (1 << 31) - 1
+MAX_FDS_PER_SEND = 250  # Linux caps SCM_RIGHTS at 253 fds per message
+RECV_SIZE = 1 << 18
+ANC_SIZE = socket.CMSG_SPACE(MAX_FDS_PER_SEND * 4)
+
+
+def _copy_exc(exc: BaseException) -> BaseException:
+    """A fresh instance per waiter, so tracebacks do not pile up on one object."""
+    try:
+        new = type(exc)(*exc.args)
+    except Exception:
+        return exc
+    return new
+
+
+class Connection:
+    """One end of a socket pair, speaking actorshm frames, driven by the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, host: Any,
+                 sock: socket.socket | None = None, label: str = "peer") -> None:
+        self.loop = loop
+        self.host = host
+        self.label = label
+        self.sock: socket.socket | None = None
+        self.fd = -1
+        self.pending: dict[int, asyncio.Future] = {}
+        self.pending_meta: dict[int, str] = {}
+        self.grants: dict[tuple, list] = {}  # block key -> [view, count] leased to the peer
+        self.sent_arenas: set[tuple] = set()
+        self.closed = False
+        self.close_exc: BaseException | None = None
+        self._next_id = 1
+        self._out: list[list] = []  # [data, fds or None, fds to close after sending]
+        self._writing = False
+        self._corked = 0
+        self._releases: dict[tuple, int] = {}
+        self._release_scheduled = False
+        self._inbuf = bytearray()
+        self._fds: list[int] = []
+        self.peer_id: int | None = None
+        if sock is not None:
+            self.attach(sock)
+
+    def __repr__(self) -> str:
+        return f"<Connection {self.label}{' closed' if self.closed else ''}>"
+
+    # -- lifecycle -------------------------------------------------------------
+    def attach(self, sock: socket.socket) -> None:
+        """Start using ``sock`` (a connection may buffer frames before it has one)."""
+        if self.closed:
+            sock.close()
+            return
+        sock.setblocking(False)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.loop.add_reader(self.fd, self._on_readable)
+        if self._out:
+            self._flush()
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Close the connection and fail every call waiting on it with ``exc``."""
+        if self.closed:
+            return
+        self.closed = True
+        self.close_exc = exc if exc is not None else ActorDiedError(
+            f"the connection to {self.label} is closed")
+        if self.sock is not None:
+            try:
+                self.loop.remove_reader(self.fd)
+                if self._writing:
+                    self.loop.remove_writer(self.fd)
+            except Exception:
+                pass
+            self.sock.close()
+        for fd in self._fds:
+            _close_fd(fd)
+        self._fds.clear()
+        for item in self._out:
+            for fd in item[2] or ():
+                _close_fd(fd)
+        self._out.clear()
+        pending, self.pending = self.pending, {}
+        self.pending_meta.clear()
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(_copy_exc(self.close_exc))
+        self.grants.clear()  # the peer is gone: its leases come back
+        self._releases.clear()
+        try:
+            self.host.connection_closed(self)
+        except Exception:  # pragma: no cover
+            logger.exception("actorshm: error while closing %s", self.label)
+
+    # -- sending ---------------------------------------------------------------
+    def call(self, method: str, args: tuple, kwargs: dict, what: str = "") -> asyncio.Future:
+        """Send a call now and return a future for its reply.
+
+        Raises ``TypeError`` (before anything is sent) when an argument cannot be
+        serialized.
+        """
+        fut = self.loop.create_future()
+        if self.closed:
+            fut.set_exception(_copy_exc(self.close_exc))
+            return fut
+        try:
+            payload, fds, enc = ser.encode((method, args, kwargs), self)
+        except Exception as exc:
+            raise TypeError(
+                f"cannot send the arguments of {what or method}(): {exc}. Arguments must be "
+                "picklable (cloudpickle); pass data, not open files, locks or sockets."
+            ) from exc
+        cid = self._next_id
+        self._next_id = cid + 1
+        ser.commit(enc)
+        self.pending[cid] = fut
+        if what:
+            self.pending_meta[cid] = what
+        _shm._stats["calls_sent"] += 1
+        self._send(HEADER.pack(len(payload), CALL, len(fds), cid), payload, fds)
+        return fut
+
+    def reply(self, cid: int, value: Any, what: str = "") -> None:
+        if self.closed:
+            return
+        try:
+            payload, fds, enc = ser.encode(value, self)
+        except Exception as exc:
+            err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}")
+            err.__cause__ = exc
+            self.reply_error(cid, err)
+            return
+        ser.commit(enc)
+        self._send(HEADER.pack(len(payload), RESULT, len(fds), cid), payload, fds)
+
+    def reply_error(self, cid: int, exc: BaseException) -> None:
+        if self.closed:
+            return
+        payload = ser.encode_exception(exc)
+        self._send(HEADER.pack(len(payload), ERROR, 0, cid), payload, ())
+
+    def queue_release(self, key: tuple, n: int) -> None:
+        if self.closed:
+            return
+        self._releases[key] = self._releases.get(key, 0) + n
+        if not self._release_scheduled:
+            self._release_scheduled = True
+            self.loop.call_soon(self._send_releases)
+
+    def _send_releases(self) -> None:
+        self._release_scheduled = False
+        if self._releases and not self.closed:
+            self._send(b"", b"", ())
+
+    def send_retire(self, key: tuple) -> None:
+        if not self.closed:
+            payload = pickle.dumps(key, protocol=5)
+            self._send(HEADER.pack(len(payload), RETIRE, 0, 0), payload, ())
+
+    def _send(self, header: bytes, payload: bytes, fds, close_fds=None) -> None:
+        if _shm._releases:
+            _shm.flush_releases()
+        out = self._out
+        if self._releases:
+            rel = pickle.dumps(list(self._releases.items()), protocol=5)
+            self._releases.clear()
+            _shm._stats["releases_sent"] += 1
+            out.append([HEADER.pack(len(rel), RELEASE, 0, 0) + rel, None, None])
+        if header:
+            if len(payload) > MAX_FRAME:
+                raise ValueError(f"message of {len(payload)} bytes exceeds the frame limit")
+            if len(payload) < 65536:
+                out.append([header + payload, list(fds) or None, close_fds])
+            else:
+                out.append([header, list(fds) or None, None])
+                out.append([payload, None, close_fds])
+        if self.sock is not None and not self._writing and not self._corked:
+            self._flush()
+
+    def close_after_send(self, fds: list[int]) -> None:
+        """Close ``fds`` in this process once the frame last queued has been written."""
+        if self._out:
+            item = self._out[-1]
+            item[2] = list(item[2] or ()) + list(fds)
+        else:
+            for fd in fds:
+                _close_fd(fd)
+
+    def _flush(self) -> None:
+        out = self._out
+        sock = self.sock
+        while out:
+            bufs = []
+            fds: list[int] = []
+            nbytes = 0
+            for item in out:
+                if item[1]:
+                    if len(fds) + len(item[1]) > MAX_FDS_PER_SEND and bufs:
+                        break
+                    fds.extend(item[1])
+                bufs.append(item[0])
+                nbytes += len(item[0])
+                if len(bufs) >= 64 or nbytes >= (4 << 20):
+                    break
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            try:
+                sent = sock.sendmsg(bufs, anc)
+            except (BlockingIOError, InterruptedError):
+                self._wait_writable()
+                return
+            except OSError as exc:
+                self.close(ActorDiedError(f"the connection to {self.label} broke: {exc}"))
+                return
+            # Every fd of the frames handed to sendmsg went with its first byte.
+            for item in out[: len(bufs)]:
+                item[1] = None
+            short = sent < nbytes
+            while sent and out:
+                item = out[0]
+                n = len(item[0])
+                if sent >= n:
+                    sent -= n
+                    out.pop(0)
+                    for fd in item[2] or ():
+                        _close_fd(fd)
+                else:
+                    item[0] = memoryview(item[0])[sent:]
+                    sent = 0
+            if short:
+                self._wait_writable()
+                return
+        if self._writing:
+            self._writing = False
+            self.loop.remove_writer(self.fd)
+
+    def _wait_writable(self) -> None:
+        if not self._writing:
+            self._writing = True
+            self.loop.add_writer(self.fd, self._on_writable)
+
+    def _on_writable(self) -> None:
+        self._flush()
+
+    def cork(self) -> None:
+        self._corked += 1
+
+    def uncork(self) -> None:
+        self._corked -= 1
+        if not self._corked and self._out and not self._writing and self.sock is not None \
+                and not self.closed:
+            self._flush()
+
+    # -- receiving -------------------------------------------------------------
+    def _on_readable(self) -> None:
+        try:
+            data, anc, flags, _ = self.sock.recvmsg(RECV_SIZE, ANC_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.close(ActorDiedError(f"the connection to {self.label} broke: {exc}"))
+            return
+        for level, kind, cdata in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
+                self._fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            self._protocol_error("file descriptors were truncated")
+            return
+        if not data:
+            self.host.connection_eof(self)
+            return
+        buf = self._inbuf
+        buf += data
+        n = len(buf)
+        pos = 0
+        self.cork()
+        try:
+            while n - pos >= HSIZE:
+                plen, kind, nfds, cid = HEADER.unpack_from(buf, pos)
+                if not CALL <= kind <= RETIRE or plen > MAX_FRAME or nfds > 4096:
+                    self._protocol_error(f"bad frame header (kind {kind}, {plen} bytes)")
+                    return
+                end = pos + HSIZE + plen
+                if end > n:
+                    break
+                if nfds:
+                    if nfds > len(self._fds):
+                        self._protocol_error("a frame announced fds it did not carry")
+                        return
+                    fds = self._fds[:nfds]
+                    del self._fds[:nfds]
+                else:
+                    fds = ()
+                payload = bytes(buf[pos + HSIZE:end])
+                pos = end
+                self._dispatch(kind, cid, payload, fds)
+                if self.closed:
+                    return
+            del buf[:pos]
+        finally:
+            self.uncork()
+
+    def _protocol_error(self, why: str) -> None:
+        logger.error("actorshm: protocol error on %s: %s; closing that connection",
+                     self.label, why)
+        self.close(ActorDiedError(
+            f"the connection to {self.label} was closed after a protocol error: {why}"))
+
+    def _dispatch(self, kind: int, cid: int, payload: bytes, fds) -> None:
+        if kind == CALL:
+            _shm._stats["calls_received"] += 1
+            try:
+                method, args, kwargs = ser.decode(payload, fds, self)
+            except ProtocolError as exc:
+                self._protocol_error(str(exc))
+                return
+            except Exception as exc:
+                if not isinstance(exc, (AttributeError, ImportError, TypeError, EOFError,
+                                        pickle.UnpicklingError, ValueError, IndexError,
+                                        KeyError)):
+                    raise
+                if isinstance(exc, (pickle.UnpicklingError, EOFError)):
+                    self._protocol_error(f"undecodable call: {exc!r}")
+                    return
+                err = TypeError(f"the actor could not deserialize the call's arguments: "
+                                f"{type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+                self.reply_error(cid, err)
+                return
+            if type(method) is not str or type(args) is not tuple or type(kwargs) is not dict:
+                self._protocol_error("malformed call")
+                return
+            self.host.handle_call(self, cid, method, args, kwargs)
+        elif kind == RESULT or kind == ERROR:
+            fut = self.pending.pop(cid, None)
+            what = self.pending_meta.pop(cid, "")
+            if fut is None:
+                # a reply for a cancelled or unknown call: drop it, but decode so leases
+                # come back
+                if kind == RESULT:
+                    try:
+                        ser.decode(payload, fds, self)
+                    except Exception:
+                        pass
+                return
+            if kind == RESULT:
+                try:
+                    value = ser.decode(payload, fds, self)
+                except ProtocolError as exc:
+                    self._protocol_error(str(exc))
+                    return
+                except Exception as exc:
+                    if not fut.done():
+                        err = TypeError(f"the result of {what or 'the call'} could not be "
+                                        f"deserialized here: {type(exc).__name__}: {exc}")
+                        err.__cause__ = exc
+                        fut.set_exception(err)
+                    return
+                if not fut.done():
+                    fut.set_result(value)
+            else:
+                exc = ser.decode_exception(payload, what)
+                if not fut.done():
+                    fut.set_exception(exc)
+        elif kind == RELEASE:
+            try:
+                items = pickle.loads(payload)
+                grants = self.grants
+                for key, n in items:
+                    g = grants.get(key)
+                    if g is not None:
+                        g[1] -= n
+                        if g[1] <= 0:
+                            del grants[key]
+            except Exception as exc:
+                self._protocol_error(f"bad release frame: {exc!r}")
+                return
+            _shm._stats["releases_received"] += 1
+        elif kind == RETIRE:
+            try:
+                key = pickle.loads(payload)
+                self.host.arena_retired(key)
+            except Exception as exc:
+                self._protocol_error(f"bad retire frame: {exc!r}")
+        else:
+            for fd in fds:
+                _close_fd(fd)
+            self._protocol_error(f"unknown frame kind {kind}")
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def retire_arena(key: tuple) -> None:
+    """A peer retired an arena we mapped: unmap it, and tell whoever we passed it to."""
+    arena = _shm._arenas.get(key)
+    if arena is None or arena.owned:
+        return
+    # A view of it still alive means a peer broke the lease rules; keep the mapping.
+    for vkey, ref in list(_shm._views.items()):
+        if vkey[0] == key[0] and vkey[1] == key[1] and ref() is not None:
+            return
+    del _shm._arenas[key]
+    for conn in list(arena.sent_to):
+        conn.send_retire(key)
+    arena.close()

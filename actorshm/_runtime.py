@@ -1,0 +1,547 @@
+"""The driver: its asyncio scheduler, and the lifecycle of actor processes.
+
+Each actor is a fresh interpreter (``spawn``, never a bare ``fork``: forking a process
+with threads deadlocks), connected to the driver by a socket pair it inherits. The
+driver watches each child through a pidfd and its socket together, so a death is seen
+at once and every pending call fails with ``ActorDiedError`` naming the exit code or
+signal. Leaving the runtime asks every actor to stop, waits a grace period, then sends
+SIGTERM and finally SIGKILL; children also get SIGKILL from the kernel if the driver
+itself dies (``PR_SET_PDEATHSIG``) and exit on socket EOF.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from typing import Any
+
+from . import _client, _shm
+from ._actor import ActorHandle, ActorOptions, public_methods
+from ._errors import ActorDiedError
+from ._protocol import Connection, retire_arena
+from ._util import describe_exit, install_event_loop_policy
+
+__all__ = ["Runtime", "run", "current_runtime", "get_actor"]
+
+logger = logging.getLogger("actorshm")
+_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_WORKER_CMD = "from actorshm._worker import main; main()"
+
+
+class _Record:
+    """The driver's view of one actor process."""
+
+    def __init__(self, actor_id: int, cls: type, options: ActorOptions) -> None:
+        self.actor_id = actor_id
+        self.cls = cls
+        self.cls_name = cls.__qualname__
+        self.options = options
+        self.methods = public_methods(cls)
+        self.popen: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.pidfd = -1
+        self.pid = 0
+        self.alive = False
+        self.death: str | None = None
+        self.exited = asyncio.Event()
+        self.stderr_tail: collections.deque = collections.deque(maxlen=20)
+        self.pipes: list = []
+        self.gpus: list[int] = []
+        self.spawn_args: tuple = ()
+        self.restarts = 0
+
+    @property
+    def label(self) -> str:
+        return f"actor {self.cls_name}(id={self.actor_id}, pid={self.pid})"
+
+
+class Runtime:
+    """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
+
+    Options (keyword-only):
+      start_method: ``"spawn"`` (default) or ``"forkserver"``; both start a fresh
+        interpreter for each actor (``forkserver`` is accepted for compatibility with
+        torch.multiprocessing code and currently behaves like ``spawn``).
+      shm_budget: bytes of shared memory each process may own (default: half the RAM,
+        or ``ACTORSHM_SHM_BUDGET``).
+      shutdown_grace: seconds an actor gets to stop before SIGTERM, then SIGKILL.
+      start_timeout: seconds an actor may take to start and run ``__init__``.
+      gpus: device ordinals that ``num_gpus`` actors may get (default: those in the
+        driver's ``CUDA_VISIBLE_DEVICES``, or those CuPy sees).
+    """
+
+    def __init__(self, *, start_method: str = "spawn", shm_budget: int | None = None,
+                 shutdown_grace: float = 2.0, start_timeout: float = 60.0,
+                 gpus: list[int] | None = None) -> None:
+        if start_method not in ("spawn", "forkserver"):
+            raise ValueError(f"start_method must be 'spawn' or 'forkserver', not "
+                             f"{start_method!r}: a bare fork deadlocks with threads and "
+                             "cannot re-initialize CUDA")
+        self.start_method = start_method
+        self.shm_budget = shm_budget
+        self.shutdown_grace = shutdown_grace
+        self.start_timeout = start_timeout
+        self._gpus = gpus
+        self._gpus_free: list[int] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._actors: dict[int, _Record] = {}
+        self._names: dict[str, int] = {}
+        self._next_id = 1
+        self._open = False
+        self._closing = False
+        self._finalizer = None
+
+    # -- context manager ---------------------------------------------------------
+    async def __aenter__(self) -> "Runtime":
+        if self._open:
+            raise RuntimeError("this Runtime is already open")
+        self.loop = asyncio.get_running_loop()
+        _shm.set_budget(self.shm_budget)
+        _shm.pool()
+        _shm._flush_hook[0] = _make_flush_hook(self.loop)
+        self._open = True
+        _client._runtimes.append(self)
+        self._finalizer = weakref.finalize(self, _kill_all, self._actors)
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop every actor (ask, grace period, SIGTERM, SIGKILL) and reap them."""
+        if not self._open or self._closing:
+            return
+        self._closing = True
+        try:
+            recs = [r for r in self._actors.values() if r.alive or r.popen is not None]
+            task = asyncio.ensure_future(
+                asyncio.gather(*(self._stop(r) for r in recs), return_exceptions=True))
+            try:
+                await asyncio.shield(task)
+            except BaseException:
+                _kill_all(self._actors)
+                raise
+        finally:
+            _kill_all(self._actors)
+            for r in self._actors.values():
+                self._reap(r)
+            self._open = False
+            if self in _client._runtimes:
+                _client._runtimes.remove(self)
+            if self._finalizer is not None:
+                self._finalizer.detach()
+
+    # -- spawning ----------------------------------------------------------------
+    async def spawn(self, cls: type, options: ActorOptions, args: tuple,
+                    kwargs: dict) -> ActorHandle:
+        self._check_open()
+        if options.name is not None:
+            other = self._names.get(options.name)
+            if other is not None and self._actors[other].alive:
+                raise ValueError(f"an actor named {options.name!r} already exists; "
+                                 "choose another name or kill that actor first")
+        rec = _Record(self._next_id, cls, options)
+        self._next_id += 1
+        rec.spawn_args = (args, kwargs)
+        if options.num_gpus:
+            rec.gpus = self._take_gpus(options.num_gpus, rec.cls_name)
+        self._actors[rec.actor_id] = rec
+        if options.name is not None:
+            self._names[options.name] = rec.actor_id
+        try:
+            await self._start_process(rec)
+        except BaseException:
+            if options.name is not None and self._names.get(options.name) == rec.actor_id:
+                del self._names[options.name]
+            self._release_gpus(rec)
+            await self._stop(rec, grace=0.5)
+            self._reap(rec)
+            raise
+        return ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods, options.name,
+                           rec.pid)
+
+    async def _start_process(self, rec: _Record) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        env.update(rec.options.env or {})
+        env["ACTORSHM_SYS_PATH"] = json.dumps([_PKG_PARENT] + [p for p in sys.path if p])
+        env["PYTHONUNBUFFERED"] = "1"
+        if rec.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
+        try:
+            rec.popen = subprocess.Popen(
+                [sys.executable, "-c", _WORKER_CMD, str(child.fileno())],
+                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=os.getcwd())
+        finally:
+            child.close()
+        rec.pid = rec.popen.pid
+        rec.alive = True
+        rec.death = None
+        rec.exited = asyncio.Event()
+        try:
+            rec.pidfd = os.pidfd_open(rec.pid)
+            self.loop.add_reader(rec.pidfd, self._on_exit, rec)
+        except (AttributeError, OSError):  # pragma: no cover - kernels before 5.3
+            rec.pidfd = -1
+        rec.pipes = []
+        for stream, out in ((rec.popen.stdout, "stdout"), (rec.popen.stderr, "stderr")):
+            os.set_blocking(stream.fileno(), False)
+            fwd = _OutputForwarder(rec, stream, out)
+            rec.pipes.append(fwd)
+            self.loop.add_reader(stream.fileno(), fwd.on_readable)
+        rec.conn = Connection(self.loop, self, parent, label=rec.label)
+        rec.conn.peer_id = rec.actor_id
+        config = {"actor_id": rec.actor_id, "max_concurrency": rec.options.max_concurrency,
+                  "shm_budget": self.shm_budget}
+        args, kwargs = rec.spawn_args
+        fut = rec.conn.call("__init_actor__", (rec.cls, args, kwargs, config), {},
+                            f"{rec.cls_name}.__init__")
+        try:
+            pid = await asyncio.wait_for(fut, self.start_timeout)
+        except asyncio.TimeoutError:
+            raise ActorDiedError(f"{rec.label} did not start within {self.start_timeout} s "
+                                 "(Runtime(start_timeout=...) sets the limit)") from None
+        except ActorDiedError as exc:
+            await asyncio.sleep(0.05)  # let stderr drain into the tail
+            tail = "".join(rec.stderr_tail)
+            raise ActorDiedError(f"{exc}\nlast lines of its stderr:\n{tail}" if tail
+                                 else str(exc)) from None
+        rec.pid = pid
+
+    def _take_gpus(self, n: int, who: str) -> list[int]:
+        if self._gpus_free is None:
+            self._gpus_free = list(self._gpus) if self._gpus is not None else _visible_gpus()
+        if len(self._gpus_free) < n:
+            total = len(self._gpus) if self._gpus is not None else len(_visible_gpus())
+            raise ValueError(
+                f"cannot spawn {who} with num_gpus={n}: {len(self._gpus_free)} of {total} "
+                "GPU(s) are free. Kill a GPU actor first, lower num_gpus, or pass "
+                "Runtime(gpus=[...]).")
+        taken, self._gpus_free = self._gpus_free[:n], self._gpus_free[n:]
+        return taken
+
+    def _release_gpus(self, rec: _Record) -> None:
+        if rec.gpus and self._gpus_free is not None:
+            self._gpus_free.extend(rec.gpus)
+            rec.gpus = []
+
+    # -- calls -------------------------------------------------------------------
+    def call(self, actor_id: int, method: str, args: tuple, kwargs: dict, what: str = ""):
+        rec = self._actors.get(actor_id)
+        if rec is None or rec.conn is None:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(ActorDiedError(f"no actor with id {actor_id} in this runtime"))
+            return fut
+        return rec.conn.call(method, args, kwargs, what)
+
+    def actor_pid(self, actor_id: int, pid: int) -> int:
+        rec = self._actors.get(actor_id)
+        return rec.pid if rec is not None else pid
+
+    async def kill(self, actor_id: int) -> None:
+        rec = self._actors.get(actor_id)
+        if rec is None or not rec.alive:
+            return
+        rec.death = f"{rec.label} was killed by actorshm kill()"
+        try:
+            os.kill(rec.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await rec.exited.wait()
+
+    async def get_actor(self, name: str) -> ActorHandle:
+        actor_id = self._names.get(name)
+        rec = self._actors.get(actor_id) if actor_id is not None else None
+        if rec is None or not rec.alive:
+            raise ValueError(f"no live actor named {name!r}; named actors are made with "
+                             "Cls.options(name=...).spawn()")
+        return ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods, name, rec.pid)
+
+    def actors(self) -> list[dict]:
+        """A snapshot of the actors this runtime started."""
+        return [{"id": r.actor_id, "class": r.cls_name, "pid": r.pid, "alive": r.alive,
+                 "name": r.options.name, "death": r.death} for r in self._actors.values()]
+
+    # -- services for actor processes --------------------------------------------
+    def handle_call(self, conn: Connection, cid: int, method: str, args, kwargs) -> None:
+        try:
+            if method == "__connect__":
+                (target,) = args
+                rec = self._actors.get(target)
+                if rec is None or not rec.alive or rec.conn is None or rec.conn.closed:
+                    why = rec.death if rec is not None and rec.death else \
+                        f"actor {target} is not running"
+                    raise ActorDiedError(why)
+                a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                from ._serialization import PassFd
+                fa, fb = a.detach(), b.detach()
+                rec.conn.call("__accept_peer__", (PassFd(fb), conn.peer_id), {}) \
+                    .add_done_callback(_ignore)
+                rec.conn.close_after_send([fb])
+                conn.reply(cid, (PassFd(fa), rec.label))
+                conn.close_after_send([fa])
+            elif method == "__get_actor__":
+                task = self.loop.create_task(self.get_actor(*args))
+                task.add_done_callback(lambda t: _reply_task(conn, cid, t))
+            elif method == "__kill__":
+                task = self.loop.create_task(self.kill(*args))
+                task.add_done_callback(lambda t: _reply_task(conn, cid, t))
+            elif method == "__spawn__":
+                cls, options, a, k = args
+                task = self.loop.create_task(self.spawn(cls, options, a, k))
+                task.add_done_callback(lambda t: _reply_task(conn, cid, t))
+            elif method == "__stats__":
+                conn.reply(cid, _shm.stats())
+            else:
+                raise AttributeError(f"the driver has no service {method!r}")
+        except BaseException as exc:
+            conn.reply_error(cid, exc)
+
+    def connection_eof(self, conn: Connection) -> None:
+        rec = self._actors.get(conn.peer_id)
+        if rec is not None and rec.conn is conn and rec.alive:
+            # The process is exiting; give its pidfd a moment to tell us how.
+            self.loop.create_task(self._await_exit_then_close(rec))
+        else:
+            conn.close()
+
+    async def _await_exit_then_close(self, rec: _Record) -> None:
+        try:
+            await asyncio.wait_for(rec.exited.wait(), 0.3)
+        except asyncio.TimeoutError:
+            if rec.conn is not None:
+                rec.conn.close(ActorDiedError(f"{rec.label} closed its connection"))
+            try:
+                os.kill(rec.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def connection_closed(self, conn: Connection) -> None:
+        rec = self._actors.get(conn.peer_id)
+        if rec is not None and rec.conn is conn and rec.alive and not self._closing:
+            # The connection broke (protocol error): the actor is unusable.
+            try:
+                os.kill(rec.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def arena_retired(self, key) -> None:
+        retire_arena(key)
+
+    # -- death and shutdown ------------------------------------------------------
+    def _on_exit(self, rec: _Record) -> None:
+        self.loop.remove_reader(rec.pidfd)
+        os.close(rec.pidfd)
+        rec.pidfd = -1
+        code = rec.popen.wait()
+        rec.alive = False
+        why = rec.death or f"{rec.label} died: {describe_exit(code)}"
+        if self._closing and rec.death is None:
+            why = f"{rec.label} was stopped because its runtime closed"
+        rec.death = why
+        self._release_gpus(rec)
+        for fwd in rec.pipes:
+            fwd.drain()
+        if rec.conn is not None:
+            rec.conn.close(ActorDiedError(why))
+        rec.exited.set()
+
+    async def _stop(self, rec: _Record, grace: float | None = None) -> None:
+        if not rec.alive:
+            return
+        grace = self.shutdown_grace if grace is None else grace
+        if rec.death is None:
+            rec.death = f"{rec.label} was stopped because its runtime closed"
+        if rec.conn is not None and not rec.conn.closed:
+            rec.conn.call("__stop__", (), {}).add_done_callback(_ignore)
+        for sig, wait in ((None, grace), (signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
+            if sig is not None:
+                try:
+                    os.kill(rec.pid, sig)
+                except ProcessLookupError:
+                    pass
+            try:
+                await asyncio.wait_for(rec.exited.wait(), wait)
+                return
+            except asyncio.TimeoutError:
+                continue
+
+    def _reap(self, rec: _Record) -> None:
+        if rec.pidfd >= 0:
+            try:
+                self.loop.remove_reader(rec.pidfd)
+            except Exception:
+                pass
+            os.close(rec.pidfd)
+            rec.pidfd = -1
+        if rec.popen is not None:
+            try:
+                rec.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                rec.popen.kill()
+                rec.popen.wait()
+            for fwd in rec.pipes:
+                fwd.drain()
+                fwd.close()
+            rec.pipes = []
+        rec.alive = False
+        if rec.conn is not None and not rec.conn.closed:
+            rec.conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
+
+    def _check_open(self) -> None:
+        if not self._open or self._closing:
+            raise RuntimeError("this actorshm Runtime is not open; spawn actors inside "
+                               "`async with actorshm.Runtime():`")
+
+
+def _ignore(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _reply_task(conn: Connection, cid: int, task: asyncio.Task) -> None:
+    if task.cancelled():
+        conn.reply_error(cid, asyncio.CancelledError())
+    elif task.exception() is not None:
+        conn.reply_error(cid, task.exception())
+    else:
+        conn.reply(cid, task.result())
+
+
+def _kill_all(actors: dict) -> None:
+    for rec in list(actors.values()):
+        if rec.popen is not None and rec.popen.poll() is None:
+            try:
+                rec.popen.kill()
+            except OSError:
+                pass
+
+
+def _visible_gpus() -> list[int]:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [int(x) for x in env.split(",") if x.strip().lstrip("-").isdigit()
+                and int(x) >= 0]
+    try:
+        from . import _cuda
+        return list(range(_cuda.device_count()))
+    except Exception:
+        return []
+
+
+class _OutputForwarder:
+    """Copies an actor's stdout/stderr to the driver's, each line prefixed as Ray does."""
+
+    def __init__(self, rec: _Record, stream, which: str) -> None:
+        self.rec = rec
+        self.stream = stream
+        self.fd = stream.fileno()
+        self.which = which
+        self.partial = b""
+        self.closed = False
+
+    def on_readable(self) -> None:
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.close()
+            return
+        self._emit(data)
+
+    def _emit(self, data: bytes) -> None:
+        data = self.partial + data
+        *lines, self.partial = data.split(b"\n")
+        if not lines:
+            return
+        prefix = f"({self.rec.cls_name} pid={self.rec.pid}) "
+        text = "".join(prefix + ln.decode(errors="replace") + "\n" for ln in lines)
+        if self.which == "stderr":
+            self.rec.stderr_tail.extend(ln.decode(errors="replace") + "\n" for ln in lines)
+        out = sys.stderr if self.which == "stderr" else sys.stdout
+        try:
+            out.write(text)
+            out.flush()
+        except Exception:  # pragma: no cover
+            pass
+
+    def drain(self) -> None:
+        while not self.closed:
+            try:
+                data = os.read(self.fd, 65536)
+            except (BlockingIOError, OSError):
+                return
+            if not data:
+                self.close()
+                return
+            self._emit(data)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.partial:
+            self._emit(b"\n")
+        try:
+            asyncio.get_event_loop_policy()
+            loop = self.rec.conn.loop if self.rec.conn is not None else None
+            if loop is not None:
+                loop.remove_reader(self.fd)
+        except Exception:
+            pass
+        self.stream.close()
+
+
+def _make_flush_hook(loop: asyncio.AbstractEventLoop):
+    from ._worker import _make_flush_hook as make
+    return make(loop)
+
+
+def current_runtime() -> Runtime:
+    """The innermost open runtime; ``RuntimeError`` (saying how to open one) outside."""
+    if _client._worker[0] is not None:
+        raise RuntimeError("current_runtime() is for the driver; inside an actor, use "
+                           "handles and actorshm.get_actor()")
+    if not _client._runtimes:
+        raise RuntimeError(
+            "no actorshm runtime is open. Open one with `async with actorshm.Runtime():` "
+            "around your code, or run it with `actorshm.run(main())`.")
+    return _client._runtimes[-1]
+
+
+async def get_actor(name: str) -> ActorHandle:
+    """A handle to the live actor spawned with ``options(name=name)``; else ValueError."""
+    return await _client.client().get_actor(name)
+
+
+def run(main, **runtime_options: Any):
+    """Run coroutine ``main`` on uvloop (where installed) inside a Runtime; return its result.
+
+    If ``main`` opens its own Runtime, that one is used inside it; the outer one that
+    ``run`` opened has no actors and costs nothing.
+    """
+    async def wrapper():
+        async with Runtime(**runtime_options):
+            return await main
+
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(wrapper())
+    if hasattr(uvloop, "run"):
+        return uvloop.run(wrapper())
+    install_event_loop_policy()  # pragma: no cover - old uvloop
+    return asyncio.run(wrapper())  # pragma: no cover

@@ -1,0 +1,52 @@
+"""Small process helpers shared by the driver and the actor processes."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+
+PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except Exception:  # pragma: no cover - not Linux
+        pass
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "its connection closed"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"it was killed by {name} ({code})"
+    return f"it exited with code {code}"
+
+
+def install_event_loop_policy() -> bool:
+    """Use uvloop where it is installed; say whether it is."""
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    import asyncio
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+def new_event_loop():
+    try:
+        import uvloop
+        return uvloop.new_event_loop()
+    except ImportError:
+        import asyncio
+        return asyncio.new_event_loop()

@@ -1,0 +1,284 @@
+"""The actor process: its event loop, its one actor instance, and its connections.
+
+Started by the driver as ``python -m actorshm._worker FD`` with one end of a socket pair
+inherited as FD. The first call on it is ``__init_actor__``; then calls run one at a time
+in arrival order (``max_concurrency=1``), or up to ``max_concurrency`` at once, sync
+methods then running in a thread pool so the event loop never stalls. Calls to other
+actors go over direct connections that the driver brokers once per pair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import faulthandler
+import inspect
+import json
+import os
+import socket
+import sys
+from typing import Any
+
+from . import _client, _shm
+from ._errors import ActorDiedError
+from ._protocol import Connection, retire_arena
+from ._util import describe_exit, new_event_loop, set_parent_death_signal
+
+
+class Worker:
+    """The host of every connection in an actor process, and its call client."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
+        self.loop = loop
+        self.stopped = loop.create_future()
+        self.exit_code = 0
+        self.instance: Any = None
+        self.actor_id = -1
+        self.cls_name = "actor"
+        self.methods: dict[str, bool] = {}
+        self.max_concurrency = 1
+        self.running = 0
+        self.queue: collections.deque = collections.deque()
+        self.executor = None
+        self.peers: dict[int, Connection] = {}
+        self.driver = Connection(loop, self, socket.socket(fileno=fd), label="the driver")
+
+    # -- client side (handles inside this actor) -------------------------------
+    def call(self, actor_id: int, method: str, args, kwargs, what: str = ""):
+        conn = self.peers.get(actor_id)
+        if conn is None:
+            conn = self._connect(actor_id)
+        return conn.call(method, args, kwargs, what)
+
+    def _connect(self, actor_id: int) -> Connection:
+        conn = Connection(self.loop, self, label=f"actor {actor_id}")
+        conn.peer_id = actor_id
+        self.peers[actor_id] = conn
+        fut = self.driver.call("__connect__", (actor_id,), {})
+
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled():
+                conn.close()
+            elif f.exception() is not None:
+                conn.close(f.exception())
+            else:
+                conn.label = f.result()[1]
+                conn.attach(socket.socket(fileno=f.result()[0]))
+
+        fut.add_done_callback(done)
+        return conn
+
+    def actor_pid(self, actor_id: int, pid: int) -> int:
+        return pid
+
+    async def kill(self, actor_id: int) -> None:
+        await self.driver.call("__kill__", (actor_id,), {})
+
+    async def spawn(self, cls, options, args, kwargs):
+        return await self.driver.call("__spawn__", (cls, options, args, kwargs), {},
+                                      f"{cls.__qualname__}.spawn")
+
+    async def get_actor(self, name: str):
+        return await self.driver.call("__get_actor__", (name,), {})
+
+    # -- host side -------------------------------------------------------------
+    def handle_call(self, conn: Connection, cid: int, method: str, args, kwargs) -> None:
+        if method.startswith("__"):
+            self._service(conn, cid, method, args)
+            return
+        if method not in self.methods:
+            conn.reply_error(cid, AttributeError(
+                f"actor {self.cls_name} has no public method {method!r}"))
+            return
+        if self.running < self.max_concurrency and not self.queue:
+            self._start(conn, cid, method, args, kwargs)
+        else:
+            self.queue.append((conn, cid, method, args, kwargs))
+
+    def _start(self, conn: Connection, cid: int, method: str, args, kwargs) -> None:
+        what = f"{self.cls_name}.{method}"
+        fn = getattr(self.instance, method)
+        if self.methods[method]:
+            self.running += 1
+            task = self.loop.create_task(self._run_async(conn, cid, fn, args, kwargs, what))
+            task.add_done_callback(self._finished)
+        elif self.max_concurrency > 1:
+            self.running += 1
+            fut = self.loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+            fut.add_done_callback(lambda f: self._sync_done(conn, cid, f, what))
+        else:
+            self.running += 1
+            try:
+                result = fn(*args, **kwargs)
+            except SystemExit as exc:
+                self._exit(exc)
+                return
+            except BaseException as exc:
+                conn.reply_error(cid, exc)
+            else:
+                del args, kwargs
+                conn.reply(cid, result, what)
+                del result
+            self._finished(None)
+
+    async def _run_async(self, conn, cid, fn, args, kwargs, what) -> None:
+        try:
+            result = fn(*args, **kwargs)
+            del args, kwargs
+            if inspect.isawaitable(result):
+                result = await result
+        except SystemExit as exc:
+            self._exit(exc)
+            return
+        except BaseException as exc:
+            conn.reply_error(cid, exc)
+            return
+        conn.reply(cid, result, what)
+
+    def _sync_done(self, conn, cid, fut, what) -> None:
+        exc = fut.exception()
+        if isinstance(exc, SystemExit):
+            self._exit(exc)
+        elif exc is not None:
+            conn.reply_error(cid, exc)
+        else:
+            conn.reply(cid, fut.result(), what)
+        self._finished(None)
+
+    def _finished(self, _task) -> None:
+        self.running -= 1
+        while self.queue and self.running < self.max_concurrency:
+            self._start(*self.queue.popleft())
+
+    def _exit(self, exc: SystemExit) -> None:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        self.exit_code = code
+        if not self.stopped.done():
+            self.stopped.set_result(None)
+
+    def _service(self, conn: Connection, cid: int, method: str, args) -> None:
+        try:
+            if method == "__init_actor__":
+                self._init_actor(conn, cid, *args)
+                return
+            if method == "__accept_peer__":
+                fd, peer_id = args
+                peer = Connection(self.loop, self, socket.socket(fileno=fd),
+                                  label=f"actor {peer_id}")
+                peer.peer_id = peer_id
+                self.peers.setdefault(peer_id, peer)
+                conn.reply(cid, None)
+            elif method == "__stop__":
+                conn.reply(cid, None)
+                if not self.stopped.done():
+                    self.stopped.set_result(None)
+            elif method == "__stats__":
+                conn.reply(cid, _shm.stats())
+            elif method == "__ping__":
+                conn.reply(cid, os.getpid())
+            else:
+                conn.reply_error(cid, AttributeError(f"unknown service {method!r}"))
+        except BaseException as exc:
+            conn.reply_error(cid, exc)
+
+    def _init_actor(self, conn, cid, cls, args, kwargs, config) -> None:
+        self.actor_id = config["actor_id"]
+        self.cls_name = cls.__qualname__
+        self.max_concurrency = config["max_concurrency"]
+        _shm.set_budget(config.get("shm_budget"))
+        from ._actor import public_methods
+        self.methods = public_methods(cls)
+        if self.max_concurrency > 1:
+            from concurrent.futures import ThreadPoolExecutor
+            self.executor = ThreadPoolExecutor(self.max_concurrency,
+                                               thread_name_prefix=f"actorshm-{self.cls_name}")
+        try:
+            self.instance = cls(*args, **kwargs)
+        except BaseException as exc:
+            conn.reply_error(cid, exc)
+            self.exit_code = 1
+            self.loop.call_soon(lambda: self.stopped.done() or self.stopped.set_result(None))
+            return
+        conn.reply(cid, os.getpid())
+
+    def connection_eof(self, conn: Connection) -> None:
+        if conn is self.driver:
+            conn.close(ActorDiedError("the driver is gone"))
+        else:
+            conn.close(ActorDiedError(f"{conn.label} is gone: "
+                                      f"{describe_exit(None)}"))
+
+    def connection_closed(self, conn: Connection) -> None:
+        if conn is self.driver:
+            if not self.stopped.done():
+                self.stopped.set_result(None)
+        elif conn.peer_id is not None and self.peers.get(conn.peer_id) is conn:
+            del self.peers[conn.peer_id]
+
+    def arena_retired(self, key) -> None:
+        retire_arena(key)
+
+
+async def _amain(fd: int) -> int:
+    loop = asyncio.get_running_loop()
+    worker = Worker(loop, fd)
+    _client._worker[0] = worker
+    _shm._flush_hook[0] = _make_flush_hook(loop)
+    try:
+        await worker.stopped
+    finally:
+        for c in list(worker.peers.values()):
+            c.close()
+        worker.driver.close()
+        if worker.executor is not None:
+            worker.executor.shutdown(wait=False, cancel_futures=True)
+    return worker.exit_code
+
+
+def _make_flush_hook(loop: asyncio.AbstractEventLoop):
+    import threading
+    state = {"scheduled": False}
+    loop_thread = threading.get_ident()
+
+    def run() -> None:
+        state["scheduled"] = False
+        _shm.flush_releases()
+
+    def hook() -> None:
+        if state["scheduled"]:
+            return
+        state["scheduled"] = True
+        try:
+            if threading.get_ident() == loop_thread:
+                loop.call_soon(run)
+            else:
+                loop.call_soon_threadsafe(run)
+        except RuntimeError:  # loop closed: the process is ending
+            pass
+
+    return hook
+
+
+def main() -> None:
+    set_parent_death_signal()
+    faulthandler.enable()
+    fd = int(sys.argv[1])
+    extra = os.environ.pop("ACTORSHM_SYS_PATH", None)
+    if extra:
+        path = json.loads(extra)
+        sys.path[:] = path + [p for p in sys.path if p not in path]
+    if os.getppid() == 1:  # the driver died before we got here
+        os._exit(1)
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        code = loop.run_until_complete(_amain(fd))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    # Skip interpreter teardown: it can only run user __del__s against closed sockets.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Actor classes the tests spawn. Kept free of pytest so actor processes import it fast."""
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+import actorshm
+from actorshm import actor
+
+
+@actor
+class Counter:
+    def __init__(self, start=0):
+        self.n = start
+        self.log = []
+
+    def incr(self, k=1):
+        self.n += k
+        return self.n
+
+    def record(self, i):
+        self.log.append(i)
+        return i
+
+    def get_log(self):
+        return list(self.log)
+
+    def slow_record(self, i, delay):
+        time.sleep(delay)
+        self.log.append(i)
+        return i
+
+    async def async_record(self, i, delay):
+        await asyncio.sleep(delay)
+        self.log.append(i)
+        return i
+
+    def pid_(self):
+        return os.getpid()
+
+    def echo(self, x):
+        return x
+
+    def say(self, text):
+        print(text)
+        print("err:" + text, file=sys.stderr)
+        return True
+
+
+class CustomError(Exception):
+    pass
+
+
+class Unpicklable(Exception):
+    def __init__(self, a, b):  # pickle calls cls(*args) with one arg: fails
+        super().__init__(f"{a}-{b}")
+
+
+@actor
+class Faulty:
+    def __init__(self, fail=False):
+        if fail:
+            raise KeyError("init failed on purpose")
+
+    def value_error(self):
+        raise ValueError("bad value")
+
+    def custom(self):
+        raise CustomError("custom")
+
+    def unpicklable(self):
+        raise Unpicklable(1, 2)
+
+    def crash(self):
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+    def exit(self, code):
+        sys.exit(code)
+
+    def hang(self):
+        time.sleep(60)
+
+    def ok(self):
+        return "ok"
+
+    def bad_result(self):
+        return threading.Lock()
+
+
+@actor(max_concurrency=4)
+class Concurrent:
+    def __init__(self):
+        self.active = 0
+        self.peak = 0
+
+    async def work(self, delay):
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        await asyncio.sleep(delay)
+        self.active -= 1
+        return self.peak
+
+    def blocking(self, delay):
+        time.sleep(delay)
+        return threading.get_ident()
+
+    async def ping(self):
+        return "pong"
+
+    def peak_(self):
+        return self.peak
+
+
+@actor
+class Caller:
+    """Calls other actors through handles it was given."""
+
+    def __init__(self, other=None):
+        self.other = other
+
+    async def call_other(self, k):
+        return await self.other.incr(k)
+
+    async def call_handle(self, handle, k):
+        return await handle.incr(k)
+
+    async def by_name(self, name, k):
+        h = await actorshm.get_actor(name)
+        return await h.incr(k)
+
+    async def spawn_child(self, start):
+        c = await Counter.spawn(start)
+        return c, await c.incr(1)
+
+    def make_handle_list(self):
+        return [self.other]
+
+
+@actor
+class Arrays:
+    def __init__(self):
+        self.kept = None
+
+    def fill(self, a, value):
+        a[...] = value
+        return None
+
+    def echo(self, x):
+        return x
+
+    def add_one(self, a):
+        a += 1
+        return a
+
+    def make(self, shape, value, dtype="float64"):
+        a = actorshm.empty(shape, dtype)
+        a[...] = value
+        return a
+
+    def make_ordinary(self, n):
+        return np.full(n, 7.0)
+
+    def keep(self, a):
+        self.kept = a
+        return True
+
+    def drop(self):
+        self.kept = None
+        return True
+
+    def write_slice(self, a, start, stop, value):
+        a[start:stop] = value
+        return True
+
+    def sum(self, a):
+        return float(np.asarray(a).sum())
+
+    def info(self, a):
+        return (a.shape, str(a.dtype), a.strides, a.flags.c_contiguous,
+                a.flags.f_contiguous, actorshm.is_shared(a), a.flags.writeable)
+
+    def stats(self):
+        return actorshm.stats()
+
+    def fd_count(self):
+        return len(os.listdir("/proc/self/fd"))

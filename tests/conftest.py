@@ -1,0 +1,49 @@
+import gc
+import os
+
+import pytest
+
+import actorshm
+
+
+@pytest.fixture(scope="session")
+def event_loop_policy():
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        import asyncio
+        return asyncio.DefaultEventLoopPolicy()
+    return uvloop.EventLoopPolicy()
+
+
+def _children() -> set[int]:
+    pid = os.getpid()
+    out = set()
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            out = {int(x) for x in f.read().split()}
+    except OSError:  # pragma: no cover
+        pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes():
+    """Every test must leave no child process behind."""
+    before = _children()
+    yield
+    import time
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        left = _children() - before
+        if not left:
+            break
+        time.sleep(0.05)
+    assert not left, f"test leaked child processes {left}"
+
+
+@pytest.fixture
+async def rt():
+    async with actorshm.Runtime(shutdown_grace=1.0) as runtime:
+        yield runtime
+    gc.collect()

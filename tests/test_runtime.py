@@ -1,0 +1,327 @@
+"""The actor runtime: spawning, calls, ordering, concurrency, errors, death, lifecycle."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import actorshm
+from actorshm import ActorDiedError, RemoteError
+from actors import Caller, Concurrent, Counter, CustomError, Faulty
+
+
+async def test_spawn_call_and_local_use(rt):
+    c = await Counter.spawn(5)
+    fut = c.incr(2)
+    assert await fut == 7
+    assert await c.incr() == 8
+    assert c.pid != os.getpid() and await c.pid_() == c.pid
+    local = Counter(5)  # decorating keeps the class usable locally
+    assert local.incr(1) == 6
+
+
+async def test_unknown_attribute_raises_at_once(rt):
+    c = await Counter.spawn()
+    with pytest.raises(AttributeError, match="no public method 'nope'"):
+        c.nope
+    with pytest.raises(AttributeError):
+        c._private
+
+
+async def test_call_is_sent_without_await(rt):
+    c = await Counter.spawn()
+    futs = [c.record(i) for i in range(5)]
+    await asyncio.sleep(0.5)  # the calls ran although nobody awaited them yet
+    log_fut = c.get_log()
+    assert await log_fut == [0, 1, 2, 3, 4]
+    assert [await f for f in futs] == [0, 1, 2, 3, 4]
+
+
+async def test_order_with_max_concurrency_1(rt):
+    c = await Counter.spawn()
+    futs = []
+    for i in range(60):
+        if i % 3 == 0:
+            futs.append(c.async_record(i, 0.001 * (i % 5)))
+        elif i % 3 == 1:
+            futs.append(c.slow_record(i, 0.0005))
+        else:
+            futs.append(c.record(i))
+    await asyncio.gather(*futs)
+    assert await c.get_log() == list(range(60))
+
+
+async def test_async_methods_interleave_up_to_max_concurrency(rt):
+    a = await Concurrent.spawn()
+    results = await asyncio.gather(*(a.work(0.2) for _ in range(8)))
+    assert max(results) == 4  # never more than max_concurrency at once
+    assert await a.peak_() == 4
+
+
+async def test_sync_methods_in_threads_do_not_stall_loop(rt):
+    a = await Concurrent.spawn()
+    blocking = [a.blocking(1.0) for _ in range(2)]
+    await asyncio.sleep(0.1)
+    t0 = time.monotonic()
+    assert await a.ping() == "pong"  # answered while two sync calls block their threads
+    assert time.monotonic() - t0 < 0.8
+    idents = await asyncio.gather(*blocking)
+    assert len(set(idents)) == 2
+
+
+async def test_same_exception_type_with_remote_traceback(rt):
+    f = await Faulty.spawn()
+    with pytest.raises(ValueError, match="bad value") as info:
+        await f.value_error()
+    assert "value_error" in str(info.value.__cause__)  # the remote traceback text
+    with pytest.raises(CustomError):
+        await f.custom()
+    with pytest.raises(RemoteError, match="Unpicklable") as info:
+        await f.unpicklable()
+    assert "unpicklable" in str(info.value)
+    assert await f.ok() == "ok"  # the actor is unaffected
+
+
+async def test_init_exception_raised_from_spawn(rt):
+    with pytest.raises(KeyError, match="init failed on purpose"):
+        await Faulty.spawn(fail=True)
+
+
+async def test_unserializable_argument_is_type_error_before_sending(rt):
+    c = await Counter.spawn()
+    with pytest.raises(TypeError, match="Counter.echo"):
+        c.echo(threading.Lock())
+    assert await c.incr() == 1
+
+
+async def test_unserializable_result_is_type_error(rt):
+    f = await Faulty.spawn()
+    with pytest.raises(TypeError, match="cannot be sent back"):
+        await f.bad_result()
+    assert await f.ok() == "ok"
+
+
+@pytest.mark.parametrize("how,expect", [
+    ("crash", "SIGSEGV"),
+    ("exit", "code 3"),
+    ("kill", "kill"),
+])
+async def test_death_fails_pending_and_later_calls(rt, how, expect):
+    f = await Faulty.spawn()
+    other = await Counter.spawn()
+    pending = [f.hang()] + [f.ok() for _ in range(5)]
+    await asyncio.sleep(0.1)
+    t0 = time.monotonic()
+    if how == "crash":
+        doomed = await Faulty.spawn()
+        pending = [doomed.crash()] + [doomed.ok() for _ in range(5)]
+        f = doomed
+    elif how == "exit":
+        doomed = await Faulty.spawn()
+        pending = [doomed.exit(3)] + [doomed.ok() for _ in range(5)]
+        f = doomed
+    else:
+        await f.kill()
+    results = await asyncio.gather(*pending, return_exceptions=True)
+    assert time.monotonic() - t0 < 1.0
+    for r in results:
+        assert isinstance(r, ActorDiedError), r
+        assert expect in str(r), str(r)
+    with pytest.raises(ActorDiedError):
+        await f.ok()
+    assert await other.incr() == 1  # a death never disturbs the other actors
+
+
+async def test_handles_pass_and_call_directly(rt):
+    c = await Counter.spawn(10)
+    caller = await Caller.spawn(c)
+    assert await caller.call_other(1) == 11
+    assert await caller.call_handle(c, 2) == 13
+    back = await caller.make_handle_list()
+    assert back == [c] and await back[0].incr(1) == 14
+
+
+async def test_nested_error_and_death_through_actor(rt):
+    c = await Counter.spawn()
+    caller = await Caller.spawn(c)
+    await c.kill()
+    with pytest.raises(ActorDiedError):
+        await caller.call_other(1)
+
+
+async def test_named_actors(rt):
+    c = await Counter.options(name="ctr").spawn(0)
+    same = await actorshm.get_actor("ctr")
+    assert same == c and await same.incr(3) == 3
+    with pytest.raises(ValueError, match="already exists"):
+        await Counter.options(name="ctr").spawn(0)
+    with pytest.raises(ValueError, match="no live actor named 'missing'"):
+        await actorshm.get_actor("missing")
+    caller = await Caller.spawn()
+    assert await caller.by_name("ctr", 2) == 5
+
+
+async def test_actor_spawns_actor(rt):
+    caller = await Caller.spawn()
+    child, value = await caller.spawn_child(41)
+    assert value == 42 and await child.incr(1) == 43
+
+
+async def test_current_runtime():
+    with pytest.raises(RuntimeError, match="actorshm.Runtime"):
+        actorshm.current_runtime()
+    async with actorshm.Runtime() as rt:
+        assert actorshm.current_runtime() is rt
+    with pytest.raises(RuntimeError, match="actorshm.run"):
+        await Counter.spawn()
+
+
+async def test_bad_start_method():
+    with pytest.raises(ValueError, match="fork"):
+        actorshm.Runtime(start_method="fork")
+
+
+async def test_stdout_stderr_prefixed(rt, capfd):
+    c = await Counter.spawn()
+    assert await c.say("hello from actor")
+    await asyncio.sleep(0.2)
+    out, err = capfd.readouterr()
+    assert f"(Counter pid={c.pid}) hello from actor" in out
+    assert f"(Counter pid={c.pid}) err:hello from actor" in err
+
+
+async def test_runtime_exit_leaves_nothing_behind():
+    fds_before = set(os.listdir("/proc/self/fd"))
+    async with actorshm.Runtime(shutdown_grace=0.5) as rt:
+        actors = [await Counter.spawn(i) for i in range(3)]
+        pids = [a.pid for a in actors]
+        caller = await Caller.spawn(actors[0])
+        await caller.call_other(1)
+        busy = await Faulty.spawn()
+        busy.hang()  # must be stopped by SIGTERM after the grace period
+        pids.append(busy.pid)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    await asyncio.sleep(0.05)
+    leaked = set(os.listdir("/proc/self/fd")) - fds_before
+    # fds of arenas this process owns may stay (the pool outlives a runtime); nothing else
+    leaked = {fd for fd in leaked if "memfd" not in _readlink(fd)}
+    assert not leaked, [(_readlink(fd)) for fd in leaked]
+
+
+def _readlink(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+async def test_malformed_frame_closes_only_that_connection(rt, caplog):
+    c = await Counter.spawn()
+    caller = await Caller.spawn(c)
+    assert await caller.call_other(1) == 1  # caller now has a direct connection to c
+    # Inject garbage on a brokered connection to c, as a buggy peer would.
+    rec = rt._actors[c.actor_id]
+    a, b = socket.socketpair()
+    from actorshm._serialization import PassFd
+    await rec.conn.call("__accept_peer__", (PassFd(b.fileno()), 999), {})
+    b.close()
+    a.sendall(b"\xff" * 7 + b"garbage that is not a frame" * 3)
+    a.sendall(b"\x10\x00\x00\x00\x01\x00\x00\x00" + b"\x00" * 8 + b"not a pickle....")
+    await asyncio.sleep(0.3)
+    a.settimeout(5)
+    assert a.recv(100) == b""  # the actor closed that connection
+    a.close()
+    assert await c.incr() == 2  # and is otherwise fine
+    assert await caller.call_other(1) == 3
+
+
+async def test_truncated_frame_from_actor_to_driver(rt):
+    c = await Counter.spawn()
+    rec = rt._actors[c.actor_id]
+    # Frames the driver receives that are garbage: the connection closes, the driver lives,
+    # the actor is reported dead with a message that says why.
+    rec.conn._dispatch(99, 0, b"", ())
+    with pytest.raises(ActorDiedError, match="protocol error"):
+        await c.incr()
+    other = await Counter.spawn()
+    assert await other.incr() == 1
+
+
+DRIVER_SCRIPT = textwrap.dedent("""
+    import asyncio, os, sys, time
+    import actorshm
+    from actorshm import actor
+
+    @actor
+    class Local:
+        def __init__(self, k):
+            self.k = k
+        def mul(self, x):
+            return x * self.k
+        def pid(self):
+            return os.getpid()
+
+    async def main():
+        a = await Local.spawn(3)
+        print("RESULT", await a.mul(14), flush=True)
+        print("PID", await a.pid(), flush=True)
+        if len(sys.argv) > 1:
+            time.sleep(60)
+
+    actorshm.run(main())
+""")
+
+
+def _run_script(tmp_path, *args, **kw):
+    script = tmp_path / "driver_script.py"
+    script.write_text(DRIVER_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(actorshm.__file__)))
+    return subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, **kw)
+
+
+def test_actor_class_defined_in_main(tmp_path):
+    p = _run_script(tmp_path)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "RESULT 42" in out
+
+
+def test_driver_sigkill_ends_actors(tmp_path):
+    p = _run_script(tmp_path, "hang")
+    pid = None
+    for line in p.stdout:
+        if line.startswith("PID"):
+            pid = int(line.split()[1])
+            break
+    assert pid
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("actor outlived its killed driver")
+    p.stdout.close()
+    p.stderr.close()
+
+
+def test_run_returns_result():
+    async def main():
+        c = await Counter.spawn(1)
+        return await c.incr(1)
+    assert actorshm.run(main()) == 2
