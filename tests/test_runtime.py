@@ -267,13 +267,13 @@ DRIVER_SCRIPT = textwrap.dedent("""
             self.k = k
         def mul(self, x):
             return x * self.k
-        def pid(self):
+        def getpid(self):
             return os.getpid()
 
     async def main():
         a = await Local.spawn(3)
         print("RESULT", await a.mul(14), flush=True)
-        print("PID", await a.pid(), flush=True)
+        print("PID", await a.getpid(), flush=True)
         if len(sys.argv) > 1:
             time.sleep(60)
 
