@@ -245,8 +245,8 @@ class Connection:
             except (BlockingIOError, InterruptedError):
                 self._wait_writable()
                 return
-            except OSError as exc:
-                self.close(ActorDiedError(f"the connection to {self.label} broke: {exc}"))
+            except OSError:  # EPIPE / ECONNRESET: the peer is gone
+                self._broken()
                 return
             # Every fd of the frames handed to sendmsg went with its first byte.
             for item in out[: len(bufs)]:
@@ -269,6 +269,18 @@ class Connection:
         if self._writing:
             self._writing = False
             self.loop.remove_writer(self.fd)
+
+    def _broken(self) -> None:
+        if self.sock is not None and not self.closed:
+            try:
+                self.loop.remove_reader(self.fd)
+                if self._writing:
+                    self.loop.remove_writer(self.fd)
+            except Exception:
+                pass
+            self._writing = False
+            self._corked += 1  # write nothing more; the host decides when to close
+            self.host.connection_eof(self)
 
     def _wait_writable(self) -> None:
         if not self._writing:
@@ -293,8 +305,8 @@ class Connection:
             data, anc, flags, _ = self.sock.recvmsg(RECV_SIZE, ANC_SIZE)
         except (BlockingIOError, InterruptedError):
             return
-        except OSError as exc:
-            self.close(ActorDiedError(f"the connection to {self.label} broke: {exc}"))
+        except OSError:  # ECONNRESET: the peer died with data unread; same as EOF
+            self._broken()
             return
         for level, kind, cdata in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -305,7 +317,7 @@ class Connection:
             self._protocol_error("file descriptors were truncated")
             return
         if not data:
-            self.host.connection_eof(self)
+            self._broken()
             return
         buf = self._inbuf
         buf += data
@@ -348,7 +360,8 @@ class Connection:
         if kind == CALL:
             _shm._stats["calls_received"] += 1
             try:
-                method, args, kwargs = ser.decode(payload, fds, self)
+                call = list(ser.decode(payload, fds, self))
+                method, args, kwargs = call if len(call) == 3 else (None, None, None)
             except ProtocolError as exc:
                 self._protocol_error(str(exc))
                 return
@@ -365,10 +378,13 @@ class Connection:
                 err.__cause__ = exc
                 self.reply_error(cid, err)
                 return
-            if type(method) is not str or type(args) is not tuple or type(kwargs) is not dict:
+            if len(call) != 3 or type(method) is not str or type(args) is not tuple \
+                    or type(kwargs) is not dict:
                 self._protocol_error("malformed call")
                 return
-            self.host.handle_call(self, cid, method, args, kwargs)
+            del args, kwargs  # the host drops the arguments as soon as the call is done,
+            # so a lease on an argument goes back before (with) the reply
+            self.host.handle_call(self, cid, call)
         elif kind == RESULT or kind == ERROR:
             fut = self.pending.pop(cid, None)
             what = self.pending_meta.pop(cid, "")

@@ -273,7 +273,9 @@ class Runtime:
                  "name": r.options.name, "death": r.death} for r in self._actors.values()]
 
     # -- services for actor processes --------------------------------------------
-    def handle_call(self, conn: Connection, cid: int, method: str, args, kwargs) -> None:
+    def handle_call(self, conn: Connection, cid: int, call: list) -> None:
+        method, args, _ = call
+        call.clear()
         try:
             if method == "__connect__":
                 (target,) = args

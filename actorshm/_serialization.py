@@ -154,11 +154,12 @@ def _rebuild_array(key, arena_size, fd_index, boff, bsize, aoff, shape, dtype, s
         if boff < 0 or bsize < 0 or boff + bsize > arena.size:
             raise ProtocolError("block lies outside its arena")
         view = _shm._View(arena, boff, bsize, None)
-    up = view.upstream
-    if up is None:
-        up = view.upstream = {}
-    conn = ctx.conn
-    up[conn] = up.get(conn, 0) + 1
+        view.upstream = {ctx.conn: 1}
+    else:
+        # We already hold this block through an earlier lease (or own it): one lease per
+        # process is enough, so this grant goes straight back. Holding both would let two
+        # processes that passed a block back and forth pin it for each other forever.
+        ctx.conn.queue_release(bkey, 1)
     arr = np.ndarray(shape, dtype, buffer=np.asarray(view), offset=aoff, strides=strides)
     if sub is not None:
         arr = arr.view(sub)

@@ -82,8 +82,11 @@ class Worker:
         return await self.driver.call("__get_actor__", (name,), {})
 
     # -- host side -------------------------------------------------------------
-    def handle_call(self, conn: Connection, cid: int, method: str, args, kwargs) -> None:
+    def handle_call(self, conn: Connection, cid: int, call: list) -> None:
+        method = call[0]
         if method.startswith("__"):
+            args = call[1]
+            call.clear()
             self._service(conn, cid, method, args)
             return
         if method not in self.methods:
@@ -91,11 +94,13 @@ class Worker:
                 f"actor {self.cls_name} has no public method {method!r}"))
             return
         if self.running < self.max_concurrency and not self.queue:
-            self._start(conn, cid, method, args, kwargs)
+            self._start(conn, cid, call)
         else:
-            self.queue.append((conn, cid, method, args, kwargs))
+            self.queue.append((conn, cid, call))
 
-    def _start(self, conn: Connection, cid: int, method: str, args, kwargs) -> None:
+    def _start(self, conn: Connection, cid: int, call: list) -> None:
+        method, args, kwargs = call
+        call.clear()
         what = f"{self.cls_name}.{method}"
         fn = getattr(self.instance, method)
         if self.methods[method]:

