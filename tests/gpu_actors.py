@@ -1,0 +1,33 @@
+"""GPU actor classes for tests/test_cuda.py (imported only where CuPy is present)."""
+
+import cupy
+
+import actorshm
+from actorshm import actor
+
+
+@actor
+class GpuArrays:
+    def __init__(self):
+        self.kept = None
+
+    def fill(self, a, v):
+        a[...] = v
+        cupy.cuda.get_current_stream().synchronize()
+
+    def make(self, n, v):
+        a = actorshm.cuda.empty(n, cupy.float32)
+        a[...] = v
+        return a
+
+    def sum(self, a):
+        return float(a.sum())
+
+    def keep(self, a):
+        self.kept = a
+
+    def stats(self):
+        return actorshm.stats()
+
+    def device_bus_id(self):
+        return cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.runtime.getDevice())

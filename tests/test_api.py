@@ -1,0 +1,42 @@
+"""The public surface: names, modules, and imports that must not need a GPU."""
+
+import subprocess
+import sys
+
+import actorshm
+
+
+def test_public_names_report_actorshm_module():
+    for name in actorshm.__all__:
+        if name == "cuda":
+            continue
+        obj = getattr(actorshm, name)
+        if isinstance(obj, type) or callable(obj):
+            assert obj.__module__ == "actorshm", name
+
+
+def test_errors_hierarchy():
+    assert issubclass(actorshm.ActorDiedError, actorshm.ActorError)
+    assert issubclass(actorshm.RemoteError, actorshm.ActorError)
+    assert issubclass(actorshm.SharedMemoryError, MemoryError)
+
+
+def test_import_needs_no_cupy():
+    code = ("import sys, actorshm; actorshm.zeros(3); "
+            "assert 'cupy' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_decorator_rejects_reserved_names_and_bad_options():
+    import pytest
+    with pytest.raises(TypeError, match="reserves"):
+        @actorshm.actor
+        class Bad:
+            def kill(self):
+                pass
+    with pytest.raises(TypeError, match="unknown actor option"):
+        actorshm.actor(max_concurency=2)(type("X", (), {}))
+    with pytest.raises(ValueError, match="max_concurrency"):
+        actorshm.actor(max_concurrency=0)(type("Y", (), {}))
