@@ -325,3 +325,28 @@ def test_run_returns_result():
         c = await Counter.spawn(1)
         return await c.incr(1)
     assert actorshm.run(main()) == 2
+
+
+async def test_forkserver_start_method(capfd):
+    async with actorshm.Runtime(start_method="forkserver", shutdown_grace=0.5):
+        cs = await asyncio.gather(*(Counter.spawn(i) for i in range(4)))
+        assert [await c.incr() for c in cs] == [1, 2, 3, 4]
+        assert len({c.pid for c in cs}) == 4
+        assert await cs[0].say("forked hello")
+        f = await Faulty.spawn()
+        with pytest.raises(ActorDiedError, match="SIGSEGV"):
+            await f.crash()
+        g = await Faulty.spawn()
+        with pytest.raises(ActorDiedError, match="code 5"):
+            await g.exit(5)
+        with pytest.raises(KeyError):
+            await Faulty.spawn(fail=True)
+        caller = await Caller.spawn(cs[1])
+        assert await caller.call_other(10) == 12
+        pids = [c.pid for c in cs]
+    await asyncio.sleep(0.1)
+    out, _ = capfd.readouterr()
+    assert f"(Counter pid={pids[0]}) forked hello" in out
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -1,0 +1,139 @@
+"""The fork server: a single-threaded process that forks actor processes on request.
+
+``Runtime(start_method="forkserver")`` starts one, as a fresh interpreter that imports
+numpy, cloudpickle and actorshm once. Each actor is then a ``fork`` of it: no interpreter
+start and no imports per actor. Forking is safe here because the server never starts a
+thread (a fork of a process with threads is what deadlocks). It reports each child's exit
+status back to the driver, which watches the child through a pidfd like any other.
+
+Requests (driver -> server) and reports (server -> driver) are pickled tuples in
+``HEADER``-framed messages on a socket pair; the child's socket and its stdout/stderr pipe
+ends travel as SCM_RIGHTS fds with the request.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import sys
+
+_LEN = struct.Struct("<I")
+
+
+def send_msg(sock: socket.socket, obj, fds=()) -> None:
+    data = pickle.dumps(obj, protocol=5)
+    msg = _LEN.pack(len(data)) + data
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sent = sock.sendmsg([msg], anc)
+    if sent < len(msg):
+        sock.sendall(msg[sent:])
+
+
+def recv_msg(sock: socket.socket):
+    """One message and its fds; None at EOF. Blocking."""
+    fds = array.array("i")
+    head, anc, _, _ = sock.recvmsg(_LEN.size, socket.CMSG_SPACE(16 * fds.itemsize))
+    for level, kind, cdata in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
+    if not head:
+        return None
+    while len(head) < _LEN.size:
+        more = sock.recv(_LEN.size - len(head))
+        if not more:
+            return None
+        head += more
+    (n,) = _LEN.unpack(head)
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return pickle.loads(data), list(fds)
+
+
+def main() -> None:
+    from ._util import set_parent_death_signal
+    set_parent_death_signal()
+    # Import once here what every actor needs, so that forks start warm.
+    import asyncio  # noqa: F401
+
+    import cloudpickle  # noqa: F401
+    import numpy  # noqa: F401
+
+    from . import _protocol, _runtime, _serialization, _shm, _worker  # noqa: F401
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        pass
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wfd)
+    signal.signal(signal.SIGCHLD, lambda *a: None)
+    children: set[int] = set()
+    while True:
+        ready, _, _ = select.select([sock, rfd], [], [])
+        if rfd in ready:
+            try:
+                os.read(rfd, 512)
+            except BlockingIOError:
+                pass
+        if rfd in ready or not ready:
+            for pid in list(children):
+                try:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    children.discard(pid)
+                    continue
+                if done:
+                    children.discard(pid)
+                    send_msg(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
+        if sock in ready:
+            msg = recv_msg(sock)
+            if msg is None:  # the driver is gone: children die by their death signal
+                os._exit(0)
+            (kind, env, cwd, argv), fds = msg
+            pid = os.fork()
+            if pid == 0:
+                _child(sock, rfd, wfd, env, cwd, fds)
+            for fd in fds:
+                os.close(fd)
+            children.add(pid)
+            send_msg(sock, ("forked", pid, 0))
+
+
+def _child(server_sock, rfd, wfd, env, cwd, fds) -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        server_sock.close()
+        os.close(rfd)
+        os.close(wfd)
+        conn_fd, out_fd, err_fd = fds
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.close(out_fd)
+        os.close(err_fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+        sys.argv = ["actorshm-worker", str(conn_fd)]
+        from ._worker import main as worker_main
+        worker_main()
+    finally:
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    main()
