@@ -40,6 +40,12 @@ MAX_FRAME = (1 << 31) - 1
 MAX_FDS_PER_SEND = 250  # Linux caps SCM_RIGHTS at 253 fds per message
 RECV_SIZE = 1 << 18
 ANC_SIZE = socket.CMSG_SPACE(MAX_FDS_PER_SEND * 4)
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
+# One receive buffer per process, reused by every connection (all run on one loop
+# thread): allocating 256 KiB per recvmsg costs more than the syscall itself.
+_RECV_BUF = bytearray(RECV_SIZE)
+_RECV_VIEW = memoryview(_RECV_BUF)
+_RECV_VIEWS = [_RECV_VIEW]
 
 
 def _copy_exc(exc: BaseException) -> BaseException:
@@ -302,7 +308,7 @@ class Connection:
     # -- receiving -------------------------------------------------------------
     def _on_readable(self) -> None:
         try:
-            data, anc, flags, _ = self.sock.recvmsg(RECV_SIZE, ANC_SIZE)
+            nread, anc, flags, _ = self.sock.recvmsg_into(_RECV_VIEWS, ANC_SIZE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:  # ECONNRESET: the peer died with data unread; same as EOF
@@ -313,14 +319,14 @@ class Connection:
                 fds = array.array("i")
                 fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
                 self._fds.extend(fds)
-        if flags & socket.MSG_CTRUNC:
+        if flags & _MSG_CTRUNC:
             self._protocol_error("file descriptors were truncated")
             return
-        if not data:
+        if not nread:
             self._broken()
             return
         buf = self._inbuf
-        buf += data
+        buf += _RECV_VIEW[:nread]
         n = len(buf)
         pos = 0
         self.cork()
