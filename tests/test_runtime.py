@@ -228,18 +228,23 @@ async def test_malformed_frame_closes_only_that_connection(rt, caplog):
     c = await Counter.spawn()
     caller = await Caller.spawn(c)
     assert await caller.call_other(1) == 1  # caller now has a direct connection to c
-    # Inject garbage on a brokered connection to c, as a buggy peer would.
+    # Inject garbage on brokered connections to c, as a buggy peer would.
     rec = rt._actors[c.actor_id]
-    a, b = socket.socketpair()
     from actorshm._serialization import PassFd
-    await rec.conn.call("__accept_peer__", (PassFd(b.fileno()), 999), {})
-    b.close()
-    a.sendall(b"\xff" * 7 + b"garbage that is not a frame" * 3)
-    a.sendall(b"\x10\x00\x00\x00\x01\x00\x00\x00" + b"\x00" * 8 + b"not a pickle....")
-    await asyncio.sleep(0.3)
-    a.settimeout(5)
-    assert a.recv(100) == b""  # the actor closed that connection
-    a.close()
+    garbage = [
+        b"\xff" * 7 + b"garbage that is not a frame" * 3,                   # bad header
+        b"\x10\x00\x00\x00\x01\x00\x00\x00" + b"\x00" * 8 + b"not a pickle....",  # bad body
+        b"\x10\x00\x00\x00\x01\x00\x01\x00" + b"\x00" * 8 + b"x" * 16,       # missing fd
+    ]
+    for junk in garbage:
+        a, b = socket.socketpair()
+        with a:
+            await rec.conn.call("__accept_peer__", (PassFd(b.fileno()), 999), {})
+            b.close()
+            a.sendall(junk)
+            a.settimeout(5)
+            await asyncio.sleep(0.2)
+            assert a.recv(100) == b""  # the actor closed that connection
     assert await c.incr() == 2  # and is otherwise fine
     assert await caller.call_other(1) == 3
 
