@@ -169,6 +169,9 @@ class Arrays:
         self.kept = a
         return True
 
+    def sum_kept(self):
+        return float(self.kept.sum())
+
     def drop(self):
         self.kept = None
         return True

@@ -27,8 +27,7 @@ async def test_result_is_same_memory(rt):
     x = actorshm.zeros((4, 5), dtype=np.int32)
     back = await a.add_one(x)
     assert np.shares_memory(back, x)
-    assert (x == 1).all()
-    assert actorshm.stats()["bytes_copied"] == 0 or True  # counted below precisely
+    assert (x == 1).all() and back.dtype == np.int32 and back.shape == (4, 5)
 
 
 LAYOUTS = [
@@ -146,10 +145,7 @@ async def test_held_block_is_not_recycled(rt):
     await asyncio.sleep(0.05)
     y = actorshm.empty(1000)  # must not be the block the actor still holds
     y[:] = 9
-    assert await a.sum(np.zeros(1)) == 0.0
-    kept_sum = await a.echo(None)
-    assert kept_sum is None
-    # the actor's kept array still reads 1s
+    assert await a.sum_kept() == 1000.0  # the actor's kept array still reads 1s
     assert await a.drop()
 
 
