@@ -58,6 +58,7 @@ class _Record:
         self.gpus: list[int] = []
         self.spawn_args: tuple = ()
         self.restarts = 0
+        self.no_restart = False
 
     @property
     def label(self) -> str:
@@ -212,8 +213,12 @@ class Runtime:
             fwd = _OutputForwarder(rec, stream, out)
             rec.pipes.append(fwd)
             self.loop.add_reader(stream.fileno(), fwd.on_readable)
-        rec.conn = Connection(self.loop, self, parent, label=rec.label)
-        rec.conn.peer_id = rec.actor_id
+        if rec.conn is not None and rec.conn.sock is None and not rec.conn.closed:
+            rec.conn.label = rec.label
+            rec.conn.attach(parent)  # a restart: calls made meanwhile are buffered there
+        else:
+            rec.conn = Connection(self.loop, self, parent, label=rec.label)
+            rec.conn.peer_id = rec.actor_id
         config = {"actor_id": rec.actor_id, "max_concurrency": rec.options.max_concurrency,
                   "shm_budget": self.shm_budget}
         args, kwargs = rec.spawn_args
@@ -330,6 +335,7 @@ class Runtime:
         if rec is None or not rec.alive:
             return
         rec.death = f"{rec.label} was killed by actorshm kill()"
+        rec.no_restart = True
         try:
             os.kill(rec.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -448,6 +454,29 @@ class Runtime:
         if rec.conn is not None:
             rec.conn.close(ActorDiedError(why))
         rec.exited.set()
+        limit = rec.options.max_restarts
+        if not self._closing and not rec.no_restart and (limit == -1 or rec.restarts < limit):
+            # Calls made from now on wait in a fresh connection for the new process;
+            # the ones that were pending have failed (at-most-once, as in Ray).
+            rec.restarts += 1
+            rec.conn = Connection(self.loop, self, label=rec.label)
+            rec.conn.peer_id = rec.actor_id
+            self.loop.create_task(self._restart(rec, why))
+
+    async def _restart(self, rec: _Record, why: str) -> None:
+        try:
+            if rec.options.num_gpus:
+                rec.gpus = self._take_gpus(rec.options.num_gpus, rec.cls_name)
+            rec.death = None
+            await self._start_process(rec)
+            logger.warning("actorshm: restarted %s (restart %d of %s) after: %s", rec.label,
+                           rec.restarts, rec.options.max_restarts, why)
+        except BaseException as exc:
+            rec.death = f"{rec.label} could not be restarted: {exc!r} (after: {why})"
+            if rec.conn is not None:
+                rec.conn.close(ActorDiedError(rec.death))
+            if rec.alive:
+                await self._stop(rec, grace=0.5)
 
     async def _stop(self, rec: _Record, grace: float | None = None) -> None:
         if not rec.alive:

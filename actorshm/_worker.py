@@ -89,9 +89,8 @@ class Worker:
             call.clear()
             self._service(conn, cid, method, args)
             return
-        if method not in self.methods:
-            conn.reply_error(cid, AttributeError(
-                f"actor {self.cls_name} has no public method {method!r}"))
+        if self.instance is None:  # not initialized yet: calls wait for __init__
+            self.queue.append((conn, cid, call))
             return
         if self.running < self.max_concurrency and not self.queue:
             self._start(conn, cid, call)
@@ -101,6 +100,12 @@ class Worker:
     def _start(self, conn: Connection, cid: int, call: list) -> None:
         method, args, kwargs = call
         call.clear()
+        if method not in self.methods:
+            self.running += 1
+            conn.reply_error(cid, AttributeError(
+                f"actor {self.cls_name} has no public method {method!r}"))
+            self._finished(None)
+            return
         what = f"{self.cls_name}.{method}"
         fn = getattr(self.instance, method)
         if self.methods[method]:
@@ -201,10 +206,16 @@ class Worker:
             self.instance = cls(*args, **kwargs)
         except BaseException as exc:
             conn.reply_error(cid, exc)
+            while self.queue:
+                qconn, qcid, _ = self.queue.popleft()
+                qconn.reply_error(qcid, ActorDiedError(
+                    f"actor {self.cls_name} failed in __init__: {exc!r}"))
             self.exit_code = 1
             self.loop.call_soon(lambda: self.stopped.done() or self.stopped.set_result(None))
             return
         conn.reply(cid, os.getpid())
+        self.running += 1
+        self._finished(None)  # start the calls that arrived before __init__ finished
 
     def connection_eof(self, conn: Connection) -> None:
         if conn is self.driver:

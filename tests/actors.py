@@ -192,3 +192,17 @@ class Arrays:
 
     def fd_count(self):
         return len(os.listdir("/proc/self/fd"))
+
+
+@actor(max_restarts=1)
+class Phoenix:
+    def __init__(self, tag):
+        self.tag = tag
+        self.calls = 0
+
+    def hit(self):
+        self.calls += 1
+        return (self.tag, self.calls, os.getpid())
+
+    def crash(self):
+        os._exit(9)

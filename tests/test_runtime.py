@@ -355,3 +355,22 @@ async def test_forkserver_start_method(capfd):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+async def test_max_restarts(rt):
+    from actors import Phoenix
+    p = await Phoenix.spawn("t")
+    tag, calls, pid1 = await p.hit()
+    assert (tag, calls) == ("t", 1)
+    with pytest.raises(ActorDiedError, match="code 9"):
+        await p.crash()  # the pending call fails: at-most-once delivery
+    tag, calls, pid2 = await p.hit()  # made during the restart: waits for the new process
+    assert (tag, calls) == ("t", 1) and pid2 != pid1 and p.pid == pid2
+    with pytest.raises(ActorDiedError):
+        await p.crash()
+    with pytest.raises(ActorDiedError, match="code 9"):
+        await p.hit()  # restarts used up: dead for good
+    q = await Phoenix.spawn("q")
+    await q.kill()  # kill() never restarts
+    with pytest.raises(ActorDiedError, match="kill"):
+        await q.hit()
