@@ -40,3 +40,35 @@ class _Unbound:
 
     def actor_pid(self, actor_id, pid):
         return pid
+
+
+def call_from_thread(loop, make_call):
+    """Run ``make_call()`` (which returns an asyncio future) on ``loop``'s thread.
+
+    Returns a ``concurrent.futures.Future`` that a thread can block on with
+    ``.result()``: a sync method running in an actor's thread pool
+    (``max_concurrency > 1``) can call other actors and wait for their answers.
+    """
+    import concurrent.futures
+
+    cf: concurrent.futures.Future = concurrent.futures.Future()
+
+    def go() -> None:
+        try:
+            fut = make_call()
+        except BaseException as exc:
+            cf.set_exception(exc)
+            return
+
+        def done(f) -> None:
+            if f.cancelled():
+                cf.cancel()
+            elif f.exception() is not None:
+                cf.set_exception(f.exception())
+            else:
+                cf.set_result(f.result())
+
+        fut.add_done_callback(done)
+
+    loop.call_soon_threadsafe(go)
+    return cf

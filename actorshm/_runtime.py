@@ -110,6 +110,7 @@ class Runtime:
         if self._open:
             raise RuntimeError("this Runtime is already open")
         self.loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         _shm.set_budget(self.shm_budget)
         _shm.pool()
         _shm._flush_hook[0] = _make_flush_hook(self.loop)
@@ -319,6 +320,9 @@ class Runtime:
 
     # -- calls -------------------------------------------------------------------
     def call(self, actor_id: int, method: str, args: tuple, kwargs: dict, what: str = ""):
+        if threading.get_ident() != self._loop_thread:
+            return _client.call_from_thread(
+                self.loop, lambda: self.call(actor_id, method, args, kwargs, what))
         rec = self._actors.get(actor_id)
         if rec is None or rec.conn is None:
             fut = asyncio.get_running_loop().create_future()

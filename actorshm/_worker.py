@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import sys
+import threading
 from typing import Any
 
 from . import _client, _shm
@@ -30,6 +31,7 @@ class Worker:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
         self.loop = loop
+        self.loop_thread = threading.get_ident()
         self.stopped = loop.create_future()
         self.exit_code = 0
         self.instance: Any = None
@@ -45,6 +47,9 @@ class Worker:
 
     # -- client side (handles inside this actor) -------------------------------
     def call(self, actor_id: int, method: str, args, kwargs, what: str = ""):
+        if threading.get_ident() != self.loop_thread:
+            return _client.call_from_thread(
+                self.loop, lambda: self.call(actor_id, method, args, kwargs, what))
         conn = self.peers.get(actor_id)
         if conn is None:
             conn = self._connect(actor_id)

@@ -206,3 +206,11 @@ class Phoenix:
 
     def crash(self):
         os._exit(9)
+
+
+@actor(max_concurrency=2)
+class ThreadedCaller:
+    """Sync methods run in threads here; they may block on calls to other actors."""
+
+    def call_and_wait(self, handle, k):
+        return handle.incr(k).result(timeout=10)

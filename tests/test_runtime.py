@@ -374,3 +374,13 @@ async def test_max_restarts(rt):
     await q.kill()  # kill() never restarts
     with pytest.raises(ActorDiedError, match="kill"):
         await q.hit()
+
+
+async def test_sync_method_in_thread_can_wait_on_calls(rt):
+    from actors import ThreadedCaller
+    c = await Counter.spawn(1)
+    t = await ThreadedCaller.spawn()
+    assert await t.call_and_wait(c, 2) == 3
+    # the driver, from a thread of its own
+    result = await asyncio.to_thread(lambda: c.incr(1).result(timeout=10))
+    assert result == 4
