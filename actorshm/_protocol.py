@@ -41,6 +41,7 @@ MAX_FDS_PER_SEND = 250  # Linux caps SCM_RIGHTS at 253 fds per message
 RECV_SIZE = 1 << 18
 ANC_SIZE = socket.CMSG_SPACE(MAX_FDS_PER_SEND * 4)
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))  # received fds never leak to exec
 # One receive buffer per process, reused by every connection (all run on one loop
 # thread): allocating 256 KiB per recvmsg costs more than the syscall itself.
 _RECV_BUF = bytearray(RECV_SIZE)
@@ -308,7 +309,8 @@ class Connection:
     # -- receiving -------------------------------------------------------------
     def _on_readable(self) -> None:
         try:
-            nread, anc, flags, _ = self.sock.recvmsg_into(_RECV_VIEWS, ANC_SIZE)
+            nread, anc, flags, _ = self.sock.recvmsg_into(_RECV_VIEWS, ANC_SIZE,
+                                                             _CLOEXEC)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:  # ECONNRESET: the peer died with data unread; same as EOF

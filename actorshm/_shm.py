@@ -144,6 +144,8 @@ class _View:
             "version": 3,
         }
         _views[self.key] = weakref.ref(self)
+        if len(_views) > _prune_at[0]:
+            _prune_views()
 
     def __del__(self) -> None:
         try:
@@ -156,6 +158,17 @@ class _View:
                 self.pool._returned.append((self.arena, self.offset, self.size))
         except Exception:  # interpreter shutdown: nothing left to tell
             pass
+
+
+_prune_at = [4096]
+
+
+def _prune_views() -> None:
+    """Drop entries of dead views (the map is only ever read through live refs)."""
+    for key, ref in list(_views.items()):
+        if ref() is None and _views.get(key) is ref:
+            _views.pop(key, None)
+    _prune_at[0] = max(4096, 2 * len(_views))
 
 
 def flush_releases() -> None:
