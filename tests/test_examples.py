@@ -1,0 +1,60 @@
+"""Run each example's main() in quick mode (a few seconds each)."""
+
+import os
+import sys
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)  # actor processes inherit the driver's sys.path
+
+pytest.importorskip("sklearn")
+
+import data_pipeline  # noqa: E402
+import hogwild  # noqa: E402
+import parameter_server  # noqa: E402
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_parameter_server(mode, capsys):
+    out = parameter_server.main(["--quick", "--mode", mode, "--workers", "2"])
+    assert out["test_accuracy"] > 0.85
+    text = capsys.readouterr().out
+    assert "final test accuracy: " in text.splitlines()[-1]
+    hist = out["history"]
+    assert all(h["bytes_copied"] == 0 for h in hist)
+    assert all(h["bytes_zero_copy"] > 0 for h in hist)
+    assert hist[-1]["pool_allocs"] == 0  # gradient buffers are recycled
+    if mode == "async":
+        assert out["staleness"] >= 0
+
+
+def test_parameter_server_single():
+    out = parameter_server.main(["--quick", "--single"])
+    assert out["test_accuracy"] > 0.85
+
+
+def test_parameter_server_cuda_flag():
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit, match="cuda path not available"):
+            parameter_server.main(["--quick", "--device", "cuda"])
+    else:  # pragma: no cover - needs a GPU
+        assert parameter_server.main(["--quick", "--device", "cuda"])["test_accuracy"] > 0.85
+
+
+def test_hogwild():
+    out = hogwild.main(["--quick"])
+    assert out["test_accuracy"] > 0.85
+    assert out["single_accuracy"] > 0.85
+    assert out["bytes_copied"] == 0
+
+
+def test_data_pipeline():
+    out = data_pipeline.main(["--quick"])
+    assert out["bytes_copied_per_batch"] == 0
+    assert out["new_blocks_per_batch"] == 0
+    assert out["bytes_zero_copy_per_batch"] > 0
+    assert out["test_accuracy"] > 0.85
