@@ -110,12 +110,7 @@ class Connection:
         self.close_exc = exc if exc is not None else ActorDiedError(
             f"the connection to {self.label} is closed")
         if self.sock is not None:
-            try:
-                self.loop.remove_reader(self.fd)
-                if self._writing:
-                    self.loop.remove_writer(self.fd)
-            except Exception:
-                pass
+            self._unwatch()
             self.sock.close()
         for fd in self._fds:
             _close_fd(fd)
@@ -277,15 +272,18 @@ class Connection:
             self._writing = False
             self.loop.remove_writer(self.fd)
 
+    def _unwatch(self) -> None:
+        try:
+            self.loop.remove_reader(self.fd)
+            if self._writing:
+                self.loop.remove_writer(self.fd)
+        except Exception:  # the loop is closing
+            pass
+        self._writing = False
+
     def _broken(self) -> None:
         if self.sock is not None and not self.closed:
-            try:
-                self.loop.remove_reader(self.fd)
-                if self._writing:
-                    self.loop.remove_writer(self.fd)
-            except Exception:
-                pass
-            self._writing = False
+            self._unwatch()
             self._corked += 1  # write nothing more; the host decides when to close
             self.host.connection_eof(self)
 

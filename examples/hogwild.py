@@ -97,6 +97,7 @@ def parse(argv=None):
 
 
 async def _hogwild(args, Xte, yte):
+    copied_before = actorshm.stats()["bytes_copied"]  # counters are per process, cumulative
     w = actorshm.zeros(N_PARAMS)  # the one shared weight buffer
     workers = await asyncio.gather(*[HogwildWorker.spawn(i, args.workers, args.seed)
                                      for i in range(args.workers)])
@@ -109,7 +110,7 @@ async def _hogwild(args, Xte, yte):
     st = [actorshm.stats(), *await asyncio.gather(*[h.stats() for h in workers])]
     for h in workers:
         await h.kill()
-    copied = sum(s["bytes_copied"] for s in st)
+    copied = sum(s["bytes_copied"] for s in st) - copied_before
     return acc, elapsed, float(np.mean([ls[-1] for ls in losses])), copied
 
 
