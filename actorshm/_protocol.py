@@ -80,6 +80,8 @@ class Connection:
         self._corked = 0
         self._releases: dict[tuple, int] = {}
         self._release_scheduled = False
+        self._burst = False
+        self._burst_flush = False
         self._inbuf = bytearray()
         self._fds: list[int] = []
         self.peer_id: int | None = None
@@ -214,6 +216,24 @@ class Connection:
                 out.append([header, list(fds) or None, None])
                 out.append([payload, None, close_fds])
         if self.sock is not None and not self._writing and not self._corked:
+            if self._burst:
+                # A second frame in the same loop iteration: a burst (pipelined calls).
+                # The first frame went out at once; the rest go together in one sendmsg
+                # when this iteration's callback returns, instead of one syscall each.
+                if not self._burst_flush:
+                    self._burst_flush = True
+                    self.loop.call_soon(self._end_burst)
+            else:
+                self._burst = True
+                self.loop.call_soon(self._end_burst)
+                self._burst_flush = True
+                self._flush()
+
+    def _end_burst(self) -> None:
+        self._burst = False
+        self._burst_flush = False
+        if self._out and self.sock is not None and not self._writing and not self._corked \
+                and not self.closed:
             self._flush()
 
     def close_after_send(self, fds: list[int]) -> None:

@@ -166,8 +166,30 @@ def _rebuild_array(key, arena_size, fd_index, boff, bsize, aoff, shape, dtype, s
     return arr
 
 
-def encode(obj: Any, conn) -> tuple[bytes, list[int], _Encoder]:
+_SIMPLE = frozenset({int, float, str, bytes, bool, type(None), complex})
+_dumps = pickle.dumps
+
+
+def _simple(obj: Any) -> bool:
+    """Scalars, and flat tuples/lists/dicts of scalars: plain pickle does them right."""
+    t = type(obj)
+    if t in _SIMPLE:
+        return True
+    if t is tuple or t is list:
+        return all(type(x) in _SIMPLE for x in obj)
+    if t is dict:
+        return all(type(v) in _SIMPLE and type(k) is str for k, v in obj.items())
+    return False
+
+
+def encode(obj: Any, conn) -> tuple[bytes, list[int], "_Encoder | None"]:
     """Pickle ``obj`` for ``conn``. Nothing is committed until ``commit`` is called."""
+    # Fast path (most calls): builtin scalars need neither cloudpickle nor our reducers.
+    if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is str:
+        if _simple(obj[1]) and _simple(obj[2]):
+            return _dumps(obj, 5), [], None
+    elif _simple(obj):
+        return _dumps(obj, 5), [], None
     f = io.BytesIO()
     enc = _Encoder(f, conn)
     enc.dump(obj)
@@ -176,6 +198,8 @@ def encode(obj: Any, conn) -> tuple[bytes, list[int], _Encoder]:
 
 def commit(enc: _Encoder) -> None:
     """Record the grants and arena fds of a message that is about to be sent."""
+    if enc is None:
+        return
     conn = enc.conn
     grants = conn.grants
     for view in enc.grants:

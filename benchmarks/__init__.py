@@ -1,0 +1,1 @@
+"""actorshm's benchmarks: ``python -m benchmarks [--quick] [--out docs/benchmarks.md]``."""

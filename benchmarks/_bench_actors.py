@@ -1,0 +1,31 @@
+"""Actor classes the benchmarks spawn (importable by the actor processes)."""
+
+import actorshm
+from actorshm import actor
+
+
+@actor
+class Sink:
+    def noop(self, x=None):
+        return None
+
+    def touch(self, a):
+        a[0] = 1  # touch, never sum: the cost measured is the transport's
+        return None
+
+    def stats(self):
+        return actorshm.stats()
+
+
+@actor
+class Producer:
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+
+    def batch(self, value):
+        b = actorshm.empty(self.nbytes, "u1")
+        b[::4096] = value  # one write per page: a refill that touches every page
+        return b
+
+    def stats(self):
+        return actorshm.stats()

@@ -1,0 +1,471 @@
+"""actorshm against its floors and peers, side by side, in one interleaved run.
+
+    python -m benchmarks                 # everything installed (ray, torch via '.[bench]')
+    python -m benchmarks --quick         # actorshm and the floors, small sizes, < 1 minute
+    python -m benchmarks --out docs/benchmarks.md
+
+Every measurement runs in rounds; each round takes a few samples from every contender in
+turn, so that this noisy machine's swings hit all of them alike. Only ratios measured in
+the same run mean anything; absolute numbers move by 2-10x from one run to the next here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import multiprocessing as mp
+import os
+import platform
+import resource
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import actorshm  # noqa: E402
+from benchmarks import _peers  # noqa: E402
+from benchmarks._bench_actors import Producer, Sink  # noqa: E402
+
+HEADER = _peers.HEADER
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def _pct(samples, q):
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class Table:
+    def __init__(self) -> None:
+        self.sections: list[tuple[str, list[str], list[list[str]]]] = []
+        self.notes: list[str] = []
+
+    def add(self, title, header, rows):
+        self.sections.append((title, header, rows))
+
+    def markdown(self) -> str:
+        out = []
+        for title, header, rows in self.sections:
+            out.append(f"### {title}\n")
+            out.append("| " + " | ".join(header) + " |")
+            out.append("|" + "---|" * len(header))
+            for r in rows:
+                out.append("| " + " | ".join(r) + " |")
+            out.append("")
+        return "\n".join(out)
+
+
+# -- floors ------------------------------------------------------------------------
+class _UvloopClient(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.waiters: list = []
+
+    def connection_made(self, t) -> None:
+        self.t = t
+
+    def data_received(self, data) -> None:
+        buf = self.buf
+        buf += data
+        pos = 0
+        while len(buf) - pos >= 8:
+            (n,) = HEADER.unpack_from(buf, pos)
+            if len(buf) - pos < 8 + n:
+                break
+            pos += 8 + n
+            self.waiters.pop(0).set_result(None)
+        del buf[:pos]
+
+    def call(self, payload: bytes):
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        self.t.write(HEADER.pack(len(payload)) + payload)
+        return fut
+
+
+def _spawn_peer(kind: str):
+    a, b = socket.socketpair()
+    p = subprocess.Popen([sys.executable, "-m", "benchmarks._peers", kind, str(b.fileno())],
+                         pass_fds=[b.fileno()], cwd=ROOT)
+    b.close()
+    return a, p
+
+
+class Contenders:
+    """Everything a round trip is measured on, started once."""
+
+    async def start(self, quick: bool) -> None:
+        self.sink = await Sink.spawn()
+        s, self.uv_proc = _spawn_peer("uvloop")
+        loop = asyncio.get_running_loop()
+        _, self.uv = await loop.connect_accepted_socket(_UvloopClient, s)
+        self.raw, self.raw_proc = _spawn_peer("blocking")
+        ctx = mp.get_context("spawn")
+        self.pipe, child = ctx.Pipe()
+        self.pipe_proc = ctx.Process(target=_peers.pipe_echo, args=(child,), daemon=True)
+        self.pipe_proc.start()
+        child.close()
+        self.skipped = []
+        self.ray = None
+        if not quick:
+            try:
+                import ray  # noqa: F401
+                self.ray = await _start_ray()
+            except ImportError:
+                self.skipped.append("ray not installed: Ray contenders skipped "
+                                    "(pip install -e '.[bench]')")
+            try:
+                import torch  # noqa: F401
+                self.torch = _start_torch()
+            except ImportError:
+                self.torch = None
+                self.skipped.append("torch not installed: torch.multiprocessing "
+                                    "contenders skipped (pip install -e '.[bench]')")
+        else:
+            self.torch = None
+            self.skipped.append("--quick: Ray and torch.multiprocessing not measured")
+
+    def close(self) -> None:
+        self.uv_proc.kill()
+        self.raw.close()
+        self.raw_proc.kill()
+        self.uv_proc.wait()
+        self.raw_proc.wait()
+        self.pipe.send(None)
+        self.pipe_proc.join(5)
+        if self.torch is not None:
+            self.torch["q_in"].put(None)
+            self.torch["proc"].join(5)
+
+
+async def _start_ray():  # pragma: no cover - needs ray
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+
+    @ray.remote
+    class RaySink:
+        def noop(self, x=None):
+            return None
+
+        def touch(self, a):
+            return None
+
+    h = RaySink.remote()
+    ray.get(h.noop.remote())
+    return {"ray": ray, "h": h, "cls": RaySink}
+
+
+def _torch_echo(q_in, q_out):  # pragma: no cover - needs torch
+    while True:
+        x = q_in.get()
+        if x is None:
+            return
+        q_out.put(0)
+
+
+def _start_torch():  # pragma: no cover - needs torch
+    import torch.multiprocessing as tmp
+    ctx = tmp.get_context("spawn")
+    q_in, q_out = ctx.SimpleQueue(), ctx.SimpleQueue()
+    p = ctx.Process(target=_torch_echo, args=(q_in, q_out), daemon=True)
+    p.start()
+    q_in.put(1)
+    q_out.get()
+    return {"q_in": q_in, "q_out": q_out, "proc": p}
+
+
+# -- measurements ------------------------------------------------------------------------
+async def round_trips(c: Contenders, rounds: int, per: int) -> dict[str, list[float]]:
+    samples: dict[str, list[float]] = {}
+    pc = time.perf_counter
+    payload = b"x" * 24
+
+    async def actorshm_rt():
+        t = pc()
+        await c.sink.noop()
+        return pc() - t
+
+    async def uvloop_rt():
+        t = pc()
+        await c.uv.call(payload)
+        return pc() - t
+
+    async def raw_rt():
+        t = pc()
+        c.raw.sendall(HEADER.pack(len(payload)) + payload)
+        c.raw.recv(64)
+        return pc() - t
+
+    async def pipe_rt():
+        t = pc()
+        c.pipe.send(1)
+        c.pipe.recv()
+        return pc() - t
+
+    fns = {"actorshm": actorshm_rt, "asyncio+uvloop socket pair (floor)": uvloop_rt,
+           "raw blocking socket pair (floor)": raw_rt, "multiprocessing.Pipe": pipe_rt}
+    if c.ray is not None:  # pragma: no cover
+        ray, h = c.ray["ray"], c.ray["h"]
+
+        async def ray_get():
+            t = pc()
+            ray.get(h.noop.remote())
+            return pc() - t
+
+        async def ray_await():
+            t = pc()
+            await h.noop.remote()
+            return pc() - t
+        fns["Ray actor (ray.get)"] = ray_get
+        fns["Ray actor (await)"] = ray_await
+    if c.torch is not None:  # pragma: no cover
+        async def torch_rt():
+            t = pc()
+            c.torch["q_in"].put(1)
+            c.torch["q_out"].get()
+            return pc() - t
+        fns["torch.multiprocessing SimpleQueue"] = torch_rt
+    for name, fn in fns.items():  # warm-up
+        for _ in range(50):
+            await fn()
+        samples[name] = []
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(per):
+                samples[name].append(await fn())
+    return samples
+
+
+async def pipelined(c: Contenders, rounds: int, n: int = 100, batches: int = 20):
+    rates: dict[str, list[float]] = {"actorshm": [], "asyncio+uvloop socket pair (floor)": []}
+    if c.ray is not None:  # pragma: no cover
+        rates["Ray actor (await)"] = []
+    payload = b"x" * 24
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(batches):
+            await asyncio.gather(*[c.sink.noop() for _ in range(n)])
+        rates["actorshm"].append(n * batches / (time.perf_counter() - t))
+        t = time.perf_counter()
+        for _ in range(batches):
+            await asyncio.gather(*[c.uv.call(payload) for _ in range(n)])
+        rates["asyncio+uvloop socket pair (floor)"].append(
+            n * batches / (time.perf_counter() - t))
+        if c.ray is not None:  # pragma: no cover
+            h = c.ray["h"]
+            t = time.perf_counter()
+            for _ in range(max(1, batches // 4)):
+                await asyncio.gather(*[h.noop.remote() for _ in range(n)])
+            rates["Ray actor (await)"].append(n * max(1, batches // 4) /
+                                              (time.perf_counter() - t))
+    return rates
+
+
+async def array_sizes(c: Contenders, sizes: list[int], rounds: int):
+    """Median seconds per call with an argument of each size, per contender."""
+    out: dict[str, dict[int, float]] = {}
+    for size in sizes:
+        shared = actorshm.empty(size, np.uint8)
+        shared[::4096] = 1
+        ordinary = np.ones(size, np.uint8)
+        dst = np.empty(size, np.uint8)
+        reps = 2 if size >= 512 * MiB else (5 if size >= 64 * MiB else 30)
+        fns = {}
+
+        async def shm_shared():
+            t = time.perf_counter()
+            await c.sink.touch(shared)
+            return time.perf_counter() - t
+
+        async def shm_ordinary():
+            t = time.perf_counter()
+            await c.sink.touch(ordinary)
+            return time.perf_counter() - t
+
+        async def pipe_pickled():
+            t = time.perf_counter()
+            c.pipe.send(ordinary)
+            c.pipe.recv()
+            return time.perf_counter() - t
+
+        async def memcpy():
+            t = time.perf_counter()
+            np.copyto(dst, ordinary)
+            return time.perf_counter() - t
+
+        fns["actorshm, shared argument"] = shm_shared
+        fns["actorshm, ordinary argument (copied once)"] = shm_ordinary
+        fns["multiprocessing.Pipe, pickled"] = pipe_pickled
+        fns["numpy memcpy (floor)"] = memcpy
+        if c.ray is not None and size <= 512 * MiB:  # pragma: no cover
+            ray, h = c.ray["ray"], c.ray["h"]
+            ref = ray.put(ordinary)
+
+            async def ray_arg():
+                t = time.perf_counter()
+                ray.get(h.touch.remote(ordinary))
+                return time.perf_counter() - t
+
+            async def ray_ref():
+                t = time.perf_counter()
+                ray.get(h.touch.remote(ref))
+                return time.perf_counter() - t
+            fns["Ray, argument"] = ray_arg
+            fns["Ray, put once, pass ref"] = ray_ref
+        samples = {k: [] for k in fns}
+        for fn in fns.values():
+            await fn()
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                for _ in range(reps):
+                    samples[k].append(await fn())
+        for k, v in samples.items():
+            out.setdefault(k, {})[size] = statistics.median(v)
+        del shared, ordinary, dst
+    return out
+
+
+async def recycling(batch: int, n: int, warm: int = 5):
+    prod = await Producer.spawn(batch)
+    cons = await Sink.spawn()
+    for i in range(warm):
+        b = await prod.batch(i)
+        await cons.touch(b)
+        del b
+    await asyncio.sleep(0.05)
+    p0, c0, d0 = await prod.stats(), await cons.stats(), actorshm.stats()
+    t = time.perf_counter()
+    for i in range(n):
+        b = await prod.batch(i)
+        await cons.touch(b)
+        del b
+    per = (time.perf_counter() - t) / n
+    await asyncio.sleep(0.05)
+    p1, c1, d1 = await prod.stats(), await cons.stats(), actorshm.stats()
+    copied = sum(b["bytes_copied"] - a["bytes_copied"] for a, b in ((p0, p1), (c0, c1), (d0, d1)))
+    allocs = sum(b["pool_allocs"] - a["pool_allocs"] for a, b in ((p0, p1), (c0, c1), (d0, d1)))
+    # the refill alone, in-process, for the transport share of a round
+    buf = np.empty(batch, np.uint8)
+    buf[:] = 0  # pages faulted in, as a recycled buffer's are
+    t = time.perf_counter()
+    for i in range(n):
+        buf[::4096] = i
+    refill = (time.perf_counter() - t) / n
+    await prod.kill()
+    await cons.kill()
+    return per, refill, copied / n, allocs / n
+
+
+async def startup(method: str, count: int) -> float:
+    async with actorshm.Runtime(start_method=method):
+        t = time.perf_counter()
+        await asyncio.gather(*[Sink.spawn() for _ in range(count)])
+        return time.perf_counter() - t
+
+
+# -- report ------------------------------------------------------------------------
+def _us(x):
+    return f"{x * 1e6:.0f}"
+
+
+def _ms(x):
+    return f"{x * 1e3:.3f}" if x < 0.01 else f"{x * 1e3:.1f}"
+
+
+def _size(n):
+    return f"{n // GiB} GiB" if n >= GiB else (f"{n // MiB} MiB" if n >= MiB else
+                                               f"{n // KiB} KiB")
+
+
+def machine() -> str:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    try:
+        import uvloop
+        uv = uvloop.__version__
+    except ImportError:  # pragma: no cover
+        uv = "not installed"
+    return (f"{datetime.date.today().isoformat()}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, "
+            f"Linux {platform.release()}, Python {platform.python_version()}, numpy "
+            f"{np.__version__}, uvloop {uv}, actorshm {actorshm.__version__}")
+
+
+async def run(args) -> str:
+    quick = args.quick
+    table = Table()
+    c = Contenders()
+    await c.start(quick)
+    try:
+        rt = await round_trips(c, rounds=5 if quick else 20, per=100 if quick else 200)
+        floor = statistics.median(rt["asyncio+uvloop socket pair (floor)"])
+        rows = []
+        for k, v in rt.items():
+            m = statistics.median(v)
+            rows.append([k, _us(m), _us(_pct(v, 0.99)), f"{m / floor:.2f}x"])
+        table.add("Trivial call round trip", ["contender", "median µs", "p99 µs",
+                                              "vs uvloop floor"], rows)
+        pl = await pipelined(c, rounds=3 if quick else 8)
+        pfloor = statistics.median(pl["asyncio+uvloop socket pair (floor)"])
+        table.add("Pipelined calls, 100 in flight", ["contender", "calls/s",
+                                                     "vs uvloop floor"],
+                  [[k, f"{statistics.median(v):,.0f}", f"{statistics.median(v) / pfloor:.2f}x"]
+                   for k, v in pl.items()])
+        sizes = [KiB, MiB, 64 * MiB] if quick else [KiB, MiB, 64 * MiB, 512 * MiB, GiB]
+        arr = await array_sizes(c, sizes, rounds=2 if quick else 3)
+        trivial = statistics.median(rt["actorshm"])
+        rows = []
+        for k, per_size in arr.items():
+            rows.append([k] + [f"{_ms(t)} ms ({s / t / 1e9:.1f} GB/s)"
+                               for s, t in per_size.items()])
+        table.add("A call with a numpy argument (median; effective GB/s)",
+                  ["contender"] + [_size(s) for s in sizes], rows)
+        biggest = sizes[-1]
+        shared_big = arr["actorshm, shared argument"][biggest]
+        table.notes.append(f"A {_size(biggest)} shared argument costs "
+                           f"{shared_big / trivial:.2f}x a trivial call.")
+        per, refill, copied, allocs = await recycling(64 * MiB, 10 if quick else 40)
+        table.add("Recycling loop, 64 MiB batches (producer fills, consumer touches, "
+                  "buffer goes home)",
+                  ["ms per batch", "refill alone ms", "transport ms", "bytes copied/batch",
+                   "new blocks/batch"],
+                  [[_ms(per), _ms(refill), _ms(max(per - refill, 0)), f"{copied:.0f}",
+                    f"{allocs:.2f}"]])
+    finally:
+        c.close()
+    rows = []
+    for method in ("spawn", "forkserver"):
+        one = await startup(method, 1)
+        many = await startup(method, 4 if quick else 16)
+        rows.append([f"actorshm ({method})", _ms(one), _ms(many)])
+    table.add("Actor start-up", ["contender", "1 actor ms",
+                                 f"{4 if quick else 16} actors at once ms"], rows)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    notes = "\n".join(f"- {n}" for n in table.notes + c.skipped +
+                      [f"Peak RSS of the driver: {rss:.0f} MiB."])
+    return (f"# Benchmarks\n\nMachine: {machine()}.\n"
+            f"Command: `python -m benchmarks{' --quick' if quick else ''}`.\n\n"
+            f"{table.markdown()}\n{notes}\n")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="actorshm and the floors only, sizes up to 64 MiB, under a minute")
+    p.add_argument("--out", help="also write the Markdown report to this file")
+    args = p.parse_args(argv)
+    report = actorshm.run(run(args))
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report)
+
+
+if __name__ == "__main__":
+    main()
