@@ -71,3 +71,21 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def torch_producer(q_full, q_free, bufs, n):  # pragma: no cover - needs torch
+    """PyTorch's buffer-return pattern: fill a shared tensor, send it, get it back later."""
+    for i in range(n):
+        idx = q_free.get()
+        bufs[idx][::4096] = i % 255
+        q_full.put(idx)
+    q_full.put(None)
+
+
+def torch_consumer(q_full, q_free, bufs):  # pragma: no cover - needs torch
+    while True:
+        idx = q_full.get()
+        if idx is None:
+            return
+        bufs[idx][0] = 1
+        q_free.put(idx)

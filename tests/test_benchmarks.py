@@ -23,5 +23,5 @@ def test_quick_benchmarks_run(tmp_path):
     line = [ln for ln in report.splitlines() if ln.startswith("| ") and "|" in ln]
     recycle = report.split("Recycling loop")[1].splitlines()[4]
     cells = [c.strip() for c in recycle.strip("|").split("|")]
-    assert cells[3] == "0" and cells[4] == "0.00", recycle
+    assert cells[0] == "actorshm" and cells[4] == "0" and cells[5] == "0.00", recycle
     assert line
