@@ -52,6 +52,8 @@ class _Encoder(cloudpickle.Pickler):
 
     def reducer_override(self, obj):
         t = type(obj)
+        if obj is _rebuild_array:  # ours, importable: plain pickling by name is enough
+            return NotImplemented
         if t is _ndarray or (isinstance(obj, _ndarray)):
             r = _reduce_array(self, obj)
             if r is not None:
@@ -92,8 +94,10 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     data = a.__array_interface__["data"][0]
     t = type(a)
     sub = None if (t is _ndarray or t is _memmap) else t
+    # A plain dtype travels as its string ('<f8'): much cheaper to pickle than the object.
+    dt = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
     return _rebuild_array, (key, arena.size, fd_index, view.offset, view.size,
-                            data - arena.addr - view.offset, a.shape, dtype, a.strides, sub)
+                            data - arena.addr - view.offset, a.shape, dt, a.strides, sub)
 
 
 class _DecodeCtx:

@@ -82,10 +82,17 @@ def torch_producer(q_full, q_free, bufs, n):  # pragma: no cover - needs torch
     q_full.put(None)
 
 
-def torch_consumer(q_full, q_free, bufs):  # pragma: no cover - needs torch
+def torch_consumer(q_full, q_free, bufs, q_result, warm=5):  # pragma: no cover
+    """Consumes batches; reports seconds per batch after ``warm`` batches."""
+    import time
+    seen, t0 = 0, None
     while True:
         idx = q_full.get()
         if idx is None:
+            q_result.put((time.perf_counter() - t0) / max(seen - warm, 1))
             return
         bufs[idx][0] = 1
         q_free.put(idx)
+        seen += 1
+        if seen == warm:
+            t0 = time.perf_counter()
