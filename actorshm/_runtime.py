@@ -628,11 +628,9 @@ class _OutputForwarder:
         if self.partial:
             self._emit(b"\n")
         try:
-            asyncio.get_event_loop_policy()
-            loop = self.rec.conn.loop if self.rec.conn is not None else None
-            if loop is not None:
-                loop.remove_reader(self.fd)
-        except Exception:
+            if self.rec.conn is not None:
+                self.rec.conn.loop.remove_reader(self.fd)
+        except Exception:  # the loop is closing
             pass
         self.stream.close()
 

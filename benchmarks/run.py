@@ -20,7 +20,6 @@ import platform
 import resource
 import socket
 import statistics
-import struct
 import subprocess
 import sys
 import time

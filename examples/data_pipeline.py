@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
     }
     print(f"{args.loaders} loaders -> 1 trainer, batch {args.batch_size} x {N_IN} "
           f"({batch_bytes} B), {args.warmup} warm-up + {n} measured batches")
-    print(f"after warm-up, summed over all processes, per batch:")
+    print("after warm-up, summed over all processes, per batch:")
     print(f"  bytes copied:          {out['bytes_copied_per_batch']:.1f}")
     print(f"  new blocks (mappings): {out['new_blocks_per_batch']:.3f}")
     print(f"  bytes by reference:    {out['bytes_zero_copy_per_batch']:.0f}")

@@ -214,3 +214,21 @@ class ThreadedCaller:
 
     def call_and_wait(self, handle, k):
         return handle.incr(k).result(timeout=10)
+
+
+from dataclasses import dataclass  # noqa: E402
+
+
+@dataclass
+class Batch:
+    """A dataclass holding arrays, as users pass them."""
+    x: np.ndarray
+    y: np.ndarray
+    step: int
+
+
+class Holder:
+    """A plain object holding an array."""
+
+    def __init__(self, arr):
+        self.arr = arr

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import actorshm
-from actors import Arrays, Counter
+from actors import Arrays
 
 
 async def test_write_through_both_directions(rt):
@@ -78,7 +78,6 @@ async def test_ordinary_arrays_copied_once_and_counted(rt):
 
 
 async def test_object_arrays_and_nested_containers(rt):
-    from dataclasses import dataclass
     a = await Arrays.spawn()
     obj = np.array([1, "two", None, {"k": 3}], dtype=object)
     back = await a.echo(obj)
@@ -90,6 +89,13 @@ async def test_object_arrays_and_nested_containers(rt):
     assert np.shares_memory(out["list"][1][1]["deep"], x)
     assert out["list"][1][1]["deep"].shape == (2, 4)
     assert actorshm.is_shared(out["list"][1][0])
+    from actors import Batch, Holder
+    b = Batch(x=actorshm.zeros(4), y=np.arange(3), step=7)
+    ob = await a.echo(b)
+    assert type(ob) is Batch and ob.step == 7
+    assert np.shares_memory(ob.x, b.x) and actorshm.is_shared(ob.y)
+    h = await a.echo(Holder(x))
+    assert np.shares_memory(h.arr, x)
 
 
 async def test_recycling_steady_state(rt):

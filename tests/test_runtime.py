@@ -116,19 +116,15 @@ async def test_unserializable_result_is_type_error(rt):
 async def test_death_fails_pending_and_later_calls(rt, how, expect):
     f = await Faulty.spawn()
     other = await Counter.spawn()
-    pending = [f.hang()] + [f.ok() for _ in range(5)]
-    await asyncio.sleep(0.1)
-    t0 = time.monotonic()
-    if how == "crash":
-        doomed = await Faulty.spawn()
-        pending = [doomed.crash()] + [doomed.ok() for _ in range(5)]
-        f = doomed
-    elif how == "exit":
-        doomed = await Faulty.spawn()
-        pending = [doomed.exit(3)] + [doomed.ok() for _ in range(5)]
-        f = doomed
-    else:
+    if how == "kill":
+        pending = [f.hang()] + [f.ok() for _ in range(5)]
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
         await f.kill()
+    else:
+        t0 = time.monotonic()
+        doomed = f.crash() if how == "crash" else f.exit(3)
+        pending = [doomed] + [f.ok() for _ in range(5)]  # queued behind the death
     results = await asyncio.gather(*pending, return_exceptions=True)
     assert time.monotonic() - t0 < 1.0
     for r in results:
@@ -199,7 +195,7 @@ async def test_stdout_stderr_prefixed(rt, capfd):
 
 async def test_runtime_exit_leaves_nothing_behind():
     fds_before = set(os.listdir("/proc/self/fd"))
-    async with actorshm.Runtime(shutdown_grace=0.5) as rt:
+    async with actorshm.Runtime(shutdown_grace=0.5):
         actors = [await Counter.spawn(i) for i in range(3)]
         pids = [a.pid for a in actors]
         caller = await Caller.spawn(actors[0])
