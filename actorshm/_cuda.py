@@ -1,165 +1,190 @@
 """The CuPy path: GPU slabs, CUDA IPC handles, GPU leases. Imported only when needed.
 
-The design mirrors the host path (``_shm``): each process owns a pool of slabs it
-allocated itself with ``cupy.cuda.Memory`` (so each slab's pointer is its allocation
-base, and an IPC handle names exactly that slab); a block travels as (slab IPC handle,
-offset, shape, dtype, strides, device); the receiver opens each slab's handle once and
-caches it. A receiver's view is a lease given back over the same RELEASE frames as host
-blocks, so the sender's block stays alive until every receiver let go, and then returns
-to the sender's GPU pool. Ordering: the sender synchronizes its current stream before
-the descriptor leaves, so the receiver's work runs after the sender's pending work.
+GPU memory is the host mechanism (``_shm``) with another kind of region. Each process
+owns one pool per GPU; its regions are slabs it allocated itself with
+``cupy.cuda.Memory`` (so a slab's pointer is its allocation base, and its IPC handle
+names exactly that slab). Small blocks are carved from chunk slabs, large ones get a
+slab of their own, and free blocks are recycled by size class, exactly as on the host.
+A block travels as (slab, offset, size) plus shape, dtype and strides; the first time a
+slab crosses a connection its IPC handle and PCI bus id ride along, and the receiver
+opens the handle once and keeps it open. The receiver's ``GpuBlock`` is a lease given
+back over the same RELEASE frames as host blocks (``_shm.adopt``), so the sender's
+block stays alive until every receiver let go, and then returns to the sender's pool.
 
-UNVERIFIED ON HARDWARE: no GPU was available where this was written; see docs/gpu.md.
+Ordering: before a descriptor leaves, the sender synchronizes its current stream on
+that GPU, so the receiver's work runs after the sender's pending work; before a lease
+goes back, the releasing process synchronizes the device, so the owner can reuse the
+block at once. See docs/gpu.md.
 """
 
 from __future__ import annotations
 
-import collections
 import threading
 import weakref
 
 import cupy
 
 from . import _shm
+from ._errors import ProtocolError, SharedMemoryError
 
 _stats = _shm._stats
-for _k in ("cuda_bytes_zero_copy", "cuda_bytes_copied", "cuda_pool_allocs",
-           "cuda_pool_reuses", "cuda_blocks_live", "cuda_handles_opened"):
+for _k in ("cuda_bytes_zero_copy", "cuda_bytes_copied", "cuda_arrays_zero_copy",
+           "cuda_arrays_copied", "cuda_pool_allocs", "cuda_pool_reuses",
+           "cuda_handles_opened"):
     _stats.setdefault(_k, 0)
 
-_views: dict[tuple, weakref.ref] = {}  # block key -> live GPU view in this process
-_opened: dict[tuple, int] = {}  # (owner token, slab id) -> pointer opened from its handle
+_runtime = cupy.cuda.runtime
+_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
+
+# Block base pointer -> live GpuBlock in this process: how an array finds its block.
+_by_ptr: "weakref.WeakValueDictionary[int, GpuBlock]" = weakref.WeakValueDictionary()
 
 
 def device_count() -> int:
-    return cupy.cuda.runtime.getDeviceCount()
-
-
-def _bus_id(dev: int) -> str:
-    return cupy.cuda.runtime.deviceGetPCIBusId(dev)
+    return _runtime.getDeviceCount()
 
 
 def _local_device(bus_id: str) -> int:
-    for d in range(device_count()):
-        if _bus_id(d) == bus_id:
-            return d
-    raise RuntimeError(f"GPU {bus_id} is not visible in this process "
-                       "(check CUDA_VISIBLE_DEVICES and num_gpus)")
+    """This process's ordinal for the GPU at ``bus_id`` (ordinals differ per process)."""
+    try:
+        return _runtime.deviceGetByPCIBusId(bus_id)
+    except _runtime.CUDARuntimeError:
+        raise RuntimeError(
+            f"actorshm: the GPU at PCI bus {bus_id} holds this array but is not visible "
+            "in this process; an actor spawned with num_gpus sees only its own GPU "
+            "(CUDA_VISIBLE_DEVICES). Send it to an actor on that GPU, or copy it to the "
+            "host first.") from None
 
 
-class _Slab:
-    __slots__ = ("sid", "mem", "size", "device", "handle", "__weakref__")
+class Slab(_shm.Region):
+    """One allocation of device memory: owned (ours) or opened from a peer's IPC handle."""
 
-    def __init__(self, sid: int, size: int, device: int) -> None:
-        self.sid = sid
-        with cupy.cuda.Device(device):
-            self.mem = cupy.cuda.Memory(size)  # our own allocation: ptr is its base
-        self.size = size
-        self.device = device
-        self.handle: bytes | None = None
+    __slots__ = ("mem", "ptr", "bus_id", "handle")
+
+    def __init__(self, key: tuple, size: int, device: int, bus_id: str, *, dedicated: bool,
+                 mem=None, ptr: int = 0, handle: bytes | None = None) -> None:
+        super().__init__(key, size, owned=mem is not None, dedicated=dedicated,
+                         device=device)
+        self.mem = mem
+        self.ptr = mem.ptr if mem is not None else ptr
+        self.bus_id = bus_id
+        self.handle = handle
+
+    def block(self, offset: int, size: int, pool) -> "GpuBlock":
+        return GpuBlock(self, offset, size, pool)
 
     def ipc_handle(self) -> bytes:
+        """The slab's IPC handle, exported once (only owned slabs export; peers forward)."""
         if self.handle is None:
-            self.handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self.mem.ptr))
+            self.handle = bytes(_runtime.ipcGetMemHandle(self.ptr))
         return self.handle
 
+    def retirable(self) -> bool:
+        # A peer may hold an exported slab open, and freeing memory that another process
+        # still has open is undefined behaviour in CUDA: only never-exported slabs go.
+        return self.handle is None
 
-class _GpuView:
-    """Owner of the memory under every CuPy array on one GPU block in this process."""
+    def close(self) -> None:
+        if self.mem is not None:
+            self.mem = None  # cupy frees it
+        elif self.ptr:
+            try:
+                with cupy.cuda.Device(self.device):
+                    _runtime.ipcCloseMemHandle(self.ptr)
+            except Exception:
+                pass
+        self.ptr = 0
 
-    __slots__ = ("key", "ptr", "size", "device", "slab", "pool", "upstream", "__weakref__")
 
-    def __init__(self, key, ptr, size, device, slab, pool) -> None:
-        self.key = key
-        self.ptr = ptr
-        self.size = size
+class GpuBlock(_shm.Block):
+    """A GPU block in this process: the owner of the memory under its CuPy arrays."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, slab: Slab, offset: int, size: int, pool) -> None:
+        super().__init__(slab, offset, size, pool)
+        self.ptr = slab.ptr + offset
+        _by_ptr[self.ptr] = self
+
+    def array(self, shape, dtype, offset: int = 0, strides=None, order: str = "C"):
+        mem = cupy.cuda.UnownedMemory(self.ptr, self.size, self, self.region.device)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, offset), strides,
+                            order)
+
+
+class GpuPool(_shm.Pool):
+    """This process's memory on one GPU: slabs, recycled by size class."""
+
+    chunk_size = 32 << 20
+    large = 2 << 20  # CUDA maps IPC memory at 2 MiB granularity
+    prefix = "cuda_"
+    region_noun = "cuda_slabs"
+
+    def __init__(self, device: int) -> None:
+        super().__init__(budget=1 << 62)  # the device's memory is the limit
         self.device = device
-        self.slab = slab
-        self.pool = pool
-        self.upstream = None
-        _views[key] = weakref.ref(self)
+        self.bus_id = _runtime.deviceGetPCIBusId(device)
 
-    def array(self, shape, dtype, offset=0, strides=None):
-        mem = cupy.cuda.UnownedMemory(self.ptr, self.size, self, self.device)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, offset), strides)
+    def size_class(self, nbytes: int) -> int:
+        return (_shm.size_class(nbytes) + 255) & ~255  # CUDA's allocation alignment
 
-    def __del__(self) -> None:
-        try:
-            if self.upstream:
-                _shm._releases.append((self.upstream, self.key))
-                hook = _shm._flush_hook[0]
-                if hook is not None:
-                    hook()
-            if self.pool is not None:
-                self.pool.returned.append(self.slab)
-        except Exception:
-            pass
-
-
-class GpuPool:
-    def __init__(self) -> None:
-        self.token = _shm.pool().token
-        self.lock = threading.Lock()
-        self.free: dict[tuple, list] = collections.defaultdict(list)
-        self.returned: collections.deque = collections.deque()
-        self.next_sid = 0
-
-    def alloc(self, nbytes: int, device: int | None = None) -> _GpuView:
-        dev = cupy.cuda.runtime.getDevice() if device is None else device
-        size = _shm.size_class(max(int(nbytes), 1))
-        with self.lock:
-            while self.returned:
-                s = self.returned.popleft()
-                self.free[(s.size, s.device)].append(s)
-                _stats["cuda_blocks_live"] -= 1
-            free = self.free.get((size, dev))
-            if free:
-                slab = free.pop()
-                _stats["cuda_pool_reuses"] += 1
-            else:
-                slab = _Slab(self.next_sid, size, dev)
-                self.next_sid += 1
-                _stats["cuda_pool_allocs"] += 1
-            _stats["cuda_blocks_live"] += 1
-        return _GpuView((self.token, "gpu", slab.sid), slab.mem.ptr, size, dev, slab, self)
+    def _make_region(self, key: tuple, size: int, dedicated: bool) -> Slab:
+        with cupy.cuda.Device(self.device):
+            try:
+                mem = cupy.cuda.Memory(size)
+            except _runtime.CUDARuntimeError as exc:
+                if exc.status != _ERROR_MEMORY_ALLOCATION:
+                    raise
+                # Give back what is cached and unused, then try once more.
+                cupy.get_default_memory_pool().free_all_blocks()
+                self._retire_free(size)
+                try:
+                    mem = cupy.cuda.Memory(size)
+                except _runtime.CUDARuntimeError as exc2:
+                    if exc2.status != _ERROR_MEMORY_ALLOCATION:
+                        raise
+                    free, total = _runtime.memGetInfo()
+                    raise SharedMemoryError(
+                        f"actorshm: GPU {self.device} has no room for "
+                        f"{_shm._fmt(size)} more ({_shm._fmt(free)} of "
+                        f"{_shm._fmt(total)} free; {_shm._fmt(self.reserved)} is held by "
+                        "this process's actorshm pool). Drop GPU arrays you no longer "
+                        "need, in this process and in the actors you sent them to."
+                    ) from None
+        return Slab(key, size, self.device, self.bus_id, dedicated=dedicated, mem=mem)
 
 
-_pool: GpuPool | None = None
+_pools: dict[int, GpuPool] = {}
+_pools_lock = threading.Lock()
 
 
-def pool() -> GpuPool:
-    global _pool
-    if _pool is None:
-        _pool = GpuPool()
-    return _pool
+def pool(device: int | None = None) -> GpuPool:
+    """This process's pool on ``device`` (default: the current device), made on first use."""
+    if device is None:
+        device = _runtime.getDevice()
+    p = _pools.get(device)
+    if p is None:
+        with _pools_lock:
+            p = _pools.get(device)
+            if p is None:
+                p = _pools[device] = GpuPool(device)
+    return p
 
 
-def find_view(arr) -> _GpuView | None:
-    mem = arr.data.mem
-    ref = _ptr_index.get(mem.ptr)
-    v = ref() if ref is not None else None
-    return v
-
-
-_ptr_index: dict[int, weakref.ref] = {}
-
-
-def _register(view: _GpuView) -> _GpuView:
-    _ptr_index[view.ptr] = weakref.ref(view)
-    return view
+def find_view(arr) -> GpuBlock | None:
+    """The actorshm GPU block a CuPy array views, or None."""
+    # Every array on a block shares the block's UnownedMemory, whose pointer is the
+    # block's base; device pointers are unique within a process (unified addressing).
+    return _by_ptr.get(arr.data.mem.ptr)
 
 
 def empty(shape, dtype=float, order="C"):
-    dtype = cupy.dtype(dtype)
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    n = dtype.itemsize
-    for s in shape:
-        n *= int(s)
-    view = _register(pool().alloc(n))
-    arr = view.array(shape, dtype)
-    if order == "F":
-        arr = cupy.ndarray(shape, dtype, arr.data, order="F")
-    return arr
+    shape, dtype, n = _shm._nbytes(shape, dtype)
+    if order not in ("C", "F"):
+        raise ValueError(f"order must be 'C' or 'F', not {order!r}")
+    block = pool().alloc(n)
+    with cupy.cuda.Device(block.region.device):
+        return block.array(shape, dtype, order=order)
 
 
 def zeros(shape, dtype=float, order="C"):
@@ -169,11 +194,15 @@ def zeros(shape, dtype=float, order="C"):
 
 
 def share(arr):
+    if not isinstance(arr, cupy.ndarray):
+        raise TypeError(f"actorshm.cuda.share needs a cupy.ndarray, not "
+                        f"{type(arr).__name__}; use actorshm.share for numpy arrays")
     if find_view(arr) is not None:
         return arr
-    out = empty(arr.shape, arr.dtype, "F" if arr.flags.f_contiguous and
-                not arr.flags.c_contiguous else "C")
-    out[...] = arr  # device to device
+    with arr.device:
+        out = empty(arr.shape, arr.dtype, "F" if arr.flags.f_contiguous and
+                    not arr.flags.c_contiguous else "C")
+        out[...] = arr  # device to device, on the current stream
     return out
 
 
@@ -181,61 +210,49 @@ def is_shared(arr) -> bool:
     return isinstance(arr, cupy.ndarray) and find_view(arr) is not None
 
 
+def fence(device: int) -> None:
+    """Wait for this process's queued work on ``device`` (before a lease goes back)."""
+    with cupy.cuda.Device(device):
+        _runtime.deviceSynchronize()
+
+
 def reduce_cupy(enc, a):
     view = find_view(a)
     if view is None:
         # CuPy's own pool hands out chunks of bigger allocations; their IPC handle would
-        # name the whole allocation, so copy once into a slab of ours.
+        # name the whole allocation, so copy once into a block of ours.
         a = share(a)
         view = find_view(a)
         _stats["cuda_bytes_copied"] += a.nbytes
+        _stats["cuda_arrays_copied"] += 1
     else:
         _stats["cuda_bytes_zero_copy"] += a.nbytes
-    cupy.cuda.get_current_stream().synchronize()  # receiver runs after our pending work
-    enc.cuda_grants.append(view)
-    slab = view.slab
-    if slab is not None:
-        handle, sid, owner = slab.ipc_handle(), slab.sid, view.key[0]
-        slab_size = slab.size
-    else:  # forwarding a block we received
-        owner, _, sid = view.key
-        handle = _received_handles[(owner, sid)]
-        slab_size = view.size
-    return _rebuild, (owner, sid, handle, slab_size, a.data.ptr - view.ptr, a.shape,
-                      a.dtype.str, a.strides, _bus_id(view.device))
+        _stats["cuda_arrays_zero_copy"] += 1
+    slab = view.region
+    if slab.device not in enc.cuda_synced:
+        enc.cuda_synced.add(slab.device)
+        with cupy.cuda.Device(slab.device):  # the receiver runs after our pending work
+            cupy.cuda.get_current_stream().synchronize()
+    intro = (slab.ipc_handle(), slab.bus_id) if enc.lease(view) else None
+    return _rebuild, (slab.key, slab.size, intro, view.offset, view.size,
+                      a.data.ptr - view.ptr, a.shape, a.dtype.str, a.strides)
 
 
-_received_handles: dict[tuple, bytes] = {}
-
-
-def commit(conn, views) -> None:
-    grants = conn.grants
-    for view in views:
-        g = grants.get(view.key)
-        if g is None:
-            grants[view.key] = [view, 1]
-        else:
-            g[1] += 1
-
-
-def _rebuild(owner, sid, handle, slab_size, offset, shape, dtype, strides, bus_id):
+def _rebuild(key, slab_size, intro, boff, bsize, aoff, shape, dtype, strides):
     from ._serialization import _ctx
-    ctx = _ctx()
-    key = (owner, "gpu", sid)
-    ref = _views.get(key)
-    view = ref() if ref is not None else None
-    if view is None:
-        dev = _local_device(bus_id)
-        ptr = _opened.get((owner, sid))
-        if ptr is None:
-            with cupy.cuda.Device(dev):
-                ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle)
-            _opened[(owner, sid)] = ptr
-            _received_handles[(owner, sid)] = handle
-            _stats["cuda_handles_opened"] += 1
-        view = _register(_GpuView(key, ptr, slab_size, dev, None, None))
-        view.upstream = {ctx.conn: 1}
-    else:
-        ctx.conn.queue_release(key, 1)
-    with cupy.cuda.Device(view.device):
-        return view.array(shape, cupy.dtype(dtype), offset, strides)
+    view = _shm.adopt(_ctx().conn, key, boff, bsize, _open_slab, key, slab_size, intro)
+    with cupy.cuda.Device(view.region.device):
+        return view.array(shape, dtype, aoff, strides)
+
+
+def _open_slab(key: tuple, size: int, intro) -> Slab:
+    """Open a slab a peer introduced in this frame (its IPC handle rode along)."""
+    if intro is None:
+        raise ProtocolError("peer referred to a GPU slab it never sent")
+    handle, bus_id = intro
+    dev = _local_device(bus_id)
+    with cupy.cuda.Device(dev):
+        ptr = _runtime.ipcOpenMemHandle(handle)
+    _stats["cuda_handles_opened"] += 1
+    return Slab(key, size, dev, bus_id, dedicated=size >= GpuPool.large, ptr=ptr,
+                handle=handle)

@@ -71,7 +71,7 @@ class Connection:
         self.pending: dict[int, asyncio.Future] = {}
         self.pending_meta: dict[int, str] = {}
         self.grants: dict[tuple, list] = {}  # block key -> [view, count] leased to the peer
-        self.sent_arenas: set[tuple] = set()
+        self.sent_regions: set[tuple] = set()
         self.closed = False
         self.close_exc: BaseException | None = None
         self._next_id = 1
@@ -459,7 +459,7 @@ class Connection:
         elif kind == RETIRE:
             try:
                 key = pickle.loads(payload)
-                self.host.arena_retired(key)
+                self.host.region_retired(key)
             except Exception as exc:
                 self._protocol_error(f"bad retire frame: {exc!r}")
         else:
@@ -473,18 +473,3 @@ def _close_fd(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
-
-
-def retire_arena(key: tuple) -> None:
-    """A peer retired an arena we mapped: unmap it, and tell whoever we passed it to."""
-    arena = _shm._arenas.get(key)
-    if arena is None or arena.owned:
-        return
-    # A view of it still alive means a peer broke the lease rules; keep the mapping.
-    for vkey, ref in list(_shm._views.items()):
-        if vkey[0] == key[0] and vkey[1] == key[1] and ref() is not None:
-            return
-    del _shm._arenas[key]
-    for conn in list(arena.sent_to):
-        conn.send_retire(key)
-    arena.close()

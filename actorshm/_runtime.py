@@ -27,7 +27,7 @@ from typing import Any
 from . import _client, _shm
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._errors import ActorDiedError
-from ._protocol import Connection, retire_arena
+from ._protocol import Connection
 from ._util import describe_exit, install_event_loop_policy
 
 __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
@@ -55,7 +55,7 @@ class _Record:
         self.exited = asyncio.Event()
         self.stderr_tail: collections.deque = collections.deque(maxlen=20)
         self.pipes: list = []
-        self.gpus: list[int] = []
+        self.gpus: list[str] = []
         self.spawn_args: tuple = ()
         self.restarts = 0
         self.no_restart = False
@@ -76,13 +76,14 @@ class Runtime:
         or ``ACTORSHM_SHM_BUDGET``).
       shutdown_grace: seconds an actor gets to stop before SIGTERM, then SIGKILL.
       start_timeout: seconds an actor may take to start and run ``__init__``.
-      gpus: device ordinals that ``num_gpus`` actors may get (default: those in the
-        driver's ``CUDA_VISIBLE_DEVICES``, or those CuPy sees).
+      gpus: the GPUs that ``num_gpus`` actors may get, as ``CUDA_VISIBLE_DEVICES``
+        entries (ordinals or ``GPU-<uuid>``; default: the driver's
+        ``CUDA_VISIBLE_DEVICES``, or every GPU CuPy sees).
     """
 
     def __init__(self, *, start_method: str = "spawn", shm_budget: int | None = None,
                  shutdown_grace: float = 2.0, start_timeout: float = 60.0,
-                 gpus: list[int] | None = None) -> None:
+                 gpus: list[int | str] | None = None) -> None:
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', not "
                              f"{start_method!r}: a bare fork deadlocks with threads and "
@@ -91,8 +92,9 @@ class Runtime:
         self.shm_budget = shm_budget
         self.shutdown_grace = shutdown_grace
         self.start_timeout = start_timeout
-        self._gpus = gpus
-        self._gpus_free: list[int] | None = None
+        self._gpus = None if gpus is None else [str(g) for g in gpus]
+        self._gpus_free: list[str] | None = None
+        self._gpus_total = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self._actors: dict[int, _Record] = {}
         self._names: dict[str, int] = {}
@@ -301,15 +303,23 @@ class Runtime:
                 popen.kill()
                 popen.wait()
 
-    def _take_gpus(self, n: int, who: str) -> list[int]:
+    def _take_gpus(self, n: int, who: str) -> list[str]:
         if self._gpus_free is None:
             self._gpus_free = list(self._gpus) if self._gpus is not None else _visible_gpus()
+            self._gpus_total = len(self._gpus_free)
         if len(self._gpus_free) < n:
-            total = len(self._gpus) if self._gpus is not None else len(_visible_gpus())
+            if not self._gpus_total:
+                where = ("Runtime(gpus=[])" if self._gpus is not None else
+                         "CUDA_VISIBLE_DEVICES and CuPy")
+                raise ValueError(
+                    f"cannot spawn {who} with num_gpus={n}: no GPU is available to this "
+                    f"runtime ({where} name none). Install the cuda extra "
+                    "(pip install 'actorshm[cuda]') on a machine with a GPU, pass "
+                    "Runtime(gpus=[...]), or spawn with num_gpus=0.")
             raise ValueError(
-                f"cannot spawn {who} with num_gpus={n}: {len(self._gpus_free)} of {total} "
-                "GPU(s) are free. Kill a GPU actor first, lower num_gpus, or pass "
-                "Runtime(gpus=[...]).")
+                f"cannot spawn {who} with num_gpus={n}: {len(self._gpus_free)} of "
+                f"{self._gpus_total} GPU(s) are free. Kill a GPU actor first, lower "
+                "num_gpus, or pass Runtime(gpus=[...]).")
         taken, self._gpus_free = self._gpus_free[:n], self._gpus_free[n:]
         return taken
 
@@ -424,8 +434,8 @@ class Runtime:
             except ProcessLookupError:
                 pass
 
-    def arena_retired(self, key) -> None:
-        retire_arena(key)
+    def region_retired(self, key) -> None:
+        _shm.retire_region(key)
 
     # -- death and shutdown ------------------------------------------------------
     def _on_exit(self, rec: _Record) -> None:
@@ -559,14 +569,25 @@ def _kill_all(actors: dict) -> None:
                 pass
 
 
-def _visible_gpus() -> list[int]:
+def _visible_gpus() -> list[str]:
+    """The GPUs this process may hand out, as ``CUDA_VISIBLE_DEVICES`` entries.
+
+    Entries are kept as written (ordinals, ``GPU-<uuid>`` or ``MIG-<uuid>``), so that an
+    actor's ``CUDA_VISIBLE_DEVICES`` names the same GPU the driver sees. As in CUDA, the
+    list ends at the first empty or negative entry.
+    """
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
-        return [int(x) for x in env.split(",") if x.strip().lstrip("-").isdigit()
-                and int(x) >= 0]
+        out = []
+        for tok in env.split(","):
+            tok = tok.strip()
+            if not tok or tok.startswith("-"):
+                break
+            out.append(tok)
+        return out
     try:
         from . import _cuda
-        return list(range(_cuda.device_count()))
+        return [str(i) for i in range(_cuda.device_count())]
     except Exception:
         return []
 

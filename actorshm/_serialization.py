@@ -14,6 +14,7 @@ An arena's fd rides along (SCM_RIGHTS) the first time it is needed on a connecti
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import sys
 import threading
@@ -46,9 +47,22 @@ class _Encoder(cloudpickle.Pickler):
         super().__init__(file, protocol=5)
         self.conn = conn
         self.fds: list[int] = []
-        self.new_arenas: list = []
+        self.new_regions: list = []
         self.grants: list = []
-        self.cuda_grants: list = []
+        self.cuda_synced: set = set()  # GPUs whose sender-side work this message waited for
+
+    def lease(self, view) -> bool:
+        """Grant ``view`` to the peer with this message (host and GPU blocks alike).
+
+        Returns True when the block's region is new to this connection, so that the
+        descriptor must carry what opens it (an arena's fd, a slab's IPC handle).
+        """
+        self.grants.append(view)
+        region = view.region
+        if region.key in self.conn.sent_regions or region in self.new_regions:
+            return False
+        self.new_regions.append(region)
+        return True
 
     def reducer_override(self, obj):
         t = type(obj)
@@ -83,20 +97,17 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     else:
         stats["bytes_zero_copy"] += a.nbytes
         stats["arrays_zero_copy"] += 1
-    arena = view.arena
+    arena = view.region
     fd_index = -1
-    key = arena.key
-    if key not in enc.conn.sent_arenas and arena not in enc.new_arenas:
+    if enc.lease(view):
         fd_index = len(enc.fds)
         enc.fds.append(arena.fd)
-        enc.new_arenas.append(arena)
-    enc.grants.append(view)
     data = a.__array_interface__["data"][0]
     t = type(a)
     sub = None if (t is _ndarray or t is _memmap) else t
     # A plain dtype travels as its string ('<f8'): much cheaper to pickle than the object.
     dt = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
-    return _rebuild_array, (key, arena.size, fd_index, view.offset, view.size,
+    return _rebuild_array, (arena.key, arena.size, fd_index, view.offset, view.size,
                             data - arena.addr - view.offset, a.shape, dt, a.strides, sub)
 
 
@@ -136,38 +147,23 @@ def _rebuild_fd(index: int) -> int:
 
 def _rebuild_array(key, arena_size, fd_index, boff, bsize, aoff, shape, dtype, strides, sub):
     ctx = _ctx()
-    bkey = (key[0], key[1], boff)
-    ref = _shm._views.get(bkey)
-    view = ref() if ref is not None else None
-    if view is None:
-        if _shm._pool is not None and key[0] == _shm._pool.token:
-            raise ProtocolError("peer sent back a block of ours that is no longer leased")
-        arena = _shm._arenas.get(key)
-        if arena is None:
-            if fd_index < 0:
-                raise ProtocolError("peer referred to an arena it never sent")
-            fd = ctx.take_fd(fd_index)
-            import os
-            if os.fstat(fd).st_size < arena_size:
-                raise ProtocolError("arena fd is smaller than the peer claims")
-            addr = _shm._map(fd, arena_size)
-            arena = _shm.Arena(key, fd, arena_size, addr, owned=False,
-                               dedicated=arena_size >= _shm.LARGE)
-            _shm._arenas[key] = arena
-            _shm._stats["arenas_mapped"] += 1
-        if boff < 0 or bsize < 0 or boff + bsize > arena.size:
-            raise ProtocolError("block lies outside its arena")
-        view = _shm._View(arena, boff, bsize, None)
-        view.upstream = {ctx.conn: 1}
-    else:
-        # We already hold this block through an earlier lease (or own it): one lease per
-        # process is enough, so this grant goes straight back. Holding both would let two
-        # processes that passed a block back and forth pin it for each other forever.
-        ctx.conn.queue_release(bkey, 1)
+    view = _shm.adopt(ctx.conn, key, boff, bsize, _open_arena, ctx, key, arena_size, fd_index)
     arr = np.ndarray(shape, dtype, buffer=np.asarray(view), offset=aoff, strides=strides)
     if sub is not None:
         arr = arr.view(sub)
     return arr
+
+
+def _open_arena(ctx: _DecodeCtx, key: tuple, size: int, fd_index: int) -> _shm.Arena:
+    """Map an arena a peer introduced in this frame (its fd rode along)."""
+    if fd_index < 0:
+        raise ProtocolError("peer referred to an arena it never sent")
+    fd = ctx.take_fd(fd_index)
+    if os.fstat(fd).st_size < size:
+        raise ProtocolError("arena fd is smaller than the peer claims")
+    addr = _shm._map(fd, size)
+    _shm._stats["arenas_mapped"] += 1
+    return _shm.Arena(key, fd, size, addr, owned=False, dedicated=size >= _shm.LARGE)
 
 
 _SIMPLE = frozenset({int, float, str, bytes, bool, type(None), complex})
@@ -212,12 +208,9 @@ def commit(enc: _Encoder) -> None:
             grants[view.key] = [view, 1]
         else:
             g[1] += 1
-    for arena in enc.new_arenas:
-        conn.sent_arenas.add(arena.key)
-        arena.sent_to.add(conn)
-    if enc.cuda_grants:
-        from . import _cuda
-        _cuda.commit(conn, enc.cuda_grants)
+    for region in enc.new_regions:
+        conn.sent_regions.add(region.key)
+        region.sent_to.add(conn)
 
 
 def decode(payload, fds, conn) -> Any:
@@ -230,7 +223,6 @@ def decode(payload, fds, conn) -> Any:
     finally:
         _tls.ctx = prev
         if fds:
-            import os
             for i, fd in enumerate(fds):
                 if i not in ctx.taken:
                     try:

@@ -1,20 +1,21 @@
-"""Shared memory: arenas, the per-process pool, views, leases and recycling.
+"""Shared memory: regions, per-process pools, blocks, leases and recycling.
 
-Memory comes from anonymous ``memfd_create`` files ("arenas"), never from named
+Host memory comes from anonymous ``memfd_create`` files ("arenas"), never from named
 segments, so nothing can leak in /dev/shm and its mount size does not matter. Each
-process owns a pool of arenas; small blocks are carved from 64 MiB chunk arenas, and
-blocks of 4 MiB or more get an arena of their own. An arena's fd crosses to a peer once
-(over SCM_RIGHTS, see ``_protocol``) and is mapped once there; after that a block
-travels as ``(arena, offset, size)``.
+process owns a pool; small blocks are carved from 64 MiB chunk arenas, and blocks of
+4 MiB or more get an arena of their own. An arena's fd crosses to a peer once (over
+SCM_RIGHTS, see ``_protocol``) and is mapped once there; after that a block travels as
+``(arena, offset, size)``. GPU memory (``_cuda``) is the same mechanism with another
+kind of region: a slab of device memory whose CUDA IPC handle crosses once.
 
-Every block a process can see is represented there by exactly one ``_View`` object,
-the ``base`` of all the numpy arrays that view the block. A view remembers who it got
-the block from (``upstream``: connection -> number of grants); when its last array is
-garbage collected, the view sends those grants back (batched, one-way) and, in the
-owner's process, returns the block to the pool's free list. A connection that sends a
-block keeps the sender's view alive (``Connection.grants``) until the receiver releases
-it. So a block is recycled only after every process has dropped every reference to it,
-and nobody has to write code for buffers to go home.
+Every block a process can see is represented there by exactly one ``Block`` object,
+the owner of all the arrays that view the block. A block remembers who leased it to
+us (``upstream``: connection -> number of grants); when its last array is garbage
+collected, it sends those grants back (batched, one-way) and, in the owner's process,
+returns to the pool's free list. A connection that sends a block keeps the sender's
+``Block`` alive (``Connection.grants``) until the receiver releases it. So a block is
+recycled only after every process has dropped every reference to it, and nobody has to
+write code for buffers to go home.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import SharedMemoryError
+from ._errors import ProtocolError, SharedMemoryError
 
-__all__ = ["Pool", "empty", "zeros", "share", "is_shared", "stats", "pool"]
+__all__ = ["Pool", "HostPool", "Region", "Block", "adopt", "empty", "zeros", "share", "is_shared", "stats", "pool"]
 
 PAGE = mmap.PAGESIZE
 CHUNK_SIZE = 64 << 20  # arena size for small blocks
@@ -61,14 +62,11 @@ _stats: dict[str, int] = dict.fromkeys(
 
 def stats() -> dict[str, int]:
     """This process's cumulative shared-memory and call counters, as a plain dict."""
+    gauges: dict[str, int] = {}
+    for p in _pools:
+        p.report(gauges)
     out = dict(_stats)
-    p = _pool
-    if p is not None:
-        p.drain()
-        out["blocks_live"] = p.blocks_live
-        out["arenas_owned"] = len(p.arenas)
-        out["arena_bytes_owned"] = p.reserved
-        out["shm_budget"] = p.budget
+    out.update(gauges)
     return out
 
 
@@ -89,21 +87,50 @@ def _fmt(n: float) -> str:
     return f"{n} B"
 
 
-class Arena:
+class Region:
+    """One allocation that a pool carves blocks from, as seen by one process.
+
+    On the host a region is a memfd arena (``Arena``); on a GPU it is a slab of device
+    memory (``actorshm._cuda.Slab``). Everything else -- blocks, leases, free lists,
+    recycling, retirement -- is the same for both and lives in this module.
+    """
+
+    __slots__ = ("key", "size", "owned", "dedicated", "device", "sent_to", "__weakref__")
+
+    def __init__(self, key: tuple, size: int, owned: bool, dedicated: bool,
+                 device: int | None = None) -> None:
+        self.key = key  # (owner pool token, index)
+        self.size = size
+        self.owned = owned
+        self.dedicated = dedicated  # holds one block only (so it can be freed alone)
+        self.device = device  # None on the host, the CUDA ordinal in this process on a GPU
+        # Connections this region was introduced on, told when the region is retired.
+        self.sent_to: weakref.WeakSet = weakref.WeakSet()
+
+    def block(self, offset: int, size: int, pool: "Pool | None") -> "Block":
+        raise NotImplementedError
+
+    def retirable(self) -> bool:
+        """Whether the owner may free this region while peers may still have it open."""
+        return True
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class Arena(Region):
     """One memfd file mapped into this process."""
 
-    __slots__ = ("key", "fd", "size", "addr", "owned", "dedicated", "sent_to", "__weakref__")
+    __slots__ = ("fd", "addr")
 
     def __init__(self, key: tuple, fd: int, size: int, addr: int, owned: bool,
                  dedicated: bool) -> None:
-        self.key = key
+        super().__init__(key, size, owned, dedicated)
         self.fd = fd
-        self.size = size
         self.addr = addr
-        self.owned = owned
-        self.dedicated = dedicated
-        # Connections this arena's fd was sent over, told when the arena is retired.
-        self.sent_to: weakref.WeakSet = weakref.WeakSet()
+
+    def block(self, offset: int, size: int, pool: "Pool | None") -> "_View":
+        return _View(self, offset, size, pool)
 
     def close(self) -> None:
         if self.addr:
@@ -117,32 +144,36 @@ class Arena:
             self.fd = -1
 
 
-# Arenas mapped in this process, owned or not, by key (owner token, index).
-_arenas: dict[tuple, Arena] = {}
-# One live view per block in this process: key (owner token, arena index, offset) -> ref.
+# Regions opened or owned in this process, host and GPU alike, by key (owner token, index).
+_regions: dict[tuple, Region] = {}
+# One live block object per block in this process: key (owner token, index, offset) -> ref.
 _views: dict[tuple, weakref.ref] = {}
-# Grants to give back, appended from ``_View.__del__`` (any thread), flushed on the loop.
+# Tokens of the pools this process owns (one host pool, one pool per GPU in use).
+_own_tokens: set[int] = set()
+# Grants to give back, appended from ``Block.__del__`` (any thread), flushed on the loop:
+# (upstream, block key, device or None).
 _releases: collections.deque = collections.deque()
 _flush_hook: list = [None]  # set by the runtime: schedules ``flush_releases`` on its loop
 
 
-class _View:
-    """The base object of every numpy array that views one shared block."""
+class Block:
+    """This process's handle on one block: the owner of every array that views it.
 
-    __slots__ = ("__array_interface__", "arena", "offset", "size", "key", "pool",
-                 "upstream", "__weakref__")
+    A process has at most one live ``Block`` per block (``_views``). ``upstream`` is who
+    leased it to us (connection -> number of grants); when the last array on the block
+    is garbage collected, the grants go back (batched, one-way), and in the owner's
+    process the block returns to the pool's free list.
+    """
 
-    def __init__(self, arena: Arena, offset: int, size: int, pool: "Pool | None") -> None:
-        self.arena = arena
+    __slots__ = ("region", "offset", "size", "key", "pool", "upstream", "__weakref__")
+
+    def __init__(self, region: Region, offset: int, size: int, pool: "Pool | None") -> None:
+        self.region = region
         self.offset = offset
         self.size = size
-        self.key = (arena.key[0], arena.key[1], offset)
+        self.key = (region.key[0], region.key[1], offset)
         self.pool = pool
         self.upstream: dict | None = None
-        self.__array_interface__ = {
-            "shape": (size,), "typestr": "|u1", "data": (arena.addr + offset, False),
-            "version": 3,
-        }
         _views[self.key] = weakref.ref(self)
         if len(_views) > _prune_at[0]:
             _prune_views()
@@ -150,14 +181,27 @@ class _View:
     def __del__(self) -> None:
         try:
             if self.upstream:
-                _releases.append((self.upstream, self.key))
+                _releases.append((self.upstream, self.key, self.region.device))
                 hook = _flush_hook[0]
                 if hook is not None:
                     hook()
             if self.pool is not None:
-                self.pool._returned.append((self.arena, self.offset, self.size))
+                self.pool._returned.append((self.region, self.offset, self.size))
         except Exception:  # interpreter shutdown: nothing left to tell
             pass
+
+
+class _View(Block):
+    """A host block: the ``base`` of every numpy array that views it."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, arena: Arena, offset: int, size: int, pool: "Pool | None") -> None:
+        super().__init__(arena, offset, size, pool)
+        self.__array_interface__ = {
+            "shape": (size,), "typestr": "|u1", "data": (arena.addr + offset, False),
+            "version": 3,
+        }
 
 
 _prune_at = [4096]
@@ -172,11 +216,68 @@ def _prune_views() -> None:
 
 
 def flush_releases() -> None:
-    """Hand every pending release to its connection (runs on the event loop)."""
+    """Hand every pending release to its connection (runs on the event loop).
+
+    A GPU block is released only after this process's queued work on that device has
+    finished, so that its owner can reuse the memory at once (see docs/gpu.md).
+    """
+    fenced: set[int] = set()
     while _releases:
-        upstream, key = _releases.popleft()
+        upstream, key, device = _releases.popleft()
+        if device is not None and device not in fenced:
+            fenced.add(device)
+            from ._cuda import fence
+            fence(device)
         for conn, n in upstream.items():
             conn.queue_release(key, n)
+
+
+def adopt(conn, rkey: tuple, boff: int, bsize: int, open_region, *open_args) -> Block:
+    """The block a peer just leased to us over ``conn``: every receive path ends here.
+
+    A process holds at most one lease per block: a grant for a block we already hold
+    (or own) goes straight back, since holding both would let two processes that passed
+    a block back and forth pin it for each other forever. Otherwise the region is
+    opened once (``open_region(*open_args)``) and the new block remembers its lease.
+    """
+    bkey = (rkey[0], rkey[1], boff)
+    ref = _views.get(bkey)
+    view = ref() if ref is not None else None
+    if view is not None:
+        conn.queue_release(bkey, 1)
+        return view
+    if rkey[0] in _own_tokens:
+        raise ProtocolError("peer sent back a block of ours that is no longer leased")
+    region = _regions.get(rkey)
+    if region is None:
+        try:
+            region = open_region(*open_args)
+        except ProtocolError:
+            raise  # the connection closes, and with it every lease on it
+        except BaseException:
+            conn.queue_release(bkey, 1)  # this call fails; the grant must not leak
+            raise
+        _regions[rkey] = region
+    if boff < 0 or bsize < 0 or boff + bsize > region.size:
+        raise ProtocolError("block lies outside its region")
+    view = region.block(boff, bsize, None)
+    view.upstream = {conn: 1}
+    return view
+
+
+def retire_region(key: tuple) -> None:
+    """A peer retired a region we opened: close it, and tell whoever we passed it to."""
+    region = _regions.get(key)
+    if region is None or region.owned:
+        return
+    # A block of it still alive means a peer broke the lease rules; keep it open.
+    for vkey, ref in list(_views.items()):
+        if vkey[0] == key[0] and vkey[1] == key[1] and ref() is not None:
+            return
+    del _regions[key]
+    for conn in list(region.sent_to):
+        conn.send_retire(key)
+    region.close()
 
 
 def find_view(arr: np.ndarray) -> "_View | None":
@@ -207,33 +308,146 @@ def size_class(n: int) -> int:
     return c
 
 
+# Every pool this process owns, for ``stats()``.
+_pools: list = []
+
+
 class Pool:
-    """The shared memory this process owns: arenas, free lists, the budget."""
+    """Memory this process owns: regions, free lists by size class, a budget.
+
+    Small blocks are carved from shared chunk regions; a block of ``large`` bytes or
+    more gets a region of its own, which can be freed alone (``_retire_free``) when the
+    budget is short. Subclasses say how a region is made (``_make_region``).
+    """
+
+    chunk_size = CHUNK_SIZE
+    large = LARGE
+    prefix = ""  # of this pool's counters in ``stats()``
+    region_noun = "arenas"
 
     def __init__(self, budget: int | None = None) -> None:
         self.token = secrets.randbits(63)
+        _own_tokens.add(self.token)
         self.budget = int(budget) if budget else default_budget()
         self.lock = threading.Lock()
-        self.arenas: dict[int, Arena] = {}
+        self.regions: dict[int, Region] = {}
         self.free: dict[int, list] = collections.defaultdict(list)
         self._returned: collections.deque = collections.deque()
         self._next_index = 0
-        self._chunk: Arena | None = None
+        self._chunk: Region | None = None
         self._chunk_pos = 0
         self.reserved = 0
         self.blocks_live = 0
+        self._k_reuses = self.prefix + "pool_reuses"
+        self._k_allocs = self.prefix + "pool_allocs"
+        _pools.append(self)
 
-    # -- arenas ---------------------------------------------------------------
-    def _new_arena(self, size: int, dedicated: bool) -> Arena:
+    # -- regions ----------------------------------------------------------------
+    def _make_region(self, key: tuple, size: int, dedicated: bool) -> Region:
+        raise NotImplementedError
+
+    def _over_budget(self, size: int) -> SharedMemoryError:
+        return SharedMemoryError(
+            f"actorshm: cannot allocate {_fmt(size)} of shared memory: this process's "
+            f"budget is {_fmt(self.budget)} and {_fmt(self.reserved)} is already in "
+            "use. Drop arrays you no longer need, or raise the budget with "
+            "actorshm.Runtime(shm_budget=...) (or ACTORSHM_SHM_BUDGET=bytes)."
+        )
+
+    def _new_region(self, size: int, dedicated: bool) -> Region:
         if self.reserved + size > self.budget:
             self._retire_free(self.reserved + size - self.budget)
         if self.reserved + size > self.budget:
-            raise SharedMemoryError(
-                f"actorshm: cannot allocate {_fmt(size)} of shared memory: this process's "
-                f"budget is {_fmt(self.budget)} and {_fmt(self.reserved)} is already in "
-                "use. Drop arrays you no longer need, or raise the budget with "
-                "actorshm.Runtime(shm_budget=...) (or ACTORSHM_SHM_BUDGET=bytes)."
-            )
+            raise self._over_budget(size)
+        index = self._next_index
+        region = self._make_region((self.token, index), size, dedicated)
+        self._next_index += 1
+        self.regions[index] = region
+        _regions[region.key] = region
+        self.reserved += size
+        return region
+
+    def _retire_free(self, needed: int) -> None:
+        """Free unused dedicated regions (largest first) until ``needed`` bytes are back."""
+        candidates = []
+        for blocks in self.free.values():
+            for blk in blocks:
+                if blk[0].dedicated and blk[0].retirable():
+                    candidates.append(blk)
+        candidates.sort(key=lambda b: -b[2])
+        for blk in candidates:
+            if needed <= 0:
+                break
+            self.free[blk[2]].remove(blk)
+            needed -= blk[0].size
+            self._retire(blk[0])
+
+    def _retire(self, region: Region) -> None:
+        del self.regions[region.key[1]]
+        _regions.pop(region.key, None)
+        self.reserved -= region.size
+        for conn in list(region.sent_to):
+            conn.send_retire(region.key)
+        region.close()
+
+    def drain(self) -> None:
+        """Move blocks returned by ``Block.__del__`` back onto the free lists."""
+        ret = self._returned
+        if ret:
+            with self.lock:
+                while ret:
+                    blk = ret.popleft()
+                    self.free[blk[2]].append(blk)
+                    self.blocks_live -= 1
+
+    def report(self, out: dict) -> None:
+        """Add this pool's gauges to a ``stats()`` dict (summed over pools of a kind)."""
+        self.drain()
+        for key, value in ((self.prefix + "blocks_live", self.blocks_live),
+                           (f"{self.region_noun}_owned", len(self.regions)),
+                           (f"{self.region_noun[:-1]}_bytes_owned", self.reserved)):
+            out[key] = out.get(key, 0) + value
+
+    # -- blocks -----------------------------------------------------------------
+    def size_class(self, nbytes: int) -> int:
+        return size_class(nbytes)
+
+    def alloc(self, nbytes: int) -> Block:
+        """A block of at least ``nbytes``: a recycled one when one fits, else a new one."""
+        size = self.size_class(max(int(nbytes), 1))
+        self.drain()
+        with self.lock:
+            free = self.free.get(size)
+            if free:
+                region, offset, _ = free.pop()
+                _stats[self._k_reuses] += 1
+            elif size >= self.large:
+                region, offset = self._new_region(size, dedicated=True), 0
+                _stats[self._k_allocs] += 1
+            else:
+                chunk = self._chunk
+                if chunk is None or self._chunk_pos + size > chunk.size:
+                    chunk = self._chunk = self._new_region(self.chunk_size, dedicated=False)
+                    self._chunk_pos = 0
+                region, offset = chunk, self._chunk_pos
+                self._chunk_pos += size
+                _stats[self._k_allocs] += 1
+            self.blocks_live += 1
+        return region.block(offset, size, self)
+
+    def close(self) -> None:
+        for region in list(self.regions.values()):
+            _regions.pop(region.key, None)
+            region.close()
+        self.regions.clear()
+        self.free.clear()
+        self.reserved = 0
+
+
+class HostPool(Pool):
+    """This process's shared memory on the host: memfd arenas."""
+
+    def _make_region(self, key: tuple, size: int, dedicated: bool) -> Arena:
         fd = os.memfd_create("actorshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
@@ -256,78 +470,11 @@ class Pool:
         except BaseException:
             os.close(fd)
             raise
-        index = self._next_index
-        self._next_index += 1
-        arena = Arena((self.token, index), fd, size, addr, owned=True, dedicated=dedicated)
-        self.arenas[index] = arena
-        _arenas[arena.key] = arena
-        self.reserved += size
-        return arena
+        return Arena(key, fd, size, addr, owned=True, dedicated=dedicated)
 
-    def _retire_free(self, needed: int) -> None:
-        """Unmap free dedicated arenas (largest first) until ``needed`` bytes are back."""
-        candidates = []
-        for size, blocks in self.free.items():
-            for blk in blocks:
-                if blk[0].dedicated:
-                    candidates.append(blk)
-        candidates.sort(key=lambda b: -b[2])
-        for arena, offset, size in candidates:
-            if needed <= 0:
-                break
-            self.free[size].remove((arena, offset, size))
-            needed -= arena.size
-            self._retire(arena)
-
-    def _retire(self, arena: Arena) -> None:
-        del self.arenas[arena.key[1]]
-        _arenas.pop(arena.key, None)
-        self.reserved -= arena.size
-        for conn in list(arena.sent_to):
-            conn.send_retire(arena.key)
-        arena.close()
-
-    def drain(self) -> None:
-        """Move blocks returned by ``_View.__del__`` back onto the free lists."""
-        ret = self._returned
-        if ret:
-            with self.lock:
-                while ret:
-                    blk = ret.popleft()
-                    self.free[blk[2]].append(blk)
-                    self.blocks_live -= 1
-
-    # -- blocks ---------------------------------------------------------------
-    def alloc(self, nbytes: int) -> _View:
-        """A block of at least ``nbytes``: a recycled one when one fits, else a new one."""
-        size = size_class(max(int(nbytes), 1))
-        self.drain()
-        with self.lock:
-            free = self.free.get(size)
-            if free:
-                arena, offset, _ = free.pop()
-                _stats["pool_reuses"] += 1
-            elif size >= LARGE:
-                arena, offset = self._new_arena(size, dedicated=True), 0
-                _stats["pool_allocs"] += 1
-            else:
-                chunk = self._chunk
-                if chunk is None or self._chunk_pos + size > chunk.size:
-                    chunk = self._chunk = self._new_arena(CHUNK_SIZE, dedicated=False)
-                    self._chunk_pos = 0
-                arena, offset = chunk, self._chunk_pos
-                self._chunk_pos += size
-                _stats["pool_allocs"] += 1
-            self.blocks_live += 1
-        return _View(arena, offset, size, self)
-
-    def close(self) -> None:
-        for arena in list(self.arenas.values()):
-            _arenas.pop(arena.key, None)
-            arena.close()
-        self.arenas.clear()
-        self.free.clear()
-        self.reserved = 0
+    def report(self, out: dict) -> None:
+        super().report(out)
+        out["shm_budget"] = self.budget
 
 
 def default_budget() -> int:
@@ -341,18 +488,18 @@ def default_budget() -> int:
     return total // 2
 
 
-_pool: Pool | None = None
+_pool: HostPool | None = None
 _pool_lock = threading.Lock()
 
 
-def pool() -> Pool:
-    """This process's pool, made on first use."""
+def pool() -> HostPool:
+    """This process's host pool, made on first use."""
     global _pool
     p = _pool
     if p is None:
         with _pool_lock:
             if _pool is None:
-                _pool = Pool()
+                _pool = HostPool()
             p = _pool
     return p
 

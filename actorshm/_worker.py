@@ -22,7 +22,7 @@ from typing import Any
 
 from . import _client, _shm
 from ._errors import ActorDiedError
-from ._protocol import Connection, retire_arena
+from ._protocol import Connection
 from ._util import describe_exit, new_event_loop, set_parent_death_signal
 
 
@@ -236,8 +236,8 @@ class Worker:
         elif conn.peer_id is not None and self.peers.get(conn.peer_id) is conn:
             del self.peers[conn.peer_id]
 
-    def arena_retired(self, key) -> None:
-        retire_arena(key)
+    def region_retired(self, key) -> None:
+        _shm.retire_region(key)
 
 
 async def _amain(fd: int) -> int:

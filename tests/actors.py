@@ -194,6 +194,14 @@ class Arrays:
         return len(os.listdir("/proc/self/fd"))
 
 
+@actor
+class Probe:
+    """Reports what its process sees."""
+
+    def env(self, name):
+        return os.environ.get(name)
+
+
 @actor(max_restarts=1)
 class Phoenix:
     def __init__(self, tag):

@@ -257,3 +257,31 @@ async def test_forwarded_block_flows_home(rt):
     p1 = await producer.stats()
     assert p1["pool_allocs"] - p0["pool_allocs"] <= 1
     assert p1["bytes_copied"] == p0["bytes_copied"]
+
+
+async def test_retired_arena_is_unmapped_in_peers():
+    # A free dedicated arena is retired when the budget is short; a peer that mapped it
+    # is told, and closes its fd and mapping.
+    async with actorshm.Runtime(shutdown_grace=1.0):
+        from actorshm import _shm
+        pool = _shm.pool()
+        gc.collect()
+        pool.drain()
+        pool._retire_free(1 << 62)  # start with no free dedicated arenas (earlier tests')
+        old = pool.budget
+        pool.budget = pool.reserved + (12 << 20)
+        try:
+            a = await Arrays.spawn()
+            x = actorshm.zeros(8 << 20, np.uint8)
+            assert await a.sum(x) == 0.0  # the actor maps x's arena
+            mapped = await a.fd_count()
+            del x
+            gc.collect()
+            await asyncio.sleep(0.05)
+            y = actorshm.zeros(10 << 20, np.uint8)  # needs the room: x's arena goes
+            assert await a.sum(y) == 0.0
+            assert await a.fd_count() == mapped  # one arena closed, one mapped
+            assert (await a.stats())["arenas_mapped"] >= 2
+            del y
+        finally:
+            pool.budget = old

@@ -14,7 +14,7 @@ import pytest
 
 import actorshm
 from actorshm import ActorDiedError, RemoteError
-from actors import Caller, Concurrent, Counter, CustomError, Faulty
+from actors import Caller, Concurrent, Counter, CustomError, Faulty, Probe
 
 
 async def test_spawn_call_and_local_use(rt):
@@ -380,3 +380,36 @@ async def test_sync_method_in_thread_can_wait_on_calls(rt):
     # the driver, from a thread of its own
     result = await asyncio.to_thread(lambda: c.incr(1).result(timeout=10))
     assert result == 4
+
+
+async def test_num_gpus_gives_each_actor_its_own_gpu():
+    # The runtime's GPU bookkeeping needs no GPU: it hands out CUDA_VISIBLE_DEVICES entries.
+    async with actorshm.Runtime(gpus=[0, "GPU-5d2c"], shutdown_grace=1.0):
+        a = await Probe.options(num_gpus=1).spawn()
+        b = await Probe.options(num_gpus=1).spawn()
+        assert await a.env("CUDA_VISIBLE_DEVICES") == "0"
+        assert await b.env("CUDA_VISIBLE_DEVICES") == "GPU-5d2c"
+        with pytest.raises(ValueError, match="0 of 2 GPU"):
+            await Probe.options(num_gpus=1).spawn()
+        await a.kill()
+        c = await Probe.options(num_gpus=1).spawn()  # a's GPU is free again
+        assert await c.env("CUDA_VISIBLE_DEVICES") == "0"
+
+
+async def test_num_gpus_without_gpus_is_a_clear_error():
+    async with actorshm.Runtime(gpus=[], shutdown_grace=1.0):
+        with pytest.raises(ValueError, match="no GPU is available.*num_gpus=0"):
+            await Probe.options(num_gpus=1).spawn()
+        p = await Probe.spawn()  # the failed spawn left nothing half-made
+        assert await p.env("PATH") == os.environ["PATH"]
+
+
+@pytest.mark.parametrize("env, expect", [
+    ("0,GPU-1a2b, 2", ["0", "GPU-1a2b", "2"]),
+    ("1,-1,2", ["1"]),  # CUDA ignores everything from the first invalid entry
+    ("", []),
+])
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch, env, expect):
+    from actorshm._runtime import _visible_gpus
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
+    assert _visible_gpus() == expect
