@@ -392,10 +392,9 @@ class Connection:
                 self._protocol_error(str(exc))
                 return
             except Exception as exc:
-                if not isinstance(exc, (AttributeError, ImportError, TypeError, EOFError,
-                                        pickle.UnpicklingError, ValueError, IndexError,
-                                        KeyError)):
-                    raise
+                # Anything else was raised by the arguments' own unpickling code (a
+                # class missing here, a __setstate__ that fails): that call fails, the
+                # connection and the actor carry on.
                 if isinstance(exc, (pickle.UnpicklingError, EOFError)):
                     self._protocol_error(f"undecodable call: {exc!r}")
                     return

@@ -240,3 +240,15 @@ class Holder:
 
     def __init__(self, arr):
         self.arr = arr
+
+
+class BreaksOnArrival:
+    """Pickles fine here; unpickling it in another process raises RuntimeError."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+
+    def __setstate__(self, state):
+        if state["pid"] != os.getpid():
+            raise RuntimeError("cannot be rebuilt in another process")
+        self.__dict__.update(state)

@@ -1,6 +1,11 @@
-"""The GPU path. Runs where CuPy sees a GPU; skipped with a reason elsewhere."""
+"""The GPU path. Runs where CuPy sees a GPU; skipped with a reason elsewhere.
+
+On CPU machines tests/test_cuda_simulated.py runs this file against a simulated GPU
+(tests/simgpu), which checks actorshm's bookkeeping; on a GPU machine it checks CUDA.
+"""
 
 import asyncio
+import gc
 
 import pytest
 
@@ -15,6 +20,16 @@ if not actorshm.cuda.available():
 import cupy  # noqa: E402
 
 from gpu_actors import GpuArrays  # noqa: E402
+
+
+def _cuda_stats():
+    return {k: v for k, v in actorshm.stats().items() if k.startswith("cuda_")}
+
+
+async def _settle():
+    await asyncio.sleep(0.05)
+    gc.collect()
+    await asyncio.sleep(0.05)
 
 
 async def test_write_through_across_processes(rt):
@@ -36,6 +51,47 @@ async def test_ordering_after_sender_kernel(rt):
     assert await a.sum(x) == 20.0 * (1 << 24)
 
 
+async def test_views_keep_shape_strides_and_offset(rt):
+    a = await GpuArrays.spawn()
+    x = actorshm.cuda.zeros((64, 48), cupy.float32)
+    for v in (x, x[3:, ::2], x.T, x[10]):
+        shape, strides, dtype, shared, _ = await a.info(v)
+        assert (tuple(shape), tuple(strides), dtype) == (v.shape, v.strides, str(v.dtype))
+        assert shared
+    await a.fill(x[5:7, 1:3], 9.0)
+    assert float(x.sum()) == 36.0 and float(x[5, 1]) == 9.0
+
+
+async def test_same_process_round_trip_needs_no_ipc(rt):
+    a = await GpuArrays.spawn()
+    x = actorshm.cuda.zeros(1000, cupy.float32)
+    before = _cuda_stats()
+    back = await a.add_one(x)  # our own block comes home: the same memory, no handle
+    assert back.data.ptr == x.data.ptr and float(x.sum()) == 1000.0
+    assert _cuda_stats()["cuda_handles_opened"] == before["cuda_handles_opened"]
+
+
+async def test_cupy_pool_array_is_copied_once_and_counted(rt):
+    a = await GpuArrays.spawn()
+    x = cupy.zeros(1000, cupy.float32)  # CuPy's own pool: its handle would name more
+    assert not actorshm.cuda.is_shared(x)
+    before = _cuda_stats()
+    assert await a.sum(x) == 0.0
+    after = _cuda_stats()
+    assert after["cuda_bytes_copied"] - before["cuda_bytes_copied"] == 4000
+    assert after["cuda_bytes_zero_copy"] == before["cuda_bytes_zero_copy"]
+    s = actorshm.cuda.share(x)
+    assert actorshm.cuda.is_shared(s) and actorshm.cuda.share(s) is s
+
+
+async def test_handle_opened_once_per_slab(rt):
+    a = await GpuArrays.spawn()
+    xs = [actorshm.cuda.zeros(1000 + i, cupy.float32) for i in range(20)]  # one chunk slab
+    for x in xs:
+        await a.sum(x)
+    assert (await a.stats())["cuda_handles_opened"] == 1
+
+
 async def test_recycling_no_new_slab(rt):
     a = await GpuArrays.spawn()
     for _ in range(3):
@@ -49,6 +105,26 @@ async def test_recycling_no_new_slab(rt):
     await asyncio.sleep(0.05)
     s1 = await a.stats()
     assert s1["cuda_pool_allocs"] - s0["cuda_pool_allocs"] <= 1
+    assert s1["cuda_pool_reuses"] - s0["cuda_pool_reuses"] >= 49
+
+
+async def test_forwarded_block_flows_home(rt):
+    producer, consumer = await GpuArrays.spawn(), await GpuArrays.spawn()
+    for _ in range(3):
+        b = await producer.make(1 << 16, 1.0)
+        await consumer.add_one(b)  # the producer's block, leased to the consumer by us
+        del b
+    await _settle()
+    p0, c0 = await producer.stats(), await consumer.stats()
+    for _ in range(30):
+        b = await producer.make(1 << 16, 1.0)
+        assert float((await consumer.add_one(b)).sum()) == 2.0 * (1 << 16)
+        del b
+    await _settle()
+    p1, c1 = await producer.stats(), await consumer.stats()
+    assert p1["cuda_pool_allocs"] - p0["cuda_pool_allocs"] <= 1
+    assert c1["cuda_handles_opened"] == c0["cuda_handles_opened"]
+    assert p1["cuda_bytes_copied"] == p0["cuda_bytes_copied"]
 
 
 async def test_leases_returned_when_receiver_killed(rt):
@@ -57,11 +133,16 @@ async def test_leases_returned_when_receiver_killed(rt):
     x = actorshm.cuda.zeros(1000)
     await a.keep(x)
     del x
+    await _settle()
+    assert actorshm.stats()["cuda_blocks_live"] == base + 1  # the actor still holds it
     await a.kill()
-    await asyncio.sleep(0.1)
-    import gc
-    gc.collect()
+    await _settle()
     assert actorshm.stats()["cuda_blocks_live"] == base
+
+
+async def test_out_of_gpu_memory_is_clear_error():
+    with pytest.raises(actorshm.SharedMemoryError, match="has no room"):
+        actorshm.cuda.empty(1 << 50, cupy.uint8)
 
 
 async def test_two_gpu_actors(rt):
@@ -71,3 +152,21 @@ async def test_two_gpu_actors(rt):
     a = await GpuArrays.options(num_gpus=1).spawn()
     b = await GpuArrays.options(num_gpus=1).spawn()
     assert await a.device_bus_id() != await b.device_bus_id()
+
+
+async def test_array_on_a_gpu_the_actor_cannot_see(rt):
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    a = await GpuArrays.options(num_gpus=1).spawn()  # sees the first GPU only
+    mine = cupy.cuda.runtime.deviceGetPCIBusId(1)
+    assert await a.device_bus_id() != mine
+    base = actorshm.stats()["cuda_blocks_live"] if "cuda_blocks_live" in actorshm.stats() \
+        else 0
+    with cupy.cuda.Device(1):
+        x = actorshm.cuda.zeros(1000)
+    with pytest.raises(TypeError, match="not visible in this process"):
+        await a.sum(x)
+    del x
+    await _settle()
+    assert actorshm.stats()["cuda_blocks_live"] == base  # the failed lease came back
+    assert await a.device_bus_id()  # the actor is fine

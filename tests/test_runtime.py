@@ -14,7 +14,8 @@ import pytest
 
 import actorshm
 from actorshm import ActorDiedError, RemoteError
-from actors import Caller, Concurrent, Counter, CustomError, Faulty, Probe
+from actors import (BreaksOnArrival, Caller, Concurrent, Counter, CustomError, Faulty,
+                    Probe)
 
 
 async def test_spawn_call_and_local_use(rt):
@@ -99,6 +100,14 @@ async def test_unserializable_argument_is_type_error_before_sending(rt):
     with pytest.raises(TypeError, match="Counter.echo"):
         c.echo(threading.Lock())
     assert await c.incr() == 1
+
+
+async def test_argument_failing_to_unpickle_in_actor_is_type_error(rt):
+    c = await Counter.spawn(0)
+    with pytest.raises(TypeError, match="could not deserialize.*RuntimeError"):
+        await c.echo(BreaksOnArrival())
+    assert await c.incr(1) == 1  # the actor is unaffected, and ran the bad call once only
+    assert await c.incr(1) == 2
 
 
 async def test_unserializable_result_is_type_error(rt):

@@ -1,0 +1,75 @@
+"""Simulated ``cupy.cuda``: devices, memory objects and streams (see tests/simgpu/README.md)."""
+
+from . import runtime
+
+
+class Device:
+    def __init__(self, device=None):
+        self.id = runtime.getDevice() if device is None else int(device)
+        self._prev = []
+
+    def __enter__(self):
+        self._prev.append(runtime.getDevice())
+        runtime.setDevice(self.id)
+        return self
+
+    def __exit__(self, *exc):
+        runtime.setDevice(self._prev.pop())
+
+    def synchronize(self):
+        runtime.deviceSynchronize()
+
+
+class BaseMemory:
+    ptr = 0
+    size = 0
+    device_id = 0
+
+
+class Memory(BaseMemory):
+    """An allocation of its own (``cudaMalloc``): ``ptr`` is its base."""
+
+    def __init__(self, size):
+        self.size = int(size)
+        self.device_id = runtime.getDevice()
+        self.ptr = runtime.malloc(self.size) if self.size else 0
+
+    def __del__(self):
+        if self.ptr:
+            try:
+                runtime.free(self.ptr)
+            except Exception:  # interpreter shutdown
+                pass
+            self.ptr = 0
+
+
+class UnownedMemory(BaseMemory):
+    def __init__(self, ptr, size, owner, device_id=-1):
+        self.ptr = ptr
+        self.size = size
+        self._owner = owner
+        self.device_id = runtime.getDevice() if device_id < 0 else device_id
+
+
+class MemoryPointer:
+    def __init__(self, mem, offset):
+        self.mem = mem
+        self.ptr = mem.ptr + offset
+        self.device_id = mem.device_id
+
+    @property
+    def device(self):
+        return Device(self.device_id)
+
+
+class Stream:
+    def synchronize(self):
+        pass
+
+
+_stream = Stream()
+
+
+def get_current_stream():
+    return _stream
+
