@@ -16,18 +16,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIMGPU = os.path.join(ROOT, "tests", "simgpu")
 
 
-def test_gpu_tests_pass_on_a_simulated_gpu():
+def _run_simulated(*args):
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SIMGPU, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SIMGPU, ROOT, env.get("PYTHONPATH"))
+                                        if p)
     env.pop("CUDA_VISIBLE_DEVICES", None)  # the simulated machine has two GPUs
     env.pop("PYTEST_ADDOPTS", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         os.path.join("tests", "test_cuda.py")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_gpu_tests_pass_on_a_simulated_gpu():
+    proc = _run_simulated("-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          os.path.join("tests", "test_cuda.py"))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     summary = out.strip().splitlines()[-1]
     passed = re.search(r"(\d+) passed", summary)
     assert passed and int(passed.group(1)) >= 10, summary
     assert "skipped" not in summary and "failed" not in summary, summary
+
+
+def test_gpu_benchmark_script_runs_on_a_simulated_gpu():
+    # Keeps benchmarks/gpu_bench.py from rotting; its timings here mean nothing.
+    proc = _run_simulated(os.path.join("benchmarks", "gpu_bench.py"), "--quick")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "CuPy argument via CUDA IPC" in proc.stdout
+    assert "steady state per batch: 0.00 new GPU blocks, 0 GPU bytes copied" in proc.stdout
