@@ -11,10 +11,10 @@ opens the handle once and keeps it open. The receiver's ``GpuBlock`` is a lease 
 back over the same RELEASE frames as host blocks (``_shm.adopt``), so the sender's
 block stays alive until every receiver let go, and then returns to the sender's pool.
 
-Ordering: before a descriptor leaves, the sender synchronizes its current stream on
-that GPU, so the receiver's work runs after the sender's pending work; before a lease
-goes back, the releasing process synchronizes the device, so the owner can reuse the
-block at once. See docs/gpu.md.
+Ordering: before a message leaves, the sender synchronizes its current stream on each
+GPU involved, so the receiver's work runs after the sender's pending work; a lease goes
+back only once the releasing process's work queued on that device has finished, so the
+owner can reuse the block at once. See docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -210,10 +210,60 @@ def is_shared(arr) -> bool:
     return isinstance(arr, cupy.ndarray) and find_view(arr) is not None
 
 
-def fence(device: int) -> None:
-    """Wait for this process's queued work on ``device`` (before a lease goes back)."""
-    with cupy.cuda.Device(device):
-        _runtime.deviceSynchronize()
+def wait_for_senders_work(devices) -> None:
+    """Before a message with GPU arrays leaves: the receiver must see our queued work.
+
+    Synchronizes this thread's current stream on each device the message's blocks live
+    on, after every copy the message itself queued (``share`` of a CuPy-pool array).
+    """
+    for dev in devices:
+        with cupy.cuda.Device(dev):
+            cupy.cuda.get_current_stream().synchronize()
+
+
+_fence_lock = threading.Lock()
+_fence_queue: list = []
+_fence_thread: list = [None]
+
+
+def fence(items) -> None:
+    """Give GPU leases back once this process's work on their devices has finished.
+
+    ``items`` are (upstream, key, device) releases. An event is recorded on each
+    device's legacy default stream, which completes after all work queued before it on
+    the device's blocking streams. When the events are done already (a consumer that
+    finished its work), the releases go straight to ``_shm._fenced``; otherwise a helper
+    thread waits for them, so the event loop never blocks on the GPU.
+    """
+    events = []
+    for dev in {item[2] for item in items}:
+        with cupy.cuda.Device(dev):
+            ev = cupy.cuda.Event(disable_timing=True)
+            _runtime.eventRecord(ev.ptr, _runtime.streamLegacy)
+        events.append(ev)
+    if all(ev.done for ev in events):
+        _shm._fenced.extend(items)
+        _shm._wake()
+        return
+    with _fence_lock:
+        _fence_queue.append((events, items))
+        if _fence_thread[0] is None:
+            th = threading.Thread(target=_fence_loop, name="actorshm-gpu-fence", daemon=True)
+            _fence_thread[0] = th
+            th.start()
+
+
+def _fence_loop() -> None:
+    while True:
+        with _fence_lock:
+            if not _fence_queue:
+                _fence_thread[0] = None
+                return
+            events, items = _fence_queue.pop(0)
+        for ev in events:
+            ev.synchronize()
+        _shm._fenced.extend(items)
+        _shm._wake()
 
 
 def reduce_cupy(enc, a):
@@ -228,24 +278,23 @@ def reduce_cupy(enc, a):
     else:
         _stats["cuda_bytes_zero_copy"] += a.nbytes
         _stats["cuda_arrays_zero_copy"] += 1
-    slab = view.region
-    if slab.device not in enc.cuda_synced:
-        enc.cuda_synced.add(slab.device)
-        with cupy.cuda.Device(slab.device):  # the receiver runs after our pending work
-            cupy.cuda.get_current_stream().synchronize()
-    intro = (slab.ipc_handle(), slab.bus_id) if enc.lease(view) else None
-    return _rebuild, (slab.key, slab.size, intro, view.offset, view.size,
-                      a.data.ptr - view.ptr, a.shape, a.dtype.str, a.strides)
+    enc.cuda_devices.add(view.region.device)
+    row = enc.lease(view, _open_slab, _slab_intro)
+    return _rebuild, (row, a.data.ptr - view.ptr, a.shape, a.dtype.str, a.strides)
 
 
-def _rebuild(key, slab_size, intro, boff, bsize, aoff, shape, dtype, strides):
+def _slab_intro(enc, slab: Slab) -> tuple:
+    return slab.ipc_handle(), slab.bus_id
+
+
+def _rebuild(row, aoff, shape, dtype, strides):
     from ._serialization import _ctx
-    view = _shm.adopt(_ctx().conn, key, boff, bsize, _open_slab, key, slab_size, intro)
+    view = _ctx().blocks[row]
     with cupy.cuda.Device(view.region.device):
         return view.array(shape, dtype, aoff, strides)
 
 
-def _open_slab(key: tuple, size: int, intro) -> Slab:
+def _open_slab(ctx, key: tuple, size: int, intro) -> Slab:
     """Open a slab a peer introduced in this frame (its IPC handle rode along)."""
     if intro is None:
         raise ProtocolError("peer referred to a GPU slab it never sent")
@@ -256,3 +305,6 @@ def _open_slab(key: tuple, size: int, intro) -> Slab:
     _stats["cuda_handles_opened"] += 1
     return Slab(key, size, dev, bus_id, dedicated=size >= GpuPool.large, ptr=ptr,
                 handle=handle)
+
+
+_open_slab.region_opener = True  # a block table may name it

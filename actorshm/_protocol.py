@@ -2,7 +2,9 @@
 
 A frame is a 16-byte header followed by a pickled payload::
 
-    uint32 payload length | uint8 kind | pad | uint16 fd count | uint64 call id
+    uint32 payload length | uint8 kind | uint8 flags | uint16 fd count | uint64 call id
+
+(flag ``HAS_BLOCKS``: the payload starts with a block table, see ``_serialization``).
 
 File descriptors (arena fds, brokered sockets) ride as SCM_RIGHTS ancillary data on the
 ``sendmsg`` that carries the first byte of their frame; the receiver queues them in
@@ -33,7 +35,7 @@ from ._errors import ActorDiedError, ProtocolError
 
 logger = logging.getLogger("actorshm")
 
-HEADER = struct.Struct("<IBxHQ")
+HEADER = struct.Struct("<IBBHQ")
 HSIZE = HEADER.size
 CALL, RESULT, ERROR, RELEASE, RETIRE = 1, 2, 3, 4, 5
 MAX_FRAME = (1 << 31) - 1
@@ -71,7 +73,8 @@ class Connection:
         self.pending: dict[int, asyncio.Future] = {}
         self.pending_meta: dict[int, str] = {}
         self.grants: dict[tuple, list] = {}  # block key -> [view, count] leased to the peer
-        self.sent_regions: set[tuple] = set()
+        self.sent_regions: set[tuple] = set()  # regions we introduced to the peer
+        self.received_regions: set[tuple] = set()  # regions the peer introduced to us
         self.closed = False
         self.close_exc: BaseException | None = None
         self._next_id = 1
@@ -128,6 +131,7 @@ class Connection:
                 fut.set_exception(_copy_exc(self.close_exc))
         self.grants.clear()  # the peer is gone: its leases come back
         self._releases.clear()
+        _shm.connection_closed(self)  # and the memory it brought in is let go
         try:
             self.host.connection_closed(self)
         except Exception:  # pragma: no cover
@@ -145,7 +149,7 @@ class Connection:
             fut.set_exception(_copy_exc(self.close_exc))
             return fut
         try:
-            payload, fds, enc = ser.encode((method, args, kwargs), self)
+            payload, fds, enc, flags = ser.encode((method, args, kwargs), self)
         except Exception as exc:
             raise TypeError(
                 f"cannot send the arguments of {what or method}(): {exc}. Arguments must be "
@@ -158,27 +162,27 @@ class Connection:
         if what:
             self.pending_meta[cid] = what
         _shm._stats["calls_sent"] += 1
-        self._send(HEADER.pack(len(payload), CALL, len(fds), cid), payload, fds)
+        self._send(HEADER.pack(len(payload), CALL, flags, len(fds), cid), payload, fds)
         return fut
 
     def reply(self, cid: int, value: Any, what: str = "") -> None:
         if self.closed:
             return
         try:
-            payload, fds, enc = ser.encode(value, self)
+            payload, fds, enc, flags = ser.encode(value, self)
         except Exception as exc:
             err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}")
             err.__cause__ = exc
             self.reply_error(cid, err)
             return
         ser.commit(enc)
-        self._send(HEADER.pack(len(payload), RESULT, len(fds), cid), payload, fds)
+        self._send(HEADER.pack(len(payload), RESULT, flags, len(fds), cid), payload, fds)
 
     def reply_error(self, cid: int, exc: BaseException) -> None:
         if self.closed:
             return
         payload = ser.encode_exception(exc)
-        self._send(HEADER.pack(len(payload), ERROR, 0, cid), payload, ())
+        self._send(HEADER.pack(len(payload), ERROR, 0, 0, cid), payload, ())
 
     def queue_release(self, key: tuple, n: int) -> None:
         if self.closed:
@@ -196,7 +200,7 @@ class Connection:
     def send_retire(self, key: tuple) -> None:
         if not self.closed:
             payload = pickle.dumps(key, protocol=5)
-            self._send(HEADER.pack(len(payload), RETIRE, 0, 0), payload, ())
+            self._send(HEADER.pack(len(payload), RETIRE, 0, 0, 0), payload, ())
 
     def _send(self, header: bytes, payload: bytes, fds, close_fds=None) -> None:
         if _shm._releases:
@@ -206,7 +210,7 @@ class Connection:
             rel = pickle.dumps(list(self._releases.items()), protocol=5)
             self._releases.clear()
             _shm._stats["releases_sent"] += 1
-            out.append([HEADER.pack(len(rel), RELEASE, 0, 0) + rel, None, None])
+            out.append([HEADER.pack(len(rel), RELEASE, 0, 0, 0) + rel, None, None])
         if header:
             if len(payload) > MAX_FRAME:
                 raise ValueError(f"message of {len(payload)} bytes exceeds the frame limit")
@@ -352,7 +356,7 @@ class Connection:
         self.cork()
         try:
             while n - pos >= HSIZE:
-                plen, kind, nfds, cid = HEADER.unpack_from(buf, pos)
+                plen, kind, flags, nfds, cid = HEADER.unpack_from(buf, pos)
                 if not CALL <= kind <= RETIRE or plen > MAX_FRAME or nfds > 4096:
                     self._protocol_error(f"bad frame header (kind {kind}, {plen} bytes)")
                     return
@@ -369,7 +373,7 @@ class Connection:
                     fds = ()
                 payload = bytes(buf[pos + HSIZE:end])
                 pos = end
-                self._dispatch(kind, cid, payload, fds)
+                self._dispatch(kind, flags, cid, payload, fds)
                 if self.closed:
                     return
             del buf[:pos]
@@ -382,11 +386,11 @@ class Connection:
         self.close(ActorDiedError(
             f"the connection to {self.label} was closed after a protocol error: {why}"))
 
-    def _dispatch(self, kind: int, cid: int, payload: bytes, fds) -> None:
+    def _dispatch(self, kind: int, flags: int, cid: int, payload: bytes, fds) -> None:
         if kind == CALL:
             _shm._stats["calls_received"] += 1
             try:
-                call = list(ser.decode(payload, fds, self))
+                call = list(ser.decode(payload, fds, self, flags))
                 method, args, kwargs = call if len(call) == 3 else (None, None, None)
             except ProtocolError as exc:
                 self._protocol_error(str(exc))
@@ -418,13 +422,13 @@ class Connection:
                 # come back
                 if kind == RESULT:
                     try:
-                        ser.decode(payload, fds, self)
+                        ser.decode(payload, fds, self, flags)
                     except Exception:
                         pass
                 return
             if kind == RESULT:
                 try:
-                    value = ser.decode(payload, fds, self)
+                    value = ser.decode(payload, fds, self, flags)
                 except ProtocolError as exc:
                     self._protocol_error(str(exc))
                     return

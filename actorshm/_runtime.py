@@ -223,7 +223,7 @@ class Runtime:
             rec.conn = Connection(self.loop, self, parent, label=rec.label)
             rec.conn.peer_id = rec.actor_id
         config = {"actor_id": rec.actor_id, "max_concurrency": rec.options.max_concurrency,
-                  "shm_budget": self.shm_budget}
+                  "shm_budget": self.shm_budget, "shutdown_grace": self.shutdown_grace}
         args, kwargs = rec.spawn_args
         fut = rec.conn.call("__init_actor__", (rec.cls, args, kwargs, config), {},
                             f"{rec.cls_name}.__init__")

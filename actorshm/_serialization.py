@@ -1,14 +1,19 @@
 """Serialization: pickle protocol 5, with arrays and fds travelling out of band.
 
 Messages are pickled with a cloudpickle-based pickler, so that classes and functions
-defined in ``__main__``, a notebook cell or a closure travel by value. Every numpy
-array at any depth is replaced by a small descriptor of the shared block it lives in:
-``(arena, offset, size)`` plus shape, dtype, strides and offset inside the block. An
-array that is not yet in shared memory is first copied into this process's pool (once
-per send; counted in ``bytes_copied``). A view of a shared block travels as a view:
-strides, negative strides and offsets survive exactly, and nothing is copied.
+defined in ``__main__``, a notebook cell or a closure travel by value. Every numpy (or
+CuPy) array at any depth is replaced by a reference into the message's *block table*:
+the shared blocks the message leases to the receiver, each as ``(region, offset, size)``
+plus what opens the region the first time it crosses this connection (an arena's fd,
+riding along as SCM_RIGHTS; a GPU slab's IPC handle). The array itself keeps its shape,
+dtype, strides and offset inside the block, so views travel as views and nothing is
+copied. An array that is not yet in shared memory is first copied into this process's
+pool (once per send; counted in ``bytes_copied``).
 
-An arena's fd rides along (SCM_RIGHTS) the first time it is needed on a connection.
+The table is pickled ahead of the user's objects (frame flag ``HAS_BLOCKS``), and the
+receiver adopts every block in it before it unpickles anything of the user's. So a user
+object that fails to unpickle fails the call, but every lease still comes back and every
+region is still opened: the connection and the peer carry on.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import struct
 import sys
 import threading
 import traceback
@@ -47,22 +53,28 @@ class _Encoder(cloudpickle.Pickler):
         super().__init__(file, protocol=5)
         self.conn = conn
         self.fds: list[int] = []
-        self.new_regions: list = []
-        self.grants: list = []
-        self.cuda_synced: set = set()  # GPUs whose sender-side work this message waited for
+        self.table: list[tuple] = []  # the blocks this message leases, in order
+        self.index: dict[tuple, int] = {}  # block key -> its row in the table
+        self.grants: list = []  # the Block of each row
+        self.new_regions: list = []  # regions introduced on the connection by this message
+        self.cuda_devices: set = set()  # GPUs whose pending work the receiver must see
 
-    def lease(self, view) -> bool:
-        """Grant ``view`` to the peer with this message (host and GPU blocks alike).
-
-        Returns True when the block's region is new to this connection, so that the
-        descriptor must carry what opens it (an arena's fd, a slab's IPC handle).
-        """
-        self.grants.append(view)
+    def lease(self, view, opener, intro) -> int:
+        """The row of ``view``'s block in this message's table, added (with its grant)
+        the first time. ``intro(enc, region)`` gives what opens the region, asked only
+        when the region is new to this connection."""
+        row = self.index.get(view.key)
+        if row is not None:
+            return row
         region = view.region
-        if region.key in self.conn.sent_regions or region in self.new_regions:
-            return False
-        self.new_regions.append(region)
-        return True
+        what = None
+        if region.key not in self.conn.sent_regions and region not in self.new_regions:
+            self.new_regions.append(region)
+            what = intro(self, region)
+        row = self.index[view.key] = len(self.table)
+        self.table.append((opener, region.key, region.size, what, view.offset, view.size))
+        self.grants.append(view)
+        return row
 
     def reducer_override(self, obj):
         t = type(obj)
@@ -97,27 +109,29 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     else:
         stats["bytes_zero_copy"] += a.nbytes
         stats["arrays_zero_copy"] += 1
-    arena = view.region
-    fd_index = -1
-    if enc.lease(view):
-        fd_index = len(enc.fds)
-        enc.fds.append(arena.fd)
+    row = enc.lease(view, _open_arena, _arena_fd)
     data = a.__array_interface__["data"][0]
     t = type(a)
     sub = None if (t is _ndarray or t is _memmap) else t
     # A plain dtype travels as its string ('<f8'): much cheaper to pickle than the object.
     dt = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
-    return _rebuild_array, (arena.key, arena.size, fd_index, view.offset, view.size,
-                            data - arena.addr - view.offset, a.shape, dt, a.strides, sub)
+    return _rebuild_array, (row, data - view.region.addr - view.offset, a.shape, dt,
+                            a.strides, sub)
+
+
+def _arena_fd(enc: _Encoder, arena) -> int:
+    enc.fds.append(arena.fd)
+    return len(enc.fds) - 1
 
 
 class _DecodeCtx:
-    __slots__ = ("conn", "fds", "taken")
+    __slots__ = ("conn", "fds", "taken", "blocks")
 
     def __init__(self, conn, fds) -> None:
         self.conn = conn
         self.fds = fds
         self.taken: set[int] = set()
+        self.blocks: list = []  # the message's block table, adopted
 
     def take_fd(self, index: int) -> int:
         if not 0 <= index < len(self.fds) or index in self.taken:
@@ -145,25 +159,61 @@ def _rebuild_fd(index: int) -> int:
     return _ctx().take_fd(index)
 
 
-def _rebuild_array(key, arena_size, fd_index, boff, bsize, aoff, shape, dtype, strides, sub):
-    ctx = _ctx()
-    view = _shm.adopt(ctx.conn, key, boff, bsize, _open_arena, ctx, key, arena_size, fd_index)
+def _rebuild_array(row, aoff, shape, dtype, strides, sub):
+    view = _ctx().blocks[row]
     arr = np.ndarray(shape, dtype, buffer=np.asarray(view), offset=aoff, strides=strides)
     if sub is not None:
         arr = arr.view(sub)
     return arr
 
 
-def _open_arena(ctx: _DecodeCtx, key: tuple, size: int, fd_index: int) -> _shm.Arena:
+def _open_arena(ctx: _DecodeCtx, key: tuple, size: int, fd_index) -> _shm.Arena:
     """Map an arena a peer introduced in this frame (its fd rode along)."""
-    if fd_index < 0:
+    if fd_index is None:
         raise ProtocolError("peer referred to an arena it never sent")
     fd = ctx.take_fd(fd_index)
-    if os.fstat(fd).st_size < size:
-        raise ProtocolError("arena fd is smaller than the peer claims")
-    addr = _shm._map(fd, size)
+    try:
+        if os.fstat(fd).st_size < size:
+            raise ProtocolError("arena fd is smaller than the peer claims")
+        addr = _shm._map(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
     _shm._stats["arenas_mapped"] += 1
     return _shm.Arena(key, fd, size, addr, owned=False, dedicated=size >= _shm.LARGE)
+
+
+_open_arena.region_opener = True  # a block table may name it
+
+
+def _adopt_table(ctx: _DecodeCtx, table) -> None:
+    """Adopt every block of a message before any user object is unpickled.
+
+    Each block is adopted even when an earlier one fails (a region that cannot be
+    opened here), so that every lease is accounted for; then the first failure is
+    raised, and the blocks already adopted are dropped, which gives their leases back.
+    """
+    if type(table) is not list:
+        raise ProtocolError("malformed block table")
+    conn = ctx.conn
+    failed = None
+    blocks = ctx.blocks
+    for row in table:
+        try:
+            opener, rkey, rsize, intro, boff, bsize = row
+            if not getattr(opener, "region_opener", False):
+                raise ProtocolError("block table names an unknown region kind")
+            blocks.append(_shm.adopt(conn, opener, rkey, rsize, intro, boff, bsize, ctx))
+        except ProtocolError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"malformed block table: {exc}") from None
+        except Exception as exc:
+            blocks.append(None)
+            failed = failed or exc
+    if failed is not None:
+        blocks.clear()
+        raise failed
 
 
 _SIMPLE = frozenset({int, float, str, bytes, bool, type(None), complex})
@@ -182,22 +232,35 @@ def _simple(obj: Any) -> bool:
     return False
 
 
-def encode(obj: Any, conn) -> tuple[bytes, list[int], "_Encoder | None"]:
-    """Pickle ``obj`` for ``conn``. Nothing is committed until ``commit`` is called."""
+HAS_BLOCKS = 1  # frame flag: the payload starts with a block table
+_TLEN = struct.Struct("<I")
+
+
+def encode(obj: Any, conn) -> tuple[bytes, list[int], "_Encoder | None", int]:
+    """Pickle ``obj`` for ``conn``: (payload, fds, encoder, frame flags).
+
+    Nothing is committed until ``commit`` is called.
+    """
     # Fast path (most calls): builtin scalars need neither cloudpickle nor our reducers.
     if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is str:
         if _simple(obj[1]) and _simple(obj[2]):
-            return _dumps(obj, 5), [], None
+            return _dumps(obj, 5), [], None, 0
     elif _simple(obj):
-        return _dumps(obj, 5), [], None
+        return _dumps(obj, 5), [], None, 0
     f = io.BytesIO()
     enc = _Encoder(f, conn)
     enc.dump(obj)
-    return f.getvalue(), enc.fds, enc
+    if not enc.table:
+        return f.getvalue(), enc.fds, enc, 0
+    if enc.cuda_devices:
+        from ._cuda import wait_for_senders_work
+        wait_for_senders_work(enc.cuda_devices)
+    table = _dumps(enc.table, 5)
+    return b"".join((_TLEN.pack(len(table)), table, f.getbuffer())), enc.fds, enc, HAS_BLOCKS
 
 
 def commit(enc: _Encoder) -> None:
-    """Record the grants and arena fds of a message that is about to be sent."""
+    """Record the grants and introduced regions of a message that is about to be sent."""
     if enc is None:
         return
     conn = enc.conn
@@ -213,15 +276,27 @@ def commit(enc: _Encoder) -> None:
         region.sent_to.add(conn)
 
 
-def decode(payload, fds, conn) -> Any:
+def decode(payload, fds, conn, flags: int = 0) -> Any:
     """Unpickle a message received on ``conn`` with the fds its frame carried."""
     ctx = _DecodeCtx(conn, fds)
     prev = getattr(_tls, "ctx", None)
     _tls.ctx = ctx
     try:
+        if flags & HAS_BLOCKS:
+            mv = memoryview(payload)
+            (n,) = _TLEN.unpack_from(mv)
+            try:
+                table = pickle.loads(mv[4:4 + n])
+            except Exception as exc:
+                raise ProtocolError(f"undecodable block table: {exc!r}") from None
+            _adopt_table(ctx, table)
+            payload = mv[4 + n:]
         return pickle.loads(payload)
     finally:
         _tls.ctx = prev
+        # An exception's traceback keeps this frame, and so ``ctx``, alive until the next
+        # garbage collection: drop the blocks now, so failed calls give leases back now.
+        ctx.blocks.clear()
         if fds:
             for i, fd in enumerate(fds):
                 if i not in ctx.taken:

@@ -95,7 +95,8 @@ class Region:
     recycling, retirement -- is the same for both and lives in this module.
     """
 
-    __slots__ = ("key", "size", "owned", "dedicated", "device", "sent_to", "__weakref__")
+    __slots__ = ("key", "size", "owned", "dedicated", "device", "sent_to", "sources",
+                 "__weakref__")
 
     def __init__(self, key: tuple, size: int, owned: bool, dedicated: bool,
                  device: int | None = None) -> None:
@@ -104,8 +105,10 @@ class Region:
         self.owned = owned
         self.dedicated = dedicated  # holds one block only (so it can be freed alone)
         self.device = device  # None on the host, the CUDA ordinal in this process on a GPU
-        # Connections this region was introduced on, told when the region is retired.
+        # Connections we introduced this region on, told when the region is retired.
         self.sent_to: weakref.WeakSet = weakref.WeakSet()
+        # Connections that introduced it to us (a peer's region is closed when none is left).
+        self.sources: weakref.WeakSet = weakref.WeakSet()
 
     def block(self, offset: int, size: int, pool: "Pool | None") -> "Block":
         raise NotImplementedError
@@ -146,49 +149,79 @@ class Arena(Region):
 
 # Regions opened or owned in this process, host and GPU alike, by key (owner token, index).
 _regions: dict[tuple, Region] = {}
-# One live block object per block in this process: key (owner token, index, offset) -> ref.
-_views: dict[tuple, weakref.ref] = {}
+# Regions a peer introduced that could not be opened here, with why: later blocks of them
+# fail the same way (their calls fail; the connection lives on).
+_unopenable: dict[tuple, BaseException] = {}
+# One live block object per block in this process: key (owner token, index, offset) ->
+# its ``_Lease`` (a weak reference to the block).
+_views: dict[tuple, "_Lease"] = {}
 # Tokens of the pools this process owns (one host pool, one pool per GPU in use).
 _own_tokens: set[int] = set()
-# Grants to give back, appended from ``Block.__del__`` (any thread), flushed on the loop:
+# Grants to give back, appended when a block dies (any thread), flushed on the loop:
 # (upstream, block key, device or None).
 _releases: collections.deque = collections.deque()
+# GPU grants whose device work has finished (see ``_cuda.fence``): ready to go back.
+_fenced: collections.deque = collections.deque()
+# Regions retired by their owner (any thread), announced to peers on the loop.
+_retired: collections.deque = collections.deque()
 _flush_hook: list = [None]  # set by the runtime: schedules ``flush_releases`` on its loop
+
+
+def _wake() -> None:
+    hook = _flush_hook[0]
+    if hook is not None:
+        hook()
+
+
+class _Lease(weakref.ref):
+    """How ``_views`` finds a live block, and what gives its lease back when it dies.
+
+    The callback runs once the block is unreachable and every weak reference to it is
+    already cleared, so no other thread can pick the dying block up again (a ``__del__``
+    could be raced: it runs while weak references still resolve).
+    """
+
+    __slots__ = ("key", "upstream", "pool", "region", "offset", "size")
+
+
+def _block_died(lease: _Lease) -> None:
+    try:
+        if lease.upstream:
+            _releases.append((lease.upstream, lease.key, lease.region.device))
+            _wake()
+        if lease.pool is not None:
+            lease.pool._returned.append((lease.region, lease.offset, lease.size))
+    except Exception:  # interpreter shutdown: nothing left to tell
+        pass
 
 
 class Block:
     """This process's handle on one block: the owner of every array that views it.
 
-    A process has at most one live ``Block`` per block (``_views``). ``upstream`` is who
-    leased it to us (connection -> number of grants); when the last array on the block
-    is garbage collected, the grants go back (batched, one-way), and in the owner's
-    process the block returns to the pool's free list.
+    A process has at most one live ``Block`` per block (``_views``). Its lease records
+    who leased it to us (``upstream``: connection -> number of grants); when the last
+    array on the block is garbage collected, the grants go back (batched, one-way), and
+    in the owner's process the block returns to the pool's free list.
     """
 
-    __slots__ = ("region", "offset", "size", "key", "pool", "upstream", "__weakref__")
+    __slots__ = ("region", "offset", "size", "key", "pool", "lease", "__weakref__")
 
     def __init__(self, region: Region, offset: int, size: int, pool: "Pool | None") -> None:
         self.region = region
         self.offset = offset
         self.size = size
-        self.key = (region.key[0], region.key[1], offset)
+        self.key = key = (region.key[0], region.key[1], offset)
         self.pool = pool
-        self.upstream: dict | None = None
-        _views[self.key] = weakref.ref(self)
+        self.lease = lease = _Lease(self, _block_died)
+        lease.key = key
+        lease.upstream = None
+        lease.pool = pool
+        lease.region = region
+        lease.offset = offset
+        lease.size = size
+        _views[key] = lease
         if len(_views) > _prune_at[0]:
             _prune_views()
-
-    def __del__(self) -> None:
-        try:
-            if self.upstream:
-                _releases.append((self.upstream, self.key, self.region.device))
-                hook = _flush_hook[0]
-                if hook is not None:
-                    hook()
-            if self.pool is not None:
-                self.pool._returned.append((self.region, self.offset, self.size))
-        except Exception:  # interpreter shutdown: nothing left to tell
-            pass
 
 
 class _View(Block):
@@ -216,31 +249,58 @@ def _prune_views() -> None:
 
 
 def flush_releases() -> None:
-    """Hand every pending release to its connection (runs on the event loop).
+    """Hand pending releases and retirements to their connections (on the event loop).
 
-    A GPU block is released only after this process's queued work on that device has
-    finished, so that its owner can reuse the memory at once (see docs/gpu.md).
+    A GPU grant goes back only once this process's work queued on that device before
+    the block died has finished (``_cuda.fence``), so that its owner can reuse the
+    memory at once; host grants go back straight away.
     """
-    fenced: set[int] = set()
-    while _releases:
-        upstream, key, device = _releases.popleft()
-        if device is not None and device not in fenced:
-            fenced.add(device)
-            from ._cuda import fence
-            fence(device)
+    while _retired:
+        region = _retired.popleft()
+        for conn in list(region.sent_to):
+            conn.send_retire(region.key)
+    if _fenced:
+        _give_back(_fenced)
+    if not _releases:
+        return
+    gpu = []
+    while _releases:  # take a snapshot first: other threads may append meanwhile
+        item = _releases.popleft()
+        if item[2] is None:
+            for conn, n in item[0].items():
+                conn.queue_release(item[1], n)
+        else:
+            gpu.append(item)
+    if gpu:
+        from ._cuda import fence
+        fence(gpu)  # moves them to _fenced, now or from a helper thread that wakes us
+        _give_back(_fenced)
+
+
+def _give_back(ready: collections.deque) -> None:
+    while ready:
+        upstream, key, _ = ready.popleft()
         for conn, n in upstream.items():
             conn.queue_release(key, n)
 
 
-def adopt(conn, rkey: tuple, boff: int, bsize: int, open_region, *open_args) -> Block:
+def adopt(conn, opener, rkey: tuple, rsize: int, intro, boff: int, bsize: int,
+          ctx=None) -> Block:
     """The block a peer just leased to us over ``conn``: every receive path ends here.
 
     A process holds at most one lease per block: a grant for a block we already hold
     (or own) goes straight back, since holding both would let two processes that passed
-    a block back and forth pin it for each other forever. Otherwise the region is
-    opened once (``open_region(*open_args)``) and the new block remembers its lease.
+    a block back and forth pin it for each other forever. Otherwise the block's region
+    is opened once per process, with ``opener(ctx, rkey, rsize, intro)``; ``intro`` is
+    what the peer sent to open it (an fd, an IPC handle), only the first time the
+    region crosses this connection. A region that cannot be opened here fails this
+    block (its grant goes back) and every later block of it the same way, without
+    closing the connection.
     """
     bkey = (rkey[0], rkey[1], boff)
+    region = _regions.get(rkey)
+    if region is not None and intro is not None:
+        region.sources.add(conn)
     ref = _views.get(bkey)
     view = ref() if ref is not None else None
     if view is not None:
@@ -248,32 +308,54 @@ def adopt(conn, rkey: tuple, boff: int, bsize: int, open_region, *open_args) -> 
         return view
     if rkey[0] in _own_tokens:
         raise ProtocolError("peer sent back a block of ours that is no longer leased")
-    region = _regions.get(rkey)
     if region is None:
         try:
-            region = open_region(*open_args)
+            why = _unopenable.get(rkey)
+            if why is not None:
+                raise type(why)(*why.args)
+            region = opener(ctx, rkey, rsize, intro)
         except ProtocolError:
             raise  # the connection closes, and with it every lease on it
-        except BaseException:
-            conn.queue_release(bkey, 1)  # this call fails; the grant must not leak
+        except Exception as exc:
+            _unopenable.setdefault(rkey, exc)
+            conn.queue_release(bkey, 1)  # this block fails; its grant must not leak
             raise
         _regions[rkey] = region
+        region.sources.add(conn)
+        conn.received_regions.add(rkey)
     if boff < 0 or bsize < 0 or boff + bsize > region.size:
         raise ProtocolError("block lies outside its region")
     view = region.block(boff, bsize, None)
-    view.upstream = {conn: 1}
+    view.lease.upstream = {conn: 1}
     return view
 
 
+def connection_closed(conn) -> None:
+    """Let go of the regions ``conn`` brought in, unless another live peer still can
+    send blocks of them (a dead actor's memory must not stay mapped here forever)."""
+    for rkey in conn.received_regions:
+        region = _regions.get(rkey)
+        if region is None:
+            continue
+        region.sources.discard(conn)
+        if not any(not c.closed for c in region.sources):
+            retire_region(rkey)
+    conn.received_regions.clear()
+
+
 def retire_region(key: tuple) -> None:
-    """A peer retired a region we opened: close it, and tell whoever we passed it to."""
+    """Close a region we opened from a peer, once no block of it is alive here.
+
+    Called when its owner retired it, and for every region a connection brought in when
+    that connection closes (a dead peer's memory is let go). Whoever we passed the
+    region on to is told in turn.
+    """
     region = _regions.get(key)
     if region is None or region.owned:
         return
-    # A block of it still alive means a peer broke the lease rules; keep it open.
     for vkey, ref in list(_views.items()):
         if vkey[0] == key[0] and vkey[1] == key[1] and ref() is not None:
-            return
+            return  # still in use here; it is closed when the process exits
     del _regions[key]
     for conn in list(region.sent_to):
         conn.send_retire(key)
@@ -386,9 +468,10 @@ class Pool:
         del self.regions[region.key[1]]
         _regions.pop(region.key, None)
         self.reserved -= region.size
-        for conn in list(region.sent_to):
-            conn.send_retire(region.key)
         region.close()
+        if region.sent_to:  # allocation may run in any thread: peers are told on the loop
+            _retired.append(region)
+            _wake()
 
     def drain(self) -> None:
         """Move blocks returned by ``Block.__del__`` back onto the free lists."""

@@ -200,6 +200,7 @@ class Worker:
         self.actor_id = config["actor_id"]
         self.cls_name = cls.__qualname__
         self.max_concurrency = config["max_concurrency"]
+        self.shutdown_grace = config.get("shutdown_grace", 2.0)
         _shm.set_budget(config.get("shm_budget"))
         from ._actor import public_methods
         self.methods = public_methods(cls)
@@ -247,6 +248,7 @@ async def _amain(fd: int) -> int:
     _shm._flush_hook[0] = _make_flush_hook(loop)
     try:
         await worker.stopped
+        await _wait_for_gpu_leases(worker, worker.shutdown_grace / 2)
     finally:
         for c in list(worker.peers.values()):
             c.close()
@@ -254,6 +256,33 @@ async def _amain(fd: int) -> int:
         if worker.executor is not None:
             worker.executor.shutdown(wait=False, cancel_futures=True)
     return worker.exit_code
+
+
+async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
+    """Before a stopping actor exits, let peers give back the GPU blocks it lent them.
+
+    CUDA frees a process's device memory when the process exits, whoever still has it
+    open (unlike host memory, which lives on while mapped): a peer still holding one of
+    our GPU arrays would then read freed memory. So wait, a bounded time, and say so if
+    some are still out.
+    """
+    conns = [worker.driver, *worker.peers.values()]
+
+    def held() -> int:
+        return sum(1 for c in conns if not c.closed
+                   for view, _ in c.grants.values() if view.region.device is not None)
+
+    if not held():
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while held() and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    if held():
+        print(f"actorshm: actor {worker.cls_name} exits while peers still hold {held()} "
+              "of its GPU blocks; those arrays are invalid from now on (CUDA frees a "
+              "process's device memory when it exits). Drop GPU arrays an actor sent "
+              "you before stopping it.", file=sys.stderr, flush=True)
 
 
 def _make_flush_hook(loop: asyncio.AbstractEventLoop):

@@ -285,3 +285,79 @@ async def test_retired_arena_is_unmapped_in_peers():
             del y
         finally:
             pool.budget = old
+
+
+async def test_argument_failing_to_unpickle_gives_leases_back(rt):
+    from actors import BreaksOnArrival
+    a = await Arrays.spawn()
+    base = actorshm.stats()["blocks_live"]
+    x = actorshm.zeros(1000)
+    with pytest.raises(TypeError, match="could not deserialize"):
+        await a.echo((x, BreaksOnArrival()))  # x is leased, then the tuple fails
+    del x
+    gc.collect()
+    await asyncio.sleep(0.1)
+    assert actorshm.stats()["blocks_live"] == base  # the actor gave x's lease back
+    y = actorshm.zeros(1000)  # same arena as x: the connection still knows it
+    assert np.shares_memory(await a.echo(y), y)
+
+
+async def test_dead_peers_memory_is_let_go(rt):
+    from actorshm import _shm
+    a = await Arrays.spawn()
+    n0 = len(_shm._regions)
+    kept = await a.make(10, 1.0)  # maps the actor's chunk arena here
+    dropped = await a.make(1 << 20, 1.0)  # and one dedicated arena
+    assert len(_shm._regions) == n0 + 2
+    del dropped
+    await a.kill()
+    await asyncio.sleep(0.05)
+    gc.collect()
+    # The arena still in use stays mapped (its memory stays valid); the other is closed.
+    assert len(_shm._regions) == n0 + 1 and kept.sum() == 10.0
+
+
+def test_block_dropped_in_a_thread_cannot_be_picked_up_again():
+    # A block dies in one thread while the loop thread adopts a new grant of it: the
+    # new grant must get a new lease, never the dying block (whose lease is going back).
+    import threading
+    import time
+    from actorshm import _shm
+
+    class Conn:
+        closed = False
+
+        def __init__(self):
+            self.released = 0
+            self.received_regions = set()
+
+        def queue_release(self, key, n):
+            self.released += n
+
+    owner = _shm.HostPool()
+    arena = owner._make_region((owner.token, 0), 1 << 20, False)
+    key = (12345, 0)  # the same memory, seen as a peer's arena
+    peer = _shm.Arena(key, -1, arena.size, arena.addr, owned=False, dedicated=False)
+
+    def opener(ctx, rkey, rsize, intro):
+        return peer
+
+    conn, hook = Conn(), _shm._flush_hook[0]
+    _shm._flush_hook[0] = lambda: time.sleep(0.2)  # the dying block's thread lets go of the GIL
+    try:
+        box = [_shm.adopt(conn, opener, key, arena.size, 0, 0, 256)]
+        t = threading.Thread(target=box.clear)  # drops the last reference
+        t.start()
+        time.sleep(0.05)
+        again = _shm.adopt(conn, opener, key, arena.size, None, 0, 256)
+        t.join()
+        assert conn.released == 0  # not treated as a second grant of a live block
+        assert again.lease.upstream == {conn: 1}
+        assert [r[1] for r in _shm._releases] == [(12345, 0, 0)]  # the old lease goes back
+    finally:
+        _shm._flush_hook[0] = hook
+        _shm._releases.clear()
+        _shm._regions.pop(key, None)
+        _shm._own_tokens.discard(owner.token)
+        _shm._pools.remove(owner)
+        arena.close()

@@ -170,3 +170,15 @@ async def test_array_on_a_gpu_the_actor_cannot_see(rt):
     await _settle()
     assert actorshm.stats()["cuda_blocks_live"] == base  # the failed lease came back
     assert await a.device_bus_id()  # the actor is fine
+
+
+async def test_stopping_producer_warns_about_gpu_blocks_still_held(capfd):
+    async with actorshm.Runtime(shutdown_grace=0.5):
+        a = await GpuArrays.spawn()
+        kept = await a.make(100, 1.0)
+        dropped = await a.make(100, 1.0)
+        del dropped
+        await asyncio.sleep(0.05)
+    err = capfd.readouterr().err
+    assert "exits while peers still hold 1 of its GPU blocks" in err, err
+    del kept

@@ -240,6 +240,7 @@ async def test_malformed_frame_closes_only_that_connection(rt, caplog):
         b"\xff" * 7 + b"garbage that is not a frame" * 3,                   # bad header
         b"\x10\x00\x00\x00\x01\x00\x00\x00" + b"\x00" * 8 + b"not a pickle....",  # bad body
         b"\x10\x00\x00\x00\x01\x00\x01\x00" + b"\x00" * 8 + b"x" * 16,       # missing fd
+        b"\x10\x00\x00\x00\x01\x01\x00\x00" + b"\x00" * 8 + b"y" * 16,       # bad table
     ]
     for junk in garbage:
         a, b = socket.socketpair()
@@ -259,7 +260,7 @@ async def test_truncated_frame_from_actor_to_driver(rt):
     rec = rt._actors[c.actor_id]
     # Frames the driver receives that are garbage: the connection closes, the driver lives,
     # the actor is reported dead with a message that says why.
-    rec.conn._dispatch(99, 0, b"", ())
+    rec.conn._dispatch(99, 0, 0, b"", ())
     with pytest.raises(ActorDiedError, match="protocol error"):
         await c.incr()
     other = await Counter.spawn()

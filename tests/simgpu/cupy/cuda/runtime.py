@@ -87,8 +87,15 @@ def deviceGetByPCIBusId(bus_id):
         raise CUDARuntimeError(101) from None
 
 
+streamLegacy = 1
+
+
 def deviceSynchronize():
     pass  # simulated kernels finish when they are launched
+
+
+def eventRecord(event, stream):
+    pass
 
 
 def memGetInfo():
