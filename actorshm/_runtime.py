@@ -34,7 +34,9 @@ __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 
 logger = logging.getLogger("actorshm")
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_WORKER_CMD = "from actorshm._worker import main; main()"
+# The actor imports the driver's own copy of actorshm, even where another is installed.
+_WORKER_CMD = (f"import sys; sys.path[:0] = [{_PKG_PARENT!r}]; "
+               "from actorshm._worker import main; main()")
 
 
 class _Record:
