@@ -425,11 +425,13 @@ def test_visible_gpus_follow_cuda_visible_devices(monkeypatch, env, expect):
     assert _visible_gpus() == expect
 
 
-async def test_actor_runs_the_drivers_own_actorshm(rt, tmp_path):
-    # Another actorshm earlier on the actor's path (an old install, say) must not be used:
-    # driver and actors would speak different protocols.
+async def test_actor_runs_the_drivers_own_actorshm(rt, tmp_path, monkeypatch):
+    # Another actorshm earlier on the actor's path (an old install, a folder of that name
+    # in the working directory) must not be used: driver and actors would speak
+    # different protocols.
     other = tmp_path / "actorshm"
     other.mkdir()
     (other / "__init__.py").write_text("raise ImportError('not the driver\\'s actorshm')\n")
+    monkeypatch.chdir(tmp_path)  # actors start in the driver's working directory
     c = await Counter.options(env={"PYTHONPATH": str(tmp_path)}).spawn(0)
     assert await c.incr() == 1
