@@ -121,9 +121,9 @@ class GpuPool(_shm.Pool):
     region_noun = "cuda_slabs"
 
     def __init__(self, device: int) -> None:
-        super().__init__(budget=1 << 62)  # the device's memory is the limit
+        self.bus_id = _runtime.deviceGetPCIBusId(device)  # fails first for a bad device
         self.device = device
-        self.bus_id = _runtime.deviceGetPCIBusId(device)
+        super().__init__(budget=1 << 62)  # the device's memory is the limit
 
     def size_class(self, nbytes: int) -> int:
         return (_shm.size_class(nbytes) + 255) & ~255  # CUDA's allocation alignment

@@ -89,7 +89,7 @@ class _Encoder(cloudpickle.Pickler):
             self.fds.append(obj.fd)
             return _rebuild_fd, (len(self.fds) - 1,)
         cp = sys.modules.get("cupy")
-        if cp is not None and t is cp.ndarray:
+        if cp is not None and isinstance(obj, cp.ndarray):  # arrives as a cupy.ndarray
             from . import _cuda
             return _cuda.reduce_cupy(self, obj)
         return super().reducer_override(obj)
