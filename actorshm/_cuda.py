@@ -26,6 +26,7 @@ import cupy
 
 from . import _shm
 from ._errors import ProtocolError, SharedMemoryError
+from ._serialization import GPU_SLAB
 
 _stats = _shm._stats
 for _k in ("cuda_bytes_zero_copy", "cuda_bytes_copied", "cuda_arrays_zero_copy",
@@ -260,8 +261,11 @@ def _fence_loop() -> None:
                 _fence_thread[0] = None
                 return
             events, items = _fence_queue.pop(0)
-        for ev in events:
-            ev.synchronize()
+        try:
+            for ev in events:
+                ev.synchronize()
+        except Exception:  # a broken CUDA context: nothing left to wait for
+            pass
         _shm._fenced.extend(items)
         _shm._wake()
 
@@ -279,7 +283,7 @@ def reduce_cupy(enc, a):
         _stats["cuda_bytes_zero_copy"] += a.nbytes
         _stats["cuda_arrays_zero_copy"] += 1
     enc.cuda_devices.add(view.region.device)
-    row = enc.lease(view, _open_slab, _slab_intro)
+    row = enc.lease(view, GPU_SLAB, _slab_intro)
     return _rebuild, (row, a.data.ptr - view.ptr, a.shape, a.dtype.str, a.strides)
 
 
@@ -306,5 +310,3 @@ def _open_slab(ctx, key: tuple, size: int, intro) -> Slab:
     return Slab(key, size, dev, bus_id, dedicated=size >= GpuPool.large, ptr=ptr,
                 handle=handle)
 
-
-_open_slab.region_opener = True  # a block table may name it

@@ -162,7 +162,7 @@ class Connection:
         if what:
             self.pending_meta[cid] = what
         _shm._stats["calls_sent"] += 1
-        self._send(HEADER.pack(len(payload), CALL, flags, len(fds), cid), payload, fds)
+        self._send(HEADER.pack(_size(payload), CALL, flags, len(fds), cid), payload, fds)
         return fut
 
     def reply(self, cid: int, value: Any, what: str = "") -> None:
@@ -176,7 +176,7 @@ class Connection:
             self.reply_error(cid, err)
             return
         ser.commit(enc)
-        self._send(HEADER.pack(len(payload), RESULT, flags, len(fds), cid), payload, fds)
+        self._send(HEADER.pack(_size(payload), RESULT, flags, len(fds), cid), payload, fds)
 
     def reply_error(self, cid: int, exc: BaseException) -> None:
         if self.closed:
@@ -212,13 +212,17 @@ class Connection:
             _shm._stats["releases_sent"] += 1
             out.append([HEADER.pack(len(rel), RELEASE, 0, 0, 0) + rel, None, None])
         if header:
-            if len(payload) > MAX_FRAME:
-                raise ValueError(f"message of {len(payload)} bytes exceeds the frame limit")
-            if len(payload) < 65536:
-                out.append([header + payload, list(fds) or None, close_fds])
+            size = _size(payload)
+            if size > MAX_FRAME:
+                raise ValueError(f"message of {size} bytes exceeds the frame limit")
+            parts = payload if type(payload) is list else (payload,)
+            if size < 65536:
+                out.append([b"".join((header, *parts)), list(fds) or None, close_fds])
             else:
                 out.append([header, list(fds) or None, None])
-                out.append([payload, None, close_fds])
+                for part in parts:
+                    out.append([part, None, None])
+                out[-1][2] = close_fds
         if self.sock is not None and not self._writing and not self._corked:
             if self._burst:
                 # A second frame in the same loop iteration: a burst (pipelined calls).
@@ -423,6 +427,8 @@ class Connection:
                 if kind == RESULT:
                     try:
                         ser.decode(payload, fds, self, flags)
+                    except ProtocolError as exc:
+                        self._protocol_error(str(exc))
                     except Exception:
                         pass
                 return
@@ -462,13 +468,20 @@ class Connection:
         elif kind == RETIRE:
             try:
                 key = pickle.loads(payload)
-                self.host.region_retired(key)
+                _shm.source_gone(self, tuple(key))
             except Exception as exc:
                 self._protocol_error(f"bad retire frame: {exc!r}")
         else:
             for fd in fds:
                 _close_fd(fd)
             self._protocol_error(f"unknown frame kind {kind}")
+
+
+def _size(payload) -> int:
+    """Bytes in a payload: bytes, or a list of buffers sent back to back."""
+    if type(payload) is list:
+        return sum(len(p) for p in payload)
+    return len(payload)
 
 
 def _close_fd(fd: int) -> None:

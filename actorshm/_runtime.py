@@ -34,9 +34,17 @@ __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 
 logger = logging.getLogger("actorshm")
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The actor imports the driver's own copy of actorshm, even where another is installed.
-_WORKER_CMD = (f"import sys; sys.path[:0] = [{_PKG_PARENT!r}]; "
-               "from actorshm._worker import main; main()")
+
+
+def _bootstrap(module: str) -> str:
+    """``python -c`` code that runs ``actorshm.<module>.main()`` from the driver's own
+    copy of actorshm, even where another is installed or in the working directory, and
+    then leaves ``sys.path`` as it was (the driver's order is applied later)."""
+    return (f"import sys; sys.path.insert(0, {_PKG_PARENT!r}); "
+            f"import actorshm.{module} as m; sys.path.remove({_PKG_PARENT!r}); m.main()")
+
+
+_WORKER_CMD = _bootstrap("_worker")
 
 
 class _Record:
@@ -184,7 +192,7 @@ class Runtime:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         env.update(rec.options.env or {})
-        env["ACTORSHM_SYS_PATH"] = json.dumps([_PKG_PARENT] + [p for p in sys.path if p])
+        env["ACTORSHM_SYS_PATH"] = json.dumps([p for p in sys.path if p])
         env["PYTHONUNBUFFERED"] = "1"
         if rec.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
@@ -248,9 +256,8 @@ class Runtime:
             a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             fs_env = dict(os.environ)
             fs_env["ACTORSHM_SYS_PATH"] = env["ACTORSHM_SYS_PATH"]
-            code = f"import sys; sys.path[:0] = [{_PKG_PARENT!r}]; " \
-                   "from actorshm._forkserver import main; main()"
-            popen = subprocess.Popen([sys.executable, "-c", code, str(b.fileno())],
+            popen = subprocess.Popen([sys.executable, "-c", _bootstrap("_forkserver"),
+                                      str(b.fileno())],
                                      pass_fds=(b.fileno(),), stdin=subprocess.DEVNULL,
                                      env=fs_env)
             b.close()
@@ -435,9 +442,6 @@ class Runtime:
                 os.kill(rec.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-    def region_retired(self, key) -> None:
-        _shm.retire_region(key)
 
     # -- death and shutdown ------------------------------------------------------
     def _on_exit(self, rec: _Record) -> None:

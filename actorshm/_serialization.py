@@ -59,10 +59,11 @@ class _Encoder(cloudpickle.Pickler):
         self.new_regions: list = []  # regions introduced on the connection by this message
         self.cuda_devices: set = set()  # GPUs whose pending work the receiver must see
 
-    def lease(self, view, opener, intro) -> int:
+    def lease(self, view, kind: int, intro) -> int:
         """The row of ``view``'s block in this message's table, added (with its grant)
-        the first time. ``intro(enc, region)`` gives what opens the region, asked only
-        when the region is new to this connection."""
+        the first time. ``kind`` says how the receiver opens the region (``_OPENERS``);
+        ``intro(enc, region)`` gives what opens it, asked only when the region is new
+        to this connection."""
         row = self.index.get(view.key)
         if row is not None:
             return row
@@ -72,7 +73,7 @@ class _Encoder(cloudpickle.Pickler):
             self.new_regions.append(region)
             what = intro(self, region)
         row = self.index[view.key] = len(self.table)
-        self.table.append((opener, region.key, region.size, what, view.offset, view.size))
+        self.table.append((kind, region.key, region.size, what, view.offset, view.size))
         self.grants.append(view)
         return row
 
@@ -109,7 +110,7 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     else:
         stats["bytes_zero_copy"] += a.nbytes
         stats["arrays_zero_copy"] += 1
-    row = enc.lease(view, _open_arena, _arena_fd)
+    row = enc.lease(view, ARENA, _arena_fd)
     data = a.__array_interface__["data"][0]
     t = type(a)
     sub = None if (t is _ndarray or t is _memmap) else t
@@ -183,7 +184,17 @@ def _open_arena(ctx: _DecodeCtx, key: tuple, size: int, fd_index) -> _shm.Arena:
     return _shm.Arena(key, fd, size, addr, owned=False, dedicated=size >= _shm.LARGE)
 
 
-_open_arena.region_opener = True  # a block table may name it
+
+ARENA, GPU_SLAB = 0, 1  # region kinds in a block table
+
+
+def _opener(kind: int):
+    if kind == ARENA:
+        return _open_arena
+    if kind == GPU_SLAB:
+        from ._cuda import _open_slab  # needs CuPy: only where GPU arrays arrive
+        return _open_slab
+    raise ProtocolError(f"block table names an unknown region kind {kind!r}")
 
 
 def _adopt_table(ctx: _DecodeCtx, table) -> None:
@@ -200,14 +211,15 @@ def _adopt_table(ctx: _DecodeCtx, table) -> None:
     blocks = ctx.blocks
     for row in table:
         try:
-            opener, rkey, rsize, intro, boff, bsize = row
-            if not getattr(opener, "region_opener", False):
-                raise ProtocolError("block table names an unknown region kind")
+            kind, rkey, rsize, intro, boff, bsize = row
+            hash(rkey)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"malformed block table row: {exc}") from None
+        opener = _opener(kind)
+        try:
             blocks.append(_shm.adopt(conn, opener, rkey, rsize, intro, boff, bsize, ctx))
         except ProtocolError:
             raise
-        except (TypeError, ValueError) as exc:
-            raise ProtocolError(f"malformed block table: {exc}") from None
         except Exception as exc:
             blocks.append(None)
             failed = failed or exc
@@ -236,9 +248,10 @@ HAS_BLOCKS = 1  # frame flag: the payload starts with a block table
 _TLEN = struct.Struct("<I")
 
 
-def encode(obj: Any, conn) -> tuple[bytes, list[int], "_Encoder | None", int]:
+def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     """Pickle ``obj`` for ``conn``: (payload, fds, encoder, frame flags).
 
+    The payload is bytes, or a list of buffers to send back to back.
     Nothing is committed until ``commit`` is called.
     """
     # Fast path (most calls): builtin scalars need neither cloudpickle nor our reducers.
@@ -256,7 +269,8 @@ def encode(obj: Any, conn) -> tuple[bytes, list[int], "_Encoder | None", int]:
         from ._cuda import wait_for_senders_work
         wait_for_senders_work(enc.cuda_devices)
     table = _dumps(enc.table, 5)
-    return b"".join((_TLEN.pack(len(table)), table, f.getbuffer())), enc.fds, enc, HAS_BLOCKS
+    # Parts, not one bytes object: the frame writer joins them with the header in one copy.
+    return [_TLEN.pack(len(table)), table, f.getbuffer()], enc.fds, enc, HAS_BLOCKS
 
 
 def commit(enc: _Encoder) -> None:

@@ -96,7 +96,7 @@ class Region:
     """
 
     __slots__ = ("key", "size", "owned", "dedicated", "device", "sent_to", "sources",
-                 "__weakref__")
+                 "retiring", "__weakref__")
 
     def __init__(self, key: tuple, size: int, owned: bool, dedicated: bool,
                  device: int | None = None) -> None:
@@ -109,6 +109,7 @@ class Region:
         self.sent_to: weakref.WeakSet = weakref.WeakSet()
         # Connections that introduced it to us (a peer's region is closed when none is left).
         self.sources: weakref.WeakSet = weakref.WeakSet()
+        self.retiring = False  # no source left: close it once its last block here dies
 
     def block(self, offset: int, size: int, pool: "Pool | None") -> "Block":
         raise NotImplementedError
@@ -151,7 +152,7 @@ class Arena(Region):
 _regions: dict[tuple, Region] = {}
 # Regions a peer introduced that could not be opened here, with why: later blocks of them
 # fail the same way (their calls fail; the connection lives on).
-_unopenable: dict[tuple, BaseException] = {}
+_unopenable: dict[tuple, str] = {}
 # One live block object per block in this process: key (owner token, index, offset) ->
 # its ``_Lease`` (a weak reference to the block).
 _views: dict[tuple, "_Lease"] = {}
@@ -164,6 +165,8 @@ _releases: collections.deque = collections.deque()
 _fenced: collections.deque = collections.deque()
 # Regions retired by their owner (any thread), announced to peers on the loop.
 _retired: collections.deque = collections.deque()
+# Peers' regions with no source left whose last block here just died: close on the loop.
+_closable: collections.deque = collections.deque()
 _flush_hook: list = [None]  # set by the runtime: schedules ``flush_releases`` on its loop
 
 
@@ -191,6 +194,9 @@ def _block_died(lease: _Lease) -> None:
             _wake()
         if lease.pool is not None:
             lease.pool._returned.append((lease.region, lease.offset, lease.size))
+        elif lease.region.retiring:
+            _closable.append(lease.region.key)
+            _wake()
     except Exception:  # interpreter shutdown: nothing left to tell
         pass
 
@@ -256,9 +262,9 @@ def flush_releases() -> None:
     memory at once; host grants go back straight away.
     """
     while _retired:
-        region = _retired.popleft()
-        for conn in list(region.sent_to):
-            conn.send_retire(region.key)
+        _announce_retired(_retired.popleft())
+    while _closable:
+        _try_close(_closable.popleft())
     if _fenced:
         _give_back(_fenced)
     if not _releases:
@@ -273,7 +279,10 @@ def flush_releases() -> None:
             gpu.append(item)
     if gpu:
         from ._cuda import fence
-        fence(gpu)  # moves them to _fenced, now or from a helper thread that wakes us
+        try:
+            fence(gpu)  # moves them to _fenced, now or from a helper thread that wakes us
+        except Exception:  # a broken CUDA context: nothing left to wait for
+            _fenced.extend(gpu)
         _give_back(_fenced)
 
 
@@ -301,6 +310,7 @@ def adopt(conn, opener, rkey: tuple, rsize: int, intro, boff: int, bsize: int,
     region = _regions.get(rkey)
     if region is not None and intro is not None:
         region.sources.add(conn)
+        conn.received_regions.add(rkey)
     ref = _views.get(bkey)
     view = ref() if ref is not None else None
     if view is not None:
@@ -311,13 +321,13 @@ def adopt(conn, opener, rkey: tuple, rsize: int, intro, boff: int, bsize: int,
     if region is None:
         try:
             why = _unopenable.get(rkey)
-            if why is not None:
-                raise type(why)(*why.args)
+            if why is not None and intro is None:  # (a new introduction is tried afresh)
+                raise RuntimeError(why)
             region = opener(ctx, rkey, rsize, intro)
         except ProtocolError:
             raise  # the connection closes, and with it every lease on it
         except Exception as exc:
-            _unopenable.setdefault(rkey, exc)
+            _unopenable[rkey] = str(exc)
             conn.queue_release(bkey, 1)  # this block fails; its grant must not leak
             raise
         _regions[rkey] = region
@@ -331,35 +341,44 @@ def adopt(conn, opener, rkey: tuple, rsize: int, intro, boff: int, bsize: int,
 
 
 def connection_closed(conn) -> None:
-    """Let go of the regions ``conn`` brought in, unless another live peer still can
-    send blocks of them (a dead actor's memory must not stay mapped here forever)."""
-    for rkey in conn.received_regions:
-        region = _regions.get(rkey)
-        if region is None:
-            continue
-        region.sources.discard(conn)
-        if not any(not c.closed for c in region.sources):
-            retire_region(rkey)
-    conn.received_regions.clear()
+    """A connection closed: every region it brought in has lost that source."""
+    for rkey in list(conn.received_regions):
+        source_gone(conn, rkey)
 
 
-def retire_region(key: tuple) -> None:
-    """Close a region we opened from a peer, once no block of it is alive here.
-
-    Called when its owner retired it, and for every region a connection brought in when
-    that connection closes (a dead peer's memory is let go). Whoever we passed the
-    region on to is told in turn.
-    """
-    region = _regions.get(key)
+def source_gone(conn, rkey: tuple) -> None:
+    """``conn`` will send no more blocks of a peer's region (it retired the region, or
+    closed). With no live source left, the region is closed here once no block of it is
+    in use, so a dead peer's memory does not stay mapped forever."""
+    conn.received_regions.discard(rkey)
+    region = _regions.get(rkey)
     if region is None or region.owned:
         return
+    region.sources.discard(conn)
+    region.retiring = True
+    _try_close(rkey)
+
+
+def _try_close(rkey: tuple) -> None:
+    region = _regions.get(rkey)
+    if region is None or not region.retiring:
+        return
+    if any(not c.closed for c in region.sources):
+        return  # another peer can still send blocks of it
     for vkey, ref in list(_views.items()):
-        if vkey[0] == key[0] and vkey[1] == key[1] and ref() is not None:
-            return  # still in use here; it is closed when the process exits
-    del _regions[key]
-    for conn in list(region.sent_to):
-        conn.send_retire(key)
+        if vkey[0] == rkey[0] and vkey[1] == rkey[1] and ref() is not None:
+            return  # in use here: tried again when its last block dies
+    del _regions[rkey]
+    _announce_retired(region)
     region.close()
+
+
+def _announce_retired(region: Region) -> None:
+    """Tell every peer we introduced ``region`` to that we will send no more of it."""
+    for conn in list(region.sent_to):
+        conn.send_retire(region.key)
+        conn.sent_regions.discard(region.key)  # introduced afresh if we ever send it again
+    region.sent_to.clear()
 
 
 def find_view(arr: np.ndarray) -> "_View | None":

@@ -34,6 +34,7 @@ class Worker:
         self.loop_thread = threading.get_ident()
         self.stopped = loop.create_future()
         self.exit_code = 0
+        self.shutdown_grace = 2.0  # the runtime's, once __init_actor__ arrives
         self.instance: Any = None
         self.actor_id = -1
         self.cls_name = "actor"
@@ -236,9 +237,6 @@ class Worker:
                 self.stopped.set_result(None)
         elif conn.peer_id is not None and self.peers.get(conn.peer_id) is conn:
             del self.peers[conn.peer_id]
-
-    def region_retired(self, key) -> None:
-        _shm.retire_region(key)
 
 
 async def _amain(fd: int) -> int:

@@ -315,6 +315,40 @@ async def test_dead_peers_memory_is_let_go(rt):
     gc.collect()
     # The arena still in use stays mapped (its memory stays valid); the other is closed.
     assert len(_shm._regions) == n0 + 1 and kept.sum() == 10.0
+    del kept  # and the last one goes with its last array
+    gc.collect()
+    await asyncio.sleep(0.05)
+    assert len(_shm._regions) == n0
+
+
+async def test_dead_owners_arena_travels_again_after_peers_let_go(rt):
+    # A lends x to C and returns it to us; we pass it on to B. A dies: we and B let go of
+    # A's arena, C still holds x. C sends x back and we pass it to B again: the arena is
+    # introduced afresh on each hop (nobody may assume the other still has it).
+    from actorshm import _shm
+    owner, b, c = await Arrays.spawn(), await Arrays.spawn(), await Arrays.spawn()
+    x = await owner.make_and_lend([c], 1 << 20, 1.0)
+    assert await b.sum(x) == float(1 << 20)
+    n0 = await b.regions()
+    del x
+    gc.collect()
+    await asyncio.sleep(0.05)
+    await owner.kill()
+    await asyncio.sleep(0.1)
+    assert await b.regions() == n0 - 1
+    y = await c.get_kept()
+    assert await b.sum(y) == float(1 << 20)
+    assert await b.regions() == n0 and _shm._regions
+
+
+async def test_one_relay_letting_go_does_not_close_a_region_another_still_sends(rt):
+    owner, x, y, b = [await Arrays.spawn() for _ in range(4)]
+    await owner.make_and_lend([x, y], 1 << 20, 1.0)
+    assert await x.sum_kept_at(b) == await y.sum_kept_at(b) == float(1 << 20)
+    await x.drop()
+    await owner.kill()  # x lets go of the arena and tells b; y still holds it
+    await asyncio.sleep(0.1)
+    assert await y.sum_kept_at(b) == float(1 << 20)
 
 
 def test_block_dropped_in_a_thread_cannot_be_picked_up_again():

@@ -110,6 +110,13 @@ async def test_argument_failing_to_unpickle_in_actor_is_type_error(rt):
     assert await c.incr(1) == 2
 
 
+async def test_actor_whose_init_arguments_fail_stops_cleanly(rt, capfd):
+    with pytest.raises(TypeError, match="could not deserialize"):
+        await Counter.spawn(BreaksOnArrival())
+    await asyncio.sleep(0.3)
+    assert "Traceback" not in capfd.readouterr().err
+
+
 async def test_unserializable_result_is_type_error(rt):
     f = await Faulty.spawn()
     with pytest.raises(TypeError, match="cannot be sent back"):
