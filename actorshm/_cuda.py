@@ -230,14 +230,14 @@ _fence_thread: list = [None]
 def fence(items) -> None:
     """Give GPU leases back once this process's work on their devices has finished.
 
-    ``items`` are (upstream, key, device) releases. An event is recorded on each
+    ``items`` are (upstream, key, region) releases. An event is recorded on each
     device's legacy default stream, which completes after all work queued before it on
     the device's blocking streams. When the events are done already (a consumer that
     finished its work), the releases go straight to ``_shm._fenced``; otherwise a helper
     thread waits for them, so the event loop never blocks on the GPU.
     """
     events = []
-    for dev in {item[2] for item in items}:
+    for dev in {item[2].device for item in items}:
         with cupy.cuda.Device(dev):
             ev = cupy.cuda.Event(disable_timing=True)
             _runtime.eventRecord(ev.ptr, _runtime.streamLegacy)

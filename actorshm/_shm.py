@@ -96,7 +96,7 @@ class Region:
     """
 
     __slots__ = ("key", "size", "owned", "dedicated", "device", "sent_to", "sources",
-                 "retiring", "__weakref__")
+                 "retiring", "live", "__weakref__")
 
     def __init__(self, key: tuple, size: int, owned: bool, dedicated: bool,
                  device: int | None = None) -> None:
@@ -109,7 +109,8 @@ class Region:
         self.sent_to: weakref.WeakSet = weakref.WeakSet()
         # Connections that introduced it to us (a peer's region is closed when none is left).
         self.sources: weakref.WeakSet = weakref.WeakSet()
-        self.retiring = False  # no source left: close it once its last block here dies
+        self.retiring = False  # a source let go: close it once no source or block is left
+        self.live = 0  # blocks of a peer's region alive here (kept on the loop thread)
 
     def block(self, offset: int, size: int, pool: "Pool | None") -> "Block":
         raise NotImplementedError
@@ -159,14 +160,12 @@ _views: dict[tuple, "_Lease"] = {}
 # Tokens of the pools this process owns (one host pool, one pool per GPU in use).
 _own_tokens: set[int] = set()
 # Grants to give back, appended when a block dies (any thread), flushed on the loop:
-# (upstream, block key, device or None).
+# (upstream, block key, region).
 _releases: collections.deque = collections.deque()
 # GPU grants whose device work has finished (see ``_cuda.fence``): ready to go back.
 _fenced: collections.deque = collections.deque()
 # Regions retired by their owner (any thread), announced to peers on the loop.
 _retired: collections.deque = collections.deque()
-# Peers' regions with no source left whose last block here just died: close on the loop.
-_closable: collections.deque = collections.deque()
 _flush_hook: list = [None]  # set by the runtime: schedules ``flush_releases`` on its loop
 
 
@@ -190,13 +189,10 @@ class _Lease(weakref.ref):
 def _block_died(lease: _Lease) -> None:
     try:
         if lease.upstream:
-            _releases.append((lease.upstream, lease.key, lease.region.device))
+            _releases.append((lease.upstream, lease.key, lease.region))
             _wake()
         if lease.pool is not None:
             lease.pool._returned.append((lease.region, lease.offset, lease.size))
-        elif lease.region.retiring:
-            _closable.append(lease.region.key)
-            _wake()
     except Exception:  # interpreter shutdown: nothing left to tell
         pass
 
@@ -263,20 +259,16 @@ def flush_releases() -> None:
     """
     while _retired:
         _announce_retired(_retired.popleft())
-    while _closable:
-        _try_close(_closable.popleft())
     if _fenced:
         _give_back(_fenced)
     if not _releases:
         return
+    host: collections.deque = collections.deque()
     gpu = []
     while _releases:  # take a snapshot first: other threads may append meanwhile
         item = _releases.popleft()
-        if item[2] is None:
-            for conn, n in item[0].items():
-                conn.queue_release(item[1], n)
-        else:
-            gpu.append(item)
+        (host if item[2].device is None else gpu).append(item)
+    _give_back(host)
     if gpu:
         from ._cuda import fence
         try:
@@ -287,10 +279,17 @@ def flush_releases() -> None:
 
 
 def _give_back(ready: collections.deque) -> None:
+    """Send released grants upstream; close peers' regions whose last block this was."""
+    closable = []
     while ready:
-        upstream, key, _ = ready.popleft()
+        upstream, key, region = ready.popleft()
         for conn, n in upstream.items():
             conn.queue_release(key, n)
+        region.live -= 1
+        if region.live <= 0 and region.retiring:
+            closable.append(region.key)
+    for rkey in closable:
+        _try_close(rkey)
 
 
 def adopt(conn, opener, rkey: tuple, rsize: int, intro, boff: int, bsize: int,
@@ -337,6 +336,7 @@ def adopt(conn, opener, rkey: tuple, rsize: int, intro, boff: int, bsize: int,
         raise ProtocolError("block lies outside its region")
     view = region.block(boff, bsize, None)
     view.lease.upstream = {conn: 1}
+    region.live += 1
     return view
 
 
@@ -365,9 +365,8 @@ def _try_close(rkey: tuple) -> None:
         return
     if any(not c.closed for c in region.sources):
         return  # another peer can still send blocks of it
-    for vkey, ref in list(_views.items()):
-        if vkey[0] == rkey[0] and vkey[1] == rkey[1] and ref() is not None:
-            return  # in use here: tried again when its last block dies
+    if region.live > 0:
+        return  # in use here: tried again when its last block dies
     del _regions[rkey]
     _announce_retired(region)
     region.close()

@@ -182,3 +182,22 @@ async def test_stopping_producer_warns_about_gpu_blocks_still_held(capfd):
     err = capfd.readouterr().err
     assert "exits while peers still hold 1 of its GPU blocks" in err, err
     del kept
+
+
+async def test_release_from_a_busy_device_goes_back_from_a_helper_thread(rt):
+    if cupy.__version__ != "0.0-simulated":
+        pytest.skip("needs the simulation's knob that keeps a device busy")
+    a = await GpuArrays.spawn()
+    y = await a.make(1000, 1.0)
+    assert (await a.stats())["cuda_blocks_live"] == 1
+    cupy.cuda.Event.busy = True  # our work on the device "has not finished" yet
+    try:
+        del y
+        gc.collect()
+        for _ in range(100):  # the helper thread waits, then the lease goes back
+            await asyncio.sleep(0.01)
+            if (await a.stats())["cuda_blocks_live"] == 0:
+                break
+        assert (await a.stats())["cuda_blocks_live"] == 0
+    finally:
+        cupy.cuda.Event.busy = False

@@ -63,15 +63,17 @@ class MemoryPointer:
 
 
 class Event:
-    """Half of the events report busy until waited on, so that both of actorshm's
-    paths (device idle: release at once; device busy: a helper thread waits) run."""
+    """Done at once (simulated kernels finish when launched), unless the simulation sets
+    ``Event.busy``: then each event reports busy until it is waited on, so that the
+    path where actorshm waits for a busy device in a helper thread runs too."""
 
+    busy = False  # simulation knob, not CuPy API
     _count = 0
 
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         Event._count += 1
         self.ptr = Event._count
-        self._done = Event._count % 2 == 0
+        self._done = not Event.busy
 
     @property
     def done(self):
