@@ -192,7 +192,7 @@ class Runtime:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         env.update(rec.options.env or {})
-        env["ACTORSHM_SYS_PATH"] = json.dumps([p for p in sys.path if p])
+        env["ACTORSHM_SYS_PATH"] = json.dumps([os.fspath(p) for p in sys.path if p])
         env["PYTHONUNBUFFERED"] = "1"
         if rec.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)

@@ -188,13 +188,14 @@ def _open_arena(ctx: _DecodeCtx, key: tuple, size: int, fd_index) -> _shm.Arena:
 ARENA, GPU_SLAB = 0, 1  # region kinds in a block table
 
 
-def _opener(kind: int):
-    if kind == ARENA:
-        return _open_arena
-    if kind == GPU_SLAB:
-        from ._cuda import _open_slab  # needs CuPy: only where GPU arrays arrive
-        return _open_slab
-    raise ProtocolError(f"block table names an unknown region kind {kind!r}")
+def _open_gpu_slab(ctx: _DecodeCtx, key: tuple, size: int, intro):
+    # Imported here: CuPy is needed only where GPU arrays arrive (without it, the
+    # ImportError fails this block like any region that cannot be opened).
+    from ._cuda import _open_slab
+    return _open_slab(ctx, key, size, intro)
+
+
+_OPENERS = {ARENA: _open_arena, GPU_SLAB: _open_gpu_slab}
 
 
 def _adopt_table(ctx: _DecodeCtx, table) -> None:
@@ -213,9 +214,12 @@ def _adopt_table(ctx: _DecodeCtx, table) -> None:
         try:
             kind, rkey, rsize, intro, boff, bsize = row
             hash(rkey)
+            hash(kind)
         except (TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed block table row: {exc}") from None
-        opener = _opener(kind)
+        opener = _OPENERS.get(kind)
+        if opener is None:
+            raise ProtocolError(f"block table names an unknown region kind {kind!r}")
         try:
             blocks.append(_shm.adopt(conn, opener, rkey, rsize, intro, boff, bsize, ctx))
         except ProtocolError:

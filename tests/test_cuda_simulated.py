@@ -7,10 +7,18 @@ The GPU tests run in a subprocess, so that the stand-in never meets this process
 imports (or a real CuPy).
 """
 
+import asyncio
+import gc
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+
+import pytest
+
+import actorshm
+from actorshm import actor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIMGPU = os.path.join(ROOT, "tests", "simgpu")
@@ -43,3 +51,30 @@ def test_gpu_benchmark_script_runs_on_a_simulated_gpu():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "CuPy argument via CUDA IPC" in proc.stdout
     assert "steady state per batch: 0.00 new GPU blocks, 0 GPU bytes copied" in proc.stdout
+
+
+
+@actor
+class MixedResults:
+    """Returns host and GPU arrays together; CuPy is imported in the actor only."""
+
+    def make(self):
+        import actorshm.cuda
+        return [actorshm.zeros(10), actorshm.cuda.zeros(10), actorshm.zeros(20)]
+
+    def host_blocks_live(self):
+        gc.collect()
+        return actorshm.stats()["blocks_live"]
+
+
+async def test_gpu_array_reaching_a_process_without_cupy(rt):
+    # This process has no CuPy; the actor has the simulated one. The call fails with a
+    # TypeError that says why, every lease in the result still comes back, and the
+    # connection carries on.
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("this process has CuPy")
+    a = await MixedResults.options(env={"PYTHONPATH": SIMGPU}).spawn()
+    with pytest.raises(TypeError, match="No module named 'cupy'"):
+        await a.make()
+    await asyncio.sleep(0.1)
+    assert await a.host_blocks_live() == 0
