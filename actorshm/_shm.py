@@ -351,6 +351,9 @@ def source_gone(conn, rkey: tuple) -> None:
     closed). With no live source left, the region is closed here once no block of it is
     in use, so a dead peer's memory does not stay mapped forever."""
     conn.received_regions.discard(rkey)
+    # The peer let go of it: should we send it blocks of the region again, the region
+    # must be introduced afresh.
+    conn.sent_regions.discard(rkey)
     region = _regions.get(rkey)
     if region is None or region.owned:
         return
@@ -363,13 +366,18 @@ def _try_close(rkey: tuple) -> None:
     region = _regions.get(rkey)
     if region is None or not region.retiring:
         return
-    if any(not c.closed for c in region.sources):
-        return  # another peer can still send blocks of it
     if region.live > 0:
         return  # in use here: tried again when its last block dies
-    del _regions[rkey]
-    _announce_retired(region)
-    region.close()
+    live = [c for c in region.sources if not c.closed]
+    if not live:
+        del _regions[rkey]
+        _announce_retired(region)
+        region.close()
+    elif all(c in region.sent_to for c in live):
+        # Only peers we passed it on to still list it, and they may hold it only
+        # through us (a block handed back and forth). Tell them we let go; we close
+        # once they let go too (their RETIRE), so their frames in flight stay valid.
+        _announce_retired(region)
 
 
 def _announce_retired(region: Region) -> None:

@@ -395,3 +395,23 @@ def test_block_dropped_in_a_thread_cannot_be_picked_up_again():
         _shm._own_tokens.discard(owner.token)
         _shm._pools.remove(owner)
         arena.close()
+
+
+async def test_handed_back_array_does_not_pin_a_dead_owners_arena(rt):
+    # We pass the owner's array to b, b hands it back: we and b each introduced the
+    # arena to the other. After the owner dies, both must still let it go.
+    from actorshm import _shm
+    owner, b = await Arrays.spawn(), await Arrays.spawn()
+    n0, b0 = len(_shm._regions), await b.regions()
+    x = await owner.make(1 << 20, 1.0)
+    y = await b.echo(x)
+    assert np.shares_memory(x, y)
+    del x, y
+    gc.collect()
+    await asyncio.sleep(0.05)
+    await owner.kill()
+    for _ in range(50):
+        await asyncio.sleep(0.02)
+        if len(_shm._regions) == n0 and await b.regions() == b0:
+            break
+    assert len(_shm._regions) == n0 and await b.regions() == b0
