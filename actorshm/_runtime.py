@@ -40,7 +40,10 @@ def _bootstrap(module: str) -> str:
     """``python -c`` code that runs ``actorshm.<module>.main()`` from the driver's own
     copy of actorshm, even where another is installed or in the working directory, and
     then leaves ``sys.path`` as it was (the driver's order is applied later)."""
-    return (f"import sys; sys.path.insert(0, {_PKG_PARENT!r}); "
+    # ``python -c`` puts '' (the working directory) first: drop it, so that a file there
+    # cannot shadow the standard library before the driver's own path is in place.
+    return (f"import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
+            f"sys.path.insert(0, {_PKG_PARENT!r}); "
             f"import actorshm.{module} as m; sys.path.remove({_PKG_PARENT!r}); m.main()")
 
 
@@ -192,7 +195,10 @@ class Runtime:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         env.update(rec.options.env or {})
-        env["ACTORSHM_SYS_PATH"] = json.dumps([os.fspath(p) for p in sys.path if p])
+        # The driver's import path, '' (its working directory, the actor's too) made
+        # absolute: the actor imports what the driver would.
+        env["ACTORSHM_SYS_PATH"] = json.dumps(
+            [os.fspath(p) or os.getcwd() for p in sys.path if isinstance(p, (str, os.PathLike))])
         env["PYTHONUNBUFFERED"] = "1"
         if rec.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
@@ -484,15 +490,19 @@ class Runtime:
             self.loop.create_task(self._restart(rec, why))
 
     async def _restart(self, rec: _Record, why: str) -> None:
+        conn = rec.conn  # this attempt's; a death during start-up makes the next one's
         try:
             if rec.options.num_gpus:
                 rec.gpus = self._take_gpus(rec.options.num_gpus, rec.cls_name)
             rec.death = None
             await self._start_process(rec)
             logger.warning("actorshm: restarted %s (restart %d of %s) after: %s", rec.label,
-                           rec.restarts, rec.options.max_restarts, why)
+                           rec.restarts, rec.options.max_restarts, _first_line(why))
         except BaseException as exc:
-            rec.death = f"{rec.label} could not be restarted: {exc!r} (after: {why})"
+            if rec.conn is not conn:
+                return  # the new process died while starting; the next restart is on
+            rec.death = (f"{rec.label} could not be restarted: {_first_line(str(exc))} "
+                         f"(after: {_first_line(why)})")
             if rec.conn is not None:
                 rec.conn.close(ActorDiedError(rec.death))
             if rec.alive:
@@ -558,6 +568,12 @@ def _reply_task(conn: Connection, cid: int, task: asyncio.Task) -> None:
         conn.reply_error(cid, task.exception())
     else:
         conn.reply(cid, task.result())
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    """A death's cause, short: restart messages must not nest earlier ones whole."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def _kill_all(actors: dict) -> None:

@@ -234,6 +234,23 @@ class Phoenix:
         os._exit(9)
 
 
+@actor(max_restarts=3)
+class FlakyStart:
+    """Its __init__ crashes the process once while ``marker`` exists (then removes it)."""
+
+    def __init__(self, marker):
+        if os.path.exists(marker):
+            os.remove(marker)
+            os._exit(3)
+        self.pid = os.getpid()
+
+    def crash(self):
+        os._exit(9)
+
+    def ping(self):
+        return os.getpid()
+
+
 @actor(max_concurrency=2)
 class ThreadedCaller:
     """Sync methods run in threads here; they may block on calls to other actors."""

@@ -389,6 +389,24 @@ async def test_max_restarts(rt):
         await q.hit()
 
 
+async def test_restart_that_dies_while_starting_is_retried(rt, tmp_path):
+    from actors import FlakyStart
+    marker = tmp_path / "crash-next-start"
+    a = await FlakyStart.spawn(str(marker))
+    pid1 = await a.ping()
+    marker.write_text("x")  # the first restart's __init__ crashes; the second works
+    with pytest.raises(ActorDiedError):
+        await a.crash()
+    for _ in range(100):
+        try:
+            pid = await a.ping()
+            break
+        except ActorDiedError:
+            await asyncio.sleep(0.05)
+    assert pid != pid1 and not marker.exists()
+    assert rt.actors()[-1]["alive"]
+
+
 async def test_sync_method_in_thread_can_wait_on_calls(rt):
     from actors import ThreadedCaller
     c = await Counter.spawn(1)
@@ -442,3 +460,35 @@ async def test_actor_runs_the_drivers_own_actorshm(rt, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # actors start in the driver's working directory
     c = await Counter.options(env={"PYTHONPATH": str(tmp_path)}).spawn(0)
     assert await c.incr() == 1
+
+
+SHADOW_SCRIPT = textwrap.dedent("""
+    import actorshm
+    from actorshm import actor
+
+    @actor
+    class Maker:
+        def make(self):
+            return float(actorshm.zeros(10).sum() + 1)  # needs the real secrets module
+
+    async def main():
+        for method in ("spawn", "forkserver"):
+            async with actorshm.Runtime(start_method=method):
+                print(method, await (await Maker.spawn()).make(), flush=True)
+
+    actorshm.run(main())
+""")
+
+
+def test_working_directory_files_do_not_shadow_the_standard_library(tmp_path):
+    # The driver runs a script from elsewhere, so its working directory is not on its
+    # path; a secrets.py there must not be what its actors import either.
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "work").mkdir()
+    (tmp_path / "scripts" / "drv.py").write_text(SHADOW_SCRIPT)
+    (tmp_path / "work" / "secrets.py").write_text("broken = True\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(actorshm.__file__)))
+    p = subprocess.run([sys.executable, str(tmp_path / "scripts" / "drv.py")], env=env,
+                       cwd=tmp_path / "work", capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["spawn", "1.0", "forkserver", "1.0"]
