@@ -71,6 +71,7 @@ class _Record:
         self.gpus: list[str] = []
         self.spawn_args: tuple = ()
         self.restarts = 0
+        self.failed_starts = 0  # restarts in a row whose process died while starting
         self.no_restart = False
 
     @property
@@ -198,7 +199,8 @@ class Runtime:
         # The driver's import path, '' (its working directory, the actor's too) made
         # absolute: the actor imports what the driver would.
         env["ACTORSHM_SYS_PATH"] = json.dumps(
-            [os.fspath(p) or os.getcwd() for p in sys.path if isinstance(p, (str, os.PathLike))])
+            [os.fspath(p) or os.getcwd() for p in sys.path
+             if isinstance(p, (str, os.PathLike)) and isinstance(os.fspath(p), str)])
         env["PYTHONUNBUFFERED"] = "1"
         if rec.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
@@ -361,10 +363,15 @@ class Runtime:
 
     async def kill(self, actor_id: int) -> None:
         rec = self._actors.get(actor_id)
-        if rec is None or not rec.alive:
+        if rec is None:
+            return
+        rec.no_restart = True  # also ends a restart in progress
+        if not rec.alive:
+            if rec.conn is not None and not rec.conn.closed:  # calls waiting for a restart
+                rec.death = f"{rec.label} was killed by actorshm kill()"
+                rec.conn.close(ActorDiedError(rec.death))
             return
         rec.death = f"{rec.label} was killed by actorshm kill()"
-        rec.no_restart = True
         try:
             os.kill(rec.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -491,16 +498,32 @@ class Runtime:
 
     async def _restart(self, rec: _Record, why: str) -> None:
         conn = rec.conn  # this attempt's; a death during start-up makes the next one's
+        if rec.failed_starts:  # back off while new processes keep dying as they start
+            await asyncio.sleep(min(5.0, 0.05 * 2 ** rec.failed_starts))
+        if self._closing or rec.no_restart:  # closed or killed meanwhile
+            if rec.conn is conn and conn is not None:
+                conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
+            return
         try:
             if rec.options.num_gpus:
                 rec.gpus = self._take_gpus(rec.options.num_gpus, rec.cls_name)
             rec.death = None
             await self._start_process(rec)
+            rec.failed_starts = 0
+            if rec.no_restart:  # killed while it was starting
+                rec.death = f"{rec.label} was killed by actorshm kill()"
+                os.kill(rec.pid, signal.SIGKILL)
+                return
             logger.warning("actorshm: restarted %s (restart %d of %s) after: %s", rec.label,
                            rec.restarts, rec.options.max_restarts, _first_line(why))
         except BaseException as exc:
             if rec.conn is not conn:
-                return  # the new process died while starting; the next restart is on
+                # The new process died while starting; the next restart is on its way.
+                rec.failed_starts += 1
+                logger.warning("actorshm: restart %d of %s of %s failed while starting: %s",
+                               rec.restarts - 1, rec.options.max_restarts, rec.label,
+                               _first_line(str(exc)))
+                return
             rec.death = (f"{rec.label} could not be restarted: {_first_line(str(exc))} "
                          f"(after: {_first_line(why)})")
             if rec.conn is not None:

@@ -310,6 +310,7 @@ def adopt(conn, opener, rkey: tuple, rsize: int, intro, boff: int, bsize: int,
     if region is not None and intro is not None:
         region.sources.add(conn)
         conn.received_regions.add(rkey)
+        region.retiring = False  # a live peer sends it: nothing to close until one lets go
     ref = _views.get(bkey)
     view = ref() if ref is not None else None
     if view is not None:

@@ -415,3 +415,27 @@ async def test_handed_back_array_does_not_pin_a_dead_owners_arena(rt):
         if len(_shm._regions) == n0 and await b.regions() == b0:
             break
     assert len(_shm._regions) == n0 and await b.regions() == b0
+
+
+async def test_losing_one_relay_does_not_make_round_trips_reintroduce_the_arena(rt):
+    # a got x from us and through b, and has sent it back to us. b dies: a must keep
+    # x's arena (we, its owner, still send it), not let go and remap it every call.
+    a, b = await Arrays.spawn(), await Arrays.spawn()
+    x = actorshm.zeros(1 << 20)
+    await a.keep(x)
+    await b.keep(x)
+    await b.sum_kept_at(a)  # b introduces x's arena to a as well
+    await a.drop()
+    y = await a.echo(x)
+    del y
+    await b.kill()
+    await asyncio.sleep(0.1)
+    from actorshm import _shm
+    key = _shm.find_view(x).region.key
+    conn = rt._actors[a.actor_id].conn
+    for _ in range(5):
+        y = await a.echo(x)
+        del y
+        gc.collect()
+        await asyncio.sleep(0.02)
+        assert key in conn.sent_regions  # a never told us it let go

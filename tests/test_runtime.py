@@ -407,6 +407,25 @@ async def test_restart_that_dies_while_starting_is_retried(rt, tmp_path):
     assert rt.actors()[-1]["alive"]
 
 
+async def test_restarts_that_keep_failing_back_off_and_say_so(rt, tmp_path, caplog):
+    from actors import FlakyStart
+    marker = tmp_path / "always-crash"
+    a = await FlakyStart.options(max_restarts=-1).spawn(str(marker), False)
+    marker.write_text("x")  # every restart now dies in __init__
+    with pytest.raises(ActorDiedError):
+        await a.crash()
+    await asyncio.sleep(1.0)
+    rec = rt._actors[a.actor_id]
+    assert 2 <= rec.restarts <= 8  # backing off, not spinning
+    assert "failed while starting" in caplog.text
+    await a.kill()  # ends the retries
+    n = rec.restarts
+    await asyncio.sleep(1.5)
+    assert rec.restarts == n and not rec.alive
+    with pytest.raises(ActorDiedError, match="kill"):
+        await a.ping()
+
+
 async def test_sync_method_in_thread_can_wait_on_calls(rt):
     from actors import ThreadedCaller
     c = await Counter.spawn(1)
