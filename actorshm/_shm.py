@@ -96,7 +96,7 @@ class Region:
     """
 
     __slots__ = ("key", "size", "owned", "dedicated", "device", "sent_to", "sources",
-                 "retiring", "live", "__weakref__")
+                 "asked", "retiring", "live", "__weakref__")
 
     def __init__(self, key: tuple, size: int, owned: bool, dedicated: bool,
                  device: int | None = None) -> None:
@@ -109,6 +109,7 @@ class Region:
         self.sent_to: weakref.WeakSet = weakref.WeakSet()
         # Connections that introduced it to us (a peer's region is closed when none is left).
         self.sources: weakref.WeakSet = weakref.WeakSet()
+        self.asked: weakref.WeakSet = weakref.WeakSet()  # sources told we let go
         self.retiring = False  # a source let go: close it once no source or block is left
         self.live = 0  # blocks of a peer's region alive here (kept on the loop thread)
 
@@ -311,13 +312,21 @@ def adopt(conn, opener, rkey: tuple, rsize: int, intro, boff: int, bsize: int,
         region.sources.add(conn)
         conn.received_regions.add(rkey)
         region.retiring = False  # a live peer sends it: nothing to close until one lets go
+        region.asked.discard(conn)
     ref = _views.get(bkey)
     view = ref() if ref is not None else None
     if view is not None:
         conn.queue_release(bkey, 1)
         return view
     if rkey[0] in _own_tokens:
-        raise ProtocolError("peer sent back a block of ours that is no longer leased")
+        # Ours, but recycled: a process that relayed it died while another still held
+        # it (see docs/shared-memory.md). That call fails; the connection is fine.
+        conn.queue_release(bkey, 1)
+        raise SharedMemoryError(
+            "actorshm: an array came back to the process that owns its memory after that "
+            "memory was recycled (a process that passed it on died while others still "
+            "held it); its contents are not what the sender had. Copy arrays you keep "
+            "from actors that may die.")
     if region is None:
         try:
             why = _unopenable.get(rkey)
@@ -374,10 +383,17 @@ def _try_close(rkey: tuple) -> None:
         del _regions[rkey]
         _announce_retired(region)
         region.close()
-    elif all(c in region.sent_to for c in live):
-        # Only peers we passed it on to still list it, and they may hold it only
-        # through us (a block handed back and forth). Tell them we let go; we close
-        # once they let go too (their RETIRE), so their frames in flight stay valid.
+    else:
+        # The peers left may hold it only through us: a block handed back, or passed
+        # round a loop, after its owner let go. Tell them, and everyone we passed it
+        # to, that we let go: each forgets it introduced the region to us, and lets go
+        # in turn if it has no other source. We close once every source has (its
+        # RETIRE), so frames in flight stay valid; one that keeps it (its live owner)
+        # simply introduces it afresh next time.
+        for conn in live:
+            if conn not in region.sent_to and conn not in region.asked:
+                region.asked.add(conn)
+                conn.send_retire(rkey)
         _announce_retired(region)
 
 

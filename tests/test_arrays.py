@@ -439,3 +439,40 @@ async def test_losing_one_relay_does_not_make_round_trips_reintroduce_the_arena(
         gc.collect()
         await asyncio.sleep(0.02)
         assert key in conn.sent_regions  # a never told us it let go
+
+
+async def test_block_coming_home_after_a_relay_died_fails_the_call_only(rt):
+    # owner lends x to relay, we get it from relay; relay dies, so owner recycles x's
+    # block while we still hold x (a documented limit). Sending x home then fails that
+    # call with an error that says what happened; the connection carries on.
+    owner, relay = await Arrays.spawn(), await Arrays.spawn()
+    await owner.make_and_lend([relay], 1000, 1.0)
+    x = await relay.get_kept()
+    await owner.drop()  # only the relay's lease (and our x, through it) remain
+    await relay.kill()
+    await asyncio.sleep(0.1)
+    with pytest.raises(TypeError, match="recycled"):
+        await owner.sum(x)
+    assert await owner.sum(np.ones(3)) == 3.0
+
+
+async def test_arena_passed_round_a_loop_is_let_go_after_its_owner_dies(rt):
+    owner, a, b, c = [await Arrays.spawn() for _ in range(4)]
+    base = [await p.regions() for p in (a, b, c)]
+    await owner.make_and_lend([a], 1 << 20, 1.0)
+    await a.sum_kept_at(b)  # a -> b (b sums and drops it)
+    x = await a.get_kept()
+    await b.keep(x)
+    await b.sum_kept_at(c)
+    await c.keep(await b.get_kept())
+    await c.sum_kept_at(a)  # c -> a closes the loop a -> b -> c -> a
+    del x
+    for p in (a, b, c):
+        await p.drop()
+    gc.collect()
+    await owner.kill()
+    for _ in range(50):
+        await asyncio.sleep(0.02)
+        if [await p.regions() for p in (a, b, c)] == base:
+            break
+    assert [await p.regions() for p in (a, b, c)] == base
