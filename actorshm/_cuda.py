@@ -28,11 +28,7 @@ from . import _shm
 from ._errors import ProtocolError, SharedMemoryError
 from ._serialization import GPU_SLAB
 
-_stats = _shm._stats
-for _k in ("cuda_bytes_zero_copy", "cuda_bytes_copied", "cuda_arrays_zero_copy",
-           "cuda_arrays_copied", "cuda_pool_allocs", "cuda_pool_reuses",
-           "cuda_handles_opened"):
-    _stats.setdefault(_k, 0)
+_stats = _shm._stats  # its cuda_* keys are ours
 
 _runtime = cupy.cuda.runtime
 _ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation

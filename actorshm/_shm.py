@@ -55,7 +55,11 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _stats: dict[str, int] = dict.fromkeys(
     ["bytes_copied", "bytes_zero_copy", "arrays_copied", "arrays_zero_copy",
      "pool_allocs", "pool_reuses", "blocks_live", "arenas_owned", "arena_bytes_owned",
-     "arenas_mapped", "releases_sent", "releases_received", "calls_sent", "calls_received"],
+     "arenas_mapped", "releases_sent", "releases_received", "calls_sent", "calls_received",
+     # GPU arrays (``_cuda``): present, at zero, also where CuPy was never imported.
+     "cuda_bytes_zero_copy", "cuda_bytes_copied", "cuda_arrays_zero_copy",
+     "cuda_arrays_copied", "cuda_pool_allocs", "cuda_pool_reuses", "cuda_handles_opened",
+     "cuda_blocks_live", "cuda_slabs_owned", "cuda_slab_bytes_owned"],
     0,
 )
 
@@ -207,14 +211,13 @@ class Block:
     in the owner's process the block returns to the pool's free list.
     """
 
-    __slots__ = ("region", "offset", "size", "key", "pool", "lease", "__weakref__")
+    __slots__ = ("region", "offset", "size", "key", "lease", "__weakref__")
 
     def __init__(self, region: Region, offset: int, size: int, pool: "Pool | None") -> None:
         self.region = region
         self.offset = offset
         self.size = size
         self.key = key = (region.key[0], region.key[1], offset)
-        self.pool = pool
         self.lease = lease = _Lease(self, _block_died)
         lease.key = key
         lease.upstream = None
@@ -517,7 +520,7 @@ class Pool:
             _wake()
 
     def drain(self) -> None:
-        """Move blocks returned by ``Block.__del__`` back onto the free lists."""
+        """Move blocks returned by ``_block_died`` (any thread) back onto the free lists."""
         ret = self._returned
         if ret:
             with self.lock:

@@ -23,6 +23,7 @@ def test_errors_hierarchy():
 
 def test_import_needs_no_cupy():
     code = ("import sys, actorshm; actorshm.zeros(3); "
+            "assert actorshm.stats()['cuda_bytes_zero_copy'] == 0; "
             "assert 'cupy' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
