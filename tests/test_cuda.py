@@ -201,3 +201,15 @@ async def test_release_from_a_busy_device_goes_back_from_a_helper_thread(rt):
         assert (await a.stats())["cuda_blocks_live"] == 0
     finally:
         cupy.cuda.Event.busy = False
+
+
+def test_bad_input_to_the_cuda_api_is_a_clear_error():
+    import numpy as np
+    with pytest.raises(TypeError, match="actorshm.share for numpy"):
+        actorshm.cuda.share(np.zeros(3))
+    with pytest.raises(ValueError, match="order must be"):
+        actorshm.cuda.empty(3, order="K")
+    with pytest.raises(ValueError, match="negative"):
+        actorshm.cuda.zeros((2, -1))
+    with pytest.raises(TypeError, match="object arrays"):
+        actorshm.cuda.empty(3, object)
