@@ -27,6 +27,7 @@ import os
 import pickle
 import socket
 import struct
+import threading
 from typing import Any
 
 from . import _serialization as ser
@@ -37,6 +38,9 @@ logger = logging.getLogger("actorshm")
 
 HEADER = struct.Struct("<IBBHQ")
 HSIZE = HEADER.size
+HAS_RELEASES = 4  # frame flag: releases ride ahead of the payload (<I length, pickle)
+_RLEN = struct.Struct("<I")
+_dumps = pickle.dumps
 CALL, RESULT, ERROR, RELEASE, RETIRE = 1, 2, 3, 4, 5
 MAX_FRAME = (1 << 31) - 1
 MAX_FDS_PER_SEND = 250  # Linux caps SCM_RIGHTS at 253 fds per message
@@ -44,11 +48,16 @@ RECV_SIZE = 1 << 18
 ANC_SIZE = socket.CMSG_SPACE(MAX_FDS_PER_SEND * 4)
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)
 _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))  # received fds never leak to exec
-# One receive buffer per process, reused by every connection (all run on one loop
-# thread): allocating 256 KiB per recvmsg costs more than the syscall itself.
-_RECV_BUF = bytearray(RECV_SIZE)
-_RECV_VIEW = memoryview(_RECV_BUF)
-_RECV_VIEWS = [_RECV_VIEW]
+# One receive buffer per thread, reused by every connection of that thread's event loop:
+# allocating 256 KiB per recvmsg costs more than the syscall itself.
+_recv_tls = threading.local()
+
+
+def _recv_view() -> memoryview:
+    view = getattr(_recv_tls, "view", None)
+    if view is None:
+        view = _recv_tls.view = memoryview(bytearray(RECV_SIZE))
+    return view
 
 
 def _copy_exc(exc: BaseException) -> BaseException:
@@ -103,6 +112,8 @@ class Connection:
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
+        self._rview = _recv_view()  # the thread that reads it: this loop's
+        self._rviews = [self._rview]
         self.loop.add_reader(self.fd, self._on_readable)
         if self._out:
             self._flush()
@@ -162,7 +173,7 @@ class Connection:
         if what:
             self.pending_meta[cid] = what
         _shm._stats["calls_sent"] += 1
-        self._send(HEADER.pack(_size(payload), CALL, flags, len(fds), cid), payload, fds)
+        self._send(CALL, flags, cid, payload, fds)
         return fut
 
     def reply(self, cid: int, value: Any, what: str = "") -> None:
@@ -176,13 +187,13 @@ class Connection:
             self.reply_error(cid, err)
             return
         ser.commit(enc)
-        self._send(HEADER.pack(_size(payload), RESULT, flags, len(fds), cid), payload, fds)
+        self._send(RESULT, flags, cid, payload, fds)
 
     def reply_error(self, cid: int, exc: BaseException) -> None:
         if self.closed:
             return
         payload = ser.encode_exception(exc)
-        self._send(HEADER.pack(len(payload), ERROR, 0, 0, cid), payload, ())
+        self._send(ERROR, 0, cid, payload, ())
 
     def queue_release(self, key: tuple, n: int) -> None:
         if self.closed:
@@ -195,27 +206,35 @@ class Connection:
     def _send_releases(self) -> None:
         self._release_scheduled = False
         if self._releases and not self.closed:
-            self._send(b"", b"", ())
+            self._send(0, 0, 0, b"", ())
 
     def send_retire(self, key: tuple) -> None:
         if not self.closed:
             payload = pickle.dumps(key, protocol=5)
-            self._send(HEADER.pack(len(payload), RETIRE, 0, 0, 0), payload, ())
+            self._send(RETIRE, 0, 0, payload, ())
 
-    def _send(self, header: bytes, payload: bytes, fds, close_fds=None) -> None:
+    def _send(self, kind: int, flags: int, cid: int, payload, fds, close_fds=None) -> None:
+        """Queue one frame (``kind`` 0: none, just the pending releases) and write."""
         if _shm._releases:
             _shm.flush_releases()
         out = self._out
+        parts = payload if type(payload) is list else [payload]
         if self._releases:
-            rel = pickle.dumps(list(self._releases.items()), protocol=5)
+            rel = _dumps(list(self._releases.items()), 5)
             self._releases.clear()
             _shm._stats["releases_sent"] += 1
-            out.append([HEADER.pack(len(rel), RELEASE, 0, 0, 0) + rel, None, None])
-        if header:
-            size = _size(payload)
+            if kind:  # they ride ahead of this frame's payload (HAS_RELEASES)
+                flags |= HAS_RELEASES
+                parts = [_RLEN.pack(len(rel)), rel, *parts]
+            else:
+                out.append([HEADER.pack(len(rel), RELEASE, 0, 0, 0) + rel, None, None])
+        if kind:
+            size = 0
+            for part in parts:
+                size += len(part)
             if size > MAX_FRAME:
                 raise ValueError(f"message of {size} bytes exceeds the frame limit")
-            parts = payload if type(payload) is list else (payload,)
+            header = HEADER.pack(size, kind, flags, len(fds), cid)
             if size < 65536:
                 out.append([b"".join((header, *parts)), list(fds) or None, close_fds])
             else:
@@ -335,7 +354,7 @@ class Connection:
     # -- receiving -------------------------------------------------------------
     def _on_readable(self) -> None:
         try:
-            nread, anc, flags, _ = self.sock.recvmsg_into(_RECV_VIEWS, ANC_SIZE,
+            nread, anc, flags, _ = self.sock.recvmsg_into(self._rviews, ANC_SIZE,
                                                              _CLOEXEC)
         except (BlockingIOError, InterruptedError):
             return
@@ -353,18 +372,29 @@ class Connection:
         if not nread:
             self._broken()
             return
+        # The common case: this read holds whole frames only, parsed straight out of the
+        # receive buffer (each payload a view that ``_dispatch`` decodes at once). A frame
+        # cut off at the end of a read is kept in ``_inbuf``, and the frames that span
+        # reads are copied out of it.
+        view = self._rview
         buf = self._inbuf
-        buf += _RECV_VIEW[:nread]
-        n = len(buf)
+        if buf:
+            buf += view[:nread]
+            data = buf
+            n = len(buf)
+        else:
+            data = view
+            n = nread
         pos = 0
-        self.cork()
+        self._corked += 1  # replies made while dispatching go out together, afterwards
         try:
             while n - pos >= HSIZE:
-                plen, kind, flags, nfds, cid = HEADER.unpack_from(buf, pos)
+                plen, kind, flags, nfds, cid = HEADER.unpack_from(data, pos)
                 if not CALL <= kind <= RETIRE or plen > MAX_FRAME or nfds > 4096:
                     self._protocol_error(f"bad frame header (kind {kind}, {plen} bytes)")
                     return
-                end = pos + HSIZE + plen
+                start = pos + HSIZE
+                end = start + plen
                 if end > n:
                     break
                 if nfds:
@@ -375,14 +405,51 @@ class Connection:
                     del self._fds[:nfds]
                 else:
                     fds = ()
-                payload = bytes(buf[pos + HSIZE:end])
                 pos = end
-                self._dispatch(kind, flags, cid, payload, fds)
+                if flags & HAS_RELEASES:
+                    start = self._take_releases(data, start, end)
+                    if start < 0:
+                        return
+                    flags &= ~HAS_RELEASES
+                self._dispatch(kind, flags, cid, data[start:end], fds)
                 if self.closed:
                     return
-            del buf[:pos]
         finally:
-            self.uncork()
+            if not self.closed:
+                if buf:
+                    del buf[:pos]
+                elif pos < n:
+                    buf += view[pos:n]
+                self.uncork()
+
+    def _take_releases(self, data, start: int, end: int) -> int:
+        """Apply the releases riding ahead of a frame's payload; where the payload starts."""
+        if end - start < 4:
+            self._protocol_error("truncated releases")
+            return -1
+        (rlen,) = _RLEN.unpack_from(data, start)
+        if start + 4 + rlen > end:
+            self._protocol_error("truncated releases")
+            return -1
+        if not self._apply_releases(data[start + 4:start + 4 + rlen]):
+            return -1
+        return start + 4 + rlen
+
+    def _apply_releases(self, payload) -> bool:
+        try:
+            items = pickle.loads(payload)
+            grants = self.grants
+            for key, n in items:
+                g = grants.get(key)
+                if g is not None:
+                    g[1] -= n
+                    if g[1] <= 0:
+                        del grants[key]
+        except Exception as exc:
+            self._protocol_error(f"bad release frame: {exc!r}")
+            return False
+        _shm._stats["releases_received"] += 1
+        return True
 
     def _protocol_error(self, why: str) -> None:
         logger.error("actorshm: protocol error on %s: %s; closing that connection",
@@ -452,19 +519,7 @@ class Connection:
                 if not fut.done():
                     fut.set_exception(exc)
         elif kind == RELEASE:
-            try:
-                items = pickle.loads(payload)
-                grants = self.grants
-                for key, n in items:
-                    g = grants.get(key)
-                    if g is not None:
-                        g[1] -= n
-                        if g[1] <= 0:
-                            del grants[key]
-            except Exception as exc:
-                self._protocol_error(f"bad release frame: {exc!r}")
-                return
-            _shm._stats["releases_received"] += 1
+            self._apply_releases(payload)
         elif kind == RETIRE:
             try:
                 key = pickle.loads(payload)
@@ -475,13 +530,6 @@ class Connection:
             for fd in fds:
                 _close_fd(fd)
             self._protocol_error(f"unknown frame kind {kind}")
-
-
-def _size(payload) -> int:
-    """Bytes in a payload: bytes, or a list of buffers sent back to back."""
-    if type(payload) is list:
-        return sum(len(p) for p in payload)
-    return len(payload)
 
 
 def _close_fd(fd: int) -> None:

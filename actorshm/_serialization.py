@@ -234,6 +234,8 @@ def _adopt_table(ctx: _DecodeCtx, table) -> None:
 
 _SIMPLE = frozenset({int, float, str, bytes, bool, type(None), complex})
 _dumps = pickle.dumps
+_loads = pickle.loads
+_NO_FDS: tuple = ()
 
 
 def _simple(obj: Any) -> bool:
@@ -249,6 +251,7 @@ def _simple(obj: Any) -> bool:
 
 
 HAS_BLOCKS = 1  # frame flag: the payload starts with a block table
+PLAIN = 2  # frame flag: the payload is a plain pickle of builtin scalars and containers
 _TLEN = struct.Struct("<I")
 
 
@@ -258,12 +261,13 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     The payload is bytes, or a list of buffers to send back to back.
     Nothing is committed until ``commit`` is called.
     """
-    # Fast path (most calls): builtin scalars need neither cloudpickle nor our reducers.
+    # Fast path (most calls): builtin scalars need neither cloudpickle nor our reducers,
+    # and the receiver needs no decoding context for them (``PLAIN``).
     if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is str:
-        if _simple(obj[1]) and _simple(obj[2]):
-            return _dumps(obj, 5), [], None, 0
+        if _simple(obj[1]) and (not obj[2] or _simple(obj[2])):
+            return _dumps(obj, 5), _NO_FDS, None, PLAIN
     elif _simple(obj):
-        return _dumps(obj, 5), [], None, 0
+        return _dumps(obj, 5), _NO_FDS, None, PLAIN
     f = io.BytesIO()
     enc = _Encoder(f, conn)
     enc.dump(obj)
@@ -296,6 +300,8 @@ def commit(enc: _Encoder) -> None:
 
 def decode(payload, fds, conn, flags: int = 0) -> Any:
     """Unpickle a message received on ``conn`` with the fds its frame carried."""
+    if flags == PLAIN and not fds:
+        return _loads(payload)
     ctx = _DecodeCtx(conn, fds)
     prev = getattr(_tls, "ctx", None)
     _tls.ctx = ctx
