@@ -81,7 +81,9 @@ class Connection:
         self.fd = -1
         self.pending: dict[int, asyncio.Future] = {}
         self.pending_meta: dict[int, str] = {}
-        self.grants: dict[tuple, list] = {}  # block key -> [view, count] leased to the peer
+        # Blocks leased to the peer: key -> [block, grants, upstreams we told that we
+        # passed it on (``_shm.forwarded``), how many holders the peer passed it on to]
+        self.grants: dict[tuple, list] = {}
         self.sent_regions: set[tuple] = set()  # regions we introduced to the peer
         self.received_regions: set[tuple] = set()  # regions the peer introduced to us
         self.closed = False
@@ -91,6 +93,8 @@ class Connection:
         self._writing = False
         self._corked = 0
         self._releases: dict[tuple, int] = {}
+        self._forwards: dict[tuple, int] = {}  # forward notices to send: key -> +n / -n
+        self._eof = False
         self._release_scheduled = False
         self._burst = False
         self._burst_flush = False
@@ -140,8 +144,19 @@ class Connection:
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(_copy_exc(self.close_exc))
-        self.grants.clear()  # the peer is gone: its leases come back
+        # The peer is gone: its leases come back, except blocks it passed on, which
+        # processes downstream of it may still use.
+        kept = []
+        for g in self.grants.values():
+            if g[3] > 0:
+                kept.append(g[0])
+            if g[2]:
+                _shm.unforwarded(g[0].key, g[2])
+        self.grants.clear()
+        if kept:
+            _shm.quarantine(kept, self.label)
         self._releases.clear()
+        self._forwards.clear()
         _shm.connection_closed(self)  # and the memory it brought in is let go
         try:
             self.host.connection_closed(self)
@@ -205,8 +220,27 @@ class Connection:
 
     def _send_releases(self) -> None:
         self._release_scheduled = False
-        if self._releases and not self.closed:
+        if (self._releases or self._forwards) and not self.closed:
             self._send(0, 0, 0, b"", ())
+
+    def send_forward(self, key: tuple, n: int) -> None:
+        """Tell the peer we passed on (n=1), or got back (n=-1), a block it leased us.
+
+        A notice that we passed a block on is written at once, ahead of the frame that
+        passes it on (even while this connection is corked): should we die right after,
+        the peer must know that the block may still be in use downstream.
+        """
+        if self.closed:
+            return
+        self._forwards[key] = self._forwards.get(key, 0) + n
+        if n < 0:
+            if not self._release_scheduled:
+                self._release_scheduled = True
+                self.loop.call_soon(self._send_releases)
+            return
+        self._send(0, 0, 0, b"", ())
+        if self._out and self.sock is not None and not self._writing and not self._eof:
+            self._flush()
 
     def send_retire(self, key: tuple) -> None:
         if not self.closed:
@@ -219,8 +253,12 @@ class Connection:
             _shm.flush_releases()
         out = self._out
         parts = payload if type(payload) is list else [payload]
-        if self._releases:
-            rel = _dumps(list(self._releases.items()), 5)
+        if self._releases or self._forwards:
+            if self._forwards:
+                rel = _dumps((list(self._releases.items()), list(self._forwards.items())), 5)
+                self._forwards.clear()
+            else:
+                rel = _dumps(list(self._releases.items()), 5)
             self._releases.clear()
             _shm._stats["releases_sent"] += 1
             if kind:  # they ride ahead of this frame's payload (HAS_RELEASES)
@@ -332,6 +370,7 @@ class Connection:
         if self.sock is not None and not self.closed:
             self._unwatch()
             self._corked += 1  # write nothing more; the host decides when to close
+            self._eof = True
             self.host.connection_eof(self)
 
     def _wait_writable(self) -> None:
@@ -436,15 +475,24 @@ class Connection:
         return start + 4 + rlen
 
     def _apply_releases(self, payload) -> bool:
+        """Leases the peer gave back, and its forward notices (``_shm.forwarded``)."""
         try:
             items = pickle.loads(payload)
             grants = self.grants
+            if type(items) is tuple:
+                items, forwards = items
+                for key, n in forwards:
+                    g = grants.get(key)
+                    if g is not None:
+                        g[3] += n
             for key, n in items:
                 g = grants.get(key)
                 if g is not None:
                     g[1] -= n
                     if g[1] <= 0:
                         del grants[key]
+                        if g[2]:
+                            _shm.unforwarded(key, g[2])
         except Exception as exc:
             self._protocol_error(f"bad release frame: {exc!r}")
             return False

@@ -160,6 +160,8 @@ class Runtime:
             self._open = False
             if self in _client._runtimes:
                 _client._runtimes.remove(self)
+            if not _client._runtimes:
+                _shm.release_quarantine()  # whoever could hold those blocks is gone
             if self._finalizer is not None:
                 self._finalizer.detach()
 

@@ -290,7 +290,8 @@ def commit(enc: _Encoder) -> None:
     for view in enc.grants:
         g = grants.get(view.key)
         if g is None:
-            grants[view.key] = [view, 1]
+            # [block, grants, upstreams told we passed it on, the peer's forward count]
+            grants[view.key] = [view, 1, _shm.forwarded(view, conn), 0]
         else:
             g[1] += 1
     for region in enc.new_regions:

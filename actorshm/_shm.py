@@ -16,6 +16,14 @@ returns to the pool's free list. A connection that sends a block keeps the sende
 ``Block`` alive (``Connection.grants``) until the receiver releases it. So a block is
 recycled only after every process has dropped every reference to it, and nobody has to
 write code for buffers to go home.
+
+Leases are hop by hop: a process that passes on a block it was leased (a relay) holds
+its own lease until everyone it passed the block to let go. Should the relay die, its
+upstream would see its leases come back while processes downstream still use the
+block; so an actor that passes on a peer's block tells its upstream first (a forward
+notice, ``Connection.send_forward``), and a process whose peer dies holding forwarded
+blocks keeps them (``quarantine``) instead of letting them go home. The driver sends no
+notices: when it dies, every actor dies with it.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ _stats: dict[str, int] = dict.fromkeys(
     ["bytes_copied", "bytes_zero_copy", "arrays_copied", "arrays_zero_copy",
      "pool_allocs", "pool_reuses", "blocks_live", "arenas_owned", "arena_bytes_owned",
      "arenas_mapped", "releases_sent", "releases_received", "calls_sent", "calls_received",
+     "forward_notices_sent",
      # GPU arrays (``_cuda``): present, at zero, also where CuPy was never imported.
      "cuda_bytes_zero_copy", "cuda_bytes_copied", "cuda_arrays_zero_copy",
      "cuda_arrays_copied", "cuda_pool_allocs", "cuda_pool_reuses", "cuda_handles_opened",
@@ -66,7 +75,7 @@ _stats: dict[str, int] = dict.fromkeys(
 
 def stats() -> dict[str, int]:
     """This process's cumulative shared-memory and call counters, as a plain dict."""
-    gauges: dict[str, int] = {}
+    gauges: dict[str, int] = {"blocks_quarantined": len(_quarantine)}
     for p in _pools:
         p.report(gauges)
     out = dict(_stats)
@@ -172,6 +181,49 @@ _fenced: collections.deque = collections.deque()
 # Regions retired by their owner (any thread), announced to peers on the loop.
 _retired: collections.deque = collections.deque()
 _flush_hook: list = [None]  # set by the runtime: schedules ``flush_releases`` on its loop
+# Whether this process tells its upstream when it passes a peer's block on (actors do;
+# the driver does not need to, see the module docstring).
+_forward_notices = [False]
+# Blocks kept because a peer that had passed them on died: processes downstream of it may
+# still use them, and nothing tells us when they stop.
+_quarantine: list = []
+
+
+def forwarded(block: "Block", conn) -> tuple | None:
+    """We are about to pass ``block`` (a peer's) on over ``conn``: tell its upstream first.
+
+    Returns the connections told, to be told again when ``conn``'s lease comes back
+    (``unforwarded``). The notice is written before the frame that passes the block on,
+    so if we die after passing it, our upstream knows the block may still be in use.
+    """
+    if not _forward_notices[0] or block.region.owned:
+        return None
+    told = tuple(u for u in (block.lease.upstream or ()) if u is not conn and not u.closed)
+    for u in told:
+        u.send_forward(block.key, 1)
+    _stats["forward_notices_sent"] += len(told)
+    return told or None
+
+
+def unforwarded(key: tuple, told: tuple) -> None:
+    """The lease we passed on came back (or its holder died): withdraw the notice."""
+    for u in told:
+        u.send_forward(key, -1)
+
+
+def quarantine(blocks: list, label: str) -> None:
+    """``label`` died after passing these blocks of ours on: keep them from going home."""
+    _quarantine.extend(blocks)
+    import logging
+    logging.getLogger("actorshm").warning(
+        "actorshm: %s ended while processes it passed %d shared block(s) to may still "
+        "use them; this process keeps those blocks (not recycled) for as long as it "
+        "runs. See docs/shared-memory.md.", label, len(blocks))
+
+
+def release_quarantine() -> None:
+    """Every process that could hold a quarantined block is gone (the runtime closed)."""
+    _quarantine.clear()
 
 
 def _wake() -> None:

@@ -244,6 +244,7 @@ async def _amain(fd: int) -> int:
     worker = Worker(loop, fd)
     _client._worker[0] = worker
     _shm._flush_hook[0] = _make_flush_hook(loop)
+    _shm._forward_notices[0] = True  # an actor that dies must not strand its relays' blocks
     try:
         await worker.stopped
         await _wait_for_gpu_leases(worker, worker.shutdown_grace / 2)
@@ -268,7 +269,7 @@ async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
 
     def held() -> int:
         return sum(1 for c in conns if not c.closed
-                   for view, _ in c.grants.values() if view.region.device is not None)
+                   for view, *_ in c.grants.values() if view.region.device is not None)
 
     if not held():
         return

@@ -211,6 +211,12 @@ class Arrays:
     async def sum_kept_at(self, other):
         return await other.sum(self.kept)
 
+    async def lend_kept(self, other):
+        return await other.keep(self.kept)
+
+    def quarantined(self):
+        return actorshm.stats()["blocks_quarantined"]
+
 
 @actor
 class Probe:

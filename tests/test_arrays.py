@@ -441,19 +441,68 @@ async def test_losing_one_relay_does_not_make_round_trips_reintroduce_the_arena(
         assert key in conn.sent_regions  # a never told us it let go
 
 
-async def test_block_coming_home_after_a_relay_died_fails_the_call_only(rt):
-    # owner lends x to relay, we get it from relay; relay dies, so owner recycles x's
-    # block while we still hold x (a documented limit). Sending x home then fails that
-    # call with an error that says what happened; the connection carries on.
+async def test_owner_keeps_a_block_a_dead_relay_passed_to_the_driver(rt):
+    # owner lends x to relay, relay passes it to us, then dies: the owner must not
+    # recycle x's block while we still hold x.
     owner, relay = await Arrays.spawn(), await Arrays.spawn()
     await owner.make_and_lend([relay], 1000, 1.0)
     x = await relay.get_kept()
     await owner.drop()  # only the relay's lease (and our x, through it) remain
     await relay.kill()
     await asyncio.sleep(0.1)
-    with pytest.raises(TypeError, match="recycled"):
-        await owner.sum(x)
-    assert await owner.sum(np.ones(3)) == 3.0
+    assert await owner.quarantined() == 1
+    for _ in range(5):  # new blocks of the same size: none may be x's
+        y = await owner.make(1000, 2.0)
+        assert not np.shares_memory(x, y)
+    assert (x == 1.0).all()
+    assert await owner.sum(x) == 1000.0  # and it can go home
+    assert actorshm.stats()["forward_notices_sent"] == 0  # the driver sends none
+
+
+async def test_owner_keeps_a_block_a_dead_relay_passed_to_an_actor(rt):
+    owner, relay, d = [await Arrays.spawn() for _ in range(3)]
+    await owner.make_and_lend([relay], 1 << 16, 1.0)
+    await relay.lend_kept(d)  # relay -> d, actor to actor
+    await owner.drop()
+    await relay.drop()
+    await relay.kill()
+    await asyncio.sleep(0.1)
+    for _ in range(5):
+        await owner.make(1 << 16, 2.0)
+    assert await d.sum_kept() == float(1 << 16)
+
+
+async def test_a_middle_relay_keeps_what_it_passed_to_a_dead_one(rt):
+    # owner -> r1 -> r2 -> d; r2 dies. r1 must keep its lease, so the owner keeps x.
+    owner, r1, r2, d = [await Arrays.spawn() for _ in range(4)]
+    await owner.make_and_lend([r1], 1 << 16, 1.0)
+    await r1.lend_kept(r2)
+    await r2.lend_kept(d)
+    await owner.drop()
+    await r1.drop()
+    await r2.kill()
+    await asyncio.sleep(0.1)
+    assert await r1.quarantined() == 1 and await owner.quarantined() == 0
+    for _ in range(5):
+        await owner.make(1 << 16, 2.0)
+    assert await d.sum_kept() == float(1 << 16)
+
+
+async def test_a_relay_that_got_its_block_back_leaves_nothing_quarantined(rt):
+    owner, relay, d = [await Arrays.spawn() for _ in range(3)]
+    x = await owner.make_and_lend([relay], 1 << 16, 1.0)
+    await relay.lend_kept(d)
+    await d.drop()  # the block comes back to relay, which withdraws its notice
+    y = await relay.get_kept()  # relay -> driver
+    del x, y
+    gc.collect()
+    await asyncio.sleep(0.05)
+    await owner.drop()
+    await relay.kill()
+    await asyncio.sleep(0.1)
+    assert await owner.quarantined() == 0  # nobody downstream held it: it went home
+    live = (await owner.stats())["blocks_live"]
+    assert live == 0
 
 
 async def test_arena_passed_round_a_loop_is_let_go_after_its_owner_dies(rt):
