@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import inspect
 import logging
 import os
 import pickle
@@ -197,6 +198,9 @@ class Connection:
         try:
             payload, fds, enc, flags = ser.encode(value, self)
         except Exception as exc:
+            if inspect.isgenerator(value) or inspect.isasyncgen(value):
+                exc = TypeError(f"it is a generator; actorshm methods do not stream results "
+                                "yet: return a list instead")
             err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}")
             err.__cause__ = exc
             self.reply_error(cid, err)

@@ -63,6 +63,10 @@ class Unpicklable(Exception):
 
 @actor
 class Faulty:
+    async def stream(self, n):
+        for i in range(n):
+            yield i
+
     def __init__(self, fail=False):
         if fail:
             raise KeyError("init failed on purpose")

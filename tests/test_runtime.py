@@ -122,6 +122,9 @@ async def test_unserializable_result_is_type_error(rt):
     with pytest.raises(TypeError, match="cannot be sent back"):
         await f.bad_result()
     assert await f.ok() == "ok"
+    with pytest.raises(TypeError, match="do not stream results yet: return a list"):
+        await f.stream(3)
+    assert await f.ok() == "ok"
 
 
 @pytest.mark.parametrize("how,expect", [
