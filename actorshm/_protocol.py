@@ -123,8 +123,13 @@ class Connection:
         if self._out:
             self._flush()
 
-    def close(self, exc: BaseException | None = None) -> None:
-        """Close the connection and fail every call waiting on it with ``exc``."""
+    def close(self, exc: BaseException | None = None, *, peer_gone: bool = True) -> None:
+        """Close the connection and fail every call waiting on it with ``exc``.
+
+        ``peer_gone``: the peer has exited or closed its end, so it holds none of the
+        blocks we leased it any more. False when we close while it may live on (we stop,
+        or it broke the protocol).
+        """
         if self.closed:
             return
         self.closed = True
@@ -136,26 +141,36 @@ class Connection:
         for fd in self._fds:
             _close_fd(fd)
         self._fds.clear()
-        for item in self._out:
+        out, self._out = self._out, []
+        for item in out:
             for fd in item[2] or ():
                 _close_fd(fd)
-        self._out.clear()
+        for item in out:  # whoever waited for these frames to be written waits no more
+            for cb in item[3] if len(item) > 3 else ():
+                cb()
         pending, self.pending = self.pending, {}
         self.pending_meta.clear()
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(_copy_exc(self.close_exc))
-        # The peer is gone: its leases come back, except blocks it passed on, which
-        # processes downstream of it may still use.
-        kept = []
+        # The peer's leases come back, except for blocks that may still be in use: those
+        # it passed on (processes downstream of it may hold them), and, when it may live
+        # on, a peer's blocks we passed to it. Those we keep, and the forward notices we
+        # sent for them upstream stand.
+        kept, ours = [], []
         for g in self.grants.values():
             if g[3] > 0:
                 kept.append(g[0])
-            if g[2]:
-                _shm.unforwarded(g[0].key, g[2])
+            elif g[2]:
+                if peer_gone:
+                    _shm.unforwarded(g[0].key, g[2])
+                else:
+                    ours.append(g[0])
         self.grants.clear()
+        if kept or ours:
+            _shm.quarantine(kept + ours)
         if kept:
-            _shm.quarantine(kept, self.label)
+            self.loop.call_later(0.5, self._warn_kept, len(kept))
         self._releases.clear()
         self._forwards.clear()
         _shm.connection_closed(self)  # and the memory it brought in is let go
@@ -227,24 +242,43 @@ class Connection:
         if (self._releases or self._forwards) and not self.closed:
             self._send(0, 0, 0, b"", ())
 
-    def send_forward(self, key: tuple, n: int) -> None:
+    def send_forward(self, key: tuple, n: int) -> bool:
         """Tell the peer we passed on (n=1), or got back (n=-1), a block it leased us.
 
-        A notice that we passed a block on is written at once, ahead of the frame that
-        passes it on (even while this connection is corked): should we die right after,
-        the peer must know that the block may still be in use downstream.
+        A notice that we passed a block on is written at once (even while this
+        connection is corked); returns False when it could not be written yet (the
+        socket is full), and then the frame that passes the block on must wait for it
+        (``after_written``): should we die right after passing it on, the peer must
+        know that the block may still be in use downstream.
         """
         if self.closed:
-            return
+            return True
         self._forwards[key] = self._forwards.get(key, 0) + n
         if n < 0:
             if not self._release_scheduled:
                 self._release_scheduled = True
                 self.loop.call_soon(self._send_releases)
-            return
+            return True
         self._send(0, 0, 0, b"", ())
-        if self._out and self.sock is not None and not self._writing and not self._eof:
+        self.flush_now()
+        return not self._out
+
+    def flush_now(self) -> None:
+        """Write what is queued now, corked or not, as far as the socket takes it."""
+        if self._out and self.sock is not None and not self._writing and not self._eof \
+                and not self.closed:
             self._flush()
+
+    def after_written(self, callback) -> None:
+        """Call ``callback`` once every frame queued so far is written (or never will be)."""
+        if not self._out or self.closed:
+            callback()
+            return
+        item = self._out[-1]
+        if len(item) > 3:
+            item[3].append(callback)
+        else:
+            item.append([callback])
 
     def send_retire(self, key: tuple) -> None:
         if not self.closed:
@@ -351,6 +385,9 @@ class Connection:
                     out.pop(0)
                     for fd in item[2] or ():
                         _close_fd(fd)
+                    if len(item) > 3:
+                        for cb in item[3]:
+                            cb()
                 else:
                     item[0] = memoryview(item[0])[sent:]
                     sent = 0
@@ -395,15 +432,22 @@ class Connection:
             self._flush()
 
     # -- receiving -------------------------------------------------------------
-    def _on_readable(self) -> None:
+    def drain(self) -> None:
+        """Read and handle what the peer wrote before it went away (its process exited)."""
+        while not self.closed and self.sock is not None and not self._eof:
+            if not self._on_readable():
+                return
+
+    def _on_readable(self) -> bool:
+        """Read what the socket has and handle every whole frame; False when it had none."""
         try:
             nread, anc, flags, _ = self.sock.recvmsg_into(self._rviews, ANC_SIZE,
                                                              _CLOEXEC)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError:  # ECONNRESET: the peer died with data unread; same as EOF
             self._broken()
-            return
+            return False
         for level, kind, cdata in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array.array("i")
@@ -411,10 +455,10 @@ class Connection:
                 self._fds.extend(fds)
         if flags & _MSG_CTRUNC:
             self._protocol_error("file descriptors were truncated")
-            return
+            return False
         if not nread:
             self._broken()
-            return
+            return False
         # The common case: this read holds whole frames only, parsed straight out of the
         # receive buffer (each payload a view that ``_dispatch`` decodes at once). A frame
         # cut off at the end of a read is kept in ``_inbuf``, and the frames that span
@@ -464,6 +508,7 @@ class Connection:
                 elif pos < n:
                     buf += view[pos:n]
                 self.uncork()
+        return True
 
     def _take_releases(self, data, start: int, end: int) -> int:
         """Apply the releases riding ahead of a frame's payload; where the payload starts."""
@@ -507,7 +552,16 @@ class Connection:
         logger.error("actorshm: protocol error on %s: %s; closing that connection",
                      self.label, why)
         self.close(ActorDiedError(
-            f"the connection to {self.label} was closed after a protocol error: {why}"))
+            f"the connection to {self.label} was closed after a protocol error: {why}"),
+            peer_gone=False)
+
+    def _warn_kept(self, n: int) -> None:
+        if getattr(self.host, "_closing", False):
+            return  # everything stops: nobody is left to use them
+        logger.warning(
+            "actorshm: %s ended while processes it passed %d shared block(s) of this "
+            "process's to may still use them; this process keeps those blocks (not "
+            "recycled) for as long as it runs. See docs/shared-memory.md.", self.label, n)
 
     def _dispatch(self, kind: int, flags: int, cid: int, payload: bytes, fds) -> None:
         if kind == CALL:

@@ -487,6 +487,7 @@ class Runtime:
         for fwd in rec.pipes:
             fwd.drain()
         if rec.conn is not None:
+            rec.conn.drain()  # what it wrote before it died: replies, releases, notices
             rec.conn.close(ActorDiedError(why))
         rec.exited.set()
         limit = rec.options.max_restarts

@@ -263,14 +263,20 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     """
     # Fast path (most calls): builtin scalars need neither cloudpickle nor our reducers,
     # and the receiver needs no decoding context for them (``PLAIN``).
-    if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is str:
-        if _simple(obj[1]) and (not obj[2] or _simple(obj[2])):
-            return _dumps(obj, 5), _NO_FDS, None, PLAIN
-    elif _simple(obj):
-        return _dumps(obj, 5), _NO_FDS, None, PLAIN
+    if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is str:  # a call
+        plain = _simple(obj[1]) and _simple(obj[2])
+    else:
+        plain = _simple(obj)
+    if plain:
+        data = _dumps(obj, 5)
+        if len(data) > MAX_MESSAGE:
+            _too_big(len(data))
+        return data, _NO_FDS, None, PLAIN
     f = io.BytesIO()
     enc = _Encoder(f, conn)
     enc.dump(obj)
+    if f.tell() > MAX_MESSAGE:
+        _too_big(f.tell())  # before anything is committed: no lease is taken
     if not enc.table:
         return f.getvalue(), enc.fds, enc, 0
     if enc.cuda_devices:
@@ -279,6 +285,16 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     table = _dumps(enc.table, 5)
     # Parts, not one bytes object: the frame writer joins them with the header in one copy.
     return [_TLEN.pack(len(table)), table, f.getbuffer()], enc.fds, enc, HAS_BLOCKS
+
+
+MAX_MESSAGE = (1 << 31) - (1 << 20)  # a frame's limit, less room for its block table
+
+
+def _too_big(n: int) -> None:
+    raise ValueError(
+        f"the message is {n / 2**30:.1f} GiB once pickled, over actorshm's 2 GiB frame "
+        "limit; pass big data as numpy arrays, which travel in shared memory, not as "
+        "bytes or lists")
 
 
 def commit(enc: _Encoder) -> None:

@@ -200,7 +200,10 @@ def forwarded(block: "Block", conn) -> tuple | None:
         return None
     told = tuple(u for u in (block.lease.upstream or ()) if u is not conn and not u.closed)
     for u in told:
-        u.send_forward(block.key, 1)
+        if not u.send_forward(block.key, 1):
+            # Its socket is full: what passes the block on waits until the notice is out.
+            conn.cork()
+            u.after_written(conn.uncork)
     _stats["forward_notices_sent"] += len(told)
     return told or None
 
@@ -211,14 +214,10 @@ def unforwarded(key: tuple, told: tuple) -> None:
         u.send_forward(key, -1)
 
 
-def quarantine(blocks: list, label: str) -> None:
-    """``label`` died after passing these blocks of ours on: keep them from going home."""
+def quarantine(blocks: list) -> None:
+    """Keep these blocks from going home: a peer they were passed to may still use them
+    through a process that passed them on, and nothing will tell us when it stops."""
     _quarantine.extend(blocks)
-    import logging
-    logging.getLogger("actorshm").warning(
-        "actorshm: %s ended while processes it passed %d shared block(s) to may still "
-        "use them; this process keeps those blocks (not recycled) for as long as it "
-        "runs. See docs/shared-memory.md.", label, len(blocks))
 
 
 def release_quarantine() -> None:

@@ -33,6 +33,7 @@ class Worker:
         self.loop = loop
         self.loop_thread = threading.get_ident()
         self.stopped = loop.create_future()
+        self._closing = False
         self.exit_code = 0
         self.shutdown_grace = 2.0  # the runtime's, once __init_actor__ arrives
         self.instance: Any = None
@@ -185,6 +186,7 @@ class Worker:
                 self.peers.setdefault(peer_id, peer)
                 conn.reply(cid, None)
             elif method == "__stop__":
+                self._closing = True  # the runtime closes: every actor is stopping
                 conn.reply(cid, None)
                 if not self.stopped.done():
                     self.stopped.set_result(None)
@@ -249,9 +251,15 @@ async def _amain(fd: int) -> int:
         await worker.stopped
         await _wait_for_gpu_leases(worker, worker.shutdown_grace / 2)
     finally:
+        worker._closing = True
+        # Peers may live on, holding blocks we passed them: closing keeps those, and our
+        # forward notices for them stand, so their owners keep them too.
         for c in list(worker.peers.values()):
-            c.close()
-        worker.driver.close()
+            c.close(peer_gone=False)
+        _shm.flush_releases()  # what did come back goes out before we do
+        worker.driver._send_releases()
+        worker.driver.flush_now()
+        worker.driver.close(peer_gone=False)
         if worker.executor is not None:
             worker.executor.shutdown(wait=False, cancel_futures=True)
     return worker.exit_code

@@ -221,6 +221,25 @@ class Arrays:
     def quarantined(self):
         return actorshm.stats()["blocks_quarantined"]
 
+    def exit(self, code):
+        sys.exit(code)
+
+    def labelled(self, value):
+        a = actorshm.empty(3)
+        a[:] = value
+        return ("label", value, a)  # shaped like a call: (str, scalar, array)
+
+    async def lend_kept_behind_a_full_socket_then_die(self, other, nbytes):
+        """Fill our socket to the driver, pass the driver's block on, then die."""
+        from actorshm import _client
+        driver = _client._worker[0].driver
+        driver.call("echo_to_nobody", (b"x" * nbytes,), {})  # the driver is not reading
+        await asyncio.sleep(0.05)
+        assert driver._writing, "the socket to the driver did not fill up"
+        await other.keep(self.kept)
+        self.kept = None
+        os._exit(1)
+
 
 @actor
 class Probe:

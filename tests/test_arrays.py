@@ -3,6 +3,7 @@
 import asyncio
 import gc
 import os
+import time
 
 import numpy as np
 import pytest
@@ -473,7 +474,8 @@ async def test_owner_keeps_a_block_a_dead_relay_passed_to_an_actor(rt):
 
 
 async def test_a_middle_relay_keeps_what_it_passed_to_a_dead_one(rt):
-    # owner -> r1 -> r2 -> d; r2 dies. r1 must keep its lease, so the owner keeps x.
+    # owner -> r1 -> r2 -> d; r2 dies. r1 must keep its lease, so the owner keeps x;
+    # then r1 dies too, and the owner keeps it itself.
     owner, r1, r2, d = [await Arrays.spawn() for _ in range(4)]
     await owner.make_and_lend([r1], 1 << 16, 1.0)
     await r1.lend_kept(r2)
@@ -486,6 +488,82 @@ async def test_a_middle_relay_keeps_what_it_passed_to_a_dead_one(rt):
     for _ in range(5):
         await owner.make(1 << 16, 2.0)
     assert await d.sum_kept() == float(1 << 16)
+    await r1.kill()
+    await asyncio.sleep(0.1)
+    assert await owner.quarantined() == 1
+    for _ in range(5):
+        await owner.make(1 << 16, 3.0)
+    assert await d.sum_kept() == float(1 << 16)
+
+
+async def test_a_forward_notice_stuck_behind_a_full_socket_holds_the_block_back(rt):
+    # The relay's socket to us (its upstream) is full, so its notice cannot be written
+    # at once: the frame passing our block on must wait for it, or the relay could die
+    # with the block passed on and the notice unsent.
+    relay, d = await Arrays.spawn(), await Arrays.spawn()
+    await relay.keep(np.zeros(1))
+    await relay.lend_kept(d)  # relay and d are connected
+    n = 1 << 16
+    a = actorshm.empty(n)
+    a[:] = 1.0
+    await relay.keep(a)
+    del a
+    gc.collect()
+    task = asyncio.ensure_future(relay.lend_kept_behind_a_full_socket_then_die(d, 8 << 20))
+    await asyncio.sleep(0.01)
+    time.sleep(1.0)  # our loop is busy: we read nothing meanwhile
+    with pytest.raises(actorshm.ActorDiedError):
+        await task
+    await asyncio.sleep(0.1)
+    assert actorshm.stats()["blocks_quarantined"] >= 1
+    ys = [actorshm.empty(n) for _ in range(5)]
+    for y in ys:
+        y[:] = 2.0
+    assert await d.sum_kept() == float(n)
+
+
+async def test_a_relay_that_exits_leaves_what_it_passed_on_in_place(rt, caplog):
+    # A relay that stops on its own (sys.exit) closes its connections while the
+    # process it passed our block to lives on: its notice must stand.
+    relay, d = await Arrays.spawn(), await Arrays.spawn()
+    n = 1 << 16
+    a = actorshm.empty(n)
+    a[:] = 1.0
+    await relay.keep(a)
+    await relay.lend_kept(d)
+    await relay.drop()
+    del a
+    gc.collect()
+    with pytest.raises(actorshm.ActorDiedError, match="code 0"):
+        await relay.exit(0)
+    await asyncio.sleep(0.7)  # (the warning waits a little, in case everything stops)
+    assert actorshm.stats()["blocks_quarantined"] == 1
+    assert "ended while processes it passed 1 shared block" in caplog.text
+    ys = [actorshm.empty(n) for _ in range(5)]
+    for y in ys:
+        y[:] = 2.0
+    assert await d.sum_kept() == float(n)
+
+
+async def test_a_clean_close_keeps_nothing_back(caplog):
+    for _ in range(3):
+        async with actorshm.Runtime():
+            owner, relay, d = [await Arrays.spawn() for _ in range(3)]
+            await owner.make_and_lend([relay], 1 << 10, 1.0)
+            await relay.lend_kept(d)
+            a = actorshm.zeros(100)
+            await relay.keep(a)
+            await relay.lend_kept(d)
+    assert "ended while" not in caplog.text
+    assert actorshm.stats()["blocks_quarantined"] == 0
+
+
+async def test_results_shaped_like_calls_keep_their_arrays_shared(rt):
+    a = await Arrays.spawn()
+    for value in (0, 1):
+        label, v, x = await a.labelled(value)
+        assert (label, v) == ("label", value)
+        assert actorshm.is_shared(x) and (x == value).all()
 
 
 async def test_a_relay_that_got_its_block_back_leaves_nothing_quarantined(rt):

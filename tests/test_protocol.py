@@ -1,6 +1,7 @@
 """Framing: frames cut anywhere by the socket, releases riding ahead of frames, big frames."""
 
 import asyncio
+import gc
 import socket
 
 import numpy as np
@@ -116,3 +117,20 @@ async def test_bad_releases_close_only_that_connection(rt):
             await asyncio.sleep(0.01)
     assert receiver.closed and "truncated releases" in str(receiver.close_exc)
     assert not host.calls
+
+
+async def test_a_message_over_the_frame_limit_fails_before_anything_is_sent(rt, monkeypatch):
+    from actorshm import _serialization
+    w = await Arrays.spawn()
+    a = actorshm.zeros(1000)
+    assert await w.sum(a) == 0.0
+    live = actorshm.stats()["blocks_live"]
+    monkeypatch.setattr(_serialization, "MAX_MESSAGE", 10_000)
+    for big in (b"x" * 20_000, [a, b"x" * 20_000]):
+        with pytest.raises(TypeError, match="over actorshm's 2 GiB frame limit"):
+            w.echo(big)
+    monkeypatch.undo()
+    assert await w.sum(a) == 0.0
+    del a, big
+    gc.collect()
+    assert actorshm.stats()["blocks_live"] == live - 1  # no grant was left behind
