@@ -509,9 +509,20 @@ async def run(args) -> str:
     notes = "\n".join(f"- {n}" for n in table.notes + c.skipped +
                       [f"Peak RSS of the driver: {rss:.0f} MiB."])
     return (f"# Benchmarks\n\nMachine: {machine()}.\n"
-            f"Command: `python -m benchmarks{' --quick' if quick else ''}`.\n\n"
-            f"{_READING}\n{table.markdown()}\n{notes}\n")
+            f"Command: `python -m benchmarks{' --quick' if quick else ''}"
+            f"{'' if args.pin_cpu is None else f' --pin-cpu {args.pin_cpu}'}`.\n\n"
+            f"{_READING}\n{_PINNED if args.pin_cpu is not None else ''}"
+            f"{table.markdown()}\n{notes}\n")
 
+
+_PINNED = """\
+This run pins every process to one CPU (`--pin-cpu`). A round trip then costs the
+software on both sides, one after the other, and no cross-CPU wake-up: on a virtual
+machine such a wake-up can cost more than the call itself, and where the scheduler puts
+two processes decides it, so unpinned latencies vary several-fold from run to run.
+Throughput and start-up are lower than unpinned (one CPU does all the work).
+
+"""
 
 _READING = """\
 All contenders are measured in one run, interleaved round by round, so the machine's
@@ -521,7 +532,9 @@ design can beat: a raw blocking socket-pair ping-pong, an asyncio + uvloop socke
 ping-pong with length-prefixed frames (the floor for any asyncio design), and numpy's
 memcpy bandwidth. Array calls pass the array and touch one element; nothing is summed.
 Peers that are not installed are skipped with a line below (`pip install -e '.[bench]'`
-brings Ray and PyTorch).
+brings Ray and PyTorch). On a virtual machine, where a wake-up on another CPU can cost
+more than the call itself, `--pin-cpu 0` runs every process on one CPU and shows the
+software's own cost (docs/benchmarks-pinned.md).
 """
 
 
@@ -530,7 +543,12 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true",
                    help="actorshm and the floors only, sizes up to 64 MiB, under a minute")
     p.add_argument("--out", help="also write the Markdown report to this file")
+    p.add_argument("--pin-cpu", type=int, metavar="N",
+                   help="run every process (this one and all it starts) on CPU N: "
+                        "measures software cost without cross-CPU wake-ups")
     args = p.parse_args(argv)
+    if args.pin_cpu is not None:
+        os.sched_setaffinity(0, {args.pin_cpu})  # inherited by every process started
     report = actorshm.run(run(args))
     print(report)
     if args.out:
