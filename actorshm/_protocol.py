@@ -96,6 +96,10 @@ class Connection:
         self._releases: dict[tuple, int] = {}
         self._forwards: dict[tuple, int] = {}  # forward notices to send: key -> +n / -n
         self._eof = False
+        # While held (``hold``), only the frames queued before ``_barrier`` are written:
+        # frames that pass on a block wait for the forward notice to their upstream.
+        self._holds = 0
+        self._barrier: int | None = None
         self._release_scheduled = False
         self._burst = False
         self._burst_flush = False
@@ -142,6 +146,7 @@ class Connection:
             _close_fd(fd)
         self._fds.clear()
         out, self._out = self._out, []
+        self._barrier = None
         for item in out:
             for fd in item[2] or ():
                 _close_fd(fd)
@@ -242,26 +247,48 @@ class Connection:
         if (self._releases or self._forwards) and not self.closed:
             self._send(0, 0, 0, b"", ())
 
-    def send_forward(self, key: tuple, n: int) -> bool:
+    def send_forward(self, key: tuple, n: int):
         """Tell the peer we passed on (n=1), or got back (n=-1), a block it leased us.
 
         A notice that we passed a block on is written at once (even while this
-        connection is corked); returns False when it could not be written yet (the
-        socket is full), and then the frame that passes the block on must wait for it
-        (``after_written``): should we die right after passing it on, the peer must
-        know that the block may still be in use downstream.
+        connection is corked, and ahead of frames held back by ``hold``). If the socket
+        cannot take it yet, the queued notice is returned: the frame that passes the
+        block on must wait for it (``hold``, ``after_item``), since should we die right
+        after passing the block on, the peer must know it may still be in use downstream.
         """
         if self.closed:
-            return True
+            return None
         self._forwards[key] = self._forwards.get(key, 0) + n
         if n < 0:
             if not self._release_scheduled:
                 self._release_scheduled = True
                 self.loop.call_soon(self._send_releases)
-            return True
-        self._send(0, 0, 0, b"", ())
+            return None
+        notice = _dumps(([], list(self._forwards.items())), 5)
+        self._forwards.clear()
+        item = [HEADER.pack(len(notice), RELEASE, 0, 0, 0) + notice, None, None]
+        if self._barrier is None:
+            self._out.append(item)
+        else:  # ahead of the frames held back, behind those that may go
+            self._out.insert(self._barrier, item)
+            self._barrier += 1
         self.flush_now()
-        return not self._out
+        return item if any(it is item for it in self._out) else None
+
+    def hold(self) -> None:
+        """Hold back every frame queued from now on, until as many ``unhold`` calls."""
+        if self._holds == 0:
+            self._barrier = len(self._out)
+        self._holds += 1
+
+    def unhold(self) -> None:
+        if self.closed or self._holds <= 0:
+            return
+        self._holds -= 1
+        if self._holds == 0:
+            self._barrier = None
+            if not self._corked:
+                self.flush_now()
 
     def flush_now(self) -> None:
         """Write what is queued now, corked or not, as far as the socket takes it."""
@@ -269,12 +296,9 @@ class Connection:
                 and not self.closed:
             self._flush()
 
-    def after_written(self, callback) -> None:
-        """Call ``callback`` once every frame queued so far is written (or never will be)."""
-        if not self._out or self.closed:
-            callback()
-            return
-        item = self._out[-1]
+    @staticmethod
+    def after_item(item: list, callback) -> None:
+        """Call ``callback`` once the queued frame ``item`` is written (or never will be)."""
         if len(item) > 3:
             item[3].append(callback)
         else:
@@ -352,10 +376,14 @@ class Connection:
         out = self._out
         sock = self.sock
         while out:
+            limit = len(out) if self._barrier is None else self._barrier
+            if limit <= 0:
+                break  # the rest is held back (``hold``)
             bufs = []
             fds: list[int] = []
             nbytes = 0
-            for item in out:
+            for i in range(limit):
+                item = out[i]
                 if item[1]:
                     if len(fds) + len(item[1]) > MAX_FDS_PER_SEND and bufs:
                         break
@@ -383,6 +411,8 @@ class Connection:
                 if sent >= n:
                     sent -= n
                     out.pop(0)
+                    if self._barrier is not None:
+                        self._barrier -= 1
                     for fd in item[2] or ():
                         _close_fd(fd)
                     if len(item) > 3:

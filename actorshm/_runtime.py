@@ -435,6 +435,8 @@ class Runtime:
         if rec is not None and rec.conn is conn and rec.alive:
             # The process is exiting; give its pidfd a moment to tell us how.
             self.loop.create_task(self._await_exit_then_close(rec))
+        elif rec is not None and rec.conn is conn and rec.death:
+            conn.close(ActorDiedError(rec.death))  # (read to its end after the death)
         else:
             conn.close()
 

@@ -200,10 +200,11 @@ def forwarded(block: "Block", conn) -> tuple | None:
         return None
     told = tuple(u for u in (block.lease.upstream or ()) if u is not conn and not u.closed)
     for u in told:
-        if not u.send_forward(block.key, 1):
+        pending = u.send_forward(block.key, 1)
+        if pending is not None:
             # Its socket is full: what passes the block on waits until the notice is out.
-            conn.cork()
-            u.after_written(conn.uncork)
+            conn.hold()
+            u.after_item(pending, conn.unhold)
     _stats["forward_notices_sent"] += len(told)
     return told or None
 

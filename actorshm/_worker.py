@@ -254,9 +254,12 @@ async def _amain(fd: int) -> int:
         worker._closing = True
         # Peers may live on, holding blocks we passed them: closing keeps those, and our
         # forward notices for them stand, so their owners keep them too.
-        for c in list(worker.peers.values()):
-            c.close(peer_gone=False)
         _shm.flush_releases()  # what did come back goes out before we do
+        for c in list(worker.peers.values()):
+            c._send_releases()
+            c.flush_now()
+            c.close(peer_gone=False)
+        _shm.flush_releases()  # (closing them let some more go)
         worker.driver._send_releases()
         worker.driver.flush_now()
         worker.driver.close(peer_gone=False)

@@ -317,3 +317,13 @@ class BreaksOnArrival:
         if state["pid"] != os.getpid():
             raise RuntimeError("cannot be rebuilt in another process")
         self.__dict__.update(state)
+
+
+@actor(max_concurrency=2)
+class Dying:
+    async def hang(self):
+        await asyncio.sleep(60)
+
+    async def big_reply_then_exit(self, code):
+        asyncio.get_running_loop().call_later(0.01, os._exit, code)
+        return b"x" * (4 << 20)

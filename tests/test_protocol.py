@@ -134,3 +134,86 @@ async def test_a_message_over_the_frame_limit_fails_before_anything_is_sent(rt, 
     del a, big
     gc.collect()
     assert actorshm.stats()["blocks_live"] == live - 1  # no grant was left behind
+
+
+def _peer_block(upstream, idx):
+    """A block of a (made-up) peer's arena, leased to this process over ``upstream``."""
+    import os
+    from actorshm import _shm
+    fd = os.memfd_create("peer")
+    os.ftruncate(fd, 1 << 16)
+    key = (424242 + idx, 0)
+    arena = _shm.Arena(key, fd, 1 << 16, _shm._map(fd, 1 << 16), owned=False,
+                       dedicated=False)
+    _shm._regions[key] = arena
+    block = arena.block(0, 4096, None)
+    block.lease.upstream = {upstream: 1}
+    arena.live += 1
+    return block
+
+
+def _kinds_on_the_wire(sock):
+    sock.setblocking(False)
+    try:
+        data = sock.recv(1 << 20, socket.MSG_PEEK)
+    except BlockingIOError:
+        return []
+    kinds, pos = [], 0
+    while pos + P.HSIZE <= len(data):
+        plen, kind, *_ = P.HEADER.unpack_from(data, pos)
+        kinds.append(kind)
+        pos += P.HSIZE + plen
+    return kinds
+
+
+@pytest.mark.parametrize("then", ["a notice on the held connection", "its socket arrives"])
+async def test_a_frame_passing_a_block_on_waits_for_the_notice_upstream(then, monkeypatch):
+    # We (a relay) pass upstream U's block to D while our socket to U is full: the
+    # frame to D must not leave before the notice to U, whatever else happens on the
+    # connection to D meanwhile.
+    from actorshm import _shm
+    monkeypatch.setattr(_shm, "_forward_notices", [True])  # as in an actor
+    loop = asyncio.get_running_loop()
+    host = _Recorder()
+    u_a, u_b = socket.socketpair()  # nobody reads u_b: U is busy
+    c_a, c_b = socket.socketpair()
+    e_a, e_b = socket.socketpair()
+    attach_later = then == "its socket arrives"
+    U = P.Connection(loop, host, u_a, "U")
+    C = P.Connection(loop, host, None if attach_later else c_a, "D")
+    E = P.Connection(loop, host, e_a, "E")
+    blocks = [_peer_block(U, 1)]
+    try:
+        U._send(P.CALL, 0, 99, b"x" * (8 << 20), ())  # fills the socket to U
+        assert U._writing
+        C.call("keep", (np.asarray(blocks[0]),), {})  # notice to U stuck: held
+        await asyncio.sleep(0.05)
+        assert P.CALL not in _kinds_on_the_wire(c_b)
+        if attach_later:
+            C.attach(c_a)
+        else:
+            blocks.append(_peer_block(C, 2))  # a block D lent us, passed on to E:
+            E.call("keep", (np.asarray(blocks[1]),), {})  # its notice goes to D at once
+        await asyncio.sleep(0.05)
+        on_the_wire = _kinds_on_the_wire(c_b)
+        assert P.CALL not in on_the_wire
+        if not attach_later:
+            assert on_the_wire == [P.RELEASE]  # the notice got past the held frame
+        u_b.setblocking(False)
+        while True:  # U reads at last: the notice goes, then the held frame
+            try:
+                if not u_b.recv(1 << 20):
+                    break
+            except BlockingIOError:
+                await asyncio.sleep(0.01)
+                if not U._out:
+                    break
+        await asyncio.sleep(0.05)
+        assert P.CALL in _kinds_on_the_wire(c_b)
+    finally:
+        for conn in (U, C, E):
+            conn.close()
+        for s in (u_b, c_b, e_b):
+            s.close()
+        for b in blocks:
+            _shm._regions.pop(b.region.key, None)

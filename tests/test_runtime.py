@@ -14,8 +14,8 @@ import pytest
 
 import actorshm
 from actorshm import ActorDiedError, RemoteError
-from actors import (BreaksOnArrival, Caller, Concurrent, Counter, CustomError, Faulty,
-                    Probe)
+from actors import (BreaksOnArrival, Caller, Concurrent, Counter, CustomError, Dying,
+                    Faulty, Probe)
 
 
 async def test_spawn_call_and_local_use(rt):
@@ -152,6 +152,24 @@ async def test_death_fails_pending_and_later_calls(rt, how, expect):
     with pytest.raises(ActorDiedError):
         await f.ok()
     assert await other.incr() == 1  # a death never disturbs the other actors
+
+
+async def test_pending_calls_name_the_exit_code_when_the_death_is_seen_first(rt):
+    # The process's exit is handled before the socket's end (a big reply was still
+    # being read): pending calls must still say how it died.
+    for _ in range(3):
+        d = await Dying.spawn()
+        pending = asyncio.ensure_future(d.hang())
+        await asyncio.sleep(0.02)
+        last = asyncio.ensure_future(d.big_reply_then_exit(9))
+        await asyncio.sleep(0.005)
+        time.sleep(0.3)  # the exit and the data are both waiting when we look
+        with pytest.raises(ActorDiedError, match="code 9"):
+            await pending
+        try:
+            await last
+        except ActorDiedError:
+            pass
 
 
 async def test_handles_pass_and_call_directly(rt):
