@@ -96,10 +96,10 @@ class Connection:
         self._releases: dict[tuple, int] = {}
         self._forwards: dict[tuple, int] = {}  # forward notices to send: key -> +n / -n
         self._eof = False
-        # While held (``hold``), only the frames queued before ``_barrier`` are written:
-        # frames that pass on a block wait for the forward notice to their upstream.
-        self._holds = 0
-        self._barrier: int | None = None
+        # Frames that pass on a block wait for the forward notice to its upstream
+        # (``hold``): each hold is [position in _out, notices pending]; only frames
+        # before the first hold's position are written.
+        self._holds: list[list[int]] = []
         self._release_scheduled = False
         self._burst = False
         self._burst_flush = False
@@ -146,13 +146,13 @@ class Connection:
             _close_fd(fd)
         self._fds.clear()
         out, self._out = self._out, []
-        self._barrier = None
+        self._holds = []
         for item in out:
             for fd in item[2] or ():
                 _close_fd(fd)
-        for item in out:  # whoever waited for these frames to be written waits no more
+        for item in out:  # whoever waited for these frames: they will never be written
             for cb in item[3] if len(item) > 3 else ():
-                cb()
+                cb(peer_gone)  # (which matters only if the peer lives on)
         pending, self.pending = self.pending, {}
         self.pending_meta.clear()
         for fut in pending.values():
@@ -267,26 +267,32 @@ class Connection:
         notice = _dumps(([], list(self._forwards.items())), 5)
         self._forwards.clear()
         item = [HEADER.pack(len(notice), RELEASE, 0, 0, 0) + notice, None, None]
-        if self._barrier is None:
+        if not self._holds:
             self._out.append(item)
         else:  # ahead of the frames held back, behind those that may go
-            self._out.insert(self._barrier, item)
-            self._barrier += 1
+            self._out.insert(self._holds[0][0], item)
+            for h in self._holds:
+                h[0] += 1
         self.flush_now()
         return item if any(it is item for it in self._out) else None
 
-    def hold(self) -> None:
-        """Hold back every frame queued from now on, until as many ``unhold`` calls."""
-        if self._holds == 0:
-            self._barrier = len(self._out)
-        self._holds += 1
+    def hold(self) -> list:
+        """Hold back the frames queued from now on until ``unhold(returned)``."""
+        pos = len(self._out)
+        if self._holds and self._holds[-1][0] == pos:
+            h = self._holds[-1]
+            h[1] += 1
+        else:
+            h = [pos, 1]
+            self._holds.append(h)
+        return h
 
-    def unhold(self) -> None:
-        if self.closed or self._holds <= 0:
+    def unhold(self, h: list) -> None:
+        if self.closed:
             return
-        self._holds -= 1
-        if self._holds == 0:
-            self._barrier = None
+        h[1] -= 1
+        if h[1] == 0:
+            self._holds.remove(h)
             if not self._corked:
                 self.flush_now()
 
@@ -298,7 +304,8 @@ class Connection:
 
     @staticmethod
     def after_item(item: list, callback) -> None:
-        """Call ``callback`` once the queued frame ``item`` is written (or never will be)."""
+        """Call ``callback(True)`` once the queued frame ``item`` is written; if it never
+        will be, ``callback(peer_gone)`` when the connection closes."""
         if len(item) > 3:
             item[3].append(callback)
         else:
@@ -376,7 +383,7 @@ class Connection:
         out = self._out
         sock = self.sock
         while out:
-            limit = len(out) if self._barrier is None else self._barrier
+            limit = self._holds[0][0] if self._holds else len(out)
             if limit <= 0:
                 break  # the rest is held back (``hold``)
             bufs = []
@@ -411,13 +418,13 @@ class Connection:
                 if sent >= n:
                     sent -= n
                     out.pop(0)
-                    if self._barrier is not None:
-                        self._barrier -= 1
+                    for h in self._holds:
+                        h[0] -= 1
                     for fd in item[2] or ():
                         _close_fd(fd)
                     if len(item) > 3:
                         for cb in item[3]:
-                            cb()
+                            cb(True)
                 else:
                     item[0] = memoryview(item[0])[sent:]
                     sent = 0

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import ProtocolError, SharedMemoryError
+from ._errors import ActorDiedError, ProtocolError, SharedMemoryError
 
 __all__ = ["Pool", "HostPool", "Region", "Block", "adopt", "empty", "zeros", "share", "is_shared", "stats", "pool"]
 
@@ -203,10 +203,23 @@ def forwarded(block: "Block", conn) -> tuple | None:
         pending = u.send_forward(block.key, 1)
         if pending is not None:
             # Its socket is full: what passes the block on waits until the notice is out.
-            conn.hold()
-            u.after_item(pending, conn.unhold)
+            u.after_item(pending, _release_hold(conn, conn.hold()))
     _stats["forward_notices_sent"] += len(told)
     return told or None
+
+
+def _release_hold(conn, hold: list):
+    def done(ok: bool) -> None:
+        if ok:  # the notice is out, or its reader is gone (and so is its use)
+            conn.unhold(hold)
+        else:
+            # We closed the upstream while it lives on, with the notice unsent: what we
+            # passed on must never reach the peer, or the upstream could recycle it.
+            conn.close(ActorDiedError(
+                f"the connection to {conn.label} was closed: a block passed on over it "
+                "could not be accounted for (its upstream's connection closed first)"),
+                peer_gone=False)
+    return done
 
 
 def unforwarded(key: tuple, told: tuple) -> None:

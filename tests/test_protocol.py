@@ -152,18 +152,34 @@ def _peer_block(upstream, idx):
     return block
 
 
+_wire: dict = {}  # socket -> (bytes read so far, frame kinds parsed so far)
+
+
 def _kinds_on_the_wire(sock):
+    """The kinds of the frames written to ``sock``'s peer so far (read, fds closed)."""
+    import os
     sock.setblocking(False)
-    try:
-        data = sock.recv(1 << 20, socket.MSG_PEEK)
-    except BlockingIOError:
-        return []
-    kinds, pos = [], 0
-    while pos + P.HSIZE <= len(data):
-        plen, kind, *_ = P.HEADER.unpack_from(data, pos)
+    data, kinds = _wire.get(sock, (b"", []))
+    while True:
+        try:
+            chunk, anc, _, _ = sock.recvmsg(1 << 20, socket.CMSG_SPACE(64 * 4))
+        except BlockingIOError:
+            break
+        for level, typ, cdata in anc:
+            if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+                for fd in np.frombuffer(cdata[:len(cdata) - len(cdata) % 4], np.int32):
+                    os.close(int(fd))
+        if not chunk:
+            break
+        data += chunk
+    while len(data) >= P.HSIZE:
+        plen, kind, *_ = P.HEADER.unpack_from(data)
+        if len(data) < P.HSIZE + plen:
+            break
         kinds.append(kind)
-        pos += P.HSIZE + plen
-    return kinds
+        data = data[P.HSIZE + plen:]
+    _wire[sock] = (data, kinds)
+    return list(kinds)
 
 
 @pytest.mark.parametrize("then", ["a notice on the held connection", "its socket arrives"])
@@ -173,6 +189,8 @@ async def test_a_frame_passing_a_block_on_waits_for_the_notice_upstream(then, mo
     # connection to D meanwhile.
     from actorshm import _shm
     monkeypatch.setattr(_shm, "_forward_notices", [True])  # as in an actor
+    monkeypatch.setitem(_shm._stats, "forward_notices_sent",
+                        _shm._stats["forward_notices_sent"])
     loop = asyncio.get_running_loop()
     host = _Recorder()
     u_a, u_b = socket.socketpair()  # nobody reads u_b: U is busy
@@ -217,3 +235,83 @@ async def test_a_frame_passing_a_block_on_waits_for_the_notice_upstream(then, mo
             s.close()
         for b in blocks:
             _shm._regions.pop(b.region.key, None)
+
+
+def _drain(sock):
+    sock.setblocking(False)
+    try:
+        while sock.recv(1 << 20):
+            pass
+    except BlockingIOError:
+        pass
+
+
+async def test_each_held_frame_waits_only_for_its_own_notice(monkeypatch):
+    from actorshm import _shm
+    monkeypatch.setattr(_shm, "_forward_notices", [True])
+    monkeypatch.setitem(_shm._stats, "forward_notices_sent",
+                        _shm._stats["forward_notices_sent"])
+    loop = asyncio.get_running_loop()
+    host = _Recorder()
+    pairs = [socket.socketpair() for _ in range(3)]
+    U, V, C = [P.Connection(loop, host, a, name) for (a, _), name in zip(pairs, "UVD")]
+    u_b, v_b, c_b = [b for _, b in pairs]
+    blocks = [_peer_block(U, 3), _peer_block(V, 4)]
+    try:
+        for conn in (U, V):
+            conn._send(P.CALL, 0, 99, b"x" * (8 << 20), ())  # both upstreams are busy
+        C.call("keep", (np.asarray(blocks[0]),), {})  # waits for U's notice
+        C.call("keep", (np.asarray(blocks[1]),), {})  # waits for V's notice
+        await asyncio.sleep(0.02)
+        assert _kinds_on_the_wire(c_b) == []
+        for _ in range(100):  # U reads; V does not
+            _drain(u_b)
+            await asyncio.sleep(0.01)
+            if not U._out:
+                break
+        await asyncio.sleep(0.02)
+        assert _kinds_on_the_wire(c_b) == [P.CALL]  # the second still waits for V
+        for _ in range(100):
+            _drain(v_b)
+            await asyncio.sleep(0.01)
+            if not V._out:
+                break
+        await asyncio.sleep(0.02)
+        assert _kinds_on_the_wire(c_b) == [P.CALL, P.CALL]
+        assert not C._holds
+    finally:
+        for conn in (U, V, C):
+            conn.close()
+        for _, b in pairs:
+            b.close()
+        for b in blocks:
+            _shm._regions.pop(b.region.key, None)
+
+
+async def test_closing_an_upstream_with_its_notice_unsent_closes_the_held_connection(
+        monkeypatch):
+    # We close U ourselves (we stop, or U broke the protocol) while it lives on: its
+    # notice will never be written, so the frame passing U's block on must never go.
+    from actorshm import _shm
+    monkeypatch.setattr(_shm, "_forward_notices", [True])
+    monkeypatch.setitem(_shm._stats, "forward_notices_sent",
+                        _shm._stats["forward_notices_sent"])
+    loop = asyncio.get_running_loop()
+    host = _Recorder()
+    (u_a, u_b), (c_a, c_b) = socket.socketpair(), socket.socketpair()
+    U, C = P.Connection(loop, host, u_a, "U"), P.Connection(loop, host, c_a, "D")
+    block = _peer_block(U, 5)
+    try:
+        U._send(P.CALL, 0, 99, b"x" * (8 << 20), ())
+        fut = C.call("keep", (np.asarray(block),), {})
+        U.close(peer_gone=False)
+        await asyncio.sleep(0.02)
+        assert C.closed and "could not be accounted for" in str(C.close_exc)
+        assert P.CALL not in _kinds_on_the_wire(c_b)
+        with pytest.raises(actorshm.ActorDiedError):
+            await fut
+    finally:
+        C.close()
+        u_b.close()
+        c_b.close()
+        _shm._regions.pop(block.region.key, None)
