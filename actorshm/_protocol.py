@@ -150,9 +150,7 @@ class Connection:
         for item in out:
             for fd in item[2] or ():
                 _close_fd(fd)
-        for item in out:  # whoever waited for these frames: they will never be written
-            for cb in item[3] if len(item) > 3 else ():
-                cb(peer_gone)  # (which matters only if the peer lives on)
+        waiting = [cb for item in out if len(item) > 3 for cb in item[3]]
         pending, self.pending = self.pending, {}
         self.pending_meta.clear()
         for fut in pending.values():
@@ -183,6 +181,9 @@ class Connection:
             self.host.connection_closed(self)
         except Exception:  # pragma: no cover
             logger.exception("actorshm: error while closing %s", self.label)
+        # Whoever waited for frames that will never be written now (last: a callback may
+        # close other connections): ``peer_gone`` tells whether that still matters.
+        _run_callbacks(waiting, peer_gone)
 
     # -- sending ---------------------------------------------------------------
     def call(self, method: str, args: tuple, kwargs: dict, what: str = "") -> asyncio.Future:
@@ -380,6 +381,14 @@ class Connection:
                 _close_fd(fd)
 
     def _flush(self) -> None:
+        written: list = []  # callbacks of frames written, run once the queue is consistent
+        try:
+            self._write_out(written)
+        finally:
+            if written:
+                _run_callbacks(written, True)
+
+    def _write_out(self, written: list) -> None:
         out = self._out
         sock = self.sock
         while out:
@@ -423,8 +432,7 @@ class Connection:
                     for fd in item[2] or ():
                         _close_fd(fd)
                     if len(item) > 3:
-                        for cb in item[3]:
-                            cb(True)
+                        written.extend(item[3])
                 else:
                     item[0] = memoryview(item[0])[sent:]
                     sent = 0
@@ -673,6 +681,14 @@ class Connection:
             for fd in fds:
                 _close_fd(fd)
             self._protocol_error(f"unknown frame kind {kind}")
+
+
+def _run_callbacks(callbacks: list, ok: bool) -> None:
+    for cb in callbacks:
+        try:
+            cb(ok)
+        except Exception:  # pragma: no cover - a bug; the others must still run
+            logger.exception("actorshm: error in a frame-written callback")
 
 
 def _close_fd(fd: int) -> None:
