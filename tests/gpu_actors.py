@@ -37,6 +37,15 @@ class GpuArrays:
     def keep(self, a):
         self.kept = a
 
+    def drop(self):
+        self.kept = None
+
+    def sum_kept(self):
+        return float(self.kept.sum())
+
+    async def lend_kept(self, other):
+        await other.keep(self.kept)
+
     def stats(self):
         return actorshm.stats()
 

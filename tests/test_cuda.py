@@ -127,6 +127,26 @@ async def test_forwarded_block_flows_home(rt):
     assert p1["cuda_bytes_copied"] == p0["cuda_bytes_copied"]
 
 
+async def test_owner_keeps_a_block_a_dead_relay_passed_on(rt):
+    relay, d = await GpuArrays.spawn(), await GpuArrays.spawn()
+    n = 1 << 16
+    x = actorshm.cuda.empty(n, cupy.float32)
+    x[...] = 1.0
+    await relay.keep(x)
+    await relay.lend_kept(d)  # our block, passed on by the relay
+    await relay.drop()
+    del x
+    await _settle()
+    await relay.kill()
+    await _settle()
+    assert actorshm.stats()["blocks_quarantined"] == 1
+    ys = [actorshm.cuda.empty(n, cupy.float32) for _ in range(5)]
+    for y in ys:
+        y[...] = 2.0
+    cupy.cuda.get_current_stream().synchronize()
+    assert await d.sum_kept() == float(n)
+
+
 async def test_leases_returned_when_receiver_killed(rt):
     a = await GpuArrays.spawn()
     base = actorshm.stats().get("cuda_blocks_live", 0)
