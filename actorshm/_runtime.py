@@ -374,6 +374,13 @@ class Runtime:
                 rec.conn.close(ActorDiedError(rec.death))
             return
         rec.death = f"{rec.label} was killed by actorshm kill()"
+        if rec.conn is not None and not rec.conn.closed:
+            # Blocks it passed on and just got back: let their withdrawals go out first,
+            # so their owners need not keep them (bounded: a busy actor is killed anyway).
+            try:
+                await asyncio.wait_for(rec.conn.call("__settle__", (0.05,), {}), 0.1)
+            except Exception:
+                pass
         try:
             os.kill(rec.pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -190,6 +190,8 @@ class Worker:
                 conn.reply(cid, None)
                 if not self.stopped.done():
                     self.stopped.set_result(None)
+            elif method == "__settle__":
+                self.loop.create_task(self._settle(conn, cid, *args))
             elif method == "__stats__":
                 conn.reply(cid, _shm.stats())
             elif method == "__ping__":
@@ -198,6 +200,21 @@ class Worker:
                 conn.reply_error(cid, AttributeError(f"unknown service {method!r}"))
         except BaseException as exc:
             conn.reply_error(cid, exc)
+
+    async def _settle(self, conn: Connection, cid: int, timeout: float) -> None:
+        """Before a kill: wait (bounded) for blocks we passed on to come back, and send
+        the withdrawals of their forward notices, so their owners need not keep them."""
+        deadline = self.loop.time() + timeout
+        conns = [self.driver, *self.peers.values()]
+        while self.loop.time() < deadline and any(
+                g[2] for c in conns if not c.closed for g in c.grants.values()):
+            await asyncio.sleep(0.002)
+        _shm.flush_releases()
+        for c in conns:
+            if not c.closed:
+                c._send_releases()
+                c.flush_now()
+        conn.reply(cid, None)
 
     def _init_actor(self, conn, cid, cls, args, kwargs, config) -> None:
         self.actor_id = config["actor_id"]

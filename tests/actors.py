@@ -218,6 +218,11 @@ class Arrays:
     async def lend_kept(self, other):
         return await other.keep(self.kept)
 
+    async def bounce(self, a, other):
+        """Pass ``a`` to ``other``, which hands it straight back."""
+        b = await other.echo(a)
+        return float(b.sum())
+
     def quarantined(self):
         return actorshm.stats()["blocks_quarantined"]
 

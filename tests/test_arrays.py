@@ -544,6 +544,21 @@ async def test_a_relay_that_exits_leaves_what_it_passed_on_in_place(rt, caplog):
     assert await d.sum_kept() == float(n)
 
 
+async def test_killing_an_actor_right_after_it_got_a_block_back_keeps_nothing(rt, caplog):
+    # a passes our x to b, which hands it back: a withdraws its notice only after one
+    # more exchange with b. kill() lets that finish first.
+    b = await Arrays.spawn()
+    for _ in range(3):
+        a = await Arrays.spawn()
+        x = actorshm.zeros(1000)
+        assert await a.bounce(x, b) == 0.0
+        del x
+        await a.kill()
+    await asyncio.sleep(0.6)
+    assert actorshm.stats()["blocks_quarantined"] == 0
+    assert "ended while" not in caplog.text
+
+
 async def test_a_clean_close_keeps_nothing_back(caplog):
     for _ in range(3):
         async with actorshm.Runtime():
