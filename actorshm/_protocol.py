@@ -4,7 +4,9 @@ A frame is a 16-byte header followed by a pickled payload::
 
     uint32 payload length | uint8 kind | uint8 flags | uint16 fd count | uint64 call id
 
-(flag ``HAS_BLOCKS``: the payload starts with a block table, see ``_serialization``).
+Flags: ``HAS_BLOCKS`` (the payload starts with a block table) and ``PLAIN`` (a plain
+pickle of builtins), see ``_serialization``; ``HAS_RELEASES`` (leases given back, and
+forward notices, ride ahead of the payload).
 
 File descriptors (arena fds, brokered sockets) ride as SCM_RIGHTS ancillary data on the
 ``sendmsg`` that carries the first byte of their frame; the receiver queues them in
@@ -247,6 +249,11 @@ class Connection:
         self._release_scheduled = False
         if (self._releases or self._forwards) and not self.closed:
             self._send(0, 0, 0, b"", ())
+
+    def send_owed(self) -> None:
+        """Send pending releases and withdrawals now, as far as the socket takes them."""
+        self._send_releases()
+        self.flush_now()
 
     def send_forward(self, key: tuple, n: int):
         """Tell the peer we passed on (n=1), or got back (n=-1), a block it leased us.

@@ -184,7 +184,6 @@ def _open_arena(ctx: _DecodeCtx, key: tuple, size: int, fd_index) -> _shm.Arena:
     return _shm.Arena(key, fd, size, addr, owned=False, dedicated=size >= _shm.LARGE)
 
 
-
 ARENA, GPU_SLAB = 0, 1  # region kinds in a block table
 
 
@@ -253,6 +252,7 @@ def _simple(obj: Any) -> bool:
 HAS_BLOCKS = 1  # frame flag: the payload starts with a block table
 PLAIN = 2  # frame flag: the payload is a plain pickle of builtin scalars and containers
 _TLEN = struct.Struct("<I")
+MAX_MESSAGE = (1 << 31) - (1 << 20)  # a frame's limit, less room for its block table
 
 
 def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
@@ -285,9 +285,6 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     table = _dumps(enc.table, 5)
     # Parts, not one bytes object: the frame writer joins them with the header in one copy.
     return [_TLEN.pack(len(table)), table, f.getbuffer()], enc.fds, enc, HAS_BLOCKS
-
-
-MAX_MESSAGE = (1 << 31) - (1 << 20)  # a frame's limit, less room for its block table
 
 
 def _too_big(n: int) -> None:

@@ -184,8 +184,9 @@ _flush_hook: list = [None]  # set by the runtime: schedules ``flush_releases`` o
 # Whether this process tells its upstream when it passes a peer's block on (actors do;
 # the driver does not need to, see the module docstring).
 _forward_notices = [False]
-# Blocks kept because a peer that had passed them on died: processes downstream of it may
-# still use them, and nothing tells us when they stop.
+# Blocks kept from going home: a process downstream may still use them, and nothing will
+# tell us when it stops (a peer that passed them on ended, or we closed a connection to a
+# peer that lives on; see ``Connection.close``).
 _quarantine: list = []
 
 

@@ -204,17 +204,25 @@ class Worker:
     async def _settle(self, conn: Connection, cid: int, timeout: float) -> None:
         """Before a kill: wait (bounded) for blocks we passed on to come back, and send
         the withdrawals of their forward notices, so their owners need not keep them."""
-        deadline = self.loop.time() + timeout
-        conns = [self.driver, *self.peers.values()]
-        while self.loop.time() < deadline and any(
-                g[2] for c in conns if not c.closed for g in c.grants.values()):
-            await asyncio.sleep(0.002)
+        await self.grants_out(lambda g: g[2], timeout, 0.002)  # (g[2]: upstreams told)
         _shm.flush_releases()
-        for c in conns:
-            if not c.closed:
-                c._send_releases()
-                c.flush_now()
+        for c in self.connections():
+            c.send_owed()
         conn.reply(cid, None)
+
+    def connections(self) -> list[Connection]:
+        """The open connections: the driver's, then the peers'."""
+        return [c for c in (self.driver, *self.peers.values()) if not c.closed]
+
+    async def grants_out(self, which, timeout: float, step: float) -> int:
+        """Wait up to ``timeout`` until no grant record ``which(record)`` picks is left on
+        any connection; how many are left."""
+        deadline = self.loop.time() + timeout
+        while True:
+            left = sum(1 for c in self.connections() for g in c.grants.values() if which(g))
+            if not left or self.loop.time() >= deadline:
+                return left
+            await asyncio.sleep(step)
 
     def _init_actor(self, conn, cid, cls, args, kwargs, config) -> None:
         self.actor_id = config["actor_id"]
@@ -269,17 +277,14 @@ async def _amain(fd: int) -> int:
         await _wait_for_gpu_leases(worker, worker.shutdown_grace / 2)
     finally:
         worker._closing = True
-        # Peers may live on, holding blocks we passed them: closing keeps those, and our
-        # forward notices for them stand, so their owners keep them too.
-        _shm.flush_releases()  # what did come back goes out before we do
-        for c in list(worker.peers.values()):
-            c._send_releases()
-            c.flush_now()
+        # What came back goes out before we do. Peers may live on, holding blocks we
+        # passed them: closing keeps those, and our forward notices for them stand, so
+        # their owners keep them too. (Closing the peers may let go of more: the
+        # driver's connection goes last.)
+        for c in [*worker.peers.values(), worker.driver]:
+            _shm.flush_releases()
+            c.send_owed()
             c.close(peer_gone=False)
-        _shm.flush_releases()  # (closing them let some more go)
-        worker.driver._send_releases()
-        worker.driver.flush_now()
-        worker.driver.close(peer_gone=False)
         if worker.executor is not None:
             worker.executor.shutdown(wait=False, cancel_futures=True)
     return worker.exit_code
@@ -293,20 +298,9 @@ async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
     our GPU arrays would then read freed memory. So wait, a bounded time, and say so if
     some are still out.
     """
-    conns = [worker.driver, *worker.peers.values()]
-
-    def held() -> int:
-        return sum(1 for c in conns if not c.closed
-                   for view, *_ in c.grants.values() if view.region.device is not None)
-
-    if not held():
-        return
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while held() and loop.time() < deadline:
-        await asyncio.sleep(0.01)
-    if held():
-        print(f"actorshm: actor {worker.cls_name} exits while peers still hold {held()} "
+    held = await worker.grants_out(lambda g: g[0].region.device is not None, timeout, 0.01)
+    if held:
+        print(f"actorshm: actor {worker.cls_name} exits while peers still hold {held} "
               "of its GPU blocks; those arrays are invalid from now on (CUDA frees a "
               "process's device memory when it exits). Drop GPU arrays an actor sent "
               "you before stopping it.", file=sys.stderr, flush=True)
