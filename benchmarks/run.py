@@ -511,12 +511,17 @@ async def run(args) -> str:
     return (f"# Benchmarks\n\nMachine: {machine()}.\n"
             f"Command: `python -m benchmarks{' --quick' if quick else ''}"
             f"{'' if args.pin_cpu is None else f' --pin-cpu {args.pin_cpu}'}`.\n\n"
-            f"{_READING}\n{_PINNED if args.pin_cpu is not None else ''}"
+            f"{_READING}\n{_pinned() if args.pin_cpu is not None else ''}"
             f"{table.markdown()}\n{notes}\n")
 
 
+def _pinned() -> str:
+    cpus = ", ".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    return _PINNED.format(cpus=cpus)
+
+
 _PINNED = """\
-This run pins every process to one CPU (`--pin-cpu`). A round trip then costs the
+This run pins every process to CPU {cpus} (`--pin-cpu`). A round trip then costs the
 software on both sides, one after the other, and no cross-CPU wake-up: on a virtual
 machine such a wake-up can cost more than the call itself, and where the scheduler puts
 two processes decides it, so unpinned latencies vary several-fold from run to run.
@@ -548,7 +553,11 @@ def main(argv=None) -> None:
                         "measures software cost without cross-CPU wake-ups")
     args = p.parse_args(argv)
     if args.pin_cpu is not None:
-        os.sched_setaffinity(0, {args.pin_cpu})  # inherited by every process started
+        try:
+            os.sched_setaffinity(0, {args.pin_cpu})  # inherited by every process started
+        except (OSError, ValueError, OverflowError):
+            p.error(f"--pin-cpu {args.pin_cpu}: this process may run on CPUs "
+                    f"{sorted(os.sched_getaffinity(0))}; pick one of those")
     report = actorshm.run(run(args))
     print(report)
     if args.out:
