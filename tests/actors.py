@@ -329,6 +329,10 @@ class Dying:
     async def hang(self):
         await asyncio.sleep(60)
 
+    async def reply_then_exit(self, value, code):
+        asyncio.get_running_loop().call_later(0.01, os._exit, code)
+        return value
+
     async def big_reply_then_exit(self, code):
         asyncio.get_running_loop().call_later(0.01, os._exit, code)
         return b"x" * (4 << 20)

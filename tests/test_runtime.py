@@ -172,6 +172,22 @@ async def test_pending_calls_name_the_exit_code_when_the_death_is_seen_first(rt)
             pass
 
 
+async def test_a_reply_written_just_before_death_is_delivered(rt):
+    # The process exit is handled before the socket is read (as when the pidfd's event
+    # comes first): what the actor wrote before it died is still read and delivered.
+    d = await Dying.spawn()
+    rec = rt._actors[d.actor_id]
+    reply = asyncio.ensure_future(d.reply_then_exit("last words", 3))
+    deadline = time.monotonic() + 5  # our loop reads nothing meanwhile
+    while time.monotonic() < deadline and not os.waitid(
+            os.P_PID, rec.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):
+        time.sleep(0.01)
+    rt._on_exit(rec)  # the exit first, the socket after
+    assert await reply == "last words"
+    with pytest.raises(ActorDiedError, match="code 3"):
+        await d.hang()
+
+
 async def test_handles_pass_and_call_directly(rt):
     c = await Counter.spawn(10)
     caller = await Caller.spawn(c)
