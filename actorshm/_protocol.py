@@ -694,7 +694,7 @@ def _run_callbacks(callbacks: list, ok: bool) -> None:
     for cb in callbacks:
         try:
             cb(ok)
-        except Exception:  # pragma: no cover - a bug; the others must still run
+        except Exception:  # a bug: logged, and the others still run
             logger.exception("actorshm: error in a frame-written callback")
 
 

@@ -315,3 +315,34 @@ async def test_closing_an_upstream_with_its_notice_unsent_closes_the_held_connec
         u_b.close()
         c_b.close()
         _shm._regions.pop(block.region.key, None)
+
+
+async def test_a_failing_frame_callback_neither_corrupts_the_stream_nor_hangs_calls(caplog):
+    loop = asyncio.get_running_loop()
+    host = _Recorder()
+    (a, b), (c, d) = socket.socketpair(), socket.socketpair()
+    conn, stuck = P.Connection(loop, host, a, "peer"), P.Connection(loop, host, c, "stuck")
+
+    def boom(ok):
+        raise RuntimeError("callback bug")
+    try:
+        conn.hold()  # queue two frames without writing them, then let them go at once
+        h = conn._holds[0]
+        conn.call("f", (1,), {})
+        conn.call("g", (2,), {})
+        P.Connection.after_item(conn._out[0], boom)
+        conn.unhold(h)
+        await asyncio.sleep(0.02)
+        assert _kinds_on_the_wire(b) == [P.CALL, P.CALL]  # each written once, in order
+        stuck._send(P.CALL, 0, 99, b"x" * (8 << 20), ())  # nobody reads d
+        fut = stuck.call("h", (3,), {})
+        P.Connection.after_item(stuck._out[-1], boom)
+        stuck.close()
+        with pytest.raises(actorshm.ActorDiedError):
+            await asyncio.wait_for(fut, 1)
+        assert caplog.text.count("error in a frame-written callback") == 2
+    finally:
+        conn.close()
+        stuck.close()
+        b.close()
+        d.close()
