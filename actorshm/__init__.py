@@ -18,7 +18,8 @@
 from __future__ import annotations
 
 from ._actor import ActorHandle, actor
-from ._errors import ActorDiedError, ActorError, RemoteError, SharedMemoryError
+from ._errors import (ActorDiedError, ActorError, PendingCallsLimitError, RemoteError,
+                      SharedMemoryError)
 from ._runtime import Runtime, current_runtime, get_actor, run
 from ._shm import empty, is_shared, share, stats, zeros
 
@@ -35,6 +36,7 @@ __all__ = [
     "ActorDiedError",
     "RemoteError",
     "SharedMemoryError",
+    "PendingCallsLimitError",
     "empty",
     "zeros",
     "share",

@@ -8,8 +8,11 @@ A second backend slots in as another client.
 from __future__ import annotations
 
 import inspect
+import threading
 from dataclasses import dataclass, replace
 from typing import Any
+
+from ._errors import PendingCallsLimitError
 
 __all__ = ["actor", "ActorHandle", "ActorOptions"]
 
@@ -18,10 +21,36 @@ _RESERVED = {"spawn", "options", "kill", "pid"}
 
 @dataclass(frozen=True)
 class ActorOptions:
+    """Per-actor settings, given to ``@actor(...)`` or ``Cls.options(...)``.
+
+    Attributes:
+        name: makes the actor findable with ``actorshm.get_actor(name)``; unique per
+            runtime while the actor lives.
+        max_concurrency: how many calls may run at once (async methods interleave, sync
+            methods use a thread pool when above 1). Default 1: one call at a time, in
+            the order they were made.
+        num_gpus: GPUs given to the actor (``CUDA_VISIBLE_DEVICES`` is set for it).
+        num_cpus: the actor's thread count for OpenMP, MKL, OpenBLAS and torch (default
+            1, as in Ray): sets ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``,
+            ``OPENBLAS_NUM_THREADS`` and friends in its process.
+        max_restarts: how often the actor is restarted after its process dies
+            (-1: without limit).
+        max_pending_calls: the most unanswered calls this process may have on the actor
+            at once; one more raises ``PendingCallsLimitError``. -1 (default): no limit.
+        env: environment variables for the actor's process; they win over what
+            ``num_cpus`` sets.
+
+    Raises:
+        TypeError: an unknown option, or a value of the wrong type.
+        ValueError: a value out of range.
+    """
+
     name: str | None = None
     max_concurrency: int = 1
     num_gpus: int = 0
+    num_cpus: float = 1
     max_restarts: int = 0
+    max_pending_calls: int = -1
     env: dict | None = None
 
     def merged(self, **kw: Any) -> "ActorOptions":
@@ -36,9 +65,28 @@ class ActorOptions:
             raise ValueError("num_gpus must be an int >= 0")
         if not isinstance(new.max_restarts, int) or new.max_restarts < -1:
             raise ValueError("max_restarts must be an int >= 0 (or -1 for unlimited)")
+        if (isinstance(new.num_cpus, bool) or not isinstance(new.num_cpus, (int, float))
+                or not new.num_cpus > 0):
+            raise ValueError("num_cpus must be a number > 0 (the actor's thread count)")
+        if (isinstance(new.max_pending_calls, bool) or not isinstance(new.max_pending_calls, int)
+                or new.max_pending_calls == 0 or new.max_pending_calls < -1):
+            raise ValueError("max_pending_calls must be an int >= 1 (or -1 for no limit)")
+        if new.env is not None and not (isinstance(new.env, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in new.env.items())):
+            raise TypeError("env must be a dict of str to str (environment variables)")
         if new.name is not None and not isinstance(new.name, str):
             raise TypeError("name must be a str")
         return new
+
+    def thread_env(self) -> dict[str, str]:
+        """The environment an actor process gets for these options' ``num_cpus``."""
+        n = str(max(1, int(self.num_cpus)))
+        return {var: n for var in _THREAD_VARS}
+
+
+# Thread-count variables set from ``num_cpus``, as Ray sets them for its actors.
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 
 
 def public_methods(cls: type) -> dict[str, bool]:
@@ -112,6 +160,8 @@ def actor(cls: type | None = None, /, **options: Any):
 
 
 class ActorMethod:
+    """One public method of an actor, bound to a handle: calling it sends the call."""
+
     __slots__ = ("_handle", "_name", "_what")
 
     def __init__(self, handle: "ActorHandle", name: str) -> None:
@@ -120,7 +170,16 @@ class ActorMethod:
         self._what = f"{handle._cls_name}.{name}"
 
     def __call__(self, *args: Any, **kwargs: Any):
+        """Send the call now; return an awaitable of its result.
+
+        Raises:
+            TypeError: an argument cannot be serialized (nothing is sent).
+            PendingCallsLimitError: the actor's ``max_pending_calls`` calls from this
+                process are all unanswered (nothing is sent).
+        """
         h = self._handle
+        if h._max_pending > 0:
+            return _limited_call(h, self._name, args, kwargs, self._what)
         return h._client.call(h._actor_id, self._name, args, kwargs, self._what)
 
     def __repr__(self) -> str:
@@ -135,8 +194,9 @@ class ActorHandle:
     """
 
     def __init__(self, client: Any, actor_id: int, cls_name: str, methods: dict,
-                 name: str | None, pid: int) -> None:
+                 name: str | None, pid: int, max_pending: int = -1) -> None:
         self._client = client
+        self._max_pending = max_pending
         self._actor_id = actor_id
         self._cls_name = cls_name
         self._methods = methods
@@ -180,7 +240,7 @@ class ActorHandle:
 
     def __reduce__(self):
         return (_rebuild_handle, (self._actor_id, self._cls_name, self._methods,
-                                  self._actor_name, self._pid))
+                                  self._actor_name, self._pid, self._max_pending))
 
     def __repr__(self) -> str:
         return f"<ActorHandle {self._cls_name} id={self._actor_id} pid={self._pid}>"
@@ -192,6 +252,40 @@ class ActorHandle:
         return hash(("actorshm.ActorHandle", self._actor_id))
 
 
-def _rebuild_handle(actor_id, cls_name, methods, name, pid):
+def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1):
     from ._client import client_for_decode
-    return ActorHandle(client_for_decode(), actor_id, cls_name, methods, name, pid)
+    return ActorHandle(client_for_decode(), actor_id, cls_name, methods, name, pid,
+                       max_pending)
+
+
+# Unanswered calls per actor from this process, for actors with ``max_pending_calls``.
+_pending_counts: dict[int, int] = {}
+_pending_lock = threading.Lock()
+
+
+def _limited_call(h: "ActorHandle", method: str, args: tuple, kwargs: dict, what: str):
+    aid = h._actor_id
+    with _pending_lock:
+        n = _pending_counts.get(aid, 0)
+        if n >= h._max_pending:
+            raise PendingCallsLimitError(
+                f"{what}(): {n} calls to actor {h._cls_name} (id {aid}) from this process "
+                f"are unanswered, its max_pending_calls={h._max_pending}; await some of "
+                "them before calling again, or raise max_pending_calls")
+        _pending_counts[aid] = n + 1
+    try:
+        fut = h._client.call(aid, method, args, kwargs, what)
+    except BaseException:
+        _call_done(aid)
+        raise
+    fut.add_done_callback(lambda _f: _call_done(aid))
+    return fut
+
+
+def _call_done(aid: int) -> None:
+    with _pending_lock:
+        n = _pending_counts.get(aid, 0) - 1
+        if n > 0:
+            _pending_counts[aid] = n
+        else:
+            _pending_counts.pop(aid, None)

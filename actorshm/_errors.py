@@ -13,6 +13,7 @@ __all__ = [
     "RemoteError",
     "RemoteTraceback",
     "SharedMemoryError",
+    "PendingCallsLimitError",
     "ProtocolError",
 ]
 
@@ -62,6 +63,13 @@ class RemoteTraceback(Exception):
 
 class SharedMemoryError(ActorError, MemoryError):
     """Shared memory could not be allocated: the budget or the machine ran out."""
+
+
+class PendingCallsLimitError(ActorError):
+    """A call was refused because the actor's ``max_pending_calls`` were all unanswered.
+
+    Nothing was sent. Await some of the calls in flight, or raise the limit.
+    """
 
 
 class ProtocolError(ActorError):

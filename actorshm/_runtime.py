@@ -192,11 +192,12 @@ class Runtime:
             self._reap(rec)
             raise
         return ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods, options.name,
-                           rec.pid)
+                           rec.pid, options.max_pending_calls)
 
     async def _start_process(self, rec: _Record) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
+        env.update(rec.options.thread_env())
         env.update(rec.options.env or {})
         # The driver's import path, '' (its working directory, the actor's too) made
         # absolute: the actor imports what the driver would.
@@ -393,7 +394,8 @@ class Runtime:
         if rec is None or not rec.alive:
             raise ValueError(f"no live actor named {name!r}; named actors are made with "
                              "Cls.options(name=...).spawn()")
-        return ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods, name, rec.pid)
+        return ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods, name, rec.pid,
+                           rec.options.max_pending_calls)
 
     def actors(self) -> list[dict]:
         """A snapshot of the actors this runtime started."""

@@ -336,3 +336,10 @@ class Dying:
     async def big_reply_then_exit(self, code):
         asyncio.get_running_loop().call_later(0.01, os._exit, code)
         return b"x" * (4 << 20)
+
+
+@actor
+class EnvReader:
+    def get(self, names):
+        import os
+        return {n: os.environ.get(n) for n in names}

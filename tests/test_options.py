@@ -1,0 +1,50 @@
+"""Actor options: num_cpus sets the actor's thread counts; max_pending_calls bounds calls."""
+
+import asyncio
+import threading
+
+import pytest
+
+import actorshm
+from actors import Counter, EnvReader
+
+THREADS = ["OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"]
+
+
+async def test_num_cpus_default_is_one_thread(rt):
+    e = await EnvReader.spawn()
+    assert await e.get(THREADS) == {n: "1" for n in THREADS}
+
+
+async def test_num_cpus_sets_thread_counts_and_env_wins(rt):
+    e = await EnvReader.options(num_cpus=3, env={"MKL_NUM_THREADS": "7"}).spawn()
+    assert await e.get(THREADS) == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "7",
+                                    "OPENBLAS_NUM_THREADS": "3"}
+
+
+@pytest.mark.parametrize("bad", [{"num_cpus": 0}, {"max_pending_calls": 0},
+                                 {"max_pending_calls": 1.5}, {"env": {"A": 1}}])
+def test_bad_options_are_refused(bad):
+    with pytest.raises((TypeError, ValueError)):
+        Counter.options(**bad)
+
+
+async def test_max_pending_calls_refuses_without_sending(rt):
+    c = await Counter.options(name="limited", max_pending_calls=2).spawn(0)
+    same = await actorshm.get_actor("limited")
+    first = c.slow_record(1, 0.3)
+    second = same.slow_record(2, 0.0)  # a second handle to the actor shares the count
+    for h in (c, same):
+        with pytest.raises(actorshm.PendingCallsLimitError, match="max_pending_calls=2"):
+            h.record(3)
+    await asyncio.gather(first, second)
+    assert await c.get_log() == [1, 2]  # the refused calls were never sent
+    await asyncio.gather(c.record(4), same.record(5))  # answered calls free their places
+    assert await c.get_log() == [1, 2, 4, 5]
+
+
+async def test_a_call_refused_for_its_arguments_frees_its_place(rt):
+    c = await Counter.options(max_pending_calls=1).spawn(0)
+    with pytest.raises(TypeError):
+        c.echo(threading.Lock())
+    assert await c.incr(1) == 1
