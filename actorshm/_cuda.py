@@ -24,11 +24,11 @@ import weakref
 
 import cupy
 
-from . import _shm
+from . import _serialization, _shm
 from ._errors import ProtocolError, SharedMemoryError
 from ._serialization import GPU_SLAB
 
-_stats = _shm._stats  # its cuda_* keys are ours
+_stats = _shm.counters  # its cuda_* keys are ours
 
 _runtime = cupy.cuda.runtime
 _ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
@@ -75,6 +75,10 @@ class Slab(_shm.Region):
         if self.handle is None:
             self.handle = bytes(_runtime.ipcGetMemHandle(self.ptr))
         return self.handle
+
+    @staticmethod
+    def fence(releases: list) -> None:
+        fence(releases)
 
     def retirable(self) -> bool:
         # A peer may hold an exported slab open, and freeing memory that another process
@@ -143,8 +147,8 @@ class GpuPool(_shm.Pool):
                     free, total = _runtime.memGetInfo()
                     raise SharedMemoryError(
                         f"actorshm: GPU {self.device} has no room for "
-                        f"{_shm._fmt(size)} more ({_shm._fmt(free)} of "
-                        f"{_shm._fmt(total)} free; {_shm._fmt(self.reserved)} is held by "
+                        f"{_shm.fmt_bytes(size)} more ({_shm.fmt_bytes(free)} of "
+                        f"{_shm.fmt_bytes(total)} free; {_shm.fmt_bytes(self.reserved)} is held by "
                         "this process's actorshm pool). Drop GPU arrays you no longer "
                         "need, in this process and in the actors you sent them to."
                     ) from None
@@ -176,7 +180,7 @@ def find_view(arr) -> GpuBlock | None:
 
 
 def empty(shape, dtype=float, order="C"):
-    shape, dtype, n = _shm._nbytes(shape, dtype)
+    shape, dtype, n = _shm.nbytes_of(shape, dtype)
     if order not in ("C", "F"):
         raise ValueError(f"order must be 'C' or 'F', not {order!r}")
     block = pool().alloc(n)
@@ -229,7 +233,7 @@ def fence(items) -> None:
     ``items`` are (upstream, key, region) releases. An event is recorded on each
     device's legacy default stream, which completes after all work queued before it on
     the device's blocking streams. When the events are done already (a consumer that
-    finished its work), the releases go straight to ``_shm._fenced``; otherwise a helper
+    finished its work), the releases go straight to ``_shm.releases_ready``; otherwise a helper
     thread waits for them, so the event loop never blocks on the GPU.
     """
     events = []
@@ -239,8 +243,7 @@ def fence(items) -> None:
             _runtime.eventRecord(ev.ptr, _runtime.streamLegacy)
         events.append(ev)
     if all(ev.done for ev in events):
-        _shm._fenced.extend(items)
-        _shm._wake()
+        _shm.releases_ready(items)
         return
     with _fence_lock:
         _fence_queue.append((events, items))
@@ -262,8 +265,7 @@ def _fence_loop() -> None:
                 ev.synchronize()
         except Exception:  # a broken CUDA context: nothing left to wait for
             pass
-        _shm._fenced.extend(items)
-        _shm._wake()
+        _shm.releases_ready(items)
 
 
 def reduce_cupy(enc, a):
@@ -278,7 +280,7 @@ def reduce_cupy(enc, a):
     else:
         _stats["cuda_bytes_zero_copy"] += a.nbytes
         _stats["cuda_arrays_zero_copy"] += 1
-    enc.cuda_devices.add(view.region.device)
+    enc.before_send(wait_for_senders_work, view.region.device)
     row = enc.lease(view, GPU_SLAB, _slab_intro)
     return _rebuild, (row, a.data.ptr - view.ptr, a.shape, a.dtype.str, a.strides)
 
@@ -288,13 +290,12 @@ def _slab_intro(enc, slab: Slab) -> tuple:
 
 
 def _rebuild(row, aoff, shape, dtype, strides):
-    from ._serialization import _ctx
-    view = _ctx().blocks[row]
+    view = _serialization.leased_block(row)
     with cupy.cuda.Device(view.region.device):
         return view.array(shape, dtype, aoff, strides)
 
 
-def _open_slab(ctx, key: tuple, size: int, intro) -> Slab:
+def open_slab(ctx, key: tuple, size: int, intro) -> Slab:
     """Open a slab a peer introduced in this frame (its IPC handle rode along)."""
     if intro is None:
         raise ProtocolError("peer referred to a GPU slab it never sent")
@@ -306,3 +307,7 @@ def _open_slab(ctx, key: tuple, size: int, intro) -> Slab:
     return Slab(key, size, dev, bus_id, dedicated=size >= GpuPool.large, ptr=ptr,
                 handle=handle)
 
+
+
+_serialization.register_reducer(cupy.ndarray, reduce_cupy)
+_serialization.register_region_kind(GPU_SLAB, open_slab)

@@ -211,7 +211,7 @@ class Connection:
         self.pending[cid] = fut
         if what:
             self.pending_meta[cid] = what
-        _shm._stats["calls_sent"] += 1
+        _shm.counters["calls_sent"] += 1
         self._send(CALL, flags, cid, payload, fds)
         return fut
 
@@ -337,7 +337,7 @@ class Connection:
             else:
                 rel = _dumps(list(self._releases.items()), 5)
             self._releases.clear()
-            _shm._stats["releases_sent"] += 1
+            _shm.counters["releases_sent"] += 1
             if kind:  # they ride ahead of this frame's payload (HAS_RELEASES)
                 flags |= HAS_RELEASES
                 parts = [_RLEN.pack(len(rel)), rel, *parts]
@@ -597,7 +597,7 @@ class Connection:
         except Exception as exc:
             self._protocol_error(f"bad release frame: {exc!r}")
             return False
-        _shm._stats["releases_received"] += 1
+        _shm.counters["releases_received"] += 1
         return True
 
     def _protocol_error(self, why: str) -> None:
@@ -617,7 +617,7 @@ class Connection:
 
     def _dispatch(self, kind: int, flags: int, cid: int, payload: bytes, fds) -> None:
         if kind == CALL:
-            _shm._stats["calls_received"] += 1
+            _shm.counters["calls_received"] += 1
             try:
                 call = list(ser.decode(payload, fds, self, flags))
                 method, args, kwargs = call if len(call) == 3 else (None, None, None)

@@ -24,30 +24,16 @@ import threading
 import weakref
 from typing import Any
 
-from . import _client, _shm
+from . import _client, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._errors import ActorDiedError
+from ._launch import ForkServerClient, GpuSlots, OutputForwarder, worker_command
 from ._protocol import Connection
 from ._util import describe_exit, install_event_loop_policy
 
 __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 
 logger = logging.getLogger("actorshm")
-_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _bootstrap(module: str) -> str:
-    """``python -c`` code that runs ``actorshm.<module>.main()`` from the driver's own
-    copy of actorshm, even where another is installed or in the working directory, and
-    then leaves ``sys.path`` as it was (the driver's order is applied later)."""
-    # ``python -c`` puts '' (the working directory) first: drop it, so that a file there
-    # cannot shadow the standard library before the driver's own path is in place.
-    return (f"import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
-            f"sys.path.insert(0, {_PKG_PARENT!r}); "
-            f"import actorshm.{module} as m; sys.path.remove({_PKG_PARENT!r}); m.main()")
-
-
-_WORKER_CMD = _bootstrap("_worker")
 
 
 class _Record:
@@ -106,9 +92,7 @@ class Runtime:
         self.shm_budget = shm_budget
         self.shutdown_grace = shutdown_grace
         self.start_timeout = start_timeout
-        self._gpus = None if gpus is None else [str(g) for g in gpus]
-        self._gpus_free: list[str] | None = None
-        self._gpus_total = 0
+        self._gpus = GpuSlots(None if gpus is None else [str(g) for g in gpus])
         self.loop: asyncio.AbstractEventLoop | None = None
         self._actors: dict[int, _Record] = {}
         self._names: dict[str, int] = {}
@@ -116,10 +100,7 @@ class Runtime:
         self._open = False
         self._closing = False
         self._finalizer = None
-        self._fs = None  # (Popen, socket) of the fork server, once started
-        self._fs_waiting: collections.deque = collections.deque()
-        self._fs_exit: dict[int, int] = {}
-        self._fs_exit_events: dict[int, asyncio.Event] = {}
+        self._forkserver: ForkServerClient | None = None  # made on first use
 
     # -- context manager ---------------------------------------------------------
     async def __aenter__(self) -> "Runtime":
@@ -129,7 +110,7 @@ class Runtime:
         self._loop_thread = threading.get_ident()
         _shm.set_budget(self.shm_budget)
         _shm.pool()
-        _shm._flush_hook[0] = _make_flush_hook(self.loop)
+        _shm.set_flush_hook(_shm.loop_flush_hook(self.loop))
         self._open = True
         _client._runtimes.append(self)
         self._finalizer = weakref.finalize(self, _kill_all, self._actors)
@@ -156,7 +137,8 @@ class Runtime:
             _kill_all(self._actors)
             for r in self._actors.values():
                 self._reap(r)
-            self._stop_forkserver()
+            if self._forkserver is not None:
+                self._forkserver.stop()
             self._open = False
             if self in _client._runtimes:
                 _client._runtimes.remove(self)
@@ -178,7 +160,7 @@ class Runtime:
         self._next_id += 1
         rec.spawn_args = (args, kwargs)
         if options.num_gpus:
-            rec.gpus = self._take_gpus(options.num_gpus, rec.cls_name)
+            rec.gpus = self._gpus.take(options.num_gpus, rec.cls_name)
         self._actors[rec.actor_id] = rec
         if options.name is not None:
             self._names[options.name] = rec.actor_id
@@ -209,13 +191,15 @@ class Runtime:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
         if self.start_method == "forkserver":
             try:
-                rec.pid, streams = await self._fork(child, env)
+                if self._forkserver is None:
+                    self._forkserver = ForkServerClient(self.loop, self.start_timeout)
+                rec.pid, streams = await self._forkserver.fork(child, env)
             finally:
                 child.close()
         else:
             try:
                 rec.popen = subprocess.Popen(
-                    [sys.executable, "-c", _WORKER_CMD, str(child.fileno())],
+                    worker_command(child.fileno()),
                     pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                     cwd=os.getcwd())
@@ -234,7 +218,7 @@ class Runtime:
         rec.pipes = []
         for stream, out in zip(streams, ("stdout", "stderr")):
             os.set_blocking(stream.fileno(), False)
-            fwd = _OutputForwarder(rec, stream, out)
+            fwd = OutputForwarder(rec, stream, out)
             rec.pipes.append(fwd)
             self.loop.add_reader(stream.fileno(), fwd.on_readable)
         if rec.conn is not None and rec.conn.sock is None and not rec.conn.closed:
@@ -260,93 +244,9 @@ class Runtime:
                                  else str(exc)) from None
         rec.pid = pid
 
-    async def _fork(self, child: socket.socket, env: dict) -> tuple[int, tuple]:
-        """Ask the fork server (started on first use) for a new actor process."""
-        from . import _forkserver
-        if self._fs is None:
-            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            fs_env = dict(os.environ)
-            fs_env["ACTORSHM_SYS_PATH"] = env["ACTORSHM_SYS_PATH"]
-            popen = subprocess.Popen([sys.executable, "-c", _bootstrap("_forkserver"),
-                                      str(b.fileno())],
-                                     pass_fds=(b.fileno(),), stdin=subprocess.DEVNULL,
-                                     env=fs_env)
-            b.close()
-            self._fs = (popen, a)
-            self.loop.add_reader(a.fileno(), self._on_forkserver)
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        fut = self.loop.create_future()
-        self._fs_waiting.append(fut)
-        try:
-            _forkserver.send_msg(self._fs[1], ("fork", env, os.getcwd(), None),
-                                 [child.fileno(), out_w, err_w])
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-        pid = await asyncio.wait_for(fut, self.start_timeout)
-        return pid, (open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0))
-
-    def _on_forkserver(self) -> None:
-        from . import _forkserver
-        msg = _forkserver.recv_msg(self._fs[1])
-        if msg is None:
-            self.loop.remove_reader(self._fs[1].fileno())
-            for fut in self._fs_waiting:
-                if not fut.done():
-                    fut.set_exception(ActorDiedError("the actorshm fork server died"))
-            self._fs_waiting.clear()
-            return
-        (kind, pid, code), _ = msg
-        if kind == "forked":
-            fut = self._fs_waiting.popleft()
-            if not fut.done():
-                fut.set_result(pid)
-        else:
-            self._fs_exit[pid] = code
-            ev = self._fs_exit_events.pop(pid, None)
-            if ev is not None:
-                ev.set()
-
-    def _stop_forkserver(self) -> None:
-        if self._fs is not None:
-            popen, sock = self._fs
-            self._fs = None
-            try:
-                self.loop.remove_reader(sock.fileno())
-            except Exception:
-                pass
-            sock.close()
-            try:
-                popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:  # pragma: no cover
-                popen.kill()
-                popen.wait()
-
-    def _take_gpus(self, n: int, who: str) -> list[str]:
-        if self._gpus_free is None:
-            self._gpus_free = list(self._gpus) if self._gpus is not None else _visible_gpus()
-            self._gpus_total = len(self._gpus_free)
-        if len(self._gpus_free) < n:
-            if not self._gpus_total:
-                where = ("Runtime(gpus=[])" if self._gpus is not None else
-                         "CUDA_VISIBLE_DEVICES and CuPy")
-                raise ValueError(
-                    f"cannot spawn {who} with num_gpus={n}: no GPU is available to this "
-                    f"runtime ({where} name none). Install the cuda extra "
-                    "(pip install 'actorshm[cuda]') on a machine with a GPU, pass "
-                    "Runtime(gpus=[...]), or spawn with num_gpus=0.")
-            raise ValueError(
-                f"cannot spawn {who} with num_gpus={n}: {len(self._gpus_free)} of "
-                f"{self._gpus_total} GPU(s) are free. Kill a GPU actor first, lower "
-                "num_gpus, or pass Runtime(gpus=[...]).")
-        taken, self._gpus_free = self._gpus_free[:n], self._gpus_free[n:]
-        return taken
-
     def _release_gpus(self, rec: _Record) -> None:
-        if rec.gpus and self._gpus_free is not None:
-            self._gpus_free.extend(rec.gpus)
-            rec.gpus = []
+        self._gpus.release(rec.gpus)
+        rec.gpus = []
 
     # -- calls -------------------------------------------------------------------
     def call(self, actor_id: int, method: str, args: tuple, kwargs: dict, what: str = ""):
@@ -480,13 +380,7 @@ class Runtime:
             self.loop.create_task(self._forked_exit(rec))
 
     async def _forked_exit(self, rec: _Record) -> None:
-        if rec.pid not in self._fs_exit:
-            ev = self._fs_exit_events.setdefault(rec.pid, asyncio.Event())
-            try:
-                await asyncio.wait_for(ev.wait(), 1.0)
-            except asyncio.TimeoutError:
-                pass
-        self._exited(rec, self._fs_exit.pop(rec.pid, None))
+        self._exited(rec, await self._forkserver.exit_code(rec.pid))
 
     def _exited(self, rec: _Record, code: int | None) -> None:
         rec.alive = False
@@ -520,7 +414,7 @@ class Runtime:
             return
         try:
             if rec.options.num_gpus:
-                rec.gpus = self._take_gpus(rec.options.num_gpus, rec.cls_name)
+                rec.gpus = self._gpus.take(rec.options.num_gpus, rec.cls_name)
             rec.death = None
             await self._start_process(rec)
             rec.failed_starts = 0
@@ -626,98 +520,6 @@ def _kill_all(actors: dict) -> None:
                 os.kill(rec.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-def _visible_gpus() -> list[str]:
-    """The GPUs this process may hand out, as ``CUDA_VISIBLE_DEVICES`` entries.
-
-    Entries are kept as written (ordinals, ``GPU-<uuid>`` or ``MIG-<uuid>``), so that an
-    actor's ``CUDA_VISIBLE_DEVICES`` names the same GPU the driver sees. As in CUDA, the
-    list ends at the first empty or negative entry.
-    """
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        out = []
-        for tok in env.split(","):
-            tok = tok.strip()
-            if not tok or tok.startswith("-"):
-                break
-            out.append(tok)
-        return out
-    try:
-        from . import _cuda
-        return [str(i) for i in range(_cuda.device_count())]
-    except Exception:
-        return []
-
-
-class _OutputForwarder:
-    """Copies an actor's stdout/stderr to the driver's, each line prefixed as Ray does."""
-
-    def __init__(self, rec: _Record, stream, which: str) -> None:
-        self.rec = rec
-        self.stream = stream
-        self.fd = stream.fileno()
-        self.which = which
-        self.partial = b""
-        self.closed = False
-
-    def on_readable(self) -> None:
-        try:
-            data = os.read(self.fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.close()
-            return
-        self._emit(data)
-
-    def _emit(self, data: bytes) -> None:
-        data = self.partial + data
-        *lines, self.partial = data.split(b"\n")
-        if not lines:
-            return
-        prefix = f"({self.rec.cls_name} pid={self.rec.pid}) "
-        text = "".join(prefix + ln.decode(errors="replace") + "\n" for ln in lines)
-        if self.which == "stderr":
-            self.rec.stderr_tail.extend(ln.decode(errors="replace") + "\n" for ln in lines)
-        out = sys.stderr if self.which == "stderr" else sys.stdout
-        try:
-            out.write(text)
-            out.flush()
-        except Exception:  # pragma: no cover
-            pass
-
-    def drain(self) -> None:
-        while not self.closed:
-            try:
-                data = os.read(self.fd, 65536)
-            except (BlockingIOError, OSError):
-                return
-            if not data:
-                self.close()
-                return
-            self._emit(data)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.partial:
-            self._emit(b"\n")
-        try:
-            if self.rec.conn is not None:
-                self.rec.conn.loop.remove_reader(self.fd)
-        except Exception:  # the loop is closing
-            pass
-        self.stream.close()
-
-
-def _make_flush_hook(loop: asyncio.AbstractEventLoop):
-    from ._worker import _make_flush_hook as make
-    return make(loop)
 
 
 def current_runtime() -> Runtime:

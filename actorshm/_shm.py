@@ -60,7 +60,7 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 # This process's counters; ``stats()`` returns a copy. Plain ints in a dict: cheap.
-_stats: dict[str, int] = dict.fromkeys(
+counters: dict[str, int] = dict.fromkeys(
     ["bytes_copied", "bytes_zero_copy", "arrays_copied", "arrays_zero_copy",
      "pool_allocs", "pool_reuses", "blocks_live", "arenas_owned", "arena_bytes_owned",
      "arenas_mapped", "releases_sent", "releases_received", "calls_sent", "calls_received",
@@ -78,21 +78,21 @@ def stats() -> dict[str, int]:
     gauges: dict[str, int] = {"blocks_quarantined": len(_quarantine)}
     for p in _pools:
         p.report(gauges)
-    out = dict(_stats)
+    out = dict(counters)
     out.update(gauges)
     return out
 
 
-def _map(fd: int, size: int) -> int:
+def map_fd(fd: int, size: int) -> int:
     addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     if addr in (None, _MAP_FAILED):
         err = ctypes.get_errno()
-        raise SharedMemoryError(f"actorshm: mmap of a {_fmt(size)} arena failed: "
+        raise SharedMemoryError(f"actorshm: mmap of a {fmt_bytes(size)} arena failed: "
                                 f"{os.strerror(err)}")
     return addr
 
 
-def _fmt(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -132,6 +132,17 @@ class Region:
     def retirable(self) -> bool:
         """Whether the owner may free this region while peers may still have it open."""
         return True
+
+    @staticmethod
+    def fence(releases: list) -> None:
+        """Hand ``releases`` of this kind of region to ``releases_ready`` once they may go
+        home. Host memory needs nothing to finish first; a GPU slab overrides this to
+        wait for the work queued on its device (``actorshm._cuda``).
+
+        Args:
+            releases: ``(upstream, block key, region)`` items, all of this class.
+        """
+        releases_ready(releases)
 
     def close(self) -> None:
         raise NotImplementedError
@@ -176,14 +187,14 @@ _own_tokens: set[int] = set()
 # Grants to give back, appended when a block dies (any thread), flushed on the loop:
 # (upstream, block key, region).
 _releases: collections.deque = collections.deque()
-# GPU grants whose device work has finished (see ``_cuda.fence``): ready to go back.
+# Grants whose region's fence has passed (``Region.fence``): ready to go back.
 _fenced: collections.deque = collections.deque()
 # Regions retired by their owner (any thread), announced to peers on the loop.
 _retired: collections.deque = collections.deque()
-_flush_hook: list = [None]  # set by the runtime: schedules ``flush_releases`` on its loop
+_flush_hook = None  # ``set_flush_hook``: schedules ``flush_releases`` on the loop
 # Whether this process tells its upstream when it passes a peer's block on (actors do;
-# the driver does not need to, see the module docstring).
-_forward_notices = [False]
+# the driver does not need to, see the module docstring): ``set_forward_notices``.
+_forward_notices = False
 # Blocks kept from going home: a process downstream may still use them, and nothing will
 # tell us when it stops (a peer that passed them on ended, or we closed a connection to a
 # peer that lives on; see ``Connection.close``).
@@ -197,7 +208,7 @@ def forwarded(block: "Block", conn) -> tuple | None:
     (``unforwarded``). The notice is written before the frame that passes the block on,
     so if we die after passing it, our upstream knows the block may still be in use.
     """
-    if not _forward_notices[0] or block.region.owned:
+    if not _forward_notices or block.region.owned:
         return None
     told = tuple(u for u in (block.lease.upstream or ()) if u is not conn and not u.closed)
     for u in told:
@@ -205,7 +216,7 @@ def forwarded(block: "Block", conn) -> tuple | None:
         if pending is not None:
             # Its socket is full: what passes the block on waits until the notice is out.
             u.after_item(pending, _release_hold(conn, conn.hold()))
-    _stats["forward_notices_sent"] += len(told)
+    counters["forward_notices_sent"] += len(told)
     return told or None
 
 
@@ -241,9 +252,56 @@ def release_quarantine() -> None:
 
 
 def _wake() -> None:
-    hook = _flush_hook[0]
+    hook = _flush_hook
     if hook is not None:
         hook()
+
+
+def set_flush_hook(hook) -> None:
+    """Install what schedules ``flush_releases`` on this process's event loop.
+
+    Args:
+        hook: a callable safe to call from any thread, or None to stop scheduling.
+    """
+    global _flush_hook
+    _flush_hook = hook
+
+
+def set_forward_notices(on: bool) -> None:
+    """Whether this process sends forward notices (actors do; see the module docstring)."""
+    global _forward_notices
+    _forward_notices = bool(on)
+
+
+def releases_ready(releases) -> None:
+    """Releases whose fence has passed (any thread): sent on the loop's next flush."""
+    _fenced.extend(releases)
+    _wake()
+
+
+def loop_flush_hook(loop):
+    """A hook for ``set_flush_hook`` that runs ``flush_releases`` on ``loop``, once per
+    loop iteration however many blocks die, from whichever thread they die on."""
+    state = {"scheduled": False}
+    loop_thread = threading.get_ident()
+
+    def run() -> None:
+        state["scheduled"] = False
+        flush_releases()
+
+    def hook() -> None:
+        if state["scheduled"]:
+            return
+        state["scheduled"] = True
+        try:
+            if threading.get_ident() == loop_thread:
+                loop.call_soon(run)
+            else:
+                loop.call_soon_threadsafe(run)
+        except RuntimeError:  # loop closed: the process is ending
+            pass
+
+    return hook
 
 
 class _Lease(weakref.ref):
@@ -323,9 +381,9 @@ def _prune_views() -> None:
 def flush_releases() -> None:
     """Hand pending releases and retirements to their connections (on the event loop).
 
-    A GPU grant goes back only once this process's work queued on that device before
-    the block died has finished (``_cuda.fence``), so that its owner can reuse the
-    memory at once; host grants go back straight away.
+    A grant goes back once its region's fence has passed (``Region.fence``): at once on
+    the host; on a GPU once this process's work queued on that device before the block
+    died has finished, so that its owner can reuse the memory at once.
     """
     while _retired:
         _announce_retired(_retired.popleft())
@@ -334,17 +392,22 @@ def flush_releases() -> None:
     if not _releases:
         return
     host: collections.deque = collections.deque()
-    gpu = []
+    fenced: dict = {}  # a region class's fence -> its releases
+    host_fence = Region.fence
     while _releases:  # take a snapshot first: other threads may append meanwhile
         item = _releases.popleft()
-        (host if item[2].device is None else gpu).append(item)
+        fence = item[2].fence
+        if fence is host_fence:
+            host.append(item)
+        else:
+            fenced.setdefault(fence, []).append(item)
     _give_back(host)
-    if gpu:
-        from ._cuda import fence
+    for fence, items in fenced.items():
         try:
-            fence(gpu)  # moves them to _fenced, now or from a helper thread that wakes us
-        except Exception:  # a broken CUDA context: nothing left to wait for
-            _fenced.extend(gpu)
+            fence(items)  # to ``releases_ready``, now or from a thread that wakes us
+        except Exception:  # e.g. a broken CUDA context: nothing left to wait for
+            _fenced.extend(items)
+    if fenced:
         _give_back(_fenced)
 
 
@@ -542,8 +605,8 @@ class Pool:
 
     def _over_budget(self, size: int) -> SharedMemoryError:
         return SharedMemoryError(
-            f"actorshm: cannot allocate {_fmt(size)} of shared memory: this process's "
-            f"budget is {_fmt(self.budget)} and {_fmt(self.reserved)} is already in "
+            f"actorshm: cannot allocate {fmt_bytes(size)} of shared memory: this process's "
+            f"budget is {fmt_bytes(self.budget)} and {fmt_bytes(self.reserved)} is already in "
             "use. Drop arrays you no longer need, or raise the budget with "
             "actorshm.Runtime(shm_budget=...) (or ACTORSHM_SHM_BUDGET=bytes)."
         )
@@ -615,10 +678,10 @@ class Pool:
             free = self.free.get(size)
             if free:
                 region, offset, _ = free.pop()
-                _stats[self._k_reuses] += 1
+                counters[self._k_reuses] += 1
             elif size >= self.large:
                 region, offset = self._new_region(size, dedicated=True), 0
-                _stats[self._k_allocs] += 1
+                counters[self._k_allocs] += 1
             else:
                 chunk = self._chunk
                 if chunk is None or self._chunk_pos + size > chunk.size:
@@ -626,7 +689,7 @@ class Pool:
                     self._chunk_pos = 0
                 region, offset = chunk, self._chunk_pos
                 self._chunk_pos += size
-                _stats[self._k_allocs] += 1
+                counters[self._k_allocs] += 1
             self.blocks_live += 1
         return region.block(offset, size, self)
 
@@ -653,15 +716,15 @@ class HostPool(Pool):
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                     raise SharedMemoryError(
-                        f"actorshm: the machine has no room for {_fmt(size)} more of "
-                        f"shared memory ({exc.strerror}); {_fmt(self.reserved)} is in use "
+                        f"actorshm: the machine has no room for {fmt_bytes(size)} more of "
+                        f"shared memory ({exc.strerror}); {fmt_bytes(self.reserved)} is in use "
                         "by this process. Free memory, or use smaller arrays."
                     ) from None
                 raise
             # Peers cannot shrink the file under our feet (which would be a SIGBUS).
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            addr = _map(fd, size)
+            addr = map_fd(fd, size)
         except BaseException:
             os.close(fd)
             raise
@@ -710,7 +773,7 @@ def array_from_view(view: _View, shape, dtype, offset: int = 0, strides=None,
     return np.ndarray(shape, dtype, buffer=base, offset=offset, strides=strides, order=order)
 
 
-def _nbytes(shape, dtype) -> tuple[tuple, np.dtype, int]:
+def nbytes_of(shape, dtype) -> tuple[tuple, np.dtype, int]:
     if isinstance(shape, (int, np.integer)):
         shape = (int(shape),)
     shape = tuple(int(s) for s in shape)
@@ -728,7 +791,7 @@ def _nbytes(shape, dtype) -> tuple[tuple, np.dtype, int]:
 
 def empty(shape, dtype=float, order: str = "C") -> np.ndarray:
     """A new array in shared memory owned by this process (contents undefined)."""
-    shape, dtype, n = _nbytes(shape, dtype)
+    shape, dtype, n = nbytes_of(shape, dtype)
     return array_from_view(pool().alloc(n), shape, dtype, order=order)
 
 

@@ -1,7 +1,8 @@
 """The actor process: its event loop, its one actor instance, and its connections.
 
-Started by the driver as ``python -m actorshm._worker FD`` with one end of a socket pair
-inherited as FD. The first call on it is ``__init_actor__``; then calls run one at a time
+Started by the driver (``_launch``) with one end of a socket pair inherited as fd FD:
+as ``python -c <bootstrap> FD`` (the bootstrap imports the driver's own copy of
+actorshm and calls ``main``), or forked by the fork server (``forked_child_main``). The first call on it is ``__init_actor__``; then calls run one at a time
 in arrival order (``max_concurrency=1``), or up to ``max_concurrency`` at once, sync
 methods then running in a thread pool so the event loop never stalls. Calls to other
 actors go over direct connections that the driver brokers once per pair.
@@ -15,12 +16,13 @@ import faulthandler
 import inspect
 import json
 import os
+import signal
 import socket
 import sys
 import threading
 from typing import Any
 
-from . import _client, _shm
+from . import _client, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._errors import ActorDiedError
 from ._protocol import Connection
 from ._util import describe_exit, new_event_loop, set_parent_death_signal
@@ -270,8 +272,8 @@ async def _amain(fd: int) -> int:
     loop = asyncio.get_running_loop()
     worker = Worker(loop, fd)
     _client._worker[0] = worker
-    _shm._flush_hook[0] = _make_flush_hook(loop)
-    _shm._forward_notices[0] = True  # an actor that dies must not strand its relays' blocks
+    _shm.set_flush_hook(_shm.loop_flush_hook(loop))
+    _shm.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks
     try:
         await worker.stopped
         await _wait_for_gpu_leases(worker, worker.shutdown_grace / 2)
@@ -306,30 +308,6 @@ async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
               "you before stopping it.", file=sys.stderr, flush=True)
 
 
-def _make_flush_hook(loop: asyncio.AbstractEventLoop):
-    import threading
-    state = {"scheduled": False}
-    loop_thread = threading.get_ident()
-
-    def run() -> None:
-        state["scheduled"] = False
-        _shm.flush_releases()
-
-    def hook() -> None:
-        if state["scheduled"]:
-            return
-        state["scheduled"] = True
-        try:
-            if threading.get_ident() == loop_thread:
-                loop.call_soon(run)
-            else:
-                loop.call_soon_threadsafe(run)
-        except RuntimeError:  # loop closed: the process is ending
-            pass
-
-    return hook
-
-
 def main() -> None:
     set_parent_death_signal()
     faulthandler.enable()
@@ -349,6 +327,45 @@ def main() -> None:
         sys.stderr.flush()
     # Skip interpreter teardown: it can only run user __del__s against closed sockets.
     os._exit(code)
+
+
+
+def forked_child_main(server_sock, rfd, wfd, env, cwd, fds) -> None:
+    """Become an actor process: the fork server's child, right after ``fork``.
+
+    Drops the server's sockets and signal set-up, takes the driver's environment and
+    working directory, puts the pipes it was given on stdout and stderr, and runs
+    ``main`` on the actor's socket. Never returns.
+
+    Args:
+        server_sock: the fork server's socket to the driver (closed here).
+        rfd, wfd: the server's signal wake-up pipe (closed here).
+        env, cwd: the environment and working directory the driver asked for.
+        fds: the actor's socket, and its stdout and stderr pipe ends.
+    """
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        server_sock.close()
+        os.close(rfd)
+        os.close(wfd)
+        conn_fd, out_fd, err_fd = fds
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.close(out_fd)
+        os.close(err_fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+        sys.argv = ["actorshm-worker", str(conn_fd)]
+        main()
+    finally:
+        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -377,8 +377,8 @@ def test_block_dropped_in_a_thread_cannot_be_picked_up_again():
     def opener(ctx, rkey, rsize, intro):
         return peer
 
-    conn, hook = Conn(), _shm._flush_hook[0]
-    _shm._flush_hook[0] = lambda: time.sleep(0.2)  # the dying block's thread lets go of the GIL
+    conn, hook = Conn(), _shm._flush_hook
+    _shm.set_flush_hook(lambda: time.sleep(0.2))  # the dying block's thread lets go of the GIL
     try:
         box = [_shm.adopt(conn, opener, key, arena.size, 0, 0, 256)]
         t = threading.Thread(target=box.clear)  # drops the last reference
@@ -390,7 +390,7 @@ def test_block_dropped_in_a_thread_cannot_be_picked_up_again():
         assert again.lease.upstream == {conn: 1}
         assert [r[1] for r in _shm._releases] == [(12345, 0, 0)]  # the old lease goes back
     finally:
-        _shm._flush_hook[0] = hook
+        _shm.set_flush_hook(hook)
         _shm._releases.clear()
         _shm._regions.pop(key, None)
         _shm._own_tokens.discard(owner.token)

@@ -143,7 +143,7 @@ def _peer_block(upstream, idx):
     fd = os.memfd_create("peer")
     os.ftruncate(fd, 1 << 16)
     key = (424242 + idx, 0)
-    arena = _shm.Arena(key, fd, 1 << 16, _shm._map(fd, 1 << 16), owned=False,
+    arena = _shm.Arena(key, fd, 1 << 16, _shm.map_fd(fd, 1 << 16), owned=False,
                        dedicated=False)
     _shm._regions[key] = arena
     block = arena.block(0, 4096, None)
@@ -188,9 +188,9 @@ async def test_a_frame_passing_a_block_on_waits_for_the_notice_upstream(then, mo
     # frame to D must not leave before the notice to U, whatever else happens on the
     # connection to D meanwhile.
     from actorshm import _shm
-    monkeypatch.setattr(_shm, "_forward_notices", [True])  # as in an actor
-    monkeypatch.setitem(_shm._stats, "forward_notices_sent",
-                        _shm._stats["forward_notices_sent"])
+    monkeypatch.setattr(_shm, "_forward_notices", True)  # as in an actor
+    monkeypatch.setitem(_shm.counters, "forward_notices_sent",
+                        _shm.counters["forward_notices_sent"])
     loop = asyncio.get_running_loop()
     host = _Recorder()
     u_a, u_b = socket.socketpair()  # nobody reads u_b: U is busy
@@ -248,9 +248,9 @@ def _drain(sock):
 
 async def test_each_held_frame_waits_only_for_its_own_notice(monkeypatch):
     from actorshm import _shm
-    monkeypatch.setattr(_shm, "_forward_notices", [True])
-    monkeypatch.setitem(_shm._stats, "forward_notices_sent",
-                        _shm._stats["forward_notices_sent"])
+    monkeypatch.setattr(_shm, "_forward_notices", True)
+    monkeypatch.setitem(_shm.counters, "forward_notices_sent",
+                        _shm.counters["forward_notices_sent"])
     loop = asyncio.get_running_loop()
     host = _Recorder()
     pairs = [socket.socketpair() for _ in range(3)]
@@ -293,9 +293,9 @@ async def test_closing_an_upstream_with_its_notice_unsent_closes_the_held_connec
     # We close U ourselves (we stop, or U broke the protocol) while it lives on: its
     # notice will never be written, so the frame passing U's block on must never go.
     from actorshm import _shm
-    monkeypatch.setattr(_shm, "_forward_notices", [True])
-    monkeypatch.setitem(_shm._stats, "forward_notices_sent",
-                        _shm._stats["forward_notices_sent"])
+    monkeypatch.setattr(_shm, "_forward_notices", True)
+    monkeypatch.setitem(_shm.counters, "forward_notices_sent",
+                        _shm.counters["forward_notices_sent"])
     loop = asyncio.get_running_loop()
     host = _Recorder()
     (u_a, u_b), (c_a, c_b) = socket.socketpair(), socket.socketpair()

@@ -501,9 +501,9 @@ async def test_num_gpus_without_gpus_is_a_clear_error():
     ("", []),
 ])
 def test_visible_gpus_follow_cuda_visible_devices(monkeypatch, env, expect):
-    from actorshm._runtime import _visible_gpus
+    from actorshm._launch import visible_gpus
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
-    assert _visible_gpus() == expect
+    assert visible_gpus() == expect
 
 
 async def test_actor_runs_the_drivers_own_actorshm(rt, tmp_path, monkeypatch):

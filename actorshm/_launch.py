@@ -1,0 +1,274 @@
+"""Starting actor processes: the command, the fork-server client, output, GPU slots.
+
+An actor process starts one of two ways (``Runtime(start_method=...)``): ``"spawn"`` runs
+a fresh interpreter with ``worker_command()``; ``"forkserver"`` asks a warm fork server
+(``_forkserver``, started on first use by ``ForkServerClient``) to fork one. Either way
+the child gets one end of a socket pair and runs ``actorshm._worker``; its stdout and
+stderr come back through pipes that ``OutputForwarder`` copies to the driver's, each
+line prefixed with the actor. ``GpuSlots`` hands out the GPUs ``num_gpus`` actors get.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import socket
+import subprocess
+import sys
+
+from . import _forkserver
+from ._errors import ActorDiedError
+
+_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bootstrap(module: str) -> str:
+    """``python -c`` code that runs ``actorshm.<module>.main()`` from the driver's own
+    copy of actorshm, even where another is installed or in the working directory, and
+    then leaves ``sys.path`` as it was (the driver's order is applied later)."""
+    # ``python -c`` puts '' (the working directory) first: drop it, so that a file there
+    # cannot shadow the standard library before the driver's own path is in place.
+    return (f"import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
+            f"sys.path.insert(0, {_PKG_PARENT!r}); "
+            f"import actorshm.{module} as m; sys.path.remove({_PKG_PARENT!r}); m.main()")
+
+
+_WORKER_CMD = _bootstrap("_worker")
+
+
+def worker_command(fd: int) -> list[str]:
+    """The argv that starts an actor process on inherited socket ``fd`` ("spawn")."""
+    return [sys.executable, "-c", _WORKER_CMD, str(fd)]
+
+
+class ForkServerClient:
+    """The driver's side of the fork server: started on first use, one per runtime.
+
+    Args:
+        loop: the runtime's event loop (the server's reports are read on it).
+        start_timeout: seconds a fork may take before ``fork`` gives up.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, start_timeout: float) -> None:
+        self.loop = loop
+        self.start_timeout = start_timeout
+        self._fs = None  # (Popen, socket) of the fork server, once started
+        self._fs_waiting: collections.deque = collections.deque()
+        self._fs_exit: dict[int, int] = {}
+        self._fs_exit_events: dict[int, asyncio.Event] = {}
+
+    async def fork(self, child: socket.socket, env: dict) -> tuple[int, tuple]:
+        """Ask the fork server (started on first use) for a new actor process.
+
+        Args:
+            child: the actor's end of its socket pair (passed to the child).
+            env: the actor's environment.
+
+        Returns:
+            The child's pid and its stdout and stderr pipes (read ends).
+
+        Raises:
+            ActorDiedError: the fork server died.
+            asyncio.TimeoutError: it did not answer within ``start_timeout``.
+        """
+        if self._fs is None:
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            fs_env = dict(os.environ)
+            fs_env["ACTORSHM_SYS_PATH"] = env["ACTORSHM_SYS_PATH"]
+            popen = subprocess.Popen([sys.executable, "-c", _bootstrap("_forkserver"),
+                                      str(b.fileno())],
+                                     pass_fds=(b.fileno(),), stdin=subprocess.DEVNULL,
+                                     env=fs_env)
+            b.close()
+            self._fs = (popen, a)
+            self.loop.add_reader(a.fileno(), self._on_forkserver)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        fut = self.loop.create_future()
+        self._fs_waiting.append(fut)
+        try:
+            _forkserver.send_msg(self._fs[1], ("fork", env, os.getcwd(), None),
+                                 [child.fileno(), out_w, err_w])
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        pid = await asyncio.wait_for(fut, self.start_timeout)
+        return pid, (open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0))
+
+    def _on_forkserver(self) -> None:
+        msg = _forkserver.recv_msg(self._fs[1])
+        if msg is None:
+            self.loop.remove_reader(self._fs[1].fileno())
+            for fut in self._fs_waiting:
+                if not fut.done():
+                    fut.set_exception(ActorDiedError("the actorshm fork server died"))
+            self._fs_waiting.clear()
+            return
+        (kind, pid, code), _ = msg
+        if kind == "forked":
+            fut = self._fs_waiting.popleft()
+            if not fut.done():
+                fut.set_result(pid)
+        else:
+            self._fs_exit[pid] = code
+            ev = self._fs_exit_events.pop(pid, None)
+            if ev is not None:
+                ev.set()
+
+    async def exit_code(self, pid: int) -> int | None:
+        """The exit code of forked child ``pid`` (which has exited), as the server
+        reports it; None if no report comes within a second."""
+        if pid not in self._fs_exit:
+            ev = self._fs_exit_events.setdefault(pid, asyncio.Event())
+            try:
+                await asyncio.wait_for(ev.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        return self._fs_exit.pop(pid, None)
+
+    def stop(self) -> None:
+        if self._fs is not None:
+            popen, sock = self._fs
+            self._fs = None
+            try:
+                self.loop.remove_reader(sock.fileno())
+            except Exception:
+                pass
+            sock.close()
+            try:
+                popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                popen.kill()
+                popen.wait()
+
+
+class GpuSlots:
+    """The GPUs a runtime may hand to ``num_gpus`` actors, and which are free.
+
+    Args:
+        gpus: ``CUDA_VISIBLE_DEVICES`` entries, or None for ``visible_gpus()``
+            (read when the first GPU actor spawns).
+    """
+
+    def __init__(self, gpus: list[str] | None) -> None:
+        self._gpus = gpus
+        self._gpus_free: list[str] | None = None
+        self._gpus_total = 0
+
+    def take(self, n: int, who: str) -> list[str]:
+        """Reserve ``n`` GPUs for actor ``who``.
+
+        Raises:
+            ValueError: not enough GPUs are free (the message says why and what to do).
+        """
+        if self._gpus_free is None:
+            self._gpus_free = list(self._gpus) if self._gpus is not None else visible_gpus()
+            self._gpus_total = len(self._gpus_free)
+        if len(self._gpus_free) < n:
+            if not self._gpus_total:
+                where = ("Runtime(gpus=[])" if self._gpus is not None else
+                         "CUDA_VISIBLE_DEVICES and CuPy")
+                raise ValueError(
+                    f"cannot spawn {who} with num_gpus={n}: no GPU is available to this "
+                    f"runtime ({where} name none). Install the cuda extra "
+                    "(pip install 'actorshm[cuda]') on a machine with a GPU, pass "
+                    "Runtime(gpus=[...]), or spawn with num_gpus=0.")
+            raise ValueError(
+                f"cannot spawn {who} with num_gpus={n}: {len(self._gpus_free)} of "
+                f"{self._gpus_total} GPU(s) are free. Kill a GPU actor first, lower "
+                "num_gpus, or pass Runtime(gpus=[...]).")
+        taken, self._gpus_free = self._gpus_free[:n], self._gpus_free[n:]
+        return taken
+
+    def release(self, gpus: list[str]) -> None:
+        """Give back GPUs that ``take`` reserved (the actor died or was killed)."""
+        if gpus and self._gpus_free is not None:
+            self._gpus_free.extend(gpus)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may hand out, as ``CUDA_VISIBLE_DEVICES`` entries.
+
+    Entries are kept as written (ordinals, ``GPU-<uuid>`` or ``MIG-<uuid>``), so that an
+    actor's ``CUDA_VISIBLE_DEVICES`` names the same GPU the driver sees. As in CUDA, the
+    list ends at the first empty or negative entry.
+    """
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        out = []
+        for tok in env.split(","):
+            tok = tok.strip()
+            if not tok or tok.startswith("-"):
+                break
+            out.append(tok)
+        return out
+    try:
+        from . import _cuda
+        return [str(i) for i in range(_cuda.device_count())]
+    except Exception:
+        return []
+
+
+class OutputForwarder:
+    """Copies an actor's stdout/stderr to the driver's, each line prefixed as Ray does."""
+
+    def __init__(self, rec, stream, which: str) -> None:
+        self.rec = rec
+        self.stream = stream
+        self.fd = stream.fileno()
+        self.which = which
+        self.partial = b""
+        self.closed = False
+
+    def on_readable(self) -> None:
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.close()
+            return
+        self._emit(data)
+
+    def _emit(self, data: bytes) -> None:
+        data = self.partial + data
+        *lines, self.partial = data.split(b"\n")
+        if not lines:
+            return
+        prefix = f"({self.rec.cls_name} pid={self.rec.pid}) "
+        text = "".join(prefix + ln.decode(errors="replace") + "\n" for ln in lines)
+        if self.which == "stderr":
+            self.rec.stderr_tail.extend(ln.decode(errors="replace") + "\n" for ln in lines)
+        out = sys.stderr if self.which == "stderr" else sys.stdout
+        try:
+            out.write(text)
+            out.flush()
+        except Exception:  # pragma: no cover
+            pass
+
+    def drain(self) -> None:
+        while not self.closed:
+            try:
+                data = os.read(self.fd, 65536)
+            except (BlockingIOError, OSError):
+                return
+            if not data:
+                self.close()
+                return
+            self._emit(data)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.partial:
+            self._emit(b"\n")
+        try:
+            if self.rec.conn is not None:
+                self.rec.conn.loop.remove_reader(self.fd)
+        except Exception:  # the loop is closing
+            pass
+        self.stream.close()
