@@ -8,7 +8,7 @@ slab of their own, and free blocks are recycled by size class, exactly as on the
 A block travels as (slab, offset, size) plus shape, dtype and strides; the first time a
 slab crosses a connection its IPC handle and PCI bus id ride along, and the receiver
 opens the handle once and keeps it open. The receiver's ``GpuBlock`` is a lease given
-back over the same RELEASE frames as host blocks (``_shm.adopt``), so the sender's
+back over the same RELEASE frames as host blocks (``_leases.adopt``), so the sender's
 block stays alive until every receiver let go, and then returns to the sender's pool.
 
 Ordering: before a message leaves, the sender synchronizes its current stream on each
@@ -24,11 +24,12 @@ import weakref
 
 import cupy
 
-from . import _serialization, _shm
+from . import _leases, _serialization, _shm
 from ._errors import ProtocolError, SharedMemoryError
+from ._util import fmt_bytes
 from ._serialization import GPU_SLAB
 
-_stats = _shm.counters  # its cuda_* keys are ours
+_stats = _leases.counters  # its cuda_* keys are ours
 
 _runtime = cupy.cuda.runtime
 _ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
@@ -53,7 +54,7 @@ def _local_device(bus_id: str) -> int:
             "host first.") from None
 
 
-class Slab(_shm.Region):
+class Slab(_leases.Region):
     """One allocation of device memory: owned (ours) or opened from a peer's IPC handle."""
 
     __slots__ = ("mem", "ptr", "bus_id", "handle")
@@ -97,7 +98,7 @@ class Slab(_shm.Region):
         self.ptr = 0
 
 
-class GpuBlock(_shm.Block):
+class GpuBlock(_leases.Block):
     """A GPU block in this process: the owner of the memory under its CuPy arrays."""
 
     __slots__ = ("ptr",)
@@ -147,8 +148,8 @@ class GpuPool(_shm.Pool):
                     free, total = _runtime.memGetInfo()
                     raise SharedMemoryError(
                         f"actorshm: GPU {self.device} has no room for "
-                        f"{_shm.fmt_bytes(size)} more ({_shm.fmt_bytes(free)} of "
-                        f"{_shm.fmt_bytes(total)} free; {_shm.fmt_bytes(self.reserved)} is held by "
+                        f"{fmt_bytes(size)} more ({fmt_bytes(free)} of "
+                        f"{fmt_bytes(total)} free; {fmt_bytes(self.reserved)} is held by "
                         "this process's actorshm pool). Drop GPU arrays you no longer "
                         "need, in this process and in the actors you sent them to."
                     ) from None
@@ -172,7 +173,7 @@ def pool(device: int | None = None) -> GpuPool:
     return p
 
 
-def find_view(arr) -> GpuBlock | None:
+def find_block(arr) -> GpuBlock | None:
     """The actorshm GPU block a CuPy array views, or None."""
     # Every array on a block shares the block's UnownedMemory, whose pointer is the
     # block's base; device pointers are unique within a process (unified addressing).
@@ -198,7 +199,7 @@ def share(arr):
     if not isinstance(arr, cupy.ndarray):
         raise TypeError(f"actorshm.cuda.share needs a cupy.ndarray, not "
                         f"{type(arr).__name__}; use actorshm.share for numpy arrays")
-    if find_view(arr) is not None:
+    if find_block(arr) is not None:
         return arr
     with arr.device:
         out = empty(arr.shape, arr.dtype, "F" if arr.flags.f_contiguous and
@@ -208,7 +209,7 @@ def share(arr):
 
 
 def is_shared(arr) -> bool:
-    return isinstance(arr, cupy.ndarray) and find_view(arr) is not None
+    return isinstance(arr, cupy.ndarray) and find_block(arr) is not None
 
 
 def wait_for_senders_work(devices) -> None:
@@ -233,7 +234,7 @@ def fence(items) -> None:
     ``items`` are (upstream, key, region) releases. An event is recorded on each
     device's legacy default stream, which completes after all work queued before it on
     the device's blocking streams. When the events are done already (a consumer that
-    finished its work), the releases go straight to ``_shm.releases_ready``; otherwise a helper
+    finished its work), the releases go straight to ``_leases.releases_ready``; otherwise a helper
     thread waits for them, so the event loop never blocks on the GPU.
     """
     events = []
@@ -243,7 +244,7 @@ def fence(items) -> None:
             _runtime.eventRecord(ev.ptr, _runtime.streamLegacy)
         events.append(ev)
     if all(ev.done for ev in events):
-        _shm.releases_ready(items)
+        _leases.releases_ready(items)
         return
     with _fence_lock:
         _fence_queue.append((events, items))
@@ -265,16 +266,16 @@ def _fence_loop() -> None:
                 ev.synchronize()
         except Exception:  # a broken CUDA context: nothing left to wait for
             pass
-        _shm.releases_ready(items)
+        _leases.releases_ready(items)
 
 
 def reduce_cupy(enc, a):
-    view = find_view(a)
+    view = find_block(a)
     if view is None:
         # CuPy's own pool hands out chunks of bigger allocations; their IPC handle would
         # name the whole allocation, so copy once into a block of ours.
         a = share(a)
-        view = find_view(a)
+        view = find_block(a)
         _stats["cuda_bytes_copied"] += a.nbytes
         _stats["cuda_arrays_copied"] += 1
     else:

@@ -34,7 +34,7 @@ import threading
 from typing import Any
 
 from . import _serialization as ser
-from . import _shm
+from . import _leases
 from ._errors import ActorDiedError, ProtocolError
 
 logger = logging.getLogger("actorshm")
@@ -85,7 +85,7 @@ class Connection:
         self.pending: dict[int, asyncio.Future] = {}
         self.pending_meta: dict[int, str] = {}
         # Blocks leased to the peer: key -> [block, grants, upstreams we told that we
-        # passed it on (``_shm.forwarded``), how many holders the peer passed it on to]
+        # passed it on (``_leases.forwarded``), how many holders the peer passed it on to]
         self.grants: dict[tuple, list] = {}
         self.sent_regions: set[tuple] = set()  # regions we introduced to the peer
         self.received_regions: set[tuple] = set()  # regions the peer introduced to us
@@ -168,17 +168,17 @@ class Connection:
                 kept.append(g[0])
             elif g[2]:
                 if peer_gone:
-                    _shm.unforwarded(g[0].key, g[2])
+                    _leases.unforwarded(g[0].key, g[2])
                 else:
                     ours.append(g[0])
         self.grants.clear()
         if kept or ours:
-            _shm.quarantine(kept + ours)
+            _leases.quarantine(kept + ours)
         if kept:
             self.loop.call_later(0.5, self._warn_kept, len(kept))
         self._releases.clear()
         self._forwards.clear()
-        _shm.connection_closed(self)  # and the memory it brought in is let go
+        _leases.connection_closed(self)  # and the memory it brought in is let go
         try:
             self.host.connection_closed(self)
         except Exception:  # pragma: no cover
@@ -211,7 +211,7 @@ class Connection:
         self.pending[cid] = fut
         if what:
             self.pending_meta[cid] = what
-        _shm.counters["calls_sent"] += 1
+        _leases.counters["calls_sent"] += 1
         self._send(CALL, flags, cid, payload, fds)
         return fut
 
@@ -326,8 +326,8 @@ class Connection:
 
     def _send(self, kind: int, flags: int, cid: int, payload, fds, close_fds=None) -> None:
         """Queue one frame (``kind`` 0: none, just the pending releases) and write."""
-        if _shm._releases:
-            _shm.flush_releases()
+        if _leases._releases:
+            _leases.dispatch_releases()
         out = self._out
         parts = payload if type(payload) is list else [payload]
         if self._releases or self._forwards:
@@ -337,7 +337,7 @@ class Connection:
             else:
                 rel = _dumps(list(self._releases.items()), 5)
             self._releases.clear()
-            _shm.counters["releases_sent"] += 1
+            _leases.counters["releases_sent"] += 1
             if kind:  # they ride ahead of this frame's payload (HAS_RELEASES)
                 flags |= HAS_RELEASES
                 parts = [_RLEN.pack(len(rel)), rel, *parts]
@@ -576,7 +576,7 @@ class Connection:
         return start + 4 + rlen
 
     def _apply_releases(self, payload) -> bool:
-        """Leases the peer gave back, and its forward notices (``_shm.forwarded``)."""
+        """Leases the peer gave back, and its forward notices (``_leases.forwarded``)."""
         try:
             items = pickle.loads(payload)
             grants = self.grants
@@ -593,11 +593,11 @@ class Connection:
                     if g[1] <= 0:
                         del grants[key]
                         if g[2]:
-                            _shm.unforwarded(key, g[2])
+                            _leases.unforwarded(key, g[2])
         except Exception as exc:
             self._protocol_error(f"bad release frame: {exc!r}")
             return False
-        _shm.counters["releases_received"] += 1
+        _leases.counters["releases_received"] += 1
         return True
 
     def _protocol_error(self, why: str) -> None:
@@ -617,7 +617,7 @@ class Connection:
 
     def _dispatch(self, kind: int, flags: int, cid: int, payload: bytes, fds) -> None:
         if kind == CALL:
-            _shm.counters["calls_received"] += 1
+            _leases.counters["calls_received"] += 1
             try:
                 call = list(ser.decode(payload, fds, self, flags))
                 method, args, kwargs = call if len(call) == 3 else (None, None, None)
@@ -681,7 +681,7 @@ class Connection:
         elif kind == RETIRE:
             try:
                 key = pickle.loads(payload)
-                _shm.source_gone(self, tuple(key))
+                _leases.source_gone(self, tuple(key))
             except Exception as exc:
                 self._protocol_error(f"bad retire frame: {exc!r}")
         else:

@@ -24,7 +24,7 @@ import threading
 import weakref
 from typing import Any
 
-from . import _client, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
+from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._errors import ActorDiedError
 from ._launch import ForkServerClient, GpuSlots, OutputForwarder, worker_command
@@ -110,7 +110,7 @@ class Runtime:
         self._loop_thread = threading.get_ident()
         _shm.set_budget(self.shm_budget)
         _shm.pool()
-        _shm.set_flush_hook(_shm.loop_flush_hook(self.loop))
+        _leases.set_release_hook(_leases.loop_release_hook(self.loop))
         self._open = True
         _client._runtimes.append(self)
         self._finalizer = weakref.finalize(self, _kill_all, self._actors)
@@ -143,7 +143,7 @@ class Runtime:
             if self in _client._runtimes:
                 _client._runtimes.remove(self)
             if not _client._runtimes:
-                _shm.release_quarantine()  # whoever could hold those blocks is gone
+                _leases.release_quarantine()  # whoever could hold those blocks is gone
             if self._finalizer is not None:
                 self._finalizer.detach()
 

@@ -30,7 +30,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from . import _shm
+from . import _leases, _shm
 from ._errors import ProtocolError, RemoteError, RemoteTraceback
 
 __all__ = ["encode", "decode", "encode_exception", "decode_exception", "PassFd",
@@ -86,7 +86,7 @@ def register_region_kind(kind: int, opener) -> None:
         kind: the region kind, as written in block tables (``ARENA``, ``GPU_SLAB``, ...).
         opener: called as ``opener(ctx, region key, size, intro)`` with what the peer sent
             to open it (``intro``: an fd index, an IPC handle); returns an
-            ``actorshm._shm.Region``. It raises ``ProtocolError`` for a malformed
+            ``actorshm._leases.Region``. It raises ``ProtocolError`` for a malformed
             introduction (the connection closes), anything else when the region cannot
             be opened here (that block's call fails).
     """
@@ -200,11 +200,11 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     dtype = a.dtype
     if dtype.hasobject or a.size == 0:
         return None  # by value, in band (object arrays hold Python objects, not bytes)
-    view = _shm.find_view(a)
-    stats = _shm.counters
+    view = _shm.find_block(a)
+    stats = _leases.counters
     if view is None:
         a = _shm.copy_to_shared(a)
-        view = _shm.find_view(a)
+        view = _shm.find_block(a)
         stats["bytes_copied"] += a.nbytes
         stats["arrays_copied"] += 1
     else:
@@ -292,7 +292,7 @@ def _open_arena(ctx: _DecodeCtx, key: tuple, size: int, fd_index) -> _shm.Arena:
     except BaseException:
         os.close(fd)
         raise
-    _shm.counters["arenas_mapped"] += 1
+    _leases.counters["arenas_mapped"] += 1
     return _shm.Arena(key, fd, size, addr, owned=False, dedicated=size >= _shm.LARGE)
 
 
@@ -322,7 +322,7 @@ def _adopt_table(ctx: _DecodeCtx, table) -> None:
         if opener is None:
             raise ProtocolError(f"block table names an unknown region kind {kind!r}")
         try:
-            blocks.append(_shm.adopt(conn, opener, rkey, rsize, intro, boff, bsize, ctx))
+            blocks.append(_leases.adopt(conn, opener, rkey, rsize, intro, boff, bsize, ctx))
         except ProtocolError:
             raise
         except Exception as exc:
@@ -405,7 +405,7 @@ def commit(enc: _Encoder) -> None:
         g = grants.get(view.key)
         if g is None:
             # [block, grants, upstreams told we passed it on, the peer's forward count]
-            grants[view.key] = [view, 1, _shm.forwarded(view, conn), 0]
+            grants[view.key] = [view, 1, _leases.forwarded(view, conn), 0]
         else:
             g[1] += 1
     for region in enc.new_regions:

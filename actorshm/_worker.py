@@ -22,7 +22,7 @@ import sys
 import threading
 from typing import Any
 
-from . import _client, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
+from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._errors import ActorDiedError
 from ._protocol import Connection
 from ._util import describe_exit, new_event_loop, set_parent_death_signal
@@ -207,7 +207,7 @@ class Worker:
         """Before a kill: wait (bounded) for blocks we passed on to come back, and send
         the withdrawals of their forward notices, so their owners need not keep them."""
         await self.grants_out(lambda g: g[2], timeout, 0.002)  # (g[2]: upstreams told)
-        _shm.flush_releases()
+        _leases.dispatch_releases()
         for c in self.connections():
             c.send_owed()
         conn.reply(cid, None)
@@ -272,8 +272,8 @@ async def _amain(fd: int) -> int:
     loop = asyncio.get_running_loop()
     worker = Worker(loop, fd)
     _client._worker[0] = worker
-    _shm.set_flush_hook(_shm.loop_flush_hook(loop))
-    _shm.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks
+    _leases.set_release_hook(_leases.loop_release_hook(loop))
+    _leases.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks
     try:
         await worker.stopped
         await _wait_for_gpu_leases(worker, worker.shutdown_grace / 2)
@@ -284,7 +284,7 @@ async def _amain(fd: int) -> int:
         # their owners keep them too. (Closing the peers may let go of more: the
         # driver's connection goes last.)
         for c in [*worker.peers.values(), worker.driver]:
-            _shm.flush_releases()
+            _leases.dispatch_releases()
             c.send_owed()
             c.close(peer_gone=False)
         if worker.executor is not None:

@@ -198,8 +198,8 @@ class Arrays:
         return len(os.listdir("/proc/self/fd"))
 
     def regions(self):
-        from actorshm import _shm
-        return len(_shm._regions)
+        from actorshm import _leases
+        return len(_leases._regions)
 
     def get_kept(self):
         return self.kept
