@@ -22,8 +22,8 @@ def client() -> Any:
 def client_for_decode() -> Any:
     from ._serialization import current_decode_conn
     conn = current_decode_conn()
-    if conn is not None and hasattr(conn.host, "call"):
-        return conn.host
+    if conn is not None and (conn.host is _worker[0] or conn.host in _runtimes):
+        return conn.host  # the client whose connection the handle arrived on
     try:
         return client()
     except RuntimeError:

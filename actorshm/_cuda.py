@@ -27,7 +27,7 @@ import cupy
 from . import _leases, _serialization, _shm
 from ._errors import ProtocolError, SharedMemoryError
 from ._util import fmt_bytes
-from ._serialization import GPU_SLAB
+from ._wire import GPU_SLAB
 
 _stats = _leases.counters  # its cuda_* keys are ours
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +42,143 @@ _WORKER_CMD = _bootstrap("_worker")
 def worker_command(fd: int) -> list[str]:
     """The argv that starts an actor process on inherited socket ``fd`` ("spawn")."""
     return [sys.executable, "-c", _WORKER_CMD, str(fd)]
+
+
+class ActorRecord:
+    """The driver's view of one actor process (and of its restarts).
+
+    Args:
+        actor_id: the runtime's id for the actor.
+        cls: its class.
+        options: its ``ActorOptions``.
+    """
+
+    def __init__(self, actor_id: int, cls: type, options) -> None:
+        self.actor_id = actor_id
+        self.cls = cls
+        self.cls_name = cls.__qualname__
+        self.options = options
+        self.methods: dict = {}  # set by the runtime (``_actor.public_methods``)
+        self.popen: subprocess.Popen | None = None
+        self.conn = None  # its ``_protocol.Connection``
+        self.pidfd = -1
+        self.pid = 0
+        self.alive = False
+        self.death: str | None = None
+        self.exited = asyncio.Event()
+        self.stderr_tail: collections.deque = collections.deque(maxlen=20)
+        self.pipes: list = []
+        self.gpus: list[str] = []
+        self.spawn_args: tuple = ()
+        self.restarts = 0
+        self.failed_starts = 0  # restarts in a row whose process died while starting
+        self.no_restart = False
+
+    @property
+    def label(self) -> str:
+        return f"actor {self.cls_name}(id={self.actor_id}, pid={self.pid})"
+
+    def close_process(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stop watching the (exited or killed) process, reap it, drain its output."""
+        if self.pidfd >= 0:
+            try:
+                loop.remove_reader(self.pidfd)
+            except Exception:
+                pass
+            os.close(self.pidfd)
+            self.pidfd = -1
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                self.popen.kill()
+                self.popen.wait()
+        for fwd in self.pipes:
+            fwd.drain()
+            fwd.close()
+        self.pipes = []
+
+
+def actor_env(rec: ActorRecord) -> dict:
+    """The environment an actor process starts with: the driver's, the actor's options,
+    the driver's import path, and its GPUs."""
+    env = dict(os.environ)
+    env.update(rec.options.thread_env())
+    env.update(rec.options.env or {})
+    # The driver's import path, '' (its working directory, the actor's too) made
+    # absolute: the actor imports what the driver would.
+    env["ACTORSHM_SYS_PATH"] = json.dumps(
+        [os.fspath(p) or os.getcwd() for p in sys.path
+         if isinstance(p, (str, os.PathLike)) and isinstance(os.fspath(p), str)])
+    env["PYTHONUNBUFFERED"] = "1"
+    if rec.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
+    return env
+
+
+async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
+                        child: socket.socket, env: dict,
+                        forkserver: "ForkServerClient | None", on_exit) -> None:
+    """Start ``rec``'s process and watch it: its exit (``on_exit(rec)``), its output.
+
+    Args:
+        loop: the runtime's event loop.
+        rec: the actor; its pid, process and pipes are set here.
+        child: the actor's end of its socket pair (closed here once passed on).
+        env: its environment (``actor_env``).
+        forkserver: where to fork it from, or None to start a fresh interpreter.
+        on_exit: called on the loop once the process has exited.
+
+    Raises:
+        OSError: the process could not be started.
+        ActorDiedError: the fork server died.
+    """
+    if forkserver is not None:
+        try:
+            rec.pid, streams = await forkserver.fork(child, env)
+        finally:
+            child.close()
+    else:
+        try:
+            rec.popen = subprocess.Popen(
+                worker_command(child.fileno()),
+                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                cwd=os.getcwd())
+        finally:
+            child.close()
+        rec.pid = rec.popen.pid
+        streams = (rec.popen.stdout, rec.popen.stderr)
+    rec.alive = True
+    rec.death = None
+    rec.exited = asyncio.Event()
+    try:
+        rec.pidfd = os.pidfd_open(rec.pid)
+        loop.add_reader(rec.pidfd, on_exit, rec)
+    except (AttributeError, OSError):  # pragma: no cover - kernels before 5.3
+        rec.pidfd = -1
+    rec.pipes = []
+    for stream, out in zip(streams, ("stdout", "stderr")):
+        os.set_blocking(stream.fileno(), False)
+        fwd = OutputForwarder(rec, stream, out)
+        rec.pipes.append(fwd)
+        loop.add_reader(stream.fileno(), fwd.on_readable)
+
+
+def kill_all(actors: dict) -> None:
+    """SIGKILL every live actor process of ``actors`` (actor id -> ``ActorRecord``)."""
+    for rec in list(actors.values()):
+        if rec.popen is not None:
+            if rec.popen.poll() is None:
+                try:
+                    rec.popen.kill()
+                except OSError:
+                    pass
+        elif rec.alive and rec.pid:
+            try:
+                os.kill(rec.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 class ForkServerClient:
@@ -213,7 +352,7 @@ def visible_gpus() -> list[str]:
 class OutputForwarder:
     """Copies an actor's stdout/stderr to the driver's, each line prefixed as Ray does."""
 
-    def __init__(self, rec, stream, which: str) -> None:
+    def __init__(self, rec: ActorRecord, stream, which: str) -> None:
         self.rec = rec
         self.stream = stream
         self.fd = stream.fileno()

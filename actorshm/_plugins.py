@@ -18,7 +18,7 @@ own module (see ``_serialization.register_reducer``).
 from __future__ import annotations
 
 from . import _serialization
-from ._serialization import GPU_SLAB
+from ._wire import GPU_SLAB
 
 
 def _load_cuda() -> None:

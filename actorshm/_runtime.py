@@ -12,14 +12,10 @@ itself dies (``PR_SET_PDEATHSIG``) and exit on socket EOF.
 from __future__ import annotations
 
 import asyncio
-import collections
-import json
 import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import weakref
 from typing import Any
@@ -27,42 +23,14 @@ from typing import Any
 from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._errors import ActorDiedError
-from ._launch import ForkServerClient, GpuSlots, OutputForwarder, worker_command
+from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, kill_all,
+                      start_process)
 from ._protocol import Connection
 from ._util import describe_exit, install_event_loop_policy
 
 __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 
 logger = logging.getLogger("actorshm")
-
-
-class _Record:
-    """The driver's view of one actor process."""
-
-    def __init__(self, actor_id: int, cls: type, options: ActorOptions) -> None:
-        self.actor_id = actor_id
-        self.cls = cls
-        self.cls_name = cls.__qualname__
-        self.options = options
-        self.methods = public_methods(cls)
-        self.popen: subprocess.Popen | None = None
-        self.conn: Connection | None = None
-        self.pidfd = -1
-        self.pid = 0
-        self.alive = False
-        self.death: str | None = None
-        self.exited = asyncio.Event()
-        self.stderr_tail: collections.deque = collections.deque(maxlen=20)
-        self.pipes: list = []
-        self.gpus: list[str] = []
-        self.spawn_args: tuple = ()
-        self.restarts = 0
-        self.failed_starts = 0  # restarts in a row whose process died while starting
-        self.no_restart = False
-
-    @property
-    def label(self) -> str:
-        return f"actor {self.cls_name}(id={self.actor_id}, pid={self.pid})"
 
 
 class Runtime:
@@ -94,11 +62,11 @@ class Runtime:
         self.start_timeout = start_timeout
         self._gpus = GpuSlots(None if gpus is None else [str(g) for g in gpus])
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._actors: dict[int, _Record] = {}
+        self._actors: dict[int, ActorRecord] = {}
         self._names: dict[str, int] = {}
         self._next_id = 1
         self._open = False
-        self._closing = False
+        self.closing = False
         self._finalizer = None
         self._forkserver: ForkServerClient | None = None  # made on first use
 
@@ -113,7 +81,7 @@ class Runtime:
         _leases.set_release_hook(_leases.loop_release_hook(self.loop))
         self._open = True
         _client._runtimes.append(self)
-        self._finalizer = weakref.finalize(self, _kill_all, self._actors)
+        self._finalizer = weakref.finalize(self, kill_all, self._actors)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
@@ -121,9 +89,9 @@ class Runtime:
 
     async def close(self) -> None:
         """Stop every actor (ask, grace period, SIGTERM, SIGKILL) and reap them."""
-        if not self._open or self._closing:
+        if not self._open or self.closing:
             return
-        self._closing = True
+        self.closing = True
         try:
             recs = [r for r in self._actors.values() if r.alive or r.popen is not None]
             task = asyncio.ensure_future(
@@ -131,10 +99,10 @@ class Runtime:
             try:
                 await asyncio.shield(task)
             except BaseException:
-                _kill_all(self._actors)
+                kill_all(self._actors)
                 raise
         finally:
-            _kill_all(self._actors)
+            kill_all(self._actors)
             for r in self._actors.values():
                 self._reap(r)
             if self._forkserver is not None:
@@ -156,7 +124,8 @@ class Runtime:
             if other is not None and self._actors[other].alive:
                 raise ValueError(f"an actor named {options.name!r} already exists; "
                                  "choose another name or kill that actor first")
-        rec = _Record(self._next_id, cls, options)
+        rec = ActorRecord(self._next_id, cls, options)
+        rec.methods = public_methods(cls)
         self._next_id += 1
         rec.spawn_args = (args, kwargs)
         if options.num_gpus:
@@ -176,51 +145,15 @@ class Runtime:
         return ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods, options.name,
                            rec.pid, options.max_pending_calls)
 
-    async def _start_process(self, rec: _Record) -> None:
+    async def _start_process(self, rec: ActorRecord) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        env.update(rec.options.thread_env())
-        env.update(rec.options.env or {})
-        # The driver's import path, '' (its working directory, the actor's too) made
-        # absolute: the actor imports what the driver would.
-        env["ACTORSHM_SYS_PATH"] = json.dumps(
-            [os.fspath(p) or os.getcwd() for p in sys.path
-             if isinstance(p, (str, os.PathLike)) and isinstance(os.fspath(p), str)])
-        env["PYTHONUNBUFFERED"] = "1"
-        if rec.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
+        env = actor_env(rec)
+        forkserver = None
         if self.start_method == "forkserver":
-            try:
-                if self._forkserver is None:
-                    self._forkserver = ForkServerClient(self.loop, self.start_timeout)
-                rec.pid, streams = await self._forkserver.fork(child, env)
-            finally:
-                child.close()
-        else:
-            try:
-                rec.popen = subprocess.Popen(
-                    worker_command(child.fileno()),
-                    pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                    cwd=os.getcwd())
-            finally:
-                child.close()
-            rec.pid = rec.popen.pid
-            streams = (rec.popen.stdout, rec.popen.stderr)
-        rec.alive = True
-        rec.death = None
-        rec.exited = asyncio.Event()
-        try:
-            rec.pidfd = os.pidfd_open(rec.pid)
-            self.loop.add_reader(rec.pidfd, self._on_exit, rec)
-        except (AttributeError, OSError):  # pragma: no cover - kernels before 5.3
-            rec.pidfd = -1
-        rec.pipes = []
-        for stream, out in zip(streams, ("stdout", "stderr")):
-            os.set_blocking(stream.fileno(), False)
-            fwd = OutputForwarder(rec, stream, out)
-            rec.pipes.append(fwd)
-            self.loop.add_reader(stream.fileno(), fwd.on_readable)
+            if self._forkserver is None:
+                self._forkserver = ForkServerClient(self.loop, self.start_timeout)
+            forkserver = self._forkserver
+        await start_process(self.loop, rec, child, env, forkserver, self._on_exit)
         if rec.conn is not None and rec.conn.sock is None and not rec.conn.closed:
             rec.conn.label = rec.label
             rec.conn.attach(parent)  # a restart: calls made meanwhile are buffered there
@@ -244,7 +177,7 @@ class Runtime:
                                  else str(exc)) from None
         rec.pid = pid
 
-    def _release_gpus(self, rec: _Record) -> None:
+    def _release_gpus(self, rec: ActorRecord) -> None:
         self._gpus.release(rec.gpus)
         rec.gpus = []
 
@@ -349,7 +282,7 @@ class Runtime:
         else:
             conn.close()
 
-    async def _await_exit_then_close(self, rec: _Record) -> None:
+    async def _await_exit_then_close(self, rec: ActorRecord) -> None:
         try:
             await asyncio.wait_for(rec.exited.wait(), 0.3)
         except asyncio.TimeoutError:
@@ -362,7 +295,7 @@ class Runtime:
 
     def connection_closed(self, conn: Connection) -> None:
         rec = self._actors.get(conn.peer_id)
-        if rec is not None and rec.conn is conn and rec.alive and not self._closing:
+        if rec is not None and rec.conn is conn and rec.alive and not self.closing:
             # The connection broke (protocol error): the actor is unusable.
             try:
                 os.kill(rec.pid, signal.SIGKILL)
@@ -370,7 +303,7 @@ class Runtime:
                 pass
 
     # -- death and shutdown ------------------------------------------------------
-    def _on_exit(self, rec: _Record) -> None:
+    def _on_exit(self, rec: ActorRecord) -> None:
         self.loop.remove_reader(rec.pidfd)
         os.close(rec.pidfd)
         rec.pidfd = -1
@@ -379,13 +312,13 @@ class Runtime:
         else:
             self.loop.create_task(self._forked_exit(rec))
 
-    async def _forked_exit(self, rec: _Record) -> None:
+    async def _forked_exit(self, rec: ActorRecord) -> None:
         self._exited(rec, await self._forkserver.exit_code(rec.pid))
 
-    def _exited(self, rec: _Record, code: int | None) -> None:
+    def _exited(self, rec: ActorRecord, code: int | None) -> None:
         rec.alive = False
         why = rec.death or f"{rec.label} died: {describe_exit(code)}"
-        if self._closing and rec.death is None:
+        if self.closing and rec.death is None:
             why = f"{rec.label} was stopped because its runtime closed"
         rec.death = why
         self._release_gpus(rec)
@@ -396,7 +329,7 @@ class Runtime:
             rec.conn.close(ActorDiedError(why))
         rec.exited.set()
         limit = rec.options.max_restarts
-        if not self._closing and not rec.no_restart and (limit == -1 or rec.restarts < limit):
+        if not self.closing and not rec.no_restart and (limit == -1 or rec.restarts < limit):
             # Calls made from now on wait in a fresh connection for the new process;
             # the ones that were pending have failed (at-most-once, as in Ray).
             rec.restarts += 1
@@ -404,11 +337,11 @@ class Runtime:
             rec.conn.peer_id = rec.actor_id
             self.loop.create_task(self._restart(rec, why))
 
-    async def _restart(self, rec: _Record, why: str) -> None:
+    async def _restart(self, rec: ActorRecord, why: str) -> None:
         conn = rec.conn  # this attempt's; a death during start-up makes the next one's
         if rec.failed_starts:  # back off while new processes keep dying as they start
             await asyncio.sleep(min(5.0, 0.05 * 2 ** rec.failed_starts))
-        if self._closing or rec.no_restart:  # closed or killed meanwhile
+        if self.closing or rec.no_restart:  # closed or killed meanwhile
             if rec.conn is conn and conn is not None:
                 conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
             return
@@ -439,7 +372,7 @@ class Runtime:
             if rec.alive:
                 await self._stop(rec, grace=0.5)
 
-    async def _stop(self, rec: _Record, grace: float | None = None) -> None:
+    async def _stop(self, rec: ActorRecord, grace: float | None = None) -> None:
         if not rec.alive:
             return
         grace = self.shutdown_grace if grace is None else grace
@@ -459,30 +392,14 @@ class Runtime:
             except asyncio.TimeoutError:
                 continue
 
-    def _reap(self, rec: _Record) -> None:
-        if rec.pidfd >= 0:
-            try:
-                self.loop.remove_reader(rec.pidfd)
-            except Exception:
-                pass
-            os.close(rec.pidfd)
-            rec.pidfd = -1
-        if rec.popen is not None:
-            try:
-                rec.popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:  # pragma: no cover
-                rec.popen.kill()
-                rec.popen.wait()
-        for fwd in rec.pipes:
-            fwd.drain()
-            fwd.close()
-        rec.pipes = []
+    def _reap(self, rec: ActorRecord) -> None:
+        rec.close_process(self.loop)
         rec.alive = False
         if rec.conn is not None and not rec.conn.closed:
             rec.conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
 
     def _check_open(self) -> None:
-        if not self._open or self._closing:
+        if not self._open or self.closing:
             raise RuntimeError("this actorshm Runtime is not open; spawn actors inside "
                                "`async with actorshm.Runtime():`")
 
@@ -505,21 +422,6 @@ def _first_line(text: str, limit: int = 300) -> str:
     """A death's cause, short: restart messages must not nest earlier ones whole."""
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line if len(line) <= limit else line[:limit] + "..."
-
-
-def _kill_all(actors: dict) -> None:
-    for rec in list(actors.values()):
-        if rec.popen is not None:
-            if rec.popen.poll() is None:
-                try:
-                    rec.popen.kill()
-                except OSError:
-                    pass
-        elif rec.alive and rec.pid:
-            try:
-                os.kill(rec.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def current_runtime() -> Runtime:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import struct
 import sys
 import threading
 import traceback
@@ -32,6 +31,7 @@ import numpy as np
 
 from . import _leases, _shm
 from ._errors import ProtocolError, RemoteError, RemoteTraceback
+from ._wire import ARENA, GPU_SLAB, HAS_BLOCKS, LEN, MAX_MESSAGE, PLAIN  # noqa: F401
 
 __all__ = ["encode", "decode", "encode_exception", "decode_exception", "PassFd",
            "register_reducer", "register_region_kind", "register_lazy_plugin",
@@ -44,7 +44,6 @@ __all__ = ["encode", "decode", "encode_exception", "decode_exception", "PassFd",
 # should load as soon as its library is in use registers a loader by module name
 # (``register_lazy_plugin``), from a layer above this one.
 
-ARENA, GPU_SLAB = 0, 1  # region kinds in a block table (plug-ins may add more)
 
 # Exact type -> reducer; a subclass of a registered type is found through its MRO and
 # remembered.
@@ -351,17 +350,15 @@ def _simple(obj: Any) -> bool:
     return False
 
 
-HAS_BLOCKS = 1  # frame flag: the payload starts with a block table
-PLAIN = 2  # frame flag: the payload is a plain pickle of builtin scalars and containers
-_TLEN = struct.Struct("<I")
-MAX_MESSAGE = (1 << 31) - (1 << 20)  # a frame's limit, less room for its block table
+_TLEN = LEN
 
 
 def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     """Pickle ``obj`` for ``conn``: (payload, fds, encoder, frame flags).
 
     The payload is bytes, or a list of buffers to send back to back.
-    Nothing is committed until ``commit`` is called.
+    Nothing is committed until the connection's ledger commits the encoder
+    (``_ledger.Ledger.commit``), just before the frame is queued.
     """
     # Fast path (most calls): builtin scalars need neither cloudpickle nor our reducers,
     # and the receiver needs no decoding context for them (``PLAIN``).
@@ -393,24 +390,6 @@ def _too_big(n: int) -> None:
         f"the message is {n / 2**30:.1f} GiB once pickled, over actorshm's 2 GiB frame "
         "limit; pass big data as numpy arrays, which travel in shared memory, not as "
         "bytes or lists")
-
-
-def commit(enc: _Encoder) -> None:
-    """Record the grants and introduced regions of a message that is about to be sent."""
-    if enc is None:
-        return
-    conn = enc.conn
-    grants = conn.grants
-    for view in enc.grants:
-        g = grants.get(view.key)
-        if g is None:
-            # [block, grants, upstreams told we passed it on, the peer's forward count]
-            grants[view.key] = [view, 1, _leases.forwarded(view, conn), 0]
-        else:
-            g[1] += 1
-    for region in enc.new_regions:
-        conn.sent_regions.add(region.key)
-        region.sent_to.add(conn)
 
 
 def decode(payload, fds, conn, flags: int = 0) -> Any:

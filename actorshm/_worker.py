@@ -35,7 +35,7 @@ class Worker:
         self.loop = loop
         self.loop_thread = threading.get_ident()
         self.stopped = loop.create_future()
-        self._closing = False
+        self.closing = False
         self.exit_code = 0
         self.shutdown_grace = 2.0  # the runtime's, once __init_actor__ arrives
         self.instance: Any = None
@@ -188,7 +188,7 @@ class Worker:
                 self.peers.setdefault(peer_id, peer)
                 conn.reply(cid, None)
             elif method == "__stop__":
-                self._closing = True  # the runtime closes: every actor is stopping
+                self.closing = True  # the runtime closes: every actor is stopping
                 conn.reply(cid, None)
                 if not self.stopped.done():
                     self.stopped.set_result(None)
@@ -206,7 +206,7 @@ class Worker:
     async def _settle(self, conn: Connection, cid: int, timeout: float) -> None:
         """Before a kill: wait (bounded) for blocks we passed on to come back, and send
         the withdrawals of their forward notices, so their owners need not keep them."""
-        await self.grants_out(lambda g: g[2], timeout, 0.002)  # (g[2]: upstreams told)
+        await self.grants_out(lambda g: g.told, timeout, 0.002)
         _leases.dispatch_releases()
         for c in self.connections():
             c.send_owed()
@@ -217,11 +217,11 @@ class Worker:
         return [c for c in (self.driver, *self.peers.values()) if not c.closed]
 
     async def grants_out(self, which, timeout: float, step: float) -> int:
-        """Wait up to ``timeout`` until no grant record ``which(record)`` picks is left on
-        any connection; how many are left."""
+        """Wait up to ``timeout`` until no grant (``_ledger.Grant``) that ``which(grant)``
+        picks is left on any connection; how many are left."""
         deadline = self.loop.time() + timeout
         while True:
-            left = sum(1 for c in self.connections() for g in c.grants.values() if which(g))
+            left = sum(c.ledger.count(which) for c in self.connections())
             if not left or self.loop.time() >= deadline:
                 return left
             await asyncio.sleep(step)
@@ -278,7 +278,7 @@ async def _amain(fd: int) -> int:
         await worker.stopped
         await _wait_for_gpu_leases(worker, worker.shutdown_grace / 2)
     finally:
-        worker._closing = True
+        worker.closing = True
         # What came back goes out before we do. Peers may live on, holding blocks we
         # passed them: closing keeps those, and our forward notices for them stand, so
         # their owners keep them too. (Closing the peers may let go of more: the
@@ -300,7 +300,7 @@ async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
     our GPU arrays would then read freed memory. So wait, a bounded time, and say so if
     some are still out.
     """
-    held = await worker.grants_out(lambda g: g[0].region.device is not None, timeout, 0.01)
+    held = await worker.grants_out(lambda g: g.block.region.device is not None, timeout, 0.01)
     if held:
         print(f"actorshm: actor {worker.cls_name} exits while peers still hold {held} "
               "of its GPU blocks; those arrays are invalid from now on (CUDA frees a "

@@ -15,6 +15,8 @@ from actors import Arrays, Counter
 class _Recorder:
     """A connection host that records calls and answers each with its arguments."""
 
+    closing = False
+
     def __init__(self):
         self.calls = []
         self.closed = []

@@ -304,7 +304,7 @@ async def test_truncated_frame_from_actor_to_driver(rt):
     rec = rt._actors[c.actor_id]
     # Frames the driver receives that are garbage: the connection closes, the driver lives,
     # the actor is reported dead with a message that says why.
-    rec.conn._dispatch(99, 0, 0, b"", ())
+    rec.conn._frame(99, 0, 0, b"", ())
     with pytest.raises(ActorDiedError, match="protocol error"):
         await c.incr()
     other = await Counter.spawn()
