@@ -78,6 +78,27 @@ class ActorRecord:
     def label(self) -> str:
         return f"actor {self.cls_name}(id={self.actor_id}, pid={self.pid})"
 
+    async def stop(self, grace: float) -> None:
+        """Ask the actor to stop; after ``grace`` seconds SIGTERM, then SIGKILL; return
+        once it has exited."""
+        if not self.alive:
+            return
+        if self.death is None:
+            self.death = f"{self.label} was stopped because its runtime closed"
+        if self.conn is not None and not self.conn.closed:
+            self.conn.call("__stop__", (), {}).add_done_callback(_ignore_result)
+        for sig, wait in ((None, grace), (signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
+            if sig is not None:
+                try:
+                    os.kill(self.pid, sig)
+                except ProcessLookupError:
+                    pass
+            try:
+                await asyncio.wait_for(self.exited.wait(), wait)
+                return
+            except asyncio.TimeoutError:
+                continue
+
     def close_process(self, loop: asyncio.AbstractEventLoop) -> None:
         """Stop watching the (exited or killed) process, reap it, drain its output."""
         if self.pidfd >= 0:
@@ -411,3 +432,8 @@ class OutputForwarder:
         except Exception:  # the loop is closing
             pass
         self.stream.close()
+
+
+def _ignore_result(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()

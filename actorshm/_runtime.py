@@ -23,6 +23,7 @@ from typing import Any
 from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._errors import ActorDiedError
+from . import _services
 from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, kill_all,
                       start_process)
 from ._protocol import Connection
@@ -36,17 +37,21 @@ logger = logging.getLogger("actorshm")
 class Runtime:
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
 
-    Options (keyword-only):
-      start_method: ``"spawn"`` (default: a fresh interpreter per actor) or
-        ``"forkserver"`` (a warm, single-threaded server process forks each actor:
-        much faster start-up, same isolation from the driver's threads).
-      shm_budget: bytes of shared memory each process may own (default: half the RAM,
-        or ``ACTORSHM_SHM_BUDGET``).
-      shutdown_grace: seconds an actor gets to stop before SIGTERM, then SIGKILL.
-      start_timeout: seconds an actor may take to start and run ``__init__``.
-      gpus: the GPUs that ``num_gpus`` actors may get, as ``CUDA_VISIBLE_DEVICES``
-        entries (ordinals or ``GPU-<uuid>``; default: the driver's
-        ``CUDA_VISIBLE_DEVICES``, or every GPU CuPy sees).
+    Args (keyword-only):
+        start_method: ``"spawn"`` (default: a fresh interpreter per actor) or
+            ``"forkserver"`` (a warm, single-threaded server process forks each actor:
+            much faster start-up, same isolation from the driver's threads).
+        shm_budget: bytes of shared memory each process may own (default: half the
+            RAM, or ``ACTORSHM_SHM_BUDGET``).
+        shutdown_grace: seconds an actor gets to stop before SIGTERM, then SIGKILL.
+        start_timeout: seconds an actor may take to start and run ``__init__``.
+        gpus: the GPUs that ``num_gpus`` actors may get, as ``CUDA_VISIBLE_DEVICES``
+            entries (ordinals or ``GPU-<uuid>``; default: the driver's
+            ``CUDA_VISIBLE_DEVICES``, or every GPU CuPy sees).
+
+    Raises:
+        ValueError: an unknown ``start_method`` (a bare ``fork`` is not offered).
+        RuntimeError: on entering a runtime that is already open.
     """
 
     def __init__(self, *, start_method: str = "spawn", shm_budget: int | None = None,
@@ -95,7 +100,7 @@ class Runtime:
         try:
             recs = [r for r in self._actors.values() if r.alive or r.popen is not None]
             task = asyncio.ensure_future(
-                asyncio.gather(*(self._stop(r) for r in recs), return_exceptions=True))
+                asyncio.gather(*(r.stop(self.shutdown_grace) for r in recs), return_exceptions=True))
             try:
                 await asyncio.shield(task)
             except BaseException:
@@ -118,6 +123,26 @@ class Runtime:
     # -- spawning ----------------------------------------------------------------
     async def spawn(self, cls: type, options: ActorOptions, args: tuple,
                     kwargs: dict) -> ActorHandle:
+        """Start an actor process running ``cls(*args, **kwargs)``; its handle.
+
+        Users call ``Cls.spawn(...)`` or ``Cls.options(...).spawn(...)``, which come here.
+
+        Args:
+            cls: the actor class (the undecorated class of an ``@actor``).
+            options: its ``ActorOptions``.
+            args, kwargs: for ``cls.__init__`` (sent like call arguments).
+
+        Returns:
+            An ``ActorHandle`` once ``__init__`` has returned in the actor.
+
+        Raises:
+            RuntimeError: the runtime is not open.
+            ValueError: the name is taken by a live actor, or too few GPUs are free.
+            TypeError: an argument cannot be pickled.
+            ActorDiedError: the process died or ``__init__`` did not finish within
+                ``start_timeout`` (the message holds the end of its stderr).
+            Exception: whatever ``__init__`` raised, with the actor's traceback.
+        """
         self._check_open()
         if options.name is not None:
             other = self._names.get(options.name)
@@ -139,7 +164,7 @@ class Runtime:
             if options.name is not None and self._names.get(options.name) == rec.actor_id:
                 del self._names[options.name]
             self._release_gpus(rec)
-            await self._stop(rec, grace=0.5)
+            await rec.stop(0.5)
             self._reap(rec)
             raise
         return ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods, options.name,
@@ -183,6 +208,21 @@ class Runtime:
 
     # -- calls -------------------------------------------------------------------
     def call(self, actor_id: int, method: str, args: tuple, kwargs: dict, what: str = ""):
+        """Call ``method`` on actor ``actor_id``; what handles' methods do.
+
+        Args:
+            actor_id: the actor, as its handle names it.
+            method: the method's name.
+            args, kwargs: its arguments (numpy arrays travel in shared memory).
+            what: how errors name the call (``"Counter.incr"``).
+
+        Returns:
+            An asyncio future for the result; from another thread (a sync method in an
+            actor's thread pool), a ``concurrent.futures.Future``.
+
+        Raises:
+            TypeError: an argument cannot be pickled (raised here, nothing is sent).
+        """
         if threading.get_ident() != self._loop_thread:
             return _client.call_from_thread(
                 self.loop, lambda: self.call(actor_id, method, args, kwargs, what))
@@ -194,10 +234,20 @@ class Runtime:
         return rec.conn.call(method, args, kwargs, what)
 
     def actor_pid(self, actor_id: int, pid: int) -> int:
+        """The current pid of actor ``actor_id`` (it changes on a restart), or ``pid``
+        if this runtime does not know the actor."""
         rec = self._actors.get(actor_id)
         return rec.pid if rec is not None else pid
 
     async def kill(self, actor_id: int) -> None:
+        """Kill actor ``actor_id`` at once (SIGKILL, no restart) and wait until it is gone.
+
+        Its pending and later calls fail with ``ActorDiedError``. An unknown or dead
+        actor is not an error.
+
+        Args:
+            actor_id: the actor, as its handle names it.
+        """
         rec = self._actors.get(actor_id)
         if rec is None:
             return
@@ -222,6 +272,14 @@ class Runtime:
         await rec.exited.wait()
 
     async def get_actor(self, name: str) -> ActorHandle:
+        """A handle to the live actor spawned with ``options(name=name)``.
+
+        Args:
+            name: the actor's name.
+
+        Raises:
+            ValueError: no live actor has that name.
+        """
         actor_id = self._names.get(name)
         rec = self._actors.get(actor_id) if actor_id is not None else None
         if rec is None or not rec.alive:
@@ -230,6 +288,10 @@ class Runtime:
         return ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods, name, rec.pid,
                            rec.options.max_pending_calls)
 
+    def record(self, actor_id: int) -> ActorRecord | None:
+        """The driver's record of actor ``actor_id`` (``_launch.ActorRecord``), or None."""
+        return self._actors.get(actor_id)
+
     def actors(self) -> list[dict]:
         """A snapshot of the actors this runtime started."""
         return [{"id": r.actor_id, "class": r.cls_name, "pid": r.pid, "alive": r.alive,
@@ -237,42 +299,12 @@ class Runtime:
 
     # -- services for actor processes --------------------------------------------
     def handle_call(self, conn: Connection, cid: int, call: list) -> None:
-        method, args, _ = call
-        call.clear()
-        try:
-            if method == "__connect__":
-                (target,) = args
-                rec = self._actors.get(target)
-                if rec is None or not rec.alive or rec.conn is None or rec.conn.closed:
-                    why = rec.death if rec is not None and rec.death else \
-                        f"actor {target} is not running"
-                    raise ActorDiedError(why)
-                a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                from ._serialization import PassFd
-                fa, fb = a.detach(), b.detach()
-                rec.conn.call("__accept_peer__", (PassFd(fb), conn.peer_id), {}) \
-                    .add_done_callback(_ignore)
-                rec.conn.close_after_send([fb])
-                conn.reply(cid, (PassFd(fa), rec.label))
-                conn.close_after_send([fa])
-            elif method == "__get_actor__":
-                task = self.loop.create_task(self.get_actor(*args))
-                task.add_done_callback(lambda t: _reply_task(conn, cid, t))
-            elif method == "__kill__":
-                task = self.loop.create_task(self.kill(*args))
-                task.add_done_callback(lambda t: _reply_task(conn, cid, t))
-            elif method == "__spawn__":
-                cls, options, a, k = args
-                task = self.loop.create_task(self.spawn(cls, options, a, k))
-                task.add_done_callback(lambda t: _reply_task(conn, cid, t))
-            elif method == "__stats__":
-                conn.reply(cid, _shm.stats())
-            else:
-                raise AttributeError(f"the driver has no service {method!r}")
-        except BaseException as exc:
-            conn.reply_error(cid, exc)
+        """Answer a service call from an actor process (``Host``): connect it to a peer,
+        spawn, kill or find an actor for it, or report the driver's stats."""
+        _services.serve(self, conn, cid, call)
 
     def connection_eof(self, conn: Connection) -> None:
+        """An actor's connection broke (``Host``): close it once its process is gone."""
         rec = self._actors.get(conn.peer_id)
         if rec is not None and rec.conn is conn and rec.alive:
             # The process is exiting; give its pidfd a moment to tell us how.
@@ -294,6 +326,7 @@ class Runtime:
                 pass
 
     def connection_closed(self, conn: Connection) -> None:
+        """An actor's connection closed (``Host``)."""
         rec = self._actors.get(conn.peer_id)
         if rec is not None and rec.conn is conn and rec.alive and not self.closing:
             # The connection broke (protocol error): the actor is unusable.
@@ -370,27 +403,7 @@ class Runtime:
             if rec.conn is not None:
                 rec.conn.close(ActorDiedError(rec.death))
             if rec.alive:
-                await self._stop(rec, grace=0.5)
-
-    async def _stop(self, rec: ActorRecord, grace: float | None = None) -> None:
-        if not rec.alive:
-            return
-        grace = self.shutdown_grace if grace is None else grace
-        if rec.death is None:
-            rec.death = f"{rec.label} was stopped because its runtime closed"
-        if rec.conn is not None and not rec.conn.closed:
-            rec.conn.call("__stop__", (), {}).add_done_callback(_ignore)
-        for sig, wait in ((None, grace), (signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
-            if sig is not None:
-                try:
-                    os.kill(rec.pid, sig)
-                except ProcessLookupError:
-                    pass
-            try:
-                await asyncio.wait_for(rec.exited.wait(), wait)
-                return
-            except asyncio.TimeoutError:
-                continue
+                await rec.stop(0.5)
 
     def _reap(self, rec: ActorRecord) -> None:
         rec.close_process(self.loop)
@@ -404,20 +417,6 @@ class Runtime:
                                "`async with actorshm.Runtime():`")
 
 
-def _ignore(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
-def _reply_task(conn: Connection, cid: int, task: asyncio.Task) -> None:
-    if task.cancelled():
-        conn.reply_error(cid, asyncio.CancelledError())
-    elif task.exception() is not None:
-        conn.reply_error(cid, task.exception())
-    else:
-        conn.reply(cid, task.result())
-
-
 def _first_line(text: str, limit: int = 300) -> str:
     """A death's cause, short: restart messages must not nest earlier ones whole."""
     line = text.strip().splitlines()[0] if text.strip() else ""
@@ -425,7 +424,12 @@ def _first_line(text: str, limit: int = 300) -> str:
 
 
 def current_runtime() -> Runtime:
-    """The innermost open runtime; ``RuntimeError`` (saying how to open one) outside."""
+    """The innermost open runtime of this (driver) process.
+
+    Raises:
+        RuntimeError: no runtime is open (the message says how to open one), or this
+            is an actor process.
+    """
     if _client._worker[0] is not None:
         raise RuntimeError("current_runtime() is for the driver; inside an actor, use "
                            "handles and actorshm.get_actor()")
@@ -437,7 +441,16 @@ def current_runtime() -> Runtime:
 
 
 async def get_actor(name: str) -> ActorHandle:
-    """A handle to the live actor spawned with ``options(name=name)``; else ValueError."""
+    """A handle to the live actor spawned with ``options(name=name)``, from the driver
+    or from inside an actor.
+
+    Args:
+        name: the actor's name.
+
+    Raises:
+        ValueError: no live actor has that name.
+        RuntimeError: no runtime is open.
+    """
     return await _client.client().get_actor(name)
 
 
@@ -446,6 +459,13 @@ def run(main, **runtime_options: Any):
 
     If ``main`` opens its own Runtime, that one is used inside it; the outer one that
     ``run`` opened has no actors and costs nothing.
+
+    Args:
+        main: a coroutine object (``main()``, not ``main``).
+        **runtime_options: for ``Runtime(...)``.
+
+    Raises:
+        Exception: whatever ``main`` raised.
     """
     async def wrapper():
         async with Runtime(**runtime_options):
