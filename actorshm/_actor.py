@@ -54,6 +54,12 @@ class ActorOptions:
     env: dict | None = None
 
     def merged(self, **kw: Any) -> "ActorOptions":
+        """A copy with ``kw`` applied (``Cls.options(**kw)``).
+
+        Raises:
+            TypeError: an unknown option, or a value of the wrong type.
+            ValueError: a value out of range.
+        """
         unknown = set(kw) - set(self.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown actor option(s) {sorted(unknown)}; known options: "
@@ -228,10 +234,12 @@ class ActorHandle:
 
     @property
     def actor_id(self) -> int:
+        """The actor's id in its runtime."""
         return self._actor_id
 
     @property
     def name(self) -> str | None:
+        """The name it was spawned with (``options(name=...)``), or None."""
         return self._actor_name
 
     async def kill(self) -> None:

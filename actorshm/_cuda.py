@@ -39,6 +39,7 @@ _by_ptr: "weakref.WeakValueDictionary[int, GpuBlock]" = weakref.WeakValueDiction
 
 
 def device_count() -> int:
+    """How many GPUs CuPy sees in this process."""
     return _runtime.getDeviceCount()
 
 
@@ -181,6 +182,13 @@ def find_block(arr) -> GpuBlock | None:
 
 
 def empty(shape, dtype=float, order="C"):
+    """A new CuPy array in a block of this process's pool on the current device.
+
+    Raises:
+        ValueError: ``order`` is not ``"C"`` or ``"F"``.
+        TypeError: an object dtype.
+        SharedMemoryError: the GPU has no room.
+    """
     shape, dtype, n = _shm.nbytes_of(shape, dtype)
     if order not in ("C", "F"):
         raise ValueError(f"order must be 'C' or 'F', not {order!r}")
@@ -190,12 +198,18 @@ def empty(shape, dtype=float, order="C"):
 
 
 def zeros(shape, dtype=float, order="C"):
+    """``empty``, filled with zeros."""
     a = empty(shape, dtype, order)
     a.fill(0)
     return a
 
 
 def share(arr):
+    """``arr`` itself if it is already in an actorshm block, else a copy in one.
+
+    Raises:
+        TypeError: ``arr`` is not a ``cupy.ndarray``.
+    """
     if not isinstance(arr, cupy.ndarray):
         raise TypeError(f"actorshm.cuda.share needs a cupy.ndarray, not "
                         f"{type(arr).__name__}; use actorshm.share for numpy arrays")
@@ -209,6 +223,7 @@ def share(arr):
 
 
 def is_shared(arr) -> bool:
+    """Whether ``arr`` is a CuPy array on an actorshm GPU block."""
     return isinstance(arr, cupy.ndarray) and find_block(arr) is not None
 
 
@@ -270,6 +285,8 @@ def _fence_loop() -> None:
 
 
 def reduce_cupy(enc, a):
+    """How a ``cupy.ndarray`` travels (registered with ``register_reducer``): a lease on
+    its block, copied into one first if it is not in one yet."""
     view = find_block(a)
     if view is None:
         # CuPy's own pool hands out chunks of bigger allocations; their IPC handle would

@@ -301,6 +301,7 @@ class HostPool(Pool):
 
 
 def default_budget() -> int:
+    """``ACTORSHM_SHM_BUDGET`` bytes, else half the machine's RAM."""
     env = os.environ.get("ACTORSHM_SHM_BUDGET")
     if env:
         return int(float(env))
@@ -328,6 +329,7 @@ def pool() -> HostPool:
 
 
 def set_budget(budget: int | None) -> None:
+    """Set this process's host budget (``Runtime(shm_budget=...)``); None keeps it."""
     if budget:
         pool().budget = int(budget)
 
@@ -355,20 +357,46 @@ def nbytes_of(shape, dtype) -> tuple[tuple, np.dtype, int]:
 
 
 def empty(shape, dtype=float, order: str = "C") -> np.ndarray:
-    """A new array in shared memory owned by this process (contents undefined)."""
+    """A new array in shared memory owned by this process (contents undefined).
+
+    It travels to actors without a copy, and its block comes back to this process's
+    pool once every process has dropped it.
+
+    Args:
+        shape: an int or a tuple of ints.
+        dtype: any numpy dtype without Python objects.
+        order: ``"C"`` or ``"F"``.
+
+    Raises:
+        TypeError: an object dtype.
+        ValueError: a negative dimension.
+        SharedMemoryError: over this process's budget (``Runtime(shm_budget=...)``),
+            or the machine has no room.
+    """
     shape, dtype, n = nbytes_of(shape, dtype)
     return array_from_block(pool().alloc(n), shape, dtype, order=order)
 
 
 def zeros(shape, dtype=float, order: str = "C") -> np.ndarray:
-    """A new zero-filled array in shared memory owned by this process."""
+    """A new zero-filled array in shared memory owned by this process.
+
+    Args and errors as ``empty``.
+    """
     a = empty(shape, dtype, order)
     a.fill(0)
     return a
 
 
 def share(arr) -> np.ndarray:
-    """``arr`` itself if it is already shared, else a copy of it in shared memory."""
+    """``arr`` itself if it is already shared, else a copy of it in shared memory.
+
+    Args:
+        arr: an array, or anything ``numpy.asanyarray`` takes.
+
+    Raises:
+        TypeError: an object dtype.
+        SharedMemoryError: over budget, as ``empty``.
+    """
     arr = np.asanyarray(arr)
     if find_block(arr) is not None:
         return arr

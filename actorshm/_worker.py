@@ -51,6 +51,12 @@ class Worker:
 
     # -- client side (handles inside this actor) -------------------------------
     def call(self, actor_id: int, method: str, args, kwargs, what: str = ""):
+        """Call ``method`` on actor ``actor_id`` over a direct connection (brokered by the
+        driver on first use); as ``Runtime.call``.
+
+        Raises:
+            TypeError: an argument cannot be pickled (nothing is sent).
+        """
         if threading.get_ident() != self.loop_thread:
             return _client.call_from_thread(
                 self.loop, lambda: self.call(actor_id, method, args, kwargs, what))
@@ -78,20 +84,29 @@ class Worker:
         return conn
 
     def actor_pid(self, actor_id: int, pid: int) -> int:
+        """The pid a handle was made with (only the driver follows restarts)."""
         return pid
 
     async def kill(self, actor_id: int) -> None:
+        """Ask the driver to kill actor ``actor_id`` (``Runtime.kill``)."""
         await self.driver.call("__kill__", (actor_id,), {})
 
     async def spawn(self, cls, options, args, kwargs):
+        """Ask the driver to spawn an actor (``Runtime.spawn``, whose errors it raises)."""
         return await self.driver.call("__spawn__", (cls, options, args, kwargs), {},
                                       f"{cls.__qualname__}.spawn")
 
     async def get_actor(self, name: str):
+        """Ask the driver for the named actor's handle.
+
+        Raises:
+            ValueError: no live actor has that name.
+        """
         return await self.driver.call("__get_actor__", (name,), {})
 
     # -- host side -------------------------------------------------------------
     def handle_call(self, conn: Connection, cid: int, call: list) -> None:
+        """Run a call on the actor instance, or a service call (``Host``)."""
         method = call[0]
         if method.startswith("__"):
             args = call[1]
@@ -254,6 +269,7 @@ class Worker:
         self._finished(None)  # start the calls that arrived before __init__ finished
 
     def connection_eof(self, conn: Connection) -> None:
+        """A connection broke (``Host``)."""
         if conn is self.driver:
             conn.close(ActorDiedError("the driver is gone"))
         else:
@@ -261,6 +277,7 @@ class Worker:
                                       f"{describe_exit(None)}"))
 
     def connection_closed(self, conn: Connection) -> None:
+        """A connection closed (``Host``): the driver's ends the actor."""
         if conn is self.driver:
             if not self.stopped.done():
                 self.stopped.set_result(None)
@@ -309,6 +326,7 @@ async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
 
 
 def main() -> None:
+    """Run this actor process on the socket fd in ``sys.argv[1]``; exits the process."""
     set_parent_death_signal()
     faulthandler.enable()
     fd = int(sys.argv[1])
