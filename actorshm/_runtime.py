@@ -82,7 +82,7 @@ class _Record:
 class Runtime:
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
 
-    Options (keyword-only):
+    Args:
       start_method: ``"spawn"`` (default: a fresh interpreter per actor) or
         ``"forkserver"`` (a warm, single-threaded server process forks each actor:
         much faster start-up, same isolation from the driver's threads).
