@@ -66,3 +66,10 @@ def test_strict_build_fails_on_broken_link_and_reference(tmp_path):
     p = _build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert p.returncode != 0
     assert "no-such-page.md" in p.stderr and "actorshm.no_such_name" in p.stderr, p.stderr
+
+
+def test_committed_pictures_are_small_and_used():
+    pages = "".join(p.read_text() for p in DOCS.rglob("*.md"))
+    for png in DOCS.glob("*.png"):
+        assert png.stat().st_size < 200_000, f"{png.name} is over 200 KB: redraw it smaller"
+        assert f"]({png.name})" in pages, f"docs/{png.name} is not shown on any page"
