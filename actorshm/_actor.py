@@ -246,10 +246,20 @@ class ActorHandle:
 
     @property
     def actor_id(self) -> int:
+        """The actor's id in its runtime (a method of the actor named ``actor_id`` wins)."""
+        if "actor_id" in self._methods:
+            return self.__getattr__("actor_id")
         return self._actor_id
 
     @property
     def name(self) -> str | None:
+        """The name given with ``options(name=...)``, else None.
+
+        An actor class may define a method called ``name``: then ``handle.name`` is that
+        method, as with every other method.
+        """
+        if "name" in self._methods:
+            return self.__getattr__("name")
         return self._actor_name
 
     async def kill(self) -> None:
