@@ -748,7 +748,12 @@ def _make_flush_hook(loop: asyncio.AbstractEventLoop):
 
 
 def current_runtime() -> Runtime:
-    """The innermost open runtime; ``RuntimeError`` (saying how to open one) outside."""
+    """The runtime that ``spawn`` uses here: the one opened last and not yet closed.
+
+    Raises:
+        RuntimeError: no runtime is open (the message says how to open one), or this is
+            an actor's process (actors use handles and ``get_actor``).
+    """
     if _client._worker[0] is not None:
         raise RuntimeError("current_runtime() is for the driver; inside an actor, use "
                            "handles and actorshm.get_actor()")
@@ -760,7 +765,16 @@ def current_runtime() -> Runtime:
 
 
 async def get_actor(name: str) -> ActorHandle:
-    """A handle to the live actor spawned with ``options(name=name)``; else ValueError."""
+    """A handle to the live actor spawned with ``options(name=name)``.
+
+    Works in the driver and inside actors.
+
+    Args:
+        name: the name given at spawn, as in ``Cls.options(name="ps").spawn()``.
+
+    Raises:
+        ValueError: no live actor has that name.
+    """
     return await _client.client().get_actor(name)
 
 
