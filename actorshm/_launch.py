@@ -341,10 +341,11 @@ class GpuSlots:
         taken, self._gpus_free = self._gpus_free[:n], self._gpus_free[n:]
         return taken
 
-    def release(self, gpus: list[str]) -> None:
-        """Give back GPUs that ``take`` reserved (the actor died or was killed)."""
-        if gpus and self._gpus_free is not None:
-            self._gpus_free.extend(gpus)
+    def release(self, rec: ActorRecord) -> None:
+        """Give back the GPUs ``take`` reserved for ``rec`` (it died or was killed)."""
+        if rec.gpus and self._gpus_free is not None:
+            self._gpus_free.extend(rec.gpus)
+        rec.gpus = []
 
 
 def visible_gpus() -> list[str]:

@@ -20,14 +20,13 @@ import threading
 import weakref
 from typing import Any
 
-from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
+from . import _client, _leases, _plugins, _services, _shm  # noqa: F401  (_plugins: GPU)
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._errors import ActorDiedError
-from . import _services
 from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, kill_all,
                       start_process)
 from ._protocol import Connection
-from ._util import describe_exit, install_event_loop_policy
+from ._util import check_run_args, describe_exit, first_line, install_event_loop_policy
 
 __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 
@@ -37,21 +36,24 @@ logger = logging.getLogger("actorshm")
 class Runtime:
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
 
-    Args (keyword-only):
-        start_method: ``"spawn"`` (default: a fresh interpreter per actor) or
-            ``"forkserver"`` (a warm, single-threaded server process forks each actor:
-            much faster start-up, same isolation from the driver's threads).
-        shm_budget: bytes of shared memory each process may own (default: half the
-            RAM, or ``ACTORSHM_SHM_BUDGET``).
-        shutdown_grace: seconds an actor gets to stop before SIGTERM, then SIGKILL.
-        start_timeout: seconds an actor may take to start and run ``__init__``.
-        gpus: the GPUs that ``num_gpus`` actors may get, as ``CUDA_VISIBLE_DEVICES``
-            entries (ordinals or ``GPU-<uuid>``; default: the driver's
-            ``CUDA_VISIBLE_DEVICES``, or every GPU CuPy sees).
+    Where one ``async with`` block cannot hold the whole program (a notebook: each cell
+    is its own block), open it with ``rt = await Runtime().start()`` and end it with
+    ``await rt.close()``.
+
+    Args:
+      start_method: ``"spawn"`` (default: a fresh interpreter per actor) or
+        ``"forkserver"`` (a warm, single-threaded server process forks each actor:
+        much faster start-up, same isolation from the driver's threads).
+      shm_budget: bytes of shared memory each process may own (default: half the RAM,
+        or ``ACTORSHM_SHM_BUDGET``).
+      shutdown_grace: seconds an actor gets to stop before SIGTERM, then SIGKILL.
+      start_timeout: seconds an actor may take to start and run ``__init__``.
+      gpus: the GPUs that ``num_gpus`` actors may get, as ``CUDA_VISIBLE_DEVICES``
+        entries (ordinals or ``GPU-<uuid>``; default: the driver's
+        ``CUDA_VISIBLE_DEVICES``, or every GPU CuPy sees).
 
     Raises:
-        ValueError: an unknown ``start_method`` (a bare ``fork`` is not offered).
-        RuntimeError: on entering a runtime that is already open.
+      ValueError: an unknown ``start_method`` (a bare ``fork`` is not offered).
     """
 
     def __init__(self, *, start_method: str = "spawn", shm_budget: int | None = None,
@@ -73,14 +75,32 @@ class Runtime:
         self._open = False
         self.closing = False
         self._finalizer = None
-        self._forkserver: ForkServerClient | None = None  # made on first use
+        self._forkserver: ForkServerClient | None = None
 
     # -- context manager ---------------------------------------------------------
-    async def __aenter__(self) -> "Runtime":
+    async def start(self) -> "Runtime":
+        """Open the runtime on the running event loop and return it.
+
+        ``async with Runtime() as rt`` does this on entry and ``close()`` on exit. Call
+        it directly to keep a runtime open across notebook cells: ``rt = await
+        actorshm.Runtime().start()`` in one cell, ``await rt.close()`` in a later one.
+        Until then it is ``current_runtime()`` and spawns every actor.
+
+        Returns:
+            The runtime itself.
+
+        Raises:
+            RuntimeError: it is already open, or was closed (make a new ``Runtime``).
+        """
         if self._open:
             raise RuntimeError("this Runtime is already open")
+        if self.closing:
+            raise RuntimeError("this Runtime was closed; open a new one: "
+                               "`rt = await actorshm.Runtime().start()`")
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        if self.start_method == "forkserver":  # (its server starts on the first fork)
+            self._forkserver = ForkServerClient(self.loop, self.start_timeout)
         _shm.set_budget(self.shm_budget)
         _shm.pool()
         _leases.set_release_hook(_leases.loop_release_hook(self.loop))
@@ -89,11 +109,18 @@ class Runtime:
         self._finalizer = weakref.finalize(self, kill_all, self._actors)
         return self
 
+    async def __aenter__(self) -> "Runtime":
+        return await self.start()
+
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.close()
 
     async def close(self) -> None:
-        """Stop every actor (ask, grace period, SIGTERM, SIGKILL) and reap them."""
+        """Stop every actor (ask, grace period, SIGTERM, SIGKILL) and reap them.
+
+        Leaving ``async with`` calls it; after ``start()``, call it yourself. Calling it
+        again does nothing.
+        """
         if not self._open or self.closing:
             return
         self.closing = True
@@ -123,17 +150,16 @@ class Runtime:
     # -- spawning ----------------------------------------------------------------
     async def spawn(self, cls: type, options: ActorOptions, args: tuple,
                     kwargs: dict) -> ActorHandle:
-        """Start an actor process running ``cls(*args, **kwargs)``; its handle.
-
-        Users call ``Cls.spawn(...)`` or ``Cls.options(...).spawn(...)``, which come here.
+        """Start a process running ``cls(*args, **kwargs)`` (``Cls.spawn`` comes here).
 
         Args:
             cls: the actor class (the undecorated class of an ``@actor``).
             options: its ``ActorOptions``.
-            args, kwargs: for ``cls.__init__`` (sent like call arguments).
+            args: for ``cls.__init__`` (sent like call arguments).
+            kwargs: for ``cls.__init__``.
 
         Returns:
-            An ``ActorHandle`` once ``__init__`` has returned in the actor.
+            An ``ActorHandle``, once ``__init__`` has returned in the actor.
 
         Raises:
             RuntimeError: the runtime is not open.
@@ -163,7 +189,7 @@ class Runtime:
         except BaseException:
             if options.name is not None and self._names.get(options.name) == rec.actor_id:
                 del self._names[options.name]
-            self._release_gpus(rec)
+            self._gpus.release(rec)
             await rec.stop(0.5)
             self._reap(rec)
             raise
@@ -172,13 +198,8 @@ class Runtime:
 
     async def _start_process(self, rec: ActorRecord) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = actor_env(rec)
-        forkserver = None
-        if self.start_method == "forkserver":
-            if self._forkserver is None:
-                self._forkserver = ForkServerClient(self.loop, self.start_timeout)
-            forkserver = self._forkserver
-        await start_process(self.loop, rec, child, env, forkserver, self._on_exit)
+        await start_process(self.loop, rec, child, actor_env(rec), self._forkserver,
+                            self._on_exit)
         if rec.conn is not None and rec.conn.sock is None and not rec.conn.closed:
             rec.conn.label = rec.label
             rec.conn.attach(parent)  # a restart: calls made meanwhile are buffered there
@@ -202,10 +223,6 @@ class Runtime:
                                  else str(exc)) from None
         rec.pid = pid
 
-    def _release_gpus(self, rec: ActorRecord) -> None:
-        self._gpus.release(rec.gpus)
-        rec.gpus = []
-
     # -- calls -------------------------------------------------------------------
     def call(self, actor_id: int, method: str, args: tuple, kwargs: dict, what: str = ""):
         """Call ``method`` on actor ``actor_id``; what handles' methods do.
@@ -213,12 +230,12 @@ class Runtime:
         Args:
             actor_id: the actor, as its handle names it.
             method: the method's name.
-            args, kwargs: its arguments (numpy arrays travel in shared memory).
+            args: its positional arguments (numpy arrays travel in shared memory).
+            kwargs: its keyword arguments.
             what: how errors name the call (``"Counter.incr"``).
 
         Returns:
-            An asyncio future for the result; from another thread (a sync method in an
-            actor's thread pool), a ``concurrent.futures.Future``.
+            An asyncio future; from another thread, a ``concurrent.futures.Future``.
 
         Raises:
             TypeError: an argument cannot be pickled (raised here, nothing is sent).
@@ -354,7 +371,7 @@ class Runtime:
         if self.closing and rec.death is None:
             why = f"{rec.label} was stopped because its runtime closed"
         rec.death = why
-        self._release_gpus(rec)
+        self._gpus.release(rec)
         for fwd in rec.pipes:
             fwd.drain()
         if rec.conn is not None:
@@ -389,17 +406,17 @@ class Runtime:
                 os.kill(rec.pid, signal.SIGKILL)
                 return
             logger.warning("actorshm: restarted %s (restart %d of %s) after: %s", rec.label,
-                           rec.restarts, rec.options.max_restarts, _first_line(why))
+                           rec.restarts, rec.options.max_restarts, first_line(why))
         except BaseException as exc:
             if rec.conn is not conn:
                 # The new process died while starting; the next restart is on its way.
                 rec.failed_starts += 1
                 logger.warning("actorshm: restart %d of %s of %s failed while starting: %s",
                                rec.restarts - 1, rec.options.max_restarts, rec.label,
-                               _first_line(str(exc)))
+                               first_line(str(exc)))
                 return
-            rec.death = (f"{rec.label} could not be restarted: {_first_line(str(exc))} "
-                         f"(after: {_first_line(why)})")
+            rec.death = (f"{rec.label} could not be restarted: {first_line(str(exc))} "
+                         f"(after: {first_line(why)})")
             if rec.conn is not None:
                 rec.conn.close(ActorDiedError(rec.death))
             if rec.alive:
@@ -417,18 +434,12 @@ class Runtime:
                                "`async with actorshm.Runtime():`")
 
 
-def _first_line(text: str, limit: int = 300) -> str:
-    """A death's cause, short: restart messages must not nest earlier ones whole."""
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[:limit] + "..."
-
-
 def current_runtime() -> Runtime:
-    """The innermost open runtime of this (driver) process.
+    """The runtime that ``spawn`` uses here: the one opened last and not yet closed.
 
     Raises:
-        RuntimeError: no runtime is open (the message says how to open one), or this
-            is an actor process.
+        RuntimeError: no runtime is open (the message says how to open one), or this is
+            an actor's process (actors use handles and ``get_actor``).
     """
     if _client._worker[0] is not None:
         raise RuntimeError("current_runtime() is for the driver; inside an actor, use "
@@ -441,15 +452,15 @@ def current_runtime() -> Runtime:
 
 
 async def get_actor(name: str) -> ActorHandle:
-    """A handle to the live actor spawned with ``options(name=name)``, from the driver
-    or from inside an actor.
+    """A handle to the live actor spawned with ``options(name=name)``.
+
+    Works in the driver and inside actors.
 
     Args:
-        name: the actor's name.
+        name: the name given at spawn, as in ``Cls.options(name="ps").spawn()``.
 
     Raises:
         ValueError: no live actor has that name.
-        RuntimeError: no runtime is open.
     """
     return await _client.client().get_actor(name)
 
@@ -458,15 +469,23 @@ def run(main, **runtime_options: Any):
     """Run coroutine ``main`` on uvloop (where installed) inside a Runtime; return its result.
 
     If ``main`` opens its own Runtime, that one is used inside it; the outer one that
-    ``run`` opened has no actors and costs nothing.
+    ``run`` opened has no actors and costs nothing. Where an event loop already runs (a
+    notebook, async code), await ``main`` instead, in ``async with actorshm.Runtime():``
+    or after ``rt = await actorshm.Runtime().start()``.
 
     Args:
-        main: a coroutine object (``main()``, not ``main``).
-        **runtime_options: for ``Runtime(...)``.
+        main: a coroutine: ``run(main())``, not ``run(main)``.
+        **runtime_options: keyword arguments for ``Runtime``.
+
+    Returns:
+        What ``main`` returned.
 
     Raises:
-        Exception: whatever ``main`` raised.
+        TypeError: ``main`` is not a coroutine (a coroutine function names the fix).
+        RuntimeError: called from a running event loop; the message says what to do.
     """
+    check_run_args(main)
+
     async def wrapper():
         async with Runtime(**runtime_options):
             return await main

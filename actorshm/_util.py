@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import inspect
 import signal
 
 PR_SET_PDEATHSIG = 1
@@ -59,3 +61,32 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    """A death's cause, short: restart messages must not nest earlier ones whole."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def check_run_args(main) -> None:
+    """Raise what ``actorshm.run(main)`` should say when it cannot run ``main``."""
+    if not inspect.isawaitable(main):
+        if callable(main):
+            name = getattr(main, "__name__", "main")
+            raise TypeError(f"actorshm.run() takes a coroutine: call the function, "
+                            f"actorshm.run({name}()), not actorshm.run({name})")
+        raise TypeError(f"actorshm.run() takes a coroutine, such as actorshm.run(main()), "
+                        f"not {type(main).__name__}")
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    if inspect.iscoroutine(main):
+        main.close()  # it will never run: no "never awaited" warning on top
+    name = getattr(main, "__name__", "main")
+    raise RuntimeError(
+        "actorshm.run() cannot be called from a running event loop (a Jupyter notebook, "
+        f"IPython, or async code). Await the coroutine instead: `await {name}()` inside "
+        "`async with actorshm.Runtime():`, or keep a runtime open across notebook cells "
+        "with `rt = await actorshm.Runtime().start()` and end it with `await rt.close()`.")

@@ -343,3 +343,15 @@ class EnvReader:
     def get(self, names):
         import os
         return {n: os.environ.get(n) for n in names}
+
+
+@actor
+class Named:
+    def __init__(self, label):
+        self.label = label
+
+    def name(self):
+        return self.label
+
+    def actor_id(self):
+        return 42
