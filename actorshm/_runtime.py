@@ -101,7 +101,7 @@ class Runtime:
         self._loop_thread = threading.get_ident()
         if self.start_method == "forkserver":  # (its server starts on the first fork)
             self._forkserver = ForkServerClient(self.loop, self.start_timeout)
-        _shm.set_budget(self.shm_budget)
+        _shm.set_budget(self.shm_budget, id(self))
         _shm.pool()
         _leases.set_release_hook(_leases.loop_release_hook(self.loop))
         self._open = True
@@ -144,8 +144,8 @@ class Runtime:
                 _client._runtimes.remove(self)
             if not _client._runtimes:
                 _leases.release_quarantine()  # whoever could hold those blocks is gone
-            if self._finalizer is not None:
-                self._finalizer.detach()
+            _shm.release_budget(id(self), trim=not _client._runtimes)  # idle memory too
+            self._finalizer.detach()  # (set by start(), which close() needs)
 
     # -- spawning ----------------------------------------------------------------
     async def spawn(self, cls: type, options: ActorOptions, args: tuple,

@@ -162,6 +162,7 @@ class Pool:
         self._chunk_pos = 0
         self.reserved = 0
         self.blocks_live = 0
+        self._in_use: dict[int, int] = collections.defaultdict(int)  # region -> live blocks
         self._k_reuses = self.prefix + "pool_reuses"
         self._k_allocs = self.prefix + "pool_allocs"
         _pools.append(self)
@@ -192,22 +193,40 @@ class Pool:
         return region
 
     def _retire_free(self, needed: int) -> None:
-        """Free unused dedicated regions (largest first) until ``needed`` bytes are back."""
-        candidates = []
-        for blocks in self.free.values():
-            for blk in blocks:
-                if blk[0].dedicated and blk[0].retirable():
-                    candidates.append(blk)
-        candidates.sort(key=lambda b: -b[2])
-        for blk in candidates:
+        """Free idle regions (no live block; largest first) until ``needed`` bytes are
+        back: a dedicated region whose block is free, or a chunk all of whose blocks are
+        (so freed small blocks never keep the budget from a larger request)."""
+        idle = [r for i, r in self.regions.items()
+                if not self._in_use.get(i) and r.retirable()]
+        idle.sort(key=lambda r: -r.size)
+        gone = set()
+        for region in idle:
             if needed <= 0:
                 break
-            self.free[blk[2]].remove(blk)
-            needed -= blk[0].size
-            self._retire(blk[0])
+            needed -= region.size
+            gone.add(region.key[1])
+            if region is self._chunk:
+                self._chunk = None
+            self._retire(region)
+        if gone:
+            for size in list(self.free):
+                self.free[size] = [b for b in self.free[size] if b[0].key[1] not in gone]
+
+    def trim(self) -> int:
+        """Give every idle region back to the system (``Runtime`` close, fd pressure).
+
+        Returns:
+            How many regions were freed.
+        """
+        self.drain()
+        with self.lock:
+            before = len(self.regions)
+            self._retire_free(self.reserved + 1)
+            return before - len(self.regions)
 
     def _retire(self, region: Region) -> None:
         del self.regions[region.key[1]]
+        self._in_use.pop(region.key[1], None)
         _leases.unregister_region(region)
         self.reserved -= region.size
         region.close()
@@ -222,6 +241,11 @@ class Pool:
                     blk = ret.popleft()
                     self.free[blk[2]].append(blk)
                     self.blocks_live -= 1
+                    self._in_use[blk[0].key[1]] -= 1
+            self._idle_pressure()
+
+    def _idle_pressure(self) -> None:
+        """Hook for subclasses: give idle regions back when a resource runs short."""
 
     def report(self, out: dict) -> None:
         """Add this pool's gauges to a ``stats()`` dict (summed over pools of a kind)."""
@@ -256,6 +280,7 @@ class Pool:
                 self._chunk_pos += size
                 counters[self._k_allocs] += 1
             self.blocks_live += 1
+            self._in_use[region.key[1]] += 1
         return region.block(offset, size, self)
 
     def close(self) -> None:
@@ -264,6 +289,8 @@ class Pool:
             region.close()
         self.regions.clear()
         self.free.clear()
+        self._in_use.clear()
+        self._chunk = None
         self.reserved = 0
 
 
@@ -271,7 +298,23 @@ class HostPool(Pool):
     """This process's shared memory on the host: memfd arenas."""
 
     def _make_region(self, key: tuple, size: int, dedicated: bool) -> Arena:
-        fd = os.memfd_create("actorshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            fd = os.memfd_create("actorshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            self._retire_free(self.reserved + 1)  # idle arenas hold fds: close them
+            try:
+                fd = os.memfd_create("actorshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            except OSError as exc2:
+                if exc2.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                raise SharedMemoryError(
+                    f"actorshm: cannot allocate {fmt_bytes(size)} of shared memory: this "
+                    f"process is out of file descriptors ({exc2.strerror}; "
+                    f"{len(self.regions)} arenas are in use, one fd each). Drop arrays you "
+                    "no longer need, use fewer larger arrays, or raise the limit "
+                    "(ulimit -n).") from None
         try:
             os.ftruncate(fd, size)
             try:
@@ -298,6 +341,18 @@ class HostPool(Pool):
     def report(self, out: dict) -> None:
         super().report(out)
         out["shm_budget"] = self.budget
+
+    def _idle_pressure(self) -> None:
+        """Close idle arenas while this pool's arenas use over half of the fd limit
+        (``RLIMIT_NOFILE``): the process must still be able to open files and spawn."""
+        if len(self.regions) > fd_limit() // 2 and len(self.regions) > self.blocks_live:
+            self._retire_free(self.reserved + 1)
+
+
+def fd_limit() -> int:
+    """This process's soft limit on open file descriptors."""
+    import resource
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def default_budget() -> int:
@@ -328,10 +383,36 @@ def pool() -> HostPool:
     return p
 
 
-def set_budget(budget: int | None) -> None:
-    """Set this process's host budget (``Runtime(shm_budget=...)``); None keeps it."""
+# Budgets of the open runtimes that set one (owner id -> bytes), latest last: the latest
+# applies, and once none is open the default does again.
+_budgets: dict[int, int] = {}
+
+
+def set_budget(budget: int | None, owner: int = 0) -> None:
+    """Set this process's host budget (``Runtime(shm_budget=...)``) while ``owner`` is
+    open; None keeps the one in effect.
+
+    Args:
+        budget: bytes, or None.
+        owner: who sets it (``id`` of the runtime); ``release_budget(owner)`` ends it.
+    """
     if budget:
+        _budgets[owner] = int(budget)
         pool().budget = int(budget)
+
+
+def release_budget(owner: int, trim: bool = False) -> None:
+    """``owner`` closed: the budget of the latest other open owner applies again, else the
+    default; with ``trim``, idle arenas go back to the system.
+
+    Args:
+        owner: as given to ``set_budget``.
+        trim: give idle memory back (the last runtime of the process closed).
+    """
+    if _budgets.pop(owner, None) is not None and _pool is not None:
+        _pool.budget = list(_budgets.values())[-1] if _budgets else default_budget()
+    if trim and _pool is not None:
+        _pool.trim()
 
 
 def array_from_block(view: HostBlock, shape, dtype, offset: int = 0, strides=None,

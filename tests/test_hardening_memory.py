@@ -1,0 +1,76 @@
+"""Host memory hardening: budgets end with their runtime, idle memory goes back, fds."""
+
+import gc
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import actorshm
+from actorshm import _shm
+
+
+async def test_runtime_budget_ends_with_the_runtime():
+    pool = _shm.pool()
+    default = _shm.default_budget()
+    async with actorshm.Runtime(shm_budget=64 << 20):
+        assert pool.budget == 64 << 20
+    assert pool.budget == default
+    a = actorshm.empty(100 << 20, np.uint8)  # over the closed runtime's budget
+    del a
+
+
+async def test_freed_small_blocks_make_room_for_a_large_one():
+    pool = _shm.pool()
+    pool.budget = pool.reserved + (256 << 20)
+    old = pool.budget
+    pool.budget = pool.reserved + (256 << 20)
+    try:
+        blocks = [actorshm.empty(1 << 20, np.uint8) for _ in range(190)]
+        del blocks
+        gc.collect()
+        big = actorshm.empty(128 << 20, np.uint8)  # was: "192 MiB is already in use"
+        big[:] = 1
+        del big
+    finally:
+        pool.budget = old
+
+
+async def test_runtime_close_gives_idle_memory_back():
+    async with actorshm.Runtime():
+        arrs = [actorshm.empty(8 << 20, np.uint8) for _ in range(4)]
+        small = [actorshm.empty(4096, np.uint8) for _ in range(10)]
+        del arrs, small
+        gc.collect()
+    st = actorshm.stats()
+    assert st["blocks_live"] == 0
+    assert st["arenas_owned"] == 0 and st["arena_bytes_owned"] == 0
+
+
+def test_fd_exhaustion_is_a_clear_error_and_idle_arenas_let_fds_go():
+    code = textwrap.dedent("""
+        import gc, os, resource
+        import numpy as np
+        import actorshm
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        arrs = []
+        try:
+            for _ in range(200):
+                arrs.append(actorshm.empty(4 << 20, np.uint8))
+        except actorshm.SharedMemoryError as exc:
+            assert "file descriptors" in str(exc), exc
+            print("CLEAR", len(arrs))
+        del arrs
+        gc.collect()
+        assert actorshm.stats()["blocks_live"] == 0
+        fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(20)]
+        print("OPENED", len(fds))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "CLEAR" in out.stdout and "OPENED 20" in out.stdout
