@@ -99,6 +99,8 @@ def main() -> None:
             if msg is None:  # the driver is gone: children die by their death signal
                 os._exit(0)
             (kind, env, cwd, argv), fds = msg
+            # Actors outlive this server (they watch the driver, not their parent).
+            env = dict(env, ACTORSHM_DRIVER_PID=str(os.getppid()))
             pid = os.fork()
             if pid == 0:
                 _worker.forked_child_main(sock, rfd, wfd, env, cwd, fds)

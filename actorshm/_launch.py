@@ -75,6 +75,12 @@ class ActorRecord:
         self.no_restart = False
 
     @property
+    def has_future(self) -> bool:
+        """Alive, or restarting: its name and handle are still its own."""
+        return self.alive or (self.conn is not None and not self.conn.closed
+                              and not self.no_restart)
+
+    @property
     def label(self) -> str:
         return f"actor {self.cls_name}(id={self.actor_id}, pid={self.pid})"
 
@@ -232,6 +238,8 @@ class ForkServerClient:
             ActorDiedError: the fork server died.
             asyncio.TimeoutError: it did not answer within ``start_timeout``.
         """
+        if self._fs is not None and self._fs[0].poll() is not None:
+            self._server_gone()  # it died (killed?): its actors live on; start a new one
         if self._fs is None:
             a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             fs_env = dict(os.environ)
@@ -256,14 +264,31 @@ class ForkServerClient:
         pid = await asyncio.wait_for(fut, self.start_timeout)
         return pid, (open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0))
 
+    def _server_gone(self) -> None:
+        """The fork server died: fail the forks waiting for it; the next fork starts a
+        new one. (Its actors live on: they watch the driver, not their parent.)"""
+        popen, sock = self._fs
+        self._fs = None
+        self.loop.remove_reader(sock.fileno())
+        sock.close()
+        if popen.poll() is None:
+            popen.kill()
+        popen.wait()
+        for fut in self._fs_waiting:
+            if not fut.done():
+                fut.set_exception(ActorDiedError("the actorshm fork server died"))
+        self._fs_waiting.clear()
+        for ev in self._fs_exit_events.values():  # their exit reports will not come
+            ev.set()
+        self._fs_exit_events.clear()
+
     def _on_forkserver(self) -> None:
-        msg = _forkserver.recv_msg(self._fs[1])
+        try:
+            msg = _forkserver.recv_msg(self._fs[1])
+        except OSError:
+            msg = None
         if msg is None:
-            self.loop.remove_reader(self._fs[1].fileno())
-            for fut in self._fs_waiting:
-                if not fut.done():
-                    fut.set_exception(ActorDiedError("the actorshm fork server died"))
-            self._fs_waiting.clear()
+            self._server_gone()
             return
         (kind, pid, code), _ = msg
         if kind == "forked":
@@ -279,7 +304,7 @@ class ForkServerClient:
     async def exit_code(self, pid: int) -> int | None:
         """The exit code of forked child ``pid`` (which has exited), as the server
         reports it; None if no report comes within a second."""
-        if pid not in self._fs_exit:
+        if pid not in self._fs_exit and self._fs is not None:
             ev = self._fs_exit_events.setdefault(pid, asyncio.Event())
             try:
                 await asyncio.wait_for(ev.wait(), 1.0)
@@ -372,7 +397,14 @@ def visible_gpus() -> list[str]:
 
 
 class OutputForwarder:
-    """Copies an actor's stdout/stderr to the driver's, each line prefixed as Ray does."""
+    """Copies an actor's stdout/stderr to the driver's, each line prefixed as Ray does.
+
+    A carriage return ends a line too (progress bars update in place), and a line longer
+    than ``max_line`` is forwarded in pieces, so output without line ends costs bounded
+    memory and time.
+    """
+
+    max_line = 64 << 10
 
     def __init__(self, rec: ActorRecord, stream, which: str) -> None:
         self.rec = rec
@@ -396,7 +428,10 @@ class OutputForwarder:
 
     def _emit(self, data: bytes) -> None:
         data = self.partial + data
-        *lines, self.partial = data.split(b"\n")
+        *lines, self.partial = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        while len(self.partial) > self.max_line:
+            lines.append(self.partial[:self.max_line])
+            self.partial = self.partial[self.max_line:]
         if not lines:
             return
         prefix = f"({self.rec.cls_name} pid={self.rec.pid}) "

@@ -172,7 +172,7 @@ class Runtime:
         self._check_open()
         if options.name is not None:
             other = self._names.get(options.name)
-            if other is not None and self._actors[other].alive:
+            if other is not None and self._actors[other].has_future:
                 raise ValueError(f"an actor named {options.name!r} already exists; "
                                  "choose another name or kill that actor first")
         rec = ActorRecord(self._next_id, cls, options)
@@ -299,7 +299,7 @@ class Runtime:
         """
         actor_id = self._names.get(name)
         rec = self._actors.get(actor_id) if actor_id is not None else None
-        if rec is None or not rec.alive:
+        if rec is None or not rec.has_future:
             raise ValueError(f"no live actor named {name!r}; named actors are made with "
                              "Cls.options(name=...).spawn()")
         return ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods, name, rec.pid,

@@ -19,6 +19,25 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def die_with(pid: int) -> None:
+    """SIGKILL this process once process ``pid`` has exited (a daemon thread waits on its
+    pidfd): ``set_parent_death_signal`` for a process whose parent is not ``pid``."""
+    import os
+    import select
+    import threading
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # already gone
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+
+    def wait() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="actorshm-driver-watch", daemon=True).start()
+
+
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "its connection closed"

@@ -25,7 +25,7 @@ from typing import Any
 from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._errors import ActorDiedError
 from ._protocol import Connection
-from ._util import describe_exit, new_event_loop, set_parent_death_signal
+from ._util import describe_exit, die_with, new_event_loop, set_parent_death_signal
 
 
 class Worker:
@@ -327,14 +327,19 @@ async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
 
 def main() -> None:
     """Run this actor process on the socket fd in ``sys.argv[1]``; exits the process."""
-    set_parent_death_signal()
+    driver = os.environ.pop("ACTORSHM_DRIVER_PID", None)
+    if driver:  # forked by a fork server, which may die first: watch the driver itself
+        die_with(int(driver))
+    else:
+        set_parent_death_signal()
     faulthandler.enable()
     fd = int(sys.argv[1])
+    os.set_inheritable(fd, False)  # a program the actor starts must not hold the driver's socket
     extra = os.environ.pop("ACTORSHM_SYS_PATH", None)
     if extra:
         path = json.loads(extra)
         sys.path[:] = path + [p for p in sys.path if p not in path]
-    if os.getppid() == 1:  # the driver died before we got here
+    if not driver and os.getppid() == 1:  # the driver died before we got here
         os._exit(1)
     loop = new_event_loop()
     asyncio.set_event_loop(loop)

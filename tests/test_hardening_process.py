@@ -1,0 +1,136 @@
+"""Process hardening: fork-server death, names during restarts, inherited fds, output."""
+
+import asyncio
+import io
+import os
+import signal
+import sys
+import types
+
+import pytest
+
+import actorshm
+from actorshm import ActorDiedError
+from actorshm._launch import OutputForwarder
+
+
+async def _poll(pred, timeout=20.0):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        assert loop.time() < deadline, "timed out waiting"
+        await asyncio.sleep(0.02)
+
+
+async def test_actors_survive_their_fork_server_and_a_new_one_starts():
+    from actors import Counter, Phoenix
+    async with actorshm.Runtime(start_method="forkserver", shutdown_grace=1.0) as rt:
+        c = await Counter.spawn()
+        p = await Phoenix.spawn("x")
+        assert await c.incr() == 1
+        server = rt._forkserver._fs[0]
+        server.kill()
+        server.wait()
+        await asyncio.sleep(0.2)  # (an actor killed with its server would be gone by now)
+        assert await c.incr() == 2  # the actor lives on
+        d = await Counter.spawn(10)  # a new fork server starts
+        assert await d.incr() == 11
+        assert rt._forkserver._fs[0] is not server
+        pid = p.pid
+        os.kill(pid, signal.SIGKILL)  # restartable: restarts through the new server
+        await _poll(lambda: p.pid != pid)
+        tag, calls, _ = await p.hit()
+        assert (tag, calls) == ("x", 1)
+
+
+def test_forked_actors_die_with_their_driver(tmp_path):
+    import subprocess
+    import textwrap
+    import time
+    code = textwrap.dedent("""
+        import asyncio, os, sys, time
+        sys.path.insert(0, %r)
+        import actorshm
+        from actors import Probe
+        async def main():
+            async with actorshm.Runtime(start_method="forkserver"):
+                a = await Probe.spawn()
+                print(a.pid, flush=True)
+                time.sleep(60)
+        actorshm.run(main())
+    """ % os.path.dirname(__file__))
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(p.stdout.readline())
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(") ")[1].startswith("Z"):
+                break
+        time.sleep(0.02)
+    else:
+        assert not os.path.exists(f"/proc/{pid}"), "the actor outlived its driver"
+
+
+async def test_name_belongs_to_a_restarting_actor(rt):
+    from actors import Phoenix
+    p = await Phoenix.options(name="svc", max_restarts=-1).spawn("orig")
+    await p.hit()
+    with pytest.raises(ActorDiedError):
+        await p.crash()
+    # During the restart the name is still the actor's.
+    h = await rt.get_actor("svc")
+    assert h.actor_id == p.actor_id
+    with pytest.raises(ValueError, match="already exists"):
+        await Phoenix.options(name="svc").spawn("thief")
+    tag, _, _ = await h.hit()
+    assert tag == "orig"
+    await p.kill()
+    with pytest.raises(ValueError, match="no live actor"):
+        await rt.get_actor("svc")
+    q = await Phoenix.options(name="svc").spawn("next")  # dead for good: free again
+    assert (await q.hit())[0] == "next"
+
+
+async def test_programs_an_actor_starts_do_not_inherit_its_driver_socket(rt_each):
+    from actors import Shell
+    s = await Shell.spawn()
+    fd, inherited = await s.driver_socket_inherited()
+    assert not inherited, f"fd {fd} leaked into a child program"
+
+
+def _forwarder(cap=None):
+    rec = types.SimpleNamespace(cls_name="A", pid=1, stderr_tail=[], conn=None)
+    r, w = os.pipe()
+    os.close(w)
+    fwd = OutputForwarder(rec, open(r, "rb", buffering=0), "stdout")
+    return fwd
+
+
+def test_output_without_newlines_is_capped_and_carriage_returns_forwarded(monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    fwd = _forwarder()
+    fwd._emit(b"10%\r20%\r")
+    assert out.getvalue() == "(A pid=1) 10%\n(A pid=1) 20%\n"
+    for _ in range(100):
+        fwd._emit(b"x" * 65536)  # 6.4 MiB and no line end
+        assert len(fwd.partial) <= OutputForwarder.max_line
+    assert out.getvalue().count("(A pid=1) x") >= 90
+    fwd.close()
+
+
+async def test_progress_output_reaches_the_driver(rt, capfd):
+    from actors import Shell
+    s = await Shell.spawn()
+    await s.write("step 1\rstep 2\r")
+    seen = []
+
+    def arrived():
+        seen.append(capfd.readouterr().out)
+        return "step 2" in "".join(seen)
+    await _poll(arrived)
