@@ -72,7 +72,27 @@ class ActorRecord:
         self.spawn_args: tuple = ()
         self.restarts = 0
         self.failed_starts = 0  # restarts in a row whose process died while starting
-        self.no_restart = False
+        self._no_restart = False
+
+    @property
+    def no_restart(self) -> bool:
+        """Killed (or closing): it will not start again."""
+        return self._no_restart
+
+    @no_restart.setter
+    def no_restart(self, value: bool) -> None:
+        self._no_restart = value
+        if value:
+            self.spawn_args = ()  # (an argument may hold a large block live)
+
+    def take_spawn_args(self) -> tuple:
+        """``(args, kwargs)`` for this start; kept only while a later restart may need
+        them, so that a dead actor's record holds no argument (nor its memory)."""
+        args = self.spawn_args
+        limit = self.options.max_restarts
+        if limit != -1 and self.restarts >= limit:
+            self.spawn_args = ()
+        return args
 
     @property
     def has_future(self) -> bool:

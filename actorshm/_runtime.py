@@ -208,7 +208,7 @@ class Runtime:
             rec.conn.peer_id = rec.actor_id
         config = {"actor_id": rec.actor_id, "max_concurrency": rec.options.max_concurrency,
                   "shm_budget": self.shm_budget, "shutdown_grace": self.shutdown_grace}
-        args, kwargs = rec.spawn_args
+        args, kwargs = rec.take_spawn_args()
         fut = rec.conn.call("__init_actor__", (rec.cls, args, kwargs, config), {},
                             f"{rec.cls_name}.__init__")
         try:

@@ -74,3 +74,24 @@ def test_fd_exhaustion_is_a_clear_error_and_idle_arenas_let_fds_go():
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert "CLEAR" in out.stdout and "OPENED 20" in out.stdout
+
+
+async def test_dead_actor_records_let_go_of_spawn_arguments(rt):
+    import weakref
+    from actors import Counter, Phoenix
+    a = np.ones(1000)
+    ref = weakref.ref(a)
+    c = await Counter.spawn(a)  # no restarts: the arguments are not kept at all
+    del a
+    gc.collect()
+    assert ref() is None
+    b = np.ones(1000)
+    ref = weakref.ref(b)
+    p = await Phoenix.options(max_restarts=-1).spawn(b)
+    del b
+    gc.collect()
+    assert ref() is not None  # a restart needs them
+    await p.kill()
+    gc.collect()
+    assert ref() is None  # dead for good
+    await c.kill()
