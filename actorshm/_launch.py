@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 
-from . import _forkserver
+from . import _forkserver, _leases
 from ._errors import ActorDiedError
 
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -199,9 +199,12 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
     rec.alive = True
     rec.death = None
     rec.exited = asyncio.Event()
+    _live_pids.add(rec.pid)
+    _leases.set_census(_live_pids.copy)
+    _leases.process_started(rec.pid)
     try:
         rec.pidfd = os.pidfd_open(rec.pid)
-        loop.add_reader(rec.pidfd, on_exit, rec)
+        loop.add_reader(rec.pidfd, _exited, on_exit, rec, rec.pid)
     except (AttributeError, OSError):  # pragma: no cover - kernels before 5.3
         rec.pidfd = -1
     rec.pipes = []
@@ -210,6 +213,19 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
         fwd = OutputForwarder(rec, stream, out)
         rec.pipes.append(fwd)
         loop.add_reader(stream.fileno(), fwd.on_readable)
+
+
+# The actor processes this (driver) process started that have not exited: whoever could
+# hold a quarantined block of ours (``_leases.quarantine``).
+_live_pids: set = set()
+
+
+def _exited(on_exit, rec: ActorRecord, pid: int) -> None:
+    _live_pids.discard(pid)
+    try:
+        on_exit(rec)
+    finally:
+        _leases.process_gone(pid)
 
 
 def kill_all(actors: dict) -> None:

@@ -34,6 +34,8 @@ import weakref
 from typing import Any, Protocol
 
 from ._errors import ActorDiedError, ProtocolError, SharedMemoryError
+from ._quarantine import (process_gone, process_started, quarantine,  # noqa: F401
+                          quarantined, release_quarantine, set_census)
 
 __all__ = ["Region", "Block", "Channel", "adopt", "forwarded", "unforwarded", "quarantine",
            "dispatch_releases", "counters"]
@@ -138,10 +140,6 @@ _release_hook = None  # ``set_release_hook``: schedules ``dispatch_releases`` on
 # Whether this process tells its upstream when it passes a peer's block on (actors do;
 # the driver does not need to, see the module docstring): ``set_forward_notices``.
 _forward_notices = False
-# Blocks kept from going home: a process downstream may still use them, and nothing will
-# tell us when it stops (a peer that passed them on ended, or we closed a connection to a
-# peer that lives on; see ``Connection.close``).
-_quarantine: list = []
 
 
 
@@ -166,11 +164,6 @@ def region_retired(region: Region) -> None:
 def own_token(token: int) -> None:
     """Blocks of regions keyed with ``token`` are this process's own (a pool's)."""
     _own_tokens.add(token)
-
-
-def quarantined() -> int:
-    """How many blocks are kept from going home (``quarantine``)."""
-    return len(_quarantine)
 
 
 def forwarded(block: "Block", conn) -> tuple | None:
@@ -210,17 +203,6 @@ def unforwarded(key: tuple, told: tuple) -> None:
     """The lease we passed on came back (or its holder died): withdraw the notice."""
     for u in told:
         u.send_forward(key, -1)
-
-
-def quarantine(blocks: list) -> None:
-    """Keep these blocks from going home: a peer they were passed to may still use them
-    through a process that passed them on, and nothing will tell us when it stops."""
-    _quarantine.extend(blocks)
-
-
-def release_quarantine() -> None:
-    """Every process that could hold a quarantined block is gone (the runtime closed)."""
-    _quarantine.clear()
 
 
 def _wake() -> None:

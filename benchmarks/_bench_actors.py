@@ -29,3 +29,18 @@ class Producer:
 
     def stats(self):
         return actorshm.stats()
+
+
+@actor
+class SoakWorker:
+    """The soak's actor (``benchmarks.soak``): adds one, or relays through a peer."""
+
+    def ping(self):
+        return True
+
+    def add_one(self, a):
+        a += 1
+        return a
+
+    async def relay(self, peer, a):
+        return await peer.add_one(a)

@@ -6,6 +6,11 @@ import pytest
 import actorshm
 
 
+def pytest_addoption(parser):
+    parser.addoption("--soak-seconds", type=float, default=3.0,
+                     help="how long tests/test_soak.py loads the actors (default 3)")
+
+
 @pytest.fixture(scope="session")
 def event_loop_policy():
     try:

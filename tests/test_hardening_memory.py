@@ -95,3 +95,31 @@ async def test_dead_actor_records_let_go_of_spawn_arguments(rt):
     gc.collect()
     assert ref() is None  # dead for good
     await c.kill()
+
+
+async def test_quarantined_blocks_go_home_once_no_process_can_hold_them(rt):
+    import asyncio
+    from actors import Arrays
+    relay, d = await Arrays.spawn(), await Arrays.spawn()
+    n = 1 << 16
+    a = actorshm.empty(n)
+    a[:] = 1.0
+    await relay.keep(a)
+    await relay.lend_kept(d)  # d holds our block through relay
+    await relay.drop()
+    del a
+    gc.collect()
+    live0 = actorshm.stats()["blocks_live"]
+    await relay.kill()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while actorshm.stats()["blocks_quarantined"] != 1:
+        assert loop.time() < deadline
+        await asyncio.sleep(0.02)
+    assert await d.sum_kept() == float(n)  # d still uses it: kept
+    await d.kill()  # nobody left who could hold it
+    while actorshm.stats()["blocks_quarantined"]:
+        assert loop.time() < deadline, "quarantine never let go"
+        await asyncio.sleep(0.02)
+    gc.collect()
+    assert actorshm.stats()["blocks_live"] == live0 - 1
