@@ -55,7 +55,7 @@ def test_small_blocks_share_a_chunk_and_large_ones_get_their_own(pool):
 
 def test_the_budget_frees_unused_dedicated_regions_before_it_fails(pool):
     pool.budget = _shm.CHUNK_SIZE + 3 * _shm.LARGE
-    pool.alloc(1)  # a chunk
+    small = pool.alloc(1)  # a chunk in use (an idle one would be given back too)
     big = pool.alloc(2 * _shm.LARGE)
     del big
     gc.collect()
