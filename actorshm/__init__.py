@@ -45,6 +45,7 @@ __all__ = [
     "is_shared",
     "stats",
     "cuda",
+    "torch",
 ]
 
 for _name in __all__:
@@ -58,9 +59,10 @@ del _name, _obj
 
 
 def __getattr__(name: str):
-    if name == "cuda":  # imported lazily: importing actorshm never needs CuPy or a GPU
+    # Imported lazily: importing actorshm never needs CuPy, a GPU or PyTorch.
+    if name in ("cuda", "torch"):
         import importlib
-        mod = importlib.import_module("actorshm.cuda")
-        globals()["cuda"] = mod
+        mod = importlib.import_module("actorshm." + name)
+        globals()[name] = mod
         return mod
     raise AttributeError(f"module 'actorshm' has no attribute {name!r}")

@@ -93,6 +93,12 @@ class _Encoder(cloudpickle.Pickler):
         if cp is not None and isinstance(obj, cp.ndarray):  # arrives as a cupy.ndarray
             from . import _cuda
             return _cuda.reduce_cupy(self, obj)
+        tm = sys.modules.get("torch")  # never imported here: a tensor means torch is loaded
+        if tm is not None and isinstance(obj, tm.Tensor):
+            from . import _torch
+            r = _torch.reduce_tensor(self, obj)
+            if r is not NotImplemented:
+                return r
         return super().reducer_override(obj)
 
 

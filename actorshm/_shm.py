@@ -481,7 +481,13 @@ def find_view(arr: np.ndarray) -> "_View | None":
         base = base.base
     if type(base) is _View:
         return base
-    return None
+    if base is None or arr.size == 0:
+        return None  # the array owns its memory: numpy allocated it, not actorshm
+    # Memory reached through something other than ndarray ``.base`` (a memoryview, a
+    # torch tensor, a ctypes buffer): recognise it by address.
+    lo, hi = extent(arr.__array_interface__["data"][0], arr.shape, arr.strides,
+                    arr.itemsize)
+    return view_at(lo, hi)
 
 
 def is_shared(arr: Any) -> bool:
@@ -759,3 +765,41 @@ def copy_to_shared(arr: np.ndarray) -> np.ndarray:
         out = empty(arr.shape, arr.dtype, order=order)
     np.copyto(out, arr, casting="no")
     return out
+
+
+def extent(addr: int, shape, strides, itemsize: int) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` that a strided array starting at ``addr`` touches."""
+    lo = hi = addr
+    for n, st in zip(shape, strides):
+        if st < 0:
+            lo += (n - 1) * st
+        else:
+            hi += (n - 1) * st
+    return lo, hi + itemsize
+
+
+def view_at(lo: int, hi: int) -> "_View | None":
+    """The live host block that holds the bytes ``[lo, hi)``, or None.
+
+    How memory is recognised as shared when no ``.base`` chain leads to its block
+    (``torch.from_numpy(w).numpy()``, ``np.frombuffer(w.data)``, a tensor's storage):
+    the arena mapped at that address, then the live block of it that covers the range.
+    """
+    for region in list(_regions.values()):
+        addr = getattr(region, "addr", 0)
+        if addr and addr <= lo and hi <= addr + region.size:
+            break
+    else:
+        return None
+    off, end = lo - addr, hi - addr
+    rk0, rk1 = region.key
+    ref = _views.get((rk0, rk1, 0))  # a large block has its arena to itself
+    v = ref() if ref is not None else None
+    if type(v) is _View and end <= v.size:
+        return v
+    for key, ref in list(_views.items()):
+        if key[0] == rk0 and key[1] == rk1 and key[2] <= off:
+            v = ref()
+            if type(v) is _View and v.region is region and end <= key[2] + v.size:
+                return v
+    return None
