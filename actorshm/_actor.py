@@ -38,7 +38,8 @@ class ActorOptions:
         max_pending_calls: the most unanswered calls this process may have on the actor
             at once; one more raises ``PendingCallsLimitError``. -1 (default): no limit.
         env: environment variables for the actor's process; they win over what
-            ``num_cpus`` sets.
+            ``num_cpus`` sets (an ``OMP_NUM_THREADS`` here sets the other thread
+            counts too).
 
     Raises:
         TypeError: an unknown option, or a value of the wrong type.
@@ -81,6 +82,9 @@ class ActorOptions:
     def thread_env(self) -> dict[str, str]:
         """The environment an actor process gets for these options' ``num_cpus``."""
         n = str(max(1, int(self.num_cpus)))
+        # An OpenMP count given in ``env`` sets the others too: torch follows
+        # MKL_NUM_THREADS over OMP_NUM_THREADS, so leaving MKL at ``num_cpus`` would win.
+        n = (self.env or {}).get("OMP_NUM_THREADS", n)
         return {var: n for var in _THREAD_VARS}
 
 

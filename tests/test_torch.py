@@ -225,3 +225,13 @@ async def test_numpy_recognised_by_address(rt):
     assert (w[50:] == 7.0).all() and (w[:10] == 3.0).all()
     assert actorshm.stats()["bytes_copied"] == before
     assert not actorshm.is_shared(np.frombuffer(bytearray(80)))
+
+
+async def test_torch_threads_follow_num_cpus(rt):
+    one = await Tensors.spawn()
+    two = await Tensors.options(num_cpus=2).spawn()
+    # The user's OpenMP count wins, for torch too (which reads MKL_NUM_THREADS first).
+    env = await Tensors.options(num_cpus=2, env={"OMP_NUM_THREADS": "1"}).spawn()
+    assert await one.threads() == (1, "1")
+    assert await two.threads() == (2, "2")
+    assert await env.threads() == (1, "1")
