@@ -58,3 +58,13 @@ def test_data_pipeline():
     assert out["new_blocks_per_batch"] == 0
     assert out["bytes_zero_copy_per_batch"] > 0
     assert out["test_accuracy"] > 0.85
+
+
+def test_torch_hogwild():
+    pytest.importorskip("torch", reason="PyTorch is not installed (pip install "
+                        "'actorshm[torch]')")
+    import torch_hogwild
+    out = torch_hogwild.main(["--quick"])
+    assert out["bytes_copied"] == 0  # the model went by reference: the actors trained it
+    assert out["test_accuracy"] > 0.7
+    assert out["single_accuracy"] > 0.7
