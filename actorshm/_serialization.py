@@ -18,6 +18,7 @@ region is still opened: the connection and the peer carry on.
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import pickle
@@ -77,9 +78,13 @@ class _Encoder(cloudpickle.Pickler):
         self.grants.append(view)
         return row
 
+    def lease_host(self, view) -> int:
+        """The row of a host block in this message's table (for plug-ins: tensors)."""
+        return self.lease(view, ARENA, _arena_fd)
+
     def reducer_override(self, obj):
         t = type(obj)
-        if obj is _rebuild_array:  # ours, importable: plain pickling by name is enough
+        if obj is _rebuild_array or obj is _rebuild_block:  # ours, importable: by name
             return NotImplemented
         if t is _ndarray or (isinstance(obj, _ndarray)):
             r = _reduce_array(self, obj)
@@ -172,6 +177,23 @@ def _rebuild_array(row, aoff, shape, dtype, strides, sub):
     if sub is not None:
         arr = arr.view(sub)
     return arr
+
+
+# Plug-in modules whose rebuild functions a message may name (``_rebuild_block``).
+_PLUGIN_REBUILDERS = {"actorshm._torch": ("_rebuild_tensor",)}
+
+
+def _rebuild_block(row, module, name, *args):
+    """Rebuild a plug-in's object on block ``row`` of the message: ``module.name(block,
+    *args)``. The plug-in is imported by name, so it depends on this module, not the
+    other way round."""
+    if name not in _PLUGIN_REBUILDERS.get(module, ()):
+        raise ProtocolError(f"message names an unknown rebuild function {module}.{name}")
+    view = _ctx().blocks[row]
+    return getattr(importlib.import_module(module), name)(view, *args)
+
+
+_Encoder.rebuild_block = staticmethod(_rebuild_block)  # what a plug-in's reduction names
 
 
 def _open_arena(ctx: _DecodeCtx, key: tuple, size: int, fd_index) -> _shm.Arena:

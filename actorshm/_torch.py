@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from . import _shm
-from ._serialization import ARENA, _arena_fd
 
 _stats = _shm._stats
 _Tensor = torch.Tensor
@@ -126,14 +125,13 @@ def reduce_tensor(enc, t):
         offset, stride = t.storage_offset(), t.stride()
         _stats["bytes_zero_copy"] += nbytes
         _stats["arrays_zero_copy"] += 1
-    row = enc.lease(view, ARENA, _arena_fd)
-    return _rebuild_tensor, (row, start, n, _dtype_name(t.dtype), tuple(t.size()),
-                             tuple(stride), offset, rg, sub)
+    row = enc.lease_host(view)
+    return enc.rebuild_block, (row, __name__, "_rebuild_tensor", start, n,
+                               _dtype_name(t.dtype), tuple(t.size()), tuple(stride),
+                               offset, rg, sub)
 
 
-def _rebuild_tensor(row, start, nbytes, dtype, size, stride, offset, requires_grad, sub):
-    from ._serialization import _ctx
-    view = _ctx().blocks[row]
+def _rebuild_tensor(view, start, nbytes, dtype, size, stride, offset, requires_grad, sub):
     storage = _over(view, start, nbytes).untyped_storage()
     t = _blank(getattr(torch, dtype)).set_(storage, offset, size, stride)
     return _finish(t, requires_grad, sub)
