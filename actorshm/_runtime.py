@@ -105,7 +105,7 @@ class Runtime:
         _shm.pool()
         _leases.set_release_hook(_leases.loop_release_hook(self.loop))
         self._open = True
-        _client._runtimes.append(self)
+        _client.runtime_opened(self)
         self._finalizer = weakref.finalize(self, kill_all, self._actors)
         return self
 
@@ -140,9 +140,7 @@ class Runtime:
             if self._forkserver is not None:
                 self._forkserver.stop()
             self._open = False
-            if self in _client._runtimes:
-                _client._runtimes.remove(self)
-            if not _client._runtimes:
+            if not _client.runtime_closed(self):
                 _leases.release_quarantine()  # whoever could hold those blocks is gone
             if self._finalizer is not None:
                 self._finalizer.detach()
@@ -441,14 +439,15 @@ def current_runtime() -> Runtime:
         RuntimeError: no runtime is open (the message says how to open one), or this is
             an actor's process (actors use handles and ``get_actor``).
     """
-    if _client._worker[0] is not None:
+    if _client.current_worker() is not None:
         raise RuntimeError("current_runtime() is for the driver; inside an actor, use "
                            "handles and actorshm.get_actor()")
-    if not _client._runtimes:
+    rt = _client.innermost_runtime()
+    if rt is None:
         raise RuntimeError(
             "no actorshm runtime is open. Open one with `async with actorshm.Runtime():` "
             "around your code, or run it with `actorshm.run(main())`.")
-    return _client._runtimes[-1]
+    return rt
 
 
 async def get_actor(name: str) -> ActorHandle:

@@ -288,7 +288,7 @@ class Worker:
 async def _amain(fd: int) -> int:
     loop = asyncio.get_running_loop()
     worker = Worker(loop, fd)
-    _client._worker[0] = worker
+    _client.set_worker(worker)
     _leases.set_release_hook(_leases.loop_release_hook(loop))
     _leases.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks
     try:
