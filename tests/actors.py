@@ -369,7 +369,7 @@ class PoolWorker:
             self.active -= 1
 
     def counts(self):
-        return {"peak": self.peak, "calls": self.calls}
+        return {"peak": self.peak, "calls": self.calls, "active": self.active}
 
     def init_times(self):
         return (self.started, self.init_done)
@@ -379,6 +379,11 @@ class PoolWorker:
         if value == bad:
             raise ValueError(f"bad value {value}")
         return value
+
+    def fail_if_tag(self, tag):
+        if tag == self.tag:
+            raise ValueError(f"tag {tag} fails")
+        return self.tag
 
     def die_if(self, value, bad):
         if value == bad:
