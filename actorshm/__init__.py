@@ -20,6 +20,7 @@ from __future__ import annotations
 from ._actor import ActorHandle, actor
 from ._errors import (ActorDiedError, ActorError, ActorGroupError, PendingCallsLimitError,
                       RemoteError, SharedMemoryError)
+from ._events import ActorEvent
 from ._group import ActorGroup
 from ._pool import ActorPool
 from ._runtime import Runtime, current_runtime, get_actor, run
@@ -42,6 +43,7 @@ __all__ = [
     "ActorGroupError",
     "ActorPool",
     "ActorGroup",
+    "ActorEvent",
     "empty",
     "zeros",
     "share",

@@ -24,7 +24,7 @@ import threading
 import weakref
 from typing import Any
 
-from . import _client, _shm
+from . import _client, _events, _shm
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._errors import ActorDiedError
 from ._protocol import Connection
@@ -79,7 +79,7 @@ class _Record:
         return f"actor {self.cls_name}(id={self.actor_id}, pid={self.pid})"
 
 
-class Runtime:
+class Runtime(_events.EventSource):
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
 
     Options (keyword-only):
@@ -157,6 +157,7 @@ class Runtime:
             for r in self._actors.values():
                 self._reap(r)
             self._stop_forkserver()
+            _events.close(self)
             self._open = False
             if self in _client._runtimes:
                 _client._runtimes.remove(self)
@@ -502,7 +503,10 @@ class Runtime:
             rec.conn.close(ActorDiedError(why))
         rec.exited.set()
         limit = rec.options.max_restarts
-        if not self._closing and not rec.no_restart and (limit == -1 or rec.restarts < limit):
+        restart = (not self._closing and not rec.no_restart
+                   and (limit == -1 or rec.restarts < limit))
+        _events.emit(self, "died", rec, why, will_restart=restart)
+        if restart:
             # Calls made from now on wait in a fresh connection for the new process;
             # the ones that were pending have failed (at-most-once, as in Ray).
             rec.restarts += 1
@@ -530,6 +534,7 @@ class Runtime:
                 return
             logger.warning("actorshm: restarted %s (restart %d of %s) after: %s", rec.label,
                            rec.restarts, rec.options.max_restarts, _first_line(why))
+            _events.emit(self, "restarted", rec, why)
         except BaseException as exc:
             if rec.conn is not conn:
                 # The new process died while starting; the next restart is on its way.
