@@ -400,6 +400,12 @@ class PoolWorker:
     def stats(self):
         return actorshm.stats()
 
+    async def broadcast(self, group, value):
+        """Use a group and a pool of other actors from inside this actor."""
+        pool = actorshm.ActorPool(list(group))
+        mapped = [r async for r in pool.map(lambda a, v: a.work(v), range(3))]
+        return await group.work(value), mapped
+
 
 @actor
 class InitFailsOnce:

@@ -28,6 +28,14 @@ async def test_call_every_member_results_in_member_order(rt):
     assert "work" in dir(g)
 
 
+async def test_groups_and_pools_work_inside_an_actor(rt):
+    caller, g = await asyncio.gather(PoolWorker.spawn(9), ActorGroup.spawn(PoolWorker, 2))
+    tags = [t for t, _ in await g.work(0)]
+    direct, mapped = await caller.broadcast(g, "hi")  # the group pickles
+    assert direct == [(t, "hi") for t in tags]
+    assert [v for _, v in mapped] == [0, 1, 2]
+
+
 async def test_members_of_different_classes(rt):
     c, w = await asyncio.gather(Counter.spawn(0), PoolWorker.spawn(7))
     g = ActorGroup([c, w])
