@@ -90,7 +90,8 @@ class ActorPool:
         if handle in self._members:
             raise ValueError(f"{handle!r} is already in this pool")
         self._members.append(handle)
-        self._idle.append(handle)
+        if handle not in self._busy:  # (one removed while busy is free when its call ends)
+            self._idle.append(handle)
         self._dispatch()
 
     def remove(self, handle: ActorHandle) -> None:

@@ -140,6 +140,17 @@ async def test_push_remove_pop_idle(rt):
         pool.remove(a)
 
 
+async def test_a_member_pushed_back_while_busy_still_gets_one_call_at_a_time(rt):
+    (w,) = await workers(1)
+    pool = ActorPool([w])
+    first = pool.submit(lambda a, v: a.work(v, 0.3), 1)
+    pool.remove(w)
+    pool.push(w)  # back while its call runs: the next item waits for that call
+    second = pool.submit(lambda a, v: a.work(v, 0.0), 2)
+    assert await asyncio.gather(first, second) == [(0, 1), (0, 2)]
+    assert (await w.counts())["peak"] == 1
+
+
 async def test_removing_the_last_member_fails_queued_work(rt):
     (w,) = await workers(1)
     pool = ActorPool([w])
