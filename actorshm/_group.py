@@ -54,7 +54,8 @@ class ActorGroup:
         self._methods: dict[str, GroupMethod] = {}
 
     @classmethod
-    async def spawn(cls, actor_cls: Any, n: int, *args: Any, **kwargs: Any) -> "ActorGroup":
+    async def spawn(cls, actor_cls: Any, n: int, /, *args: Any,
+                    **kwargs: Any) -> "ActorGroup":
         """Start ``n`` actors of ``actor_cls`` at once and return them as a group.
 
         Every start-up runs concurrently (``asyncio.gather`` of the spawns), so ``n``
