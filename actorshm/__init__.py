@@ -1,18 +1,20 @@
 """actorshm: actors in their own processes on one machine, with zero-copy arrays.
 
-    import actorshm
-    from actorshm import actor
+```python
+import actorshm
+from actorshm import actor
 
-    @actor
-    class Counter:
-        def __init__(self, start=0): self.n = start
-        def incr(self, k=1): self.n += k; return self.n
+@actor
+class Counter:
+    def __init__(self, start=0): self.n = start
+    def incr(self, k=1): self.n += k; return self.n
 
-    async def main():
-        c = await Counter.spawn(5)
-        assert await c.incr(2) == 7
+async def main():
+    c = await Counter.spawn(5)
+    assert await c.incr(2) == 7
 
-    actorshm.run(main())
+actorshm.run(main())
+```
 """
 
 from __future__ import annotations

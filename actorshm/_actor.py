@@ -142,7 +142,25 @@ def actor(cls: type | None = None, /, **options: Any):
     """Make a class an actor class: ``await Cls.spawn(...)`` starts it in its own process.
 
     Use bare (``@actor``) or with options (``@actor(max_concurrency=4, num_gpus=1)``).
-    The class itself is unchanged otherwise: ``Cls(...)`` still makes a local instance.
+    The class gains ``Cls.spawn(*args, **kwargs)``, awaitable: it starts a process, runs
+    ``__init__(*args, **kwargs)`` there and returns an ``ActorHandle``; and
+    ``Cls.options(**options)``, other options for one spawn:
+    ``await Cls.options(name="ps").spawn()``. The class itself is unchanged otherwise:
+    ``Cls(...)`` still makes a local instance.
+
+    Args:
+        cls: the class, in the bare ``@actor`` form.
+        **options: actor options: ``name``, ``max_concurrency``, ``num_gpus``,
+            ``num_cpus``, ``max_restarts``, ``max_pending_calls``, ``env`` (see
+            "Actor options" in the API reference).
+
+    Returns:
+        The class itself (or, with options only, a decorator that returns it).
+
+    Raises:
+        TypeError: ``cls`` is not a class, it defines a name actorshm reserves
+            (``spawn``, ``options``, ``kill``, ``pid``), or an option is unknown.
+        ValueError: an option's value is out of range.
     """
     if cls is None:
         return lambda c: actor(c, **options)
@@ -228,10 +246,20 @@ class ActorHandle:
 
     @property
     def actor_id(self) -> int:
+        """The actor's id in its runtime (a method of the actor named ``actor_id`` wins)."""
+        if "actor_id" in self._methods:
+            return self.__getattr__("actor_id")
         return self._actor_id
 
     @property
     def name(self) -> str | None:
+        """The name given with ``options(name=...)``, else None.
+
+        An actor class may define a method called ``name``: then ``handle.name`` is that
+        method, as with every other method.
+        """
+        if "name" in self._methods:
+            return self.__getattr__("name")
         return self._actor_name
 
     async def kill(self) -> None:

@@ -28,7 +28,7 @@ from . import _client, _events, _shm
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._errors import ActorDiedError
 from ._protocol import Connection
-from ._util import describe_exit, install_event_loop_policy
+from ._util import check_run_args, describe_exit, install_event_loop_policy
 
 __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 
@@ -82,7 +82,11 @@ class _Record:
 class Runtime(_events.EventSource):
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
 
-    Options (keyword-only):
+    Where one ``async with`` block cannot hold the whole program (a notebook: each cell
+    is its own block), open it with ``rt = await Runtime().start()`` and end it with
+    ``await rt.close()``.
+
+    Args:
       start_method: ``"spawn"`` (default: a fresh interpreter per actor) or
         ``"forkserver"`` (a warm, single-threaded server process forks each actor:
         much faster start-up, same isolation from the driver's threads).
@@ -122,9 +126,25 @@ class Runtime(_events.EventSource):
         self._fs_exit_events: dict[int, asyncio.Event] = {}
 
     # -- context manager ---------------------------------------------------------
-    async def __aenter__(self) -> "Runtime":
+    async def start(self) -> "Runtime":
+        """Open the runtime on the running event loop and return it.
+
+        ``async with Runtime() as rt`` does this on entry and ``close()`` on exit. Call
+        it directly to keep a runtime open across notebook cells: ``rt = await
+        actorshm.Runtime().start()`` in one cell, ``await rt.close()`` in a later one.
+        Until then it is ``current_runtime()`` and spawns every actor.
+
+        Returns:
+            The runtime itself.
+
+        Raises:
+            RuntimeError: it is already open, or was closed (make a new ``Runtime``).
+        """
         if self._open:
             raise RuntimeError("this Runtime is already open")
+        if self._closing:
+            raise RuntimeError("this Runtime was closed; open a new one: "
+                               "`rt = await actorshm.Runtime().start()`")
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         _shm.set_budget(self.shm_budget)
@@ -135,11 +155,18 @@ class Runtime(_events.EventSource):
         self._finalizer = weakref.finalize(self, _kill_all, self._actors)
         return self
 
+    async def __aenter__(self) -> "Runtime":
+        return await self.start()
+
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.close()
 
     async def close(self) -> None:
-        """Stop every actor (ask, grace period, SIGTERM, SIGKILL) and reap them."""
+        """Stop every actor (ask, grace period, SIGTERM, SIGKILL) and reap them.
+
+        Leaving ``async with`` calls it; after ``start()``, call it yourself. Calling it
+        again does nothing.
+        """
         if not self._open or self._closing:
             return
         self._closing = True
@@ -726,7 +753,12 @@ def _make_flush_hook(loop: asyncio.AbstractEventLoop):
 
 
 def current_runtime() -> Runtime:
-    """The innermost open runtime; ``RuntimeError`` (saying how to open one) outside."""
+    """The runtime that ``spawn`` uses here: the one opened last and not yet closed.
+
+    Raises:
+        RuntimeError: no runtime is open (the message says how to open one), or this is
+            an actor's process (actors use handles and ``get_actor``).
+    """
     if _client._worker[0] is not None:
         raise RuntimeError("current_runtime() is for the driver; inside an actor, use "
                            "handles and actorshm.get_actor()")
@@ -738,7 +770,16 @@ def current_runtime() -> Runtime:
 
 
 async def get_actor(name: str) -> ActorHandle:
-    """A handle to the live actor spawned with ``options(name=name)``; else ValueError."""
+    """A handle to the live actor spawned with ``options(name=name)``.
+
+    Works in the driver and inside actors.
+
+    Args:
+        name: the name given at spawn, as in ``Cls.options(name="ps").spawn()``.
+
+    Raises:
+        ValueError: no live actor has that name.
+    """
     return await _client.client().get_actor(name)
 
 
@@ -746,8 +787,23 @@ def run(main, **runtime_options: Any):
     """Run coroutine ``main`` on uvloop (where installed) inside a Runtime; return its result.
 
     If ``main`` opens its own Runtime, that one is used inside it; the outer one that
-    ``run`` opened has no actors and costs nothing.
+    ``run`` opened has no actors and costs nothing. Where an event loop already runs (a
+    notebook, async code), await ``main`` instead, in ``async with actorshm.Runtime():``
+    or after ``rt = await actorshm.Runtime().start()``.
+
+    Args:
+        main: a coroutine: ``run(main())``, not ``run(main)``.
+        **runtime_options: keyword arguments for ``Runtime``.
+
+    Returns:
+        What ``main`` returned.
+
+    Raises:
+        TypeError: ``main`` is not a coroutine (a coroutine function names the fix).
+        RuntimeError: called from a running event loop; the message says what to do.
     """
+    check_run_args(main)
+
     async def wrapper():
         async with Runtime(**runtime_options):
             return await main

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import inspect
 import signal
 
 PR_SET_PDEATHSIG = 1
@@ -50,3 +52,26 @@ def new_event_loop():
     except ImportError:
         import asyncio
         return asyncio.new_event_loop()
+
+
+def check_run_args(main) -> None:
+    """Raise what ``actorshm.run(main)`` should say when it cannot run ``main``."""
+    if not inspect.isawaitable(main):
+        if callable(main):
+            name = getattr(main, "__name__", "main")
+            raise TypeError(f"actorshm.run() takes a coroutine: call the function, "
+                            f"actorshm.run({name}()), not actorshm.run({name})")
+        raise TypeError(f"actorshm.run() takes a coroutine, such as actorshm.run(main()), "
+                        f"not {type(main).__name__}")
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    if inspect.iscoroutine(main):
+        main.close()  # it will never run: no "never awaited" warning on top
+    name = getattr(main, "__name__", "main")
+    raise RuntimeError(
+        "actorshm.run() cannot be called from a running event loop (a Jupyter notebook, "
+        f"IPython, or async code). Await the coroutine instead: `await {name}()` inside "
+        "`async with actorshm.Runtime():`, or keep a runtime open across notebook cells "
+        "with `rt = await actorshm.Runtime().start()` and end it with `await rt.close()`.")

@@ -2,7 +2,7 @@
 
     python -m benchmarks                 # everything installed (ray, torch via '.[bench]')
     python -m benchmarks --quick         # actorshm and the floors, small sizes, < 1 minute
-    python -m benchmarks --out docs/benchmarks.md
+    python -m benchmarks --out docs/benchmarks.md --plots docs   # report and its charts
 
 Every measurement runs in rounds; each round takes a few samples from every contender in
 turn, so that this noisy machine's swings hit all of them alike. Only ratios measured in
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import actorshm  # noqa: E402
-from benchmarks import _peers  # noqa: E402
+from benchmarks import _peers, plots  # noqa: E402
 from benchmarks._bench_actors import Producer, Sink  # noqa: E402
 
 HEADER = _peers.HEADER
@@ -458,7 +458,10 @@ def machine() -> str:
             f"{np.__version__}, uvloop {uv}, actorshm {actorshm.__version__}")
 
 
-async def run(args) -> str:
+async def run(args, data: dict | None = None) -> str:
+    """Measure everything; return the Markdown report. ``data`` gets the raw numbers
+    the charts are drawn from (see ``benchmarks.plots.write``)."""
+    data = {} if data is None else data
     quick = args.quick
     table = Table()
     c = Contenders()
@@ -471,16 +474,19 @@ async def run(args) -> str:
         for k, v in rt.items():
             m = statistics.median(v)
             rows.append([k, _us(m), _us(_pct(v, 0.99)), f"{m / floor:.2f}x"])
+        data["latency"] = {k: (statistics.median(v), _pct(v, 0.99)) for k, v in rt.items()}
         table.add("Trivial call round trip", ["contender", "median µs", "p99 µs",
                                               "vs uvloop floor"], rows)
         pl = await pipelined(c, rounds=3 if quick else 8)
         pfloor = statistics.median(pl["asyncio+uvloop socket pair (floor)"])
+        data["throughput"] = {k: statistics.median(v) for k, v in pl.items()}
         table.add("Pipelined calls, 100 in flight", ["contender", "calls/s",
                                                      "vs uvloop floor"],
                   [[k, f"{statistics.median(v):,.0f}", f"{statistics.median(v) / pfloor:.2f}x"]
                    for k, v in pl.items()])
         sizes = [KiB, MiB, 64 * MiB] if quick else [KiB, MiB, 64 * MiB, 512 * MiB, GiB]
         arr = await array_sizes(c, sizes, rounds=2 if quick else 3)
+        data["arrays"] = arr
         trivial = statistics.median(rt["actorshm"])
         rows = []
         for k, per_size in arr.items():
@@ -523,15 +529,22 @@ async def run(args) -> str:
                   [[k, _ms(statistics.median(v)), _ms(_pct(v, 0.99)),
                     f"{statistics.median(v) / one:.2f}x"] for k, v in bc.items()])
         ray_rows = []
+        many_label = f"{4 if quick else 16} actors at once"
+        data["startup"] = {}
         if c.ray is not None:  # pragma: no cover
-            ray_rows = [["Ray actors", _ms(ray_startup(1)), _ms(ray_startup(16))]]
+            one, many = ray_startup(1), ray_startup(16)
+            ray_rows = [["Ray actors", _ms(one), _ms(many)]]
+            data["startup"]["Ray actors"] = {"1 actor": one, many_label: many}
     finally:
         c.close()
     rows = []
+    ours: dict = {}
     for method in ("spawn", "forkserver"):
         one = await startup(method, 1)
         many = await startup(method, 4 if quick else 16)
         rows.append([f"actorshm ({method})", _ms(one), _ms(many)])
+        ours[f"actorshm ({method})"] = {"1 actor": one, many_label: many}
+    data["startup"] = {**ours, **data["startup"]}
     rows += ray_rows
     table.add("Actor start-up", ["contender", "1 actor ms",
                                  f"{4 if quick else 16} actors at once "
@@ -539,11 +552,22 @@ async def run(args) -> str:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     notes = "\n".join(f"- {n}" for n in table.notes + c.skipped +
                       [f"Peak RSS of the driver: {rss:.0f} MiB."])
+    data["title"] = f"{_command(args)}, {machine()}"
     return (f"# Benchmarks\n\nMachine: {machine()}.\n"
-            f"Command: `python -m benchmarks{' --quick' if quick else ''}"
-            f"{'' if args.pin_cpu is None else f' --pin-cpu {args.pin_cpu}'}`.\n\n"
+            f"Command: `{_command(args)}`.\n\n"
             f"{_READING}\n{_pinned() if args.pin_cpu is not None else ''}"
             f"{table.markdown()}\n{notes}\n")
+
+
+def _command(args) -> str:
+    return (f"python -m benchmarks{' --quick' if args.quick else ''}"
+            f"{'' if args.pin_cpu is None else f' --pin-cpu {args.pin_cpu}'}")
+
+
+def _with_charts(report: str, section: str) -> str:
+    """The report with its charts before the first table."""
+    head, sep, tables = report.partition("\n### ")
+    return f"{head}\n{section}{sep.lstrip()}{tables}" if sep else report + section
 
 
 def _pinned() -> str:
@@ -582,14 +606,27 @@ def main(argv=None) -> None:
     p.add_argument("--pin-cpu", type=int, metavar="N",
                    help="run every process (this one and all it starts) on CPU N: "
                         "measures software cost without cross-CPU wake-ups")
+    p.add_argument("--plots", metavar="DIR",
+                   help="also draw the results as PNG charts (matplotlib) into DIR; the "
+                        "report embeds them")
     args = p.parse_args(argv)
+    if args.plots is not None:
+        try:
+            import matplotlib  # noqa: F401  (checked before measuring, not after)
+        except ImportError:
+            p.error("--plots needs matplotlib: pip install -e '.[bench]'")
     if args.pin_cpu is not None:
         try:
             os.sched_setaffinity(0, {args.pin_cpu})  # inherited by every process started
         except (OSError, ValueError, OverflowError):
             p.error(f"--pin-cpu {args.pin_cpu}: this process may run on CPUs "
                     f"{sorted(os.sched_getaffinity(0))}; pick one of those")
-    report = actorshm.run(run(args))
+    data: dict = {}
+    report = actorshm.run(run(args, data))
+    if args.plots is not None:
+        paths = plots.write(data, args.plots)
+        base = Path(args.out).parent if args.out else Path.cwd()
+        report = _with_charts(report, plots.markdown(paths, base, _command(args)))
     print(report)
     if args.out:
         Path(args.out).write_text(report)

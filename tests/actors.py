@@ -421,3 +421,15 @@ class InitFailsOnce:
 
     def ping(self):
         return os.getpid()
+
+
+@actor
+class Named:
+    def __init__(self, label):
+        self.label = label
+
+    def name(self):
+        return self.label
+
+    def actor_id(self):
+        return 42

@@ -8,11 +8,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+PNG = b"\x89PNG\r\n\x1a\n"
+CHARTS = ["bench-latency.png", "bench-throughput.png", "bench-arrays.png",
+          "bench-startup.png"]
+
+
+def _check_png(path: Path) -> None:
+    import matplotlib.image
+    data = path.read_bytes()
+    assert data.startswith(PNG), path
+    assert 5_000 < len(data) < 200_000, (path, len(data))
+    img = matplotlib.image.imread(path)
+    assert img.shape[0] > 150 and img.shape[1] > 400, (path, img.shape)
+    assert img.std() > 0.05, f"{path} is blank"
+
+
 def test_quick_benchmarks_run(tmp_path):
     out_file = tmp_path / "bench.md"
     # pinned to one CPU, as docs/benchmarks-pinned.md is made (it also steadies CI)
     p = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--pin-cpu", "0",
-                        "--out", str(out_file)],
+                        "--out", str(out_file), "--plots", str(tmp_path / "charts")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -29,3 +44,37 @@ def test_quick_benchmarks_run(tmp_path):
     cells = [c.strip() for c in recycle.strip("|").split("|")]
     assert cells[0] == "actorshm" and cells[4] == "0" and cells[5] == "0.00", recycle
     assert line
+    # the charts: valid PNGs, embedded in the report by paths relative to it
+    for name in CHARTS:
+        _check_png(tmp_path / "charts" / name)
+        assert f"](charts/{name})" in report
+    assert report.index("### Charts") < report.index("### Trivial call round trip")
+
+
+def test_plots_redrawn_from_a_saved_report(tmp_path):
+    """The committed full-run report (Ray and torch measured) reads back into charts."""
+    p = subprocess.run([sys.executable, "-m", "benchmarks.plots",
+                        str(ROOT / "docs" / "benchmarks.md"), str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for name in CHARTS:
+        _check_png(tmp_path / name)
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import plots
+    finally:
+        sys.path.remove(str(ROOT))
+    data = plots.from_report((ROOT / "docs" / "benchmarks.md").read_text())
+    assert "Ray actor (ray.get)" in data["latency"]
+    assert data["latency"]["actorshm"][0] < data["latency"]["actorshm"][1]  # median < p99
+    assert len(data["arrays"]["actorshm, shared argument"]) == 5
+    assert "Ray, argument" in data["arrays"] and "Ray actors" in data["startup"]
+
+
+def test_plots_of_a_file_that_is_no_report_is_a_usage_error(tmp_path):
+    (tmp_path / "x.md").write_text("# nothing here\n")
+    p = subprocess.run([sys.executable, "-m", "benchmarks.plots", str(tmp_path / "x.md"),
+                        str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "no benchmark tables found" in p.stderr, p.stderr
+    assert not (tmp_path / "out").exists()
