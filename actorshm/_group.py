@@ -257,7 +257,7 @@ def _spawner_of(actor_cls: Any) -> _Spawner:
 
 
 def _who(h: ActorHandle) -> str:
-    return f"actor {h._cls_name} id={h.actor_id}"
+    return f"actor {h._cls_name} id={h._actor_id}"
 
 
 def _brief(exc: BaseException) -> str:
