@@ -28,7 +28,7 @@ async def test_map_yields_in_input_order_and_spreads_work(rt):
 
 async def test_map_unordered_yields_in_completion_order(rt):
     pool = ActorPool(await workers(2))
-    delays = [0.6, 0.0, 0.0, 0.0]  # item 0 holds one actor; the other does 1, 2, 3
+    delays = [1.0, 0.0, 0.0, 0.0]  # item 0 holds one actor; the other does 1, 2, 3
     out = [v async for _, v in pool.map_unordered(lambda a, v: a.work(v, delays[v]),
                                                    range(4))]
     assert out == [1, 2, 3, 0]
