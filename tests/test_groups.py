@@ -159,3 +159,16 @@ async def test_bad_input_is_a_clear_error(rt):
     with pytest.raises(TypeError):  # cannot be serialized: raised by the call, nothing sent
         g.echo(threading.Lock())
     assert await g.incr() == [1]
+
+
+async def test_cancelled_spawn_leaves_no_actor_running(rt):
+    task = asyncio.ensure_future(ActorGroup.spawn(PoolWorker, 3, 0, 2.0))  # __init__: 2 s
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+    for _ in range(200):
+        if not any(r["alive"] for r in rt.actors()):
+            break
+        await asyncio.sleep(0.02)
+    assert len(rt.actors()) == 3 and not any(r["alive"] for r in rt.actors())
