@@ -126,7 +126,10 @@ class EventSource:
         """An async iterator of the ``ActorEvent``s from now on; it ends when the
         runtime closes. ``async for ev in rt.events(): ...``; events wait in it
         (unbounded) until read, so leave the loop (or ``aclose()`` it) when done."""
-        return _EventStream(self)
+        stream = _EventStream(self)
+        if getattr(self, "_closing", False):  # closed (or closing): nothing more will come
+            stream._put(None)
+        return stream
 
 
 def emit(runtime: Any, kind: str, rec: Any, reason: str, will_restart: bool = False) -> None:

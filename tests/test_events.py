@@ -77,3 +77,4 @@ async def test_events_end_when_the_runtime_closes_and_closing_is_not_reported():
         stream = rt.events()
         await Counter.spawn(0)
     assert [ev async for ev in stream] == []  # ended, with no "died" for the shutdown
+    assert [ev async for ev in rt.events()] == []  # made after the close: ended at once
