@@ -105,6 +105,9 @@ class EventSource:
         exception it raises is logged and does not stop later events. Deaths caused by
         closing the runtime are not reported.
 
+        Args:
+            callback: called with each ``ActorEvent``.
+
         Returns:
             A function that unsubscribes the callback.
 

@@ -80,6 +80,9 @@ class ActorPool:
     def push(self, handle: ActorHandle) -> None:
         """Add an actor to the pool; queued work starts on it at once.
 
+        Args:
+            handle: the actor to add.
+
         Raises:
             TypeError: ``handle`` is not an actor handle.
             ValueError: it is already a member.
@@ -98,6 +101,9 @@ class ActorPool:
         """Take an actor out of the pool; a call it is running finishes normally.
 
         Work still queued when the last member leaves fails with ``ValueError``.
+
+        Args:
+            handle: a member.
 
         Raises:
             ValueError: ``handle`` is not a member.
@@ -131,6 +137,14 @@ class ActorPool:
         (or drops it from the queue). Errors of ``fn`` and of the call are raised by
         ``await``.
 
+        Args:
+            fn: ``fn(actor, value)``, returning the awaitable of a call on ``actor``
+                (``lambda a, v: a.method(v)``), or an ``async def`` awaiting calls on it.
+            value: passed to ``fn``.
+
+        Returns:
+            An ``asyncio.Future`` of the result.
+
         Raises:
             TypeError: ``fn`` is not callable.
             ValueError: the pool has no members (all removed).
@@ -153,6 +167,14 @@ class ActorPool:
         ``values`` is read lazily (it may be a generator), keeping at most twice as many
         items in flight or finished-but-not-yet-yielded as the pool has actors. The first
         error is raised here; leaving the loop early cancels the work still in flight.
+
+        Args:
+            fn: as for ``submit``.
+            values: an iterable of values, one call each.
+
+        Raises:
+            ActorDiedError: a member died running an item (it leaves the pool).
+            Exception: the first error of ``fn`` or of a call, as ``await`` raises it.
         """
         pending: collections.deque = collections.deque()
         it = iter(values)
@@ -174,7 +196,16 @@ class ActorPool:
 
     async def map_unordered(self, fn: Callable[[ActorHandle, Any], Awaitable],
                             values: Iterable[Any]) -> AsyncIterator[Any]:
-        """Like ``map``, but yield each result as soon as it is ready (completion order)."""
+        """Like ``map``, but yield each result as soon as it is ready (completion order).
+
+        Args:
+            fn: as for ``submit``.
+            values: an iterable of values, one call each.
+
+        Raises:
+            ActorDiedError: a member died running an item (it leaves the pool).
+            Exception: the first error of ``fn`` or of a call, as ``await`` raises it.
+        """
         pending: set = set()
         done: collections.deque = collections.deque()
         wake = asyncio.Event()
