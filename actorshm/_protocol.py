@@ -135,8 +135,10 @@ class Connection(FramedSocket):
     def call(self, method: str, args: tuple, kwargs: dict, what: str = "") -> asyncio.Future:
         """Send a call now and return a future for its reply.
 
-        Raises ``TypeError`` (before anything is sent) when an argument cannot be
-        serialized.
+        Raises (before anything is sent): ``TypeError`` when an argument cannot be
+        serialized (an open file, an object over the frame limit, an unpicklable one);
+        ``SharedMemoryError`` (a ``MemoryError``) when copying an array into shared
+        memory runs out of budget.
         """
         fut = self.loop.create_future()
         if self.closed:
@@ -144,6 +146,11 @@ class Connection(FramedSocket):
             return fut
         try:
             payload, fds, enc, flags = ser.encode((method, args, kwargs), self)
+        except MemoryError:  # out of shared memory while copying an array: as it is
+            raise
+        except (ser.Unsendable, ser.MessageTooBig) as exc:  # says what to do already
+            raise TypeError(f"cannot send the arguments of {what or method}(): {exc}") \
+                from exc
         except Exception as exc:
             raise TypeError(
                 f"cannot send the arguments of {what or method}(): {exc}. Arguments must be "
@@ -164,6 +171,9 @@ class Connection(FramedSocket):
             return
         try:
             payload, fds, enc, flags = ser.encode(value, self)
+        except MemoryError as exc:  # out of shared memory: the caller gets it as it is
+            self.reply_error(cid, exc)
+            return
         except Exception as exc:
             if inspect.isgenerator(value) or inspect.isasyncgen(value):
                 exc = TypeError(f"it is a generator; actorshm methods do not stream results "

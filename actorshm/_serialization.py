@@ -33,7 +33,7 @@ from . import _leases, _shm
 from ._errors import ProtocolError, RemoteError, RemoteTraceback
 from ._wire import ARENA, GPU_SLAB, HAS_BLOCKS, LEN, MAX_MESSAGE, PLAIN  # noqa: F401
 
-__all__ = ["encode", "decode", "encode_exception", "decode_exception", "PassFd",
+__all__ = ["encode", "decode", "Unsendable", "MessageTooBig", "encode_exception", "decode_exception", "PassFd",
            "register_reducer", "register_region_kind", "register_lazy_plugin",
            "leased_block", "ARENA", "GPU_SLAB"]
 
@@ -130,6 +130,24 @@ _ndarray = np.ndarray
 _memmap = np.memmap
 
 
+class Unsendable(TypeError):
+    """An object that cannot travel, with a message that already says what to do."""
+
+
+# Open files: cloudpickle would send a text file as a snapshot of its contents (a copy
+# that no longer follows the file), and a binary one fails with a bare "cannot pickle".
+_FILE_TYPES = frozenset({io.FileIO, io.BufferedReader, io.BufferedWriter, io.BufferedRandom,
+                         io.TextIOWrapper})
+
+
+def _refuse_file(f) -> None:
+    name = getattr(f, "name", None)
+    what = f"the open file {name!r}" if isinstance(name, str) else "an open file"
+    raise Unsendable(
+        f"{what} cannot be sent to another process: pass its path and open it there, "
+        "or its contents (f.read())")
+
+
 class PassFd:
     """Wraps a file descriptor so that it travels with a message (SCM_RIGHTS)."""
 
@@ -188,6 +206,8 @@ class _Encoder(cloudpickle.Pickler):
         if t is PassFd:
             self.fds.append(obj.fd)
             return _rebuild_fd, (len(self.fds) - 1,)
+        if t in _FILE_TYPES and obj is not sys.stdout and obj is not sys.stderr:
+            _refuse_file(obj)
         if _reducers or _lazy_plugins:
             r = _plugin_reducer(t)
             if r is not None:
@@ -385,8 +405,12 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     return [_TLEN.pack(len(table)), table, f.getbuffer()], enc.fds, enc, HAS_BLOCKS
 
 
+class MessageTooBig(ValueError):
+    """A message over the frame limit (``MAX_MESSAGE``)."""
+
+
 def _too_big(n: int) -> None:
-    raise ValueError(
+    raise MessageTooBig(
         f"the message is {n / 2**30:.1f} GiB once pickled, over actorshm's 2 GiB frame "
         "limit; pass big data as numpy arrays, which travel in shared memory, not as "
         "bytes or lists")

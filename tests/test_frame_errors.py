@@ -1,0 +1,100 @@
+"""What cannot be sent, and frames that are wrong: clear errors, never a hang or a leak."""
+
+import asyncio
+import os
+import socket
+
+import numpy as np
+import pytest
+
+import actorshm
+from actorshm import _protocol as P
+from actorshm import _serialization, _shm
+from actors import Arrays, Counter, Oversized
+
+
+class _Recorder:
+    """A connection host that records calls and answers each with its arguments."""
+
+    closing = False
+
+    def __init__(self):
+        self.calls = []
+        self.closed = []
+
+    def handle_call(self, conn, cid, call):
+        method, args, kwargs = call
+        call.clear()
+        self.calls.append((method, args, kwargs))
+        conn.reply(cid, args)
+
+    def connection_eof(self, conn):
+        conn.close()
+
+    def connection_closed(self, conn):
+        self.closed.append(conn)
+
+
+def _fd_count():
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def _until(cond, timeout=2.0):
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return cond()
+
+
+# -- what cannot be sent: the error says why, and only why --------------------------------
+
+async def test_the_frame_limit_error_gives_no_unrelated_advice(rt, monkeypatch):
+    c = await Counter.spawn()
+    monkeypatch.setattr(_serialization, "MAX_MESSAGE", 10_000)
+    with pytest.raises(TypeError, match="frame limit") as info:
+        c.echo(b"x" * 20_000)
+    assert "picklable" not in str(info.value) and "open files" not in str(info.value)
+    monkeypatch.undo()
+    assert await c.incr() == 1
+
+
+@pytest.mark.parametrize("mode", ["r", "rb", "w", "r+b"])
+async def test_an_open_file_argument_is_refused_with_what_to_pass(rt, tmp_path, mode):
+    path = tmp_path / "data.txt"
+    path.write_text("hello")
+    c = await Counter.spawn()
+    with open(path, mode) as f:
+        with pytest.raises(TypeError, match="open file") as info:
+            c.echo(f)
+        with pytest.raises(TypeError, match="open file"):
+            c.echo({"nested": [f]})
+    text = str(info.value)
+    assert "data.txt" in text and "path" in text and "read()" in text
+    assert await c.incr() == 1  # nothing was sent; the actor carries on
+    assert await c.echo(str(path)) == str(path)
+
+
+async def test_an_open_file_result_is_an_error_the_caller_gets(rt, tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("hello")
+    o = await Oversized.spawn()
+    # `open` itself travels (a builtin); the file object it returns is made in the actor.
+    with pytest.raises(TypeError, match="open file"):
+        await o.call(open, str(path))
+    assert await o.ok() == "ok"
+
+
+async def test_out_of_budget_while_copying_an_argument_is_a_memory_error(rt):
+    w = await Arrays.spawn()
+    pool = _shm.pool()
+    old = pool.budget
+    pool.budget = pool.reserved + (4 << 20)
+    try:
+        with pytest.raises(actorshm.SharedMemoryError, match="shm_budget") as info:
+            w.echo(np.ones(64 << 20, np.uint8))  # an ordinary array: copied to shared memory
+        assert isinstance(info.value, MemoryError)
+        assert "picklable" not in str(info.value)
+    finally:
+        pool.budget = old
+    assert await w.echo(3) == 3
