@@ -183,13 +183,28 @@ class Connection(FramedSocket):
             self.reply_error(cid, err)
             return
         self.ledger.commit(enc, self)
-        self._send(RESULT, flags, cid, payload, fds)
+        try:
+            self._send(RESULT, flags, cid, payload, fds)
+        except Exception as exc:  # not queued: the caller must still hear of it
+            err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}")
+            err.__cause__ = exc
+            self.reply_error(cid, err)
 
     def reply_error(self, cid: int, exc: BaseException) -> None:
+        """Send ``exc`` as call ``cid``'s error reply; never raises.
+
+        An exception too big for a frame goes as a short copy of itself
+        (``_serialization.encode_exception``); should even that fail, as a
+        ``RemoteError`` carrying its type name and a short text.
+        """
         if self.closed:
             return
-        payload = ser.encode_exception(exc)
-        self._send(ERROR, 0, cid, payload, ())
+        try:
+            self._send(ERROR, 0, cid, ser.encode_exception(exc), ())
+        except Exception as err:
+            logger.exception("actorshm: the error reply of a call to %s could not be sent",
+                             self.label)
+            self._send(ERROR, 0, cid, ser.encode_failure(exc, err), ())
 
     def queue_release(self, key: tuple, n: int) -> None:
         """Give ``n`` grants of block ``key`` back to the peer (batched, sent soon)."""
@@ -352,6 +367,8 @@ class Connection(FramedSocket):
                     value = ser.decode(payload, fds, self, flags)
                 except ProtocolError as exc:
                     self._protocol_error(str(exc))
+                    if not fut.done():  # popped above: closing did not fail it
+                        fut.set_exception(_copy_exc(self.close_exc))
                     return
                 except Exception as exc:
                     if not fut.done():

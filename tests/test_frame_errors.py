@@ -10,6 +10,7 @@ import pytest
 import actorshm
 from actorshm import _protocol as P
 from actorshm import _serialization, _shm
+from actorshm import _wire as W
 from actors import Arrays, Counter, Oversized
 
 
@@ -98,3 +99,35 @@ async def test_out_of_budget_while_copying_an_argument_is_a_memory_error(rt):
     finally:
         pool.budget = old
     assert await w.echo(3) == 3
+
+
+# -- replies that cannot be sent or read: the caller always gets an error -----------------
+
+@pytest.mark.parametrize("method", ["raise_big", "araise_big"])
+async def test_an_error_reply_over_the_frame_limit_reaches_the_caller(rt, method):
+    o = await Oversized.spawn()
+    assert await o.lower_frame_limit(100_000)
+    # The exception carries a 1 MB array, pickled in band: over the (lowered) limit.
+    with pytest.raises(ValueError, match="payload") as info:
+        await asyncio.wait_for(getattr(o, method)(1_000_000), 10)
+    assert "frame limit" in str(info.value) or "frame limit" in "".join(
+        getattr(info.value, "__notes__", []))
+    for _ in range(3):  # the actor's only slot was given back
+        assert await asyncio.wait_for(o.ok(), 10) == "ok"
+
+
+async def test_a_result_frame_that_fails_to_decode_fails_its_call():
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    host = _Recorder()
+    conn = P.Connection(loop, host, a, "peer")
+    fut = conn.call("f", (1,), {})
+    other = conn.call("g", (2,), {})
+    # A RESULT for call 1 whose block table is not a pickle: a protocol error.
+    junk = P.LEN.pack(5) + b"\xff" * 5 + b"."
+    with b:
+        b.sendall(P.HEADER.pack(len(junk), P.RESULT, W.HAS_BLOCKS, 0, 1) + junk)
+        for f in (fut, other):
+            with pytest.raises(actorshm.ActorDiedError, match="protocol error"):
+                await asyncio.wait_for(f, 5)
+    assert conn.closed and not conn.pending
