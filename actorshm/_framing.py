@@ -24,7 +24,7 @@ import os
 import socket
 import threading
 
-from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, MAX_FDS_PER_FRAME, MAX_FDS_PER_SEND,
+from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, MAX_FDS_PER_FRAME,
                     MAX_FRAME, RECV_SIZE, RETIRE)
 
 logger = logging.getLogger("actorshm")
@@ -293,9 +293,11 @@ class FramedSocket:
             for i in range(limit):
                 item = out[i]
                 if item.fds:
-                    if len(fds) + len(item.fds) > MAX_FDS_PER_SEND and bufs:
+                    # A frame's fds go with a sendmsg that starts with its header, so
+                    # the reader knows whose they are (``_check_fds``).
+                    if bufs:
                         break
-                    fds.extend(item.fds)
+                    fds = item.fds
                 bufs.append(item.data)
                 nbytes += len(item.data)
                 if len(bufs) >= 64 or nbytes >= (4 << 20):
@@ -360,6 +362,20 @@ class FramedSocket:
         self._flush()
 
     # -- reading ---------------------------------------------------------------
+    def _fds_owned(self, data, pos: int, n: int) -> bool:
+        """Whether the fds received and not yet taken belong to the frame cut off at
+        ``pos`` (the writer sends a frame's fds with a sendmsg that starts with its
+        header, so they come with the read that has its first byte); if not, a
+        protocol error."""
+        if n - pos >= HSIZE:
+            if HEADER.unpack_from(data, pos)[3] == len(self._fds):
+                return True
+        elif n > pos:
+            return True  # its header is not whole yet: checked once it is
+        self._protocol_error(f"{len(self._fds)} file descriptor(s) came with no frame "
+                             "that announced them")
+        return False
+
     def drain(self) -> None:
         """Read and handle what the peer wrote before it went away (its process exited)."""
         while not self.closed and self.sock is not None and not self._eof:
@@ -424,6 +440,8 @@ class FramedSocket:
                 self._frame(kind, flags, cid, data[start:end], fds)
                 if self.closed:
                     return
+            if self._fds and not self._fds_owned(data, pos, n):
+                return
         finally:
             if not self.closed:
                 if buf:

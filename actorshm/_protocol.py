@@ -307,6 +307,11 @@ class Connection(FramedSocket):
             "recycled) for as long as it runs. See docs/shared-memory.md.", self.label, n)
 
     def _frame(self, kind: int, flags: int, cid: int, payload, fds) -> None:
+        if fds and kind != CALL and kind != RESULT:  # only calls and results carry fds
+            for fd in fds:
+                close_fd(fd)
+            self._protocol_error(f"a frame of kind {kind} carried {len(fds)} file descriptor(s)")
+            return
         if flags & HAS_RELEASES:
             # Releases ride ahead of the payload: <I length, pickle>.
             mv = memoryview(payload)

@@ -131,3 +131,94 @@ async def test_a_result_frame_that_fails_to_decode_fails_its_call():
             with pytest.raises(actorshm.ActorDiedError, match="protocol error"):
                 await asyncio.wait_for(f, 5)
     assert conn.closed and not conn.pending
+
+
+# -- file descriptors a frame does not announce ----------------------------------------
+
+def _release_frame(nfds=0):
+    body = b"\x80\x05]\x94."  # pickle of []: no releases
+    return P.HEADER.pack(len(body), P.RELEASE, 0, nfds, 0) + body
+
+
+async def _receiver_of(frames_with_fds, settle=lambda conn: conn.closed):
+    """A Connection fed ``(frame bytes, fds to send with it)`` on a raw socket; returns
+    it once ``settle(conn)`` holds, and the fd count before it was made."""
+    loop = asyncio.get_running_loop()
+    fd0 = _fd_count()
+    a, b = socket.socketpair()
+    conn = P.Connection(loop, _Recorder(), a, "peer")
+    fut = conn.call("f", (), {})
+    with b:
+        for frame, fds in frames_with_fds:
+            try:
+                socket.send_fds(b, [frame], fds) if fds else b.sendall(frame)
+            except OSError:  # it closed its end: the rest is not read
+                break
+            await asyncio.sleep(0)
+        await _until(lambda: settle(conn))
+    return conn, fut, fd0
+
+
+async def test_fds_a_frame_does_not_announce_close_the_connection_and_are_closed():
+    r, w = os.pipe()
+    try:
+        frames = [(_release_frame(0), [r, w, r, w, r]) for _ in range(40)]
+        conn, fut, fd0 = await _receiver_of(frames)
+        assert conn.closed and "file descriptor" in str(conn.close_exc)
+        with pytest.raises(actorshm.ActorDiedError, match="protocol error"):
+            await asyncio.wait_for(fut, 5)
+        assert _fd_count() == fd0  # every fd received was closed
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+async def test_fds_on_a_frame_kind_that_carries_none_are_a_protocol_error():
+    r, w = os.pipe()
+    try:
+        conn, fut, fd0 = await _receiver_of([(_release_frame(2), [r, w])])
+        assert conn.closed and "file descriptor" in str(conn.close_exc)
+        assert _fd_count() == fd0
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+async def test_announced_fds_of_a_frame_cut_across_reads_are_kept_for_it():
+    # A frame whose fds arrive with its first bytes, and the rest later, is fine.
+    r, w = os.pipe()
+    try:
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()
+        host = _Recorder()
+        conn = P.Connection(loop, host, a, "peer")
+        data = await _call_bytes(loop, [("f", (1,))])
+        with b:
+            for cut in (3, P.HSIZE + 2):  # the header itself cut, then the payload
+                hdr = bytearray(data[:P.HSIZE])
+                hdr[6:8] = (1).to_bytes(2, "little")  # it announces one fd
+                whole = bytes(hdr) + data[P.HSIZE:]
+                socket.send_fds(b, [whole[:cut]], [r])
+                await asyncio.sleep(0.05)
+                assert not conn.closed
+                b.sendall(whole[cut:])
+                assert await _until(lambda: len(host.calls) == 1 or conn.closed)
+                assert not conn.closed and host.calls.pop()[1] == (1,)
+        conn.close()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+async def _call_bytes(loop, calls):
+    """The bytes a Connection writes for ``calls``."""
+    a, b = socket.socketpair()
+    sender = P.Connection(loop, _Recorder(), a, "sender")
+    futs = [sender.call(m, args, {}) for m, args in calls]
+    await asyncio.sleep(0.05)
+    data = b.recv(1 << 20)
+    for f in futs:
+        f.cancel()
+    sender.close()
+    b.close()
+    return data
