@@ -22,10 +22,11 @@ import asyncio
 import logging
 import os
 import socket
+import struct
 import threading
 
-from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, MAX_FDS_PER_FRAME,
-                    MAX_FRAME, RECV_SIZE, RETIRE)
+from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, MARK, MARK_END, MAX_FDS_PER_FRAME,
+                    MAX_FLAGS, MAX_FRAME, RECV_SIZE, RETIRE)
 
 logger = logging.getLogger("actorshm")
 
@@ -35,6 +36,10 @@ _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))  # received fds never lea
 # One receive buffer per thread, reused by every connection of that thread's event loop:
 # allocating 256 KiB per recvmsg costs more than the syscall itself.
 _recv_tls = threading.local()
+
+
+_pack_header = struct.Struct.pack.__get__(HEADER)  # without the marker: callers add it
+_unpack_header = HEADER.unpack_from
 
 
 def _recv_view() -> memoryview:
@@ -167,7 +172,7 @@ class FramedSocket:
                 size += len(part)
             if size > MAX_FRAME:
                 raise ValueError(f"message of {size} bytes exceeds the frame limit")
-            header = HEADER.pack(size, kind, flags, len(fds), cid)
+            header = _pack_header(size, kind, flags, len(fds), cid | MARK)
             if size < 65536:
                 out.append(OutItem(b"".join((header, *parts)), list(fds) or None, close_fds))
             else:
@@ -362,6 +367,14 @@ class FramedSocket:
         self._flush()
 
     # -- reading ---------------------------------------------------------------
+    @staticmethod
+    def _bad_header(data, pos: int) -> str:
+        plen, kind, flags, nfds, cid = _unpack_header(data, pos)
+        what = "no frame marker" if not MARK <= cid <= MARK_END else \
+            f"kind {kind}, flags {flags:#x}, {plen} bytes, {nfds} fds"
+        return (f"bad frame header ({what}): the stream lost its place, as after a "
+                "truncated frame")
+
     def _fds_owned(self, data, pos: int, n: int) -> bool:
         """Whether the fds received and not yet taken belong to the frame cut off at
         ``pos`` (the writer sends a frame's fds with a sendmsg that starts with its
@@ -420,10 +433,14 @@ class FramedSocket:
         self._corked += 1  # replies made while dispatching go out together, afterwards
         try:
             while n - pos >= HSIZE:
-                plen, kind, flags, nfds, cid = HEADER.unpack_from(data, pos)
-                if not CALL <= kind <= RETIRE or plen > MAX_FRAME or nfds > MAX_FDS_PER_FRAME:
-                    self._protocol_error(f"bad frame header (kind {kind}, {plen} bytes)")
+                plen, kind, flags, nfds, cid = _unpack_header(data, pos)
+                # A few integer comparisons catch a header read from the middle of a
+                # frame (the stream lost its place): no marker, or fields out of range.
+                if not MARK <= cid <= MARK_END or not CALL <= kind <= RETIRE \
+                        or flags > MAX_FLAGS or plen > MAX_FRAME or nfds > MAX_FDS_PER_FRAME:
+                    self._protocol_error(self._bad_header(data, pos))
                     return
+                cid -= MARK
                 start = pos + HSIZE
                 end = start + plen
                 if end > n:

@@ -3,6 +3,7 @@
 import asyncio
 import os
 import socket
+import struct
 
 import numpy as np
 import pytest
@@ -222,3 +223,47 @@ async def _call_bytes(loop, calls):
     sender.close()
     b.close()
     return data
+
+
+# -- a stream that lost its place --------------------------------------------------------
+
+_EMPTY_RELEASES = b"\x80\x05]\x94."  # pickle of []: a release frame with nothing in it
+
+
+async def _feed_after_truncated_frame(swallowed, rest, caplog):
+    """A truncated release frame whose header claims ``swallowed`` bytes more than its
+    payload, then ``rest``: the reader takes those bytes of ``rest`` as the end of it."""
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    conn = P.Connection(loop, _Recorder(), a, "peer")
+    fut = conn.call("f", (), {})
+    head = P.HEADER.pack(len(_EMPTY_RELEASES) + swallowed, P.RELEASE, 0, 0, 0)
+    with b:
+        b.sendall(head + _EMPTY_RELEASES + rest)
+        await _until(lambda: conn.closed)
+    return conn, fut
+
+
+async def test_a_header_read_from_the_middle_of_a_frame_closes_the_connection(caplog):
+    # The bytes the reader lands on look like a header (a known kind, a length it then
+    # waits for) but have no frame marker: without one, the call waits forever.
+    lookalike = struct.Struct("<IBBHQ").pack(1 << 20, P.RESULT, 0, 0, 1)
+    body = __import__("pickle").dumps(lookalike, 5)
+    at = body.index(lookalike)
+    valid = P.HEADER.pack(len(body), P.RESULT, W.PLAIN, 0, 99) + body  # for no call
+    conn, fut = await _feed_after_truncated_frame(P.HSIZE + at, valid, caplog)
+    assert conn.closed and "frame marker" in str(conn.close_exc)
+    with pytest.raises(actorshm.ActorDiedError, match="protocol error"):
+        await asyncio.wait_for(fut, 5)
+    assert any("truncated frame" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("swallowed", [k for k in range(1, 64) if k % 21])
+async def test_a_truncated_frame_followed_by_valid_ones_closes_the_connection(
+        swallowed, caplog):
+    valid = (P.HEADER.pack(len(_EMPTY_RELEASES), P.RELEASE, 0, 0, 0) + _EMPTY_RELEASES) * 5
+    assert len(valid) == 5 * 21  # k % 21 == 0 would land on a header: nothing is lost
+    conn, fut = await _feed_after_truncated_frame(swallowed, valid, caplog)
+    assert conn.closed and "protocol error" in str(conn.close_exc)
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(fut, 5)
