@@ -27,6 +27,7 @@ import socket
 from typing import Any, Protocol
 
 from . import _leases
+from . import _remote_errors as remote_errors
 from . import _serialization as ser
 from ._errors import ActorDiedError, ProtocolError
 from ._framing import FramedSocket, close_fd, run_callbacks
@@ -194,17 +195,17 @@ class Connection(FramedSocket):
         """Send ``exc`` as call ``cid``'s error reply; never raises.
 
         An exception too big for a frame goes as a short copy of itself
-        (``_serialization.encode_exception``); should even that fail, as a
+        (``_remote_errors.encode_exception``); should even that fail, as a
         ``RemoteError`` carrying its type name and a short text.
         """
         if self.closed:
             return
         try:
-            self._send(ERROR, 0, cid, ser.encode_exception(exc), ())
+            self._send(ERROR, 0, cid, remote_errors.encode_exception(exc), ())
         except Exception as err:
             logger.exception("actorshm: the error reply of a call to %s could not be sent",
                              self.label)
-            self._send(ERROR, 0, cid, ser.encode_failure(exc, err), ())
+            self._send(ERROR, 0, cid, remote_errors.encode_failure(exc, err), ())
 
     def queue_release(self, key: tuple, n: int) -> None:
         """Give ``n`` grants of block ``key`` back to the peer (batched, sent soon)."""
@@ -385,7 +386,7 @@ class Connection(FramedSocket):
                 if not fut.done():
                     fut.set_result(value)
             else:
-                exc = ser.decode_exception(payload, what)
+                exc = remote_errors.decode_exception(payload, what)
                 if not fut.done():
                     fut.set_exception(exc)
         elif kind == RELEASE:
