@@ -25,7 +25,7 @@ import socket
 import struct
 import threading
 
-from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, MARK, MARK_END, MAX_FDS_PER_FRAME,
+from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, MARK, MAX_FDS_PER_FRAME,
                     MAX_FLAGS, MAX_FRAME, RECV_SIZE, RETIRE)
 
 logger = logging.getLogger("actorshm")
@@ -38,7 +38,7 @@ _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))  # received fds never lea
 _recv_tls = threading.local()
 
 
-_pack_header = struct.Struct.pack.__get__(HEADER)  # without the marker: callers add it
+_pack_header = struct.Struct.pack.__get__(HEADER)  # the marker given by the caller
 _unpack_header = HEADER.unpack_from
 
 
@@ -172,7 +172,7 @@ class FramedSocket:
                 size += len(part)
             if size > MAX_FRAME:
                 raise ValueError(f"message of {size} bytes exceeds the frame limit")
-            header = _pack_header(size, kind, flags, len(fds), cid | MARK)
+            header = _pack_header(size, kind, flags, len(fds), MARK, cid)
             if size < 65536:
                 out.append(OutItem(b"".join((header, *parts)), list(fds) or None, close_fds))
             else:
@@ -369,8 +369,8 @@ class FramedSocket:
     # -- reading ---------------------------------------------------------------
     @staticmethod
     def _bad_header(data, pos: int) -> str:
-        plen, kind, flags, nfds, cid = _unpack_header(data, pos)
-        what = "no frame marker" if not MARK <= cid <= MARK_END else \
+        plen, kind, flags, nfds, mark, cid = _unpack_header(data, pos)
+        what = "no frame marker" if mark != MARK else \
             f"kind {kind}, flags {flags:#x}, {plen} bytes, {nfds} fds"
         return (f"bad frame header ({what}): the stream lost its place, as after a "
                 "truncated frame")
@@ -433,14 +433,13 @@ class FramedSocket:
         self._corked += 1  # replies made while dispatching go out together, afterwards
         try:
             while n - pos >= HSIZE:
-                plen, kind, flags, nfds, cid = _unpack_header(data, pos)
+                plen, kind, flags, nfds, mark, cid = _unpack_header(data, pos)
                 # A few integer comparisons catch a header read from the middle of a
                 # frame (the stream lost its place): no marker, or fields out of range.
-                if not MARK <= cid <= MARK_END or not CALL <= kind <= RETIRE \
-                        or flags > MAX_FLAGS or plen > MAX_FRAME or nfds > MAX_FDS_PER_FRAME:
+                if mark != MARK or not CALL <= kind <= RETIRE or flags > MAX_FLAGS \
+                        or plen > MAX_FRAME or nfds > MAX_FDS_PER_FRAME:
                     self._protocol_error(self._bad_header(data, pos))
                     return
-                cid -= MARK
                 start = pos + HSIZE
                 end = start + plen
                 if end > n:

@@ -1,13 +1,14 @@
 """The wire format: frame header, frame kinds and flags, limits, region kinds.
 
-A frame is a 16-byte header followed by its payload::
+A frame is an 18-byte header followed by its payload::
 
-    uint32 payload length | uint8 kind | uint8 flags | uint16 fd count | uint64 mark+call id
+    uint32 payload length | uint8 kind | uint8 flags | uint16 fd count | uint16 marker
+    | uint64 call id
 
-The last field holds the frame marker ``MARK`` in its top 16 bits and the call id in
-the low 48. A reader that lost its place in the stream (a truncated frame) reads a
-header from the middle of a frame, and the marker, the kind, the flags, the fd count
-and the length checks catch it (``_framing``): a few integer comparisons per frame.
+The marker is always ``MARK``. A reader that lost its place in the stream (a truncated
+frame) reads a header from the middle of a frame, and the marker, the kind, the flags,
+the fd count and the length checks catch it (``_framing``): a few integer comparisons
+per frame.
 
 File descriptors ride as SCM_RIGHTS ancillary data on the ``sendmsg`` that carries the
 first byte of their frame (``_framing``). Payloads are pickles (``_serialization``);
@@ -19,20 +20,19 @@ from __future__ import annotations
 import socket
 import struct
 
-MARK = 0xAC5F << 48  # the frame marker, in the top 16 bits of the call-id field
-MARK_END = MARK | ((1 << 48) - 1)  # call ids are below 2**48
+MARK = 0xAC5F  # the frame marker
 
 
 class _Header(struct.Struct):
     """The frame header: ``pack(length, kind, flags, fd count, call id)`` adds the
-    marker; ``unpack_from`` gives the call id with it (``cid - MARK`` takes it off)."""
+    marker; ``unpack_from`` gives (length, kind, flags, fd count, marker, call id)."""
 
     def pack(self, plen: int, kind: int, flags: int, nfds: int, cid: int) -> bytes:
-        return _pack(self, plen, kind, flags, nfds, cid | MARK)
+        return _pack(self, plen, kind, flags, nfds, MARK, cid)
 
 
 _pack = struct.Struct.pack
-HEADER = _Header("<IBBHQ")
+HEADER = _Header("<IBBHHQ")
 HSIZE = HEADER.size
 
 # Frame kinds.
