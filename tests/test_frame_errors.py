@@ -102,6 +102,14 @@ async def test_out_of_budget_while_copying_an_argument_is_a_memory_error(rt):
     assert await w.echo(3) == 3
 
 
+async def test_out_of_budget_while_copying_a_result_is_a_memory_error(rt):
+    o = await Oversized.spawn()
+    await o.call(_shm.set_budget, 4 << 20)  # the actor's budget only
+    with pytest.raises(actorshm.SharedMemoryError, match="shm_budget"):
+        await o.call(np.ones, 8 << 20, np.uint8)  # an ordinary array result: copied there
+    assert await o.ok() == "ok"
+
+
 # -- replies that cannot be sent or read: the caller always gets an error -----------------
 
 @pytest.mark.parametrize("method", ["raise_big", "araise_big"])
