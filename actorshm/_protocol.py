@@ -255,7 +255,7 @@ class Connection(FramedSocket):
 
     def _send(self, kind: int, flags: int, cid: int, payload, fds, close_fds=None) -> None:
         """Queue one frame (``kind`` 0: none, just the pending releases) and write."""
-        if _leases._releases:
+        if _leases.pending_releases:
             _leases.dispatch_releases()
         parts = payload if type(payload) is list else [payload]
         if self._releases or self._forwards:
