@@ -448,6 +448,11 @@ class Oversized:
         _serialization.MAX_MESSAGE = _remote_errors.MAX_MESSAGE = n
         return True
 
+    def lower_framing_limit_only(self, n):
+        from actorshm import _framing
+        _framing.MAX_FRAME = n  # the serializer's own check passes: the frame writer fails
+        return True
+
     def raise_big(self, n):
         raise ValueError("payload", np.ones(n, np.uint8))
 

@@ -125,6 +125,17 @@ async def test_an_error_reply_over_the_frame_limit_reaches_the_caller(rt, method
         assert await asyncio.wait_for(o.ok(), 10) == "ok"
 
 
+async def test_a_reply_the_frame_writer_refuses_becomes_an_error_reply(rt):
+    o = await Oversized.spawn()
+    assert await o.lower_framing_limit_only(100_000)
+    with pytest.raises(TypeError, match="cannot be sent back.*frame limit"):
+        await asyncio.wait_for(o.call(bytes, 200_000), 10)
+    # An error reply the writer refuses: the last resort, its type name and text.
+    with pytest.raises(actorshm.RemoteError, match="ValueError.*could not be sent back"):
+        await asyncio.wait_for(o.raise_big(200_000), 10)
+    assert await asyncio.wait_for(o.ok(), 10) == "ok"
+
+
 async def test_a_result_frame_that_fails_to_decode_fails_its_call():
     loop = asyncio.get_running_loop()
     a, b = socket.socketpair()
