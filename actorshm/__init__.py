@@ -20,8 +20,11 @@ actorshm.run(main())
 from __future__ import annotations
 
 from ._actor import ActorHandle, actor
-from ._errors import (ActorDiedError, ActorError, PendingCallsLimitError, RemoteError,
-                      SharedMemoryError)
+from ._errors import (ActorDiedError, ActorError, ActorGroupError, PendingCallsLimitError,
+                      RemoteError, SharedMemoryError)
+from ._events import ActorEvent
+from ._group import ActorGroup
+from ._pool import ActorPool
 from ._runtime import Runtime, current_runtime, get_actor, run
 from ._shm import empty, is_shared, share, stats, zeros
 
@@ -39,14 +42,19 @@ __all__ = [
     "RemoteError",
     "SharedMemoryError",
     "PendingCallsLimitError",
+    "ActorGroupError",
+    "ActorPool",
+    "ActorGroup",
+    "ActorEvent",
     "empty",
     "zeros",
     "share",
     "is_shared",
     "stats",
     "cuda",
-    "torch",
 ]
+# ``actorshm.torch`` (PyTorch tensors) is loaded on first use too, but is not in
+# ``__all__``: ``from actorshm import *`` must not need torch.
 
 for _name in __all__:
     _obj = globals().get(_name)
@@ -59,8 +67,7 @@ del _name, _obj
 
 
 def __getattr__(name: str):
-    # Imported lazily: importing actorshm never needs CuPy, a GPU or PyTorch.
-    if name in ("cuda", "torch"):
+    if name in ("cuda", "torch"):  # lazily: importing actorshm needs no CuPy, GPU or torch
         import importlib
         mod = importlib.import_module("actorshm." + name)
         globals()[name] = mod

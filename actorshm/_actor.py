@@ -38,8 +38,7 @@ class ActorOptions:
         max_pending_calls: the most unanswered calls this process may have on the actor
             at once; one more raises ``PendingCallsLimitError``. -1 (default): no limit.
         env: environment variables for the actor's process; they win over what
-            ``num_cpus`` sets (an ``OMP_NUM_THREADS`` here sets the other thread
-            counts too).
+            ``num_cpus`` sets.
 
     Raises:
         TypeError: an unknown option, or a value of the wrong type.
@@ -55,6 +54,12 @@ class ActorOptions:
     env: dict | None = None
 
     def merged(self, **kw: Any) -> "ActorOptions":
+        """A copy with ``kw`` applied (``Cls.options(**kw)``).
+
+        Raises:
+            TypeError: an unknown option, or a value of the wrong type.
+            ValueError: a value out of range.
+        """
         unknown = set(kw) - set(self.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown actor option(s) {sorted(unknown)}; known options: "
@@ -80,11 +85,10 @@ class ActorOptions:
         return new
 
     def thread_env(self) -> dict[str, str]:
-        """The environment an actor process gets for these options' ``num_cpus``."""
-        n = str(max(1, int(self.num_cpus)))
-        # An OpenMP count given in ``env`` sets the others too: torch follows
-        # MKL_NUM_THREADS over OMP_NUM_THREADS, so leaving MKL at ``num_cpus`` would win.
-        n = (self.env or {}).get("OMP_NUM_THREADS", n)
+        """The thread-count variables an actor process gets: ``num_cpus``, or the
+        ``OMP_NUM_THREADS`` given in ``env`` (torch reads ``MKL_NUM_THREADS`` before it,
+        so one must not say otherwise); ``env`` itself is applied after these."""
+        n = (self.env or {}).get("OMP_NUM_THREADS") or str(max(1, int(self.num_cpus)))
         return {var: n for var in _THREAD_VARS}
 
 

@@ -18,26 +18,133 @@ region is still opened: the connection and the peer carry on.
 
 from __future__ import annotations
 
-import importlib
 import io
 import os
 import pickle
-import struct
 import sys
 import threading
-import traceback
 from typing import Any
 
 import cloudpickle
 import numpy as np
 
-from . import _shm
-from ._errors import ProtocolError, RemoteError, RemoteTraceback
+from . import _leases, _shm
+from ._errors import ProtocolError
+from ._wire import ARENA, GPU_SLAB, HAS_BLOCKS, LEN, MAX_MESSAGE, PLAIN  # noqa: F401
 
-__all__ = ["encode", "decode", "encode_exception", "decode_exception", "PassFd"]
+__all__ = ["encode", "decode", "Unsendable", "MessageTooBig", "PassFd",
+           "register_reducer", "register_region_kind", "register_lazy_plugin",
+           "leased_block", "lease_host_block", "ARENA", "GPU_SLAB"]
+
+# -- plug-in registries ---------------------------------------------------------------
+# The base layers know numpy and host memory only. A plug-in (CuPy: ``_cuda``; torch)
+# registers, when it is imported, how its objects travel (a reducer per type) and how
+# the receiver opens its kind of region (an opener per region kind). A plug-in that
+# should load as soon as its library is in use registers a loader by module name
+# (``register_lazy_plugin``), from a layer above this one.
+
+
+# Exact type -> reducer; a subclass of a registered type is found through its MRO and
+# remembered.
+_reducers: dict[type, Any] = {}
+_not_reduced: set[type] = set()  # types seen with no registered base
+# Module name -> loader, called once when that module is first seen imported.
+_lazy_plugins: dict[str, Any] = {}
+_OPENERS: dict[int, Any] = {}
+
+
+def register_reducer(cls: type, reducer) -> None:
+    """Send instances of ``cls`` (and its subclasses) with ``reducer``.
+
+    ``reducer(enc, obj)`` returns a pickle reduce value ``(callable, args)``, or
+    ``NotImplemented`` to let cloudpickle pickle ``obj`` by value. To send memory out of
+    band, it calls ``enc.lease(block, kind, intro)``, which returns the block's row in the
+    message's block table, and returns a rebuild function (importable by name) whose
+    arguments include that row; on the receiving side the rebuild function gets the block
+    with ``leased_block(row)``. Work the receiver must see before it reads the memory
+    (a GPU stream) is waited for with ``enc.before_send(fn, item)``.
+
+    Args:
+        cls: the type, exactly as the plug-in's library defines it.
+        reducer: called as ``reducer(enc, obj)`` for every such object in a message.
+
+    Raises:
+        TypeError: ``cls`` is not a type, or ``reducer`` is not callable.
+    """
+    if not isinstance(cls, type) or not callable(reducer):
+        raise TypeError("register_reducer(cls, reducer) needs a type and a callable")
+    _reducers[cls] = reducer
+    _not_reduced.clear()
+
+
+def register_region_kind(kind: int, opener) -> None:
+    """Open regions of ``kind`` with ``opener`` when a peer introduces one.
+
+    Args:
+        kind: the region kind, as written in block tables (``ARENA``, ``GPU_SLAB``, ...).
+        opener: called as ``opener(ctx, region key, size, intro)`` with what the peer sent
+            to open it (``intro``: an fd index, an IPC handle); returns an
+            ``actorshm._leases.Region``. It raises ``ProtocolError`` for a malformed
+            introduction (the connection closes), anything else when the region cannot
+            be opened here (that block's call fails).
+    """
+    _OPENERS[kind] = opener
+
+
+def register_lazy_plugin(module: str, loader) -> None:
+    """Call ``loader()`` once, the first time a message is encoded while ``module`` is
+    imported (the loader imports the plug-in, which registers its reducers).
+
+    Args:
+        module: a top-level module name, e.g. ``"cupy"``.
+        loader: a callable with no arguments.
+    """
+    _lazy_plugins[module] = loader
+
+
+def _load_plugins() -> None:
+    mods = sys.modules
+    for name in [n for n in _lazy_plugins if n in mods]:
+        _lazy_plugins[name]()
+        del _lazy_plugins[name]  # (a loader that failed is tried again next time)
+
+
+def _plugin_reducer(t: type):
+    """The reducer registered for ``t`` or a base class of it, or None."""
+    if _lazy_plugins:
+        _load_plugins()
+    r = _reducers.get(t)
+    if r is not None or t in _not_reduced:
+        return r
+    for base in t.__mro__[1:]:
+        r = _reducers.get(base)
+        if r is not None:
+            _reducers[t] = r
+            return r
+    if len(_not_reduced) < 4096:
+        _not_reduced.add(t)
+    return None
 
 _ndarray = np.ndarray
 _memmap = np.memmap
+
+
+class Unsendable(TypeError):
+    """An object that cannot travel, with a message that already says what to do."""
+
+
+# Open files: cloudpickle would send a text file as a snapshot of its contents (a copy
+# that no longer follows the file), and a binary one fails with a bare "cannot pickle".
+_FILE_TYPES = frozenset({io.FileIO, io.BufferedReader, io.BufferedWriter, io.BufferedRandom,
+                         io.TextIOWrapper})
+
+
+def _refuse_file(f) -> None:
+    name = getattr(f, "name", None)
+    what = f"the open file {name!r}" if isinstance(name, str) else "an open file"
+    raise Unsendable(
+        f"{what} cannot be sent to another process: pass its path and open it there, "
+        "or its contents (f.read())")
 
 
 class PassFd:
@@ -58,7 +165,15 @@ class _Encoder(cloudpickle.Pickler):
         self.index: dict[tuple, int] = {}  # block key -> its row in the table
         self.grants: list = []  # the Block of each row
         self.new_regions: list = []  # regions introduced on the connection by this message
-        self.cuda_devices: set = set()  # GPUs whose pending work the receiver must see
+        self.waits: dict = {}  # ``before_send``: fn -> the items it waits for
+
+    def before_send(self, fn, item) -> None:
+        """Call ``fn(items)`` once, before the message leaves, with every ``item`` given
+        for it (e.g. the GPUs whose queued work the receiver must see)."""
+        items = self.waits.get(fn)
+        if items is None:
+            items = self.waits[fn] = set()
+        items.add(item)
 
     def lease(self, view, kind: int, intro) -> int:
         """The row of ``view``'s block in this message's table, added (with its grant)
@@ -78,13 +193,9 @@ class _Encoder(cloudpickle.Pickler):
         self.grants.append(view)
         return row
 
-    def lease_host(self, view) -> int:
-        """The row of a host block in this message's table (for plug-ins: tensors)."""
-        return self.lease(view, ARENA, _arena_fd)
-
     def reducer_override(self, obj):
         t = type(obj)
-        if obj is _rebuild_array or obj is _rebuild_block:  # ours, importable: by name
+        if obj is _rebuild_array:  # ours, importable: plain pickling by name is enough
             return NotImplemented
         if t is _ndarray or (isinstance(obj, _ndarray)):
             r = _reduce_array(self, obj)
@@ -94,16 +205,12 @@ class _Encoder(cloudpickle.Pickler):
         if t is PassFd:
             self.fds.append(obj.fd)
             return _rebuild_fd, (len(self.fds) - 1,)
-        cp = sys.modules.get("cupy")
-        if cp is not None and isinstance(obj, cp.ndarray):  # arrives as a cupy.ndarray
-            from . import _cuda
-            return _cuda.reduce_cupy(self, obj)
-        tm = sys.modules.get("torch")  # never imported here: a tensor means torch is loaded
-        if tm is not None and isinstance(obj, tm.Tensor):
-            from . import _torch
-            r = _torch.reduce_tensor(self, obj)
-            if r is not NotImplemented:
-                return r
+        if t in _FILE_TYPES and obj is not sys.stdout and obj is not sys.stderr:
+            _refuse_file(obj)
+        if _reducers or _lazy_plugins:
+            r = _plugin_reducer(t)
+            if r is not None:
+                return r(self, obj)
         return super().reducer_override(obj)
 
 
@@ -111,11 +218,11 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     dtype = a.dtype
     if dtype.hasobject or a.size == 0:
         return None  # by value, in band (object arrays hold Python objects, not bytes)
-    view = _shm.find_view(a)
-    stats = _shm._stats
+    view = _shm.find_block(a)
+    stats = _leases.counters
     if view is None:
         a = _shm.copy_to_shared(a)
-        view = _shm.find_view(a)
+        view = _shm.find_block(a)
         stats["bytes_copied"] += a.nbytes
         stats["arrays_copied"] += 1
     else:
@@ -129,6 +236,12 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     dt = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
     return _rebuild_array, (row, data - view.region.addr - view.offset, a.shape, dt,
                             a.strides, sub)
+
+
+def lease_host_block(enc: _Encoder, block) -> int:
+    """Lease a host block in the message ``enc`` is encoding; returns its table row (for
+    plug-ins sending objects that live in host shared memory, e.g. torch tensors)."""
+    return enc.lease(block, ARENA, _arena_fd)
 
 
 def _arena_fd(enc: _Encoder, arena) -> int:
@@ -167,6 +280,18 @@ def _ctx() -> _DecodeCtx:
     return ctx
 
 
+def leased_block(row: int):
+    """The block in row ``row`` of the block table of the message being decoded.
+
+    Args:
+        row: what ``enc.lease`` returned on the sending side.
+
+    Raises:
+        ProtocolError: called outside ``decode`` (an actorshm object unpickled by hand).
+    """
+    return _ctx().blocks[row]
+
+
 def _rebuild_fd(index: int) -> int:
     return _ctx().take_fd(index)
 
@@ -179,23 +304,6 @@ def _rebuild_array(row, aoff, shape, dtype, strides, sub):
     return arr
 
 
-# Plug-in modules whose rebuild functions a message may name (``_rebuild_block``).
-_PLUGIN_REBUILDERS = {"actorshm._torch": ("_rebuild_tensor",)}
-
-
-def _rebuild_block(row, module, name, *args):
-    """Rebuild a plug-in's object on block ``row`` of the message: ``module.name(block,
-    *args)``. The plug-in is imported by name, so it depends on this module, not the
-    other way round."""
-    if name not in _PLUGIN_REBUILDERS.get(module, ()):
-        raise ProtocolError(f"message names an unknown rebuild function {module}.{name}")
-    view = _ctx().blocks[row]
-    return getattr(importlib.import_module(module), name)(view, *args)
-
-
-_Encoder.rebuild_block = staticmethod(_rebuild_block)  # what a plug-in's reduction names
-
-
 def _open_arena(ctx: _DecodeCtx, key: tuple, size: int, fd_index) -> _shm.Arena:
     """Map an arena a peer introduced in this frame (its fd rode along)."""
     if fd_index is None:
@@ -204,25 +312,15 @@ def _open_arena(ctx: _DecodeCtx, key: tuple, size: int, fd_index) -> _shm.Arena:
     try:
         if os.fstat(fd).st_size < size:
             raise ProtocolError("arena fd is smaller than the peer claims")
-        addr = _shm._map(fd, size)
+        addr = _shm.map_fd(fd, size)
     except BaseException:
         os.close(fd)
         raise
-    _shm._stats["arenas_mapped"] += 1
+    _leases.counters["arenas_mapped"] += 1
     return _shm.Arena(key, fd, size, addr, owned=False, dedicated=size >= _shm.LARGE)
 
 
-ARENA, GPU_SLAB = 0, 1  # region kinds in a block table
-
-
-def _open_gpu_slab(ctx: _DecodeCtx, key: tuple, size: int, intro):
-    # Imported here: CuPy is needed only where GPU arrays arrive (without it, the
-    # ImportError fails this block like any region that cannot be opened).
-    from ._cuda import _open_slab
-    return _open_slab(ctx, key, size, intro)
-
-
-_OPENERS = {ARENA: _open_arena, GPU_SLAB: _open_gpu_slab}
+register_region_kind(ARENA, _open_arena)
 
 
 def _adopt_table(ctx: _DecodeCtx, table) -> None:
@@ -248,7 +346,7 @@ def _adopt_table(ctx: _DecodeCtx, table) -> None:
         if opener is None:
             raise ProtocolError(f"block table names an unknown region kind {kind!r}")
         try:
-            blocks.append(_shm.adopt(conn, opener, rkey, rsize, intro, boff, bsize, ctx))
+            blocks.append(_leases.adopt(conn, opener, rkey, rsize, intro, boff, bsize, ctx))
         except ProtocolError:
             raise
         except Exception as exc:
@@ -277,17 +375,15 @@ def _simple(obj: Any) -> bool:
     return False
 
 
-HAS_BLOCKS = 1  # frame flag: the payload starts with a block table
-PLAIN = 2  # frame flag: the payload is a plain pickle of builtin scalars and containers
-_TLEN = struct.Struct("<I")
-MAX_MESSAGE = (1 << 31) - (1 << 20)  # a frame's limit, less room for its block table
+_TLEN = LEN
 
 
 def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     """Pickle ``obj`` for ``conn``: (payload, fds, encoder, frame flags).
 
     The payload is bytes, or a list of buffers to send back to back.
-    Nothing is committed until ``commit`` is called.
+    Nothing is committed until the connection's ledger commits the encoder
+    (``_ledger.Ledger.commit``), just before the frame is queued.
     """
     # Fast path (most calls): builtin scalars need neither cloudpickle nor our reducers,
     # and the receiver needs no decoding context for them (``PLAIN``).
@@ -307,37 +403,22 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
         _too_big(f.tell())  # before anything is committed: no lease is taken
     if not enc.table:
         return f.getvalue(), enc.fds, enc, 0
-    if enc.cuda_devices:
-        from ._cuda import wait_for_senders_work
-        wait_for_senders_work(enc.cuda_devices)
+    for fn, items in enc.waits.items():
+        fn(items)
     table = _dumps(enc.table, 5)
     # Parts, not one bytes object: the frame writer joins them with the header in one copy.
     return [_TLEN.pack(len(table)), table, f.getbuffer()], enc.fds, enc, HAS_BLOCKS
 
 
+class MessageTooBig(ValueError):
+    """A message over the frame limit (``MAX_MESSAGE``)."""
+
+
 def _too_big(n: int) -> None:
-    raise ValueError(
+    raise MessageTooBig(
         f"the message is {n / 2**30:.1f} GiB once pickled, over actorshm's 2 GiB frame "
         "limit; pass big data as numpy arrays, which travel in shared memory, not as "
         "bytes or lists")
-
-
-def commit(enc: _Encoder) -> None:
-    """Record the grants and introduced regions of a message that is about to be sent."""
-    if enc is None:
-        return
-    conn = enc.conn
-    grants = conn.grants
-    for view in enc.grants:
-        g = grants.get(view.key)
-        if g is None:
-            # [block, grants, upstreams told we passed it on, the peer's forward count]
-            grants[view.key] = [view, 1, _shm.forwarded(view, conn), 0]
-        else:
-            g[1] += 1
-    for region in enc.new_regions:
-        conn.sent_regions.add(region.key)
-        region.sent_to.add(conn)
 
 
 def decode(payload, fds, conn, flags: int = 0) -> Any:
@@ -370,42 +451,3 @@ def decode(payload, fds, conn, flags: int = 0) -> Any:
                         os.close(fd)
                     except OSError:
                         pass
-
-
-def encode_exception(exc: BaseException) -> bytes:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        blob = cloudpickle.dumps(exc, protocol=5)
-    except Exception:
-        blob = None
-    t = type(exc)
-    name = t.__qualname__ if t.__module__ in ("builtins", "__main__") else \
-        f"{t.__module__}.{t.__qualname__}"
-    try:
-        msg = str(exc)
-    except Exception:
-        msg = "<unprintable exception>"
-    return pickle.dumps((blob, name, msg, tb), protocol=5)
-
-
-def decode_exception(payload: bytes, where: str = "") -> BaseException:
-    """Rebuild an exception sent by ``encode_exception``: same type where possible."""
-    try:
-        blob, name, msg, tb = pickle.loads(payload)
-    except Exception as exc:  # pragma: no cover - a peer bug
-        return ProtocolError(f"undecodable error reply: {exc!r}")
-    exc = None
-    if blob is not None:
-        try:
-            exc = pickle.loads(blob)
-        except Exception:
-            exc = None
-    if not isinstance(exc, BaseException):
-        return RemoteError(name, msg, tb)
-    exc.__cause__ = RemoteTraceback(tb)
-    if hasattr(exc, "add_note"):
-        try:
-            exc.add_note(f"(raised in {where})" if where else "(raised in an actor)")
-        except Exception:
-            pass
-    return exc

@@ -1,103 +1,136 @@
 """PyTorch tensors in shared memory: ``actorshm.torch.empty/zeros/share/is_shared/share_module``.
 
-Every ``torch.Tensor`` in the arguments or result of a call travels like a numpy array,
-whether or not this module was imported: by reference when its memory lies in actorshm
-shared memory, copied into it once otherwise. This module makes tensors that start out
-shared, so that they are never copied; see docs/torch.md. Importing ``actorshm`` never
-imports this module; importing this module needs PyTorch (``pip install 'actorshm[torch]'``).
+Every ``torch.Tensor`` in the arguments or result of a call travels like a numpy array:
+by reference when its storage lies in actorshm shared memory, copied into it once
+otherwise; see docs/torch.md. Importing ``actorshm`` never imports this module or torch;
+this module needs torch (``pip install 'actorshm[torch]'``).
 """
 
 from __future__ import annotations
 
+try:
+    import torch as _t
+except ImportError as exc:  # pragma: no cover - exercised without torch only
+    raise ImportError("actorshm.torch needs PyTorch: pip install 'actorshm[torch]'") from exc
+
+import numpy as np
+
+from . import _shm, _torch
+
 __all__ = ["empty", "zeros", "share", "is_shared", "share_module"]
 
 
-def _impl():
-    try:
-        from . import _torch
-    except ImportError as exc:
-        raise ImportError("actorshm.torch needs PyTorch: pip install 'actorshm[torch]'") \
-            from exc
-    return _torch
+def _size(size) -> tuple:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, _t.Size)):
+        size = tuple(size[0])
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in size):
+        raise ValueError(f"sizes must be ints >= 0, got {size}")
+    return tuple(size)
 
 
-def empty(*size, dtype=None, device="cpu", requires_grad: bool = False):
-    """A new tensor in this process's shared memory (contents undefined).
+def empty(*size, dtype=None, device="cpu"):
+    """A new tensor in shared memory owned by this process (contents undefined).
 
-    Args:
-        *size: the shape, as integers or one sequence (like ``torch.empty``).
-        dtype: any torch dtype; torch's default dtype when None.
-        device: ``"cpu"`` (the default).
-        requires_grad: whether autograd records operations on it (a leaf).
-
-    Raises:
-        ValueError: a negative dimension, or a device other than the host.
-        SharedMemoryError: the shared-memory budget or the machine is out of room.
-    """
-    return _impl().empty(size, dtype, device, requires_grad)
-
-
-def zeros(*size, dtype=None, device="cpu", requires_grad: bool = False):
-    """A new zero-filled tensor in this process's shared memory.
+    It travels to actors without a copy, writable on both sides, and its memory comes
+    back to this process's pool once every process has dropped it.
 
     Args:
-        *size: the shape, as integers or one sequence (like ``torch.zeros``).
-        dtype: any torch dtype; torch's default dtype when None.
-        device: ``"cpu"`` (the default).
-        requires_grad: whether autograd records operations on it (a leaf).
+        *size: the dimensions, as ints or one tuple (``empty(2, 3)``, ``empty((2, 3))``).
+        dtype: any torch dtype (default: ``torch.get_default_dtype()``).
+        device: ``"cpu"`` (host shared memory).
 
     Raises:
-        ValueError: a negative dimension, or a device other than the host.
-        SharedMemoryError: the shared-memory budget or the machine is out of room.
+        ValueError: a negative size, or a device other than the CPU.
+        SharedMemoryError: over the shared-memory budget, as ``actorshm.empty``.
     """
-    t = _impl().empty(size, dtype, device, False)
-    t.zero_()
-    return t.requires_grad_(requires_grad)
+    size = _size(size)
+    dtype = dtype or _t.get_default_dtype()
+    dev = _t.device(device)
+    if dev.type != "cpu":
+        raise ValueError(
+            f"actorshm.torch.empty(device={device!r}): only 'cpu' is supported; CUDA "
+            "tensors travel by reference through the CuPy pool (actorshm.cuda) only, "
+            "see docs/torch.md")
+    itemsize = _t.empty(0, dtype=dtype).element_size()
+    n = itemsize
+    for s in size:
+        n *= s
+    buf = _shm.empty(max(n, 1), np.uint8)
+    stride, acc = [], 1
+    for s in reversed(size):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return _torch.tensor_over(buf, dtype, size, tuple(reversed(stride)), 0)
 
 
-def share(tensor):
-    """``tensor`` itself if its memory is already shared, else a shared copy of it.
-
-    The copy keeps the dtype, shape, memory order, ``requires_grad`` of a leaf, and the
-    ``nn.Parameter`` type; it does not keep the autograd history of a non-leaf.
-
-    Args:
-        tensor: a host ``torch.Tensor``.
-
-    Raises:
-        TypeError: ``tensor`` is not a ``torch.Tensor``.
-        ValueError: ``tensor`` is not on the host.
-    """
-    return _impl().share(tensor)
+def zeros(*size, dtype=None, device="cpu"):
+    """A new zero-filled tensor in shared memory. Args and errors as ``empty``."""
+    return empty(*size, dtype=dtype, device=device).zero_()
 
 
 def is_shared(tensor) -> bool:
-    """Whether a tensor's memory lies in actorshm shared memory (so it travels by
-    reference). False for anything that is not a tensor.
+    """Whether ``tensor``'s storage lies in actorshm shared memory (it travels by
+    reference).
 
     Args:
-        tensor: any object.
+        tensor: a ``torch.Tensor``.
+
+    Raises:
+        TypeError: not a tensor.
     """
-    import sys
-    if "torch" not in sys.modules:
-        return False  # no tensor can exist yet
-    return _impl().is_shared(tensor)
+    if not isinstance(tensor, _t.Tensor):
+        raise TypeError(f"is_shared takes a torch.Tensor, not {type(tensor).__name__}")
+    return _torch.storage_block(tensor) is not None
+
+
+def share(tensor):
+    """``tensor`` itself if it is already shared, else a shared copy of it (same dtype,
+    shape and values; a contiguous layout).
+
+    Args:
+        tensor: a CPU ``torch.Tensor``.
+
+    Raises:
+        TypeError: not a tensor.
+        ValueError: not on the CPU.
+        SharedMemoryError: over budget, as ``empty``.
+    """
+    if is_shared(tensor):
+        return tensor
+    if tensor.device.type != "cpu":
+        raise ValueError("actorshm.torch.share takes CPU tensors; move it with .cpu()")
+    out = empty(*tensor.shape, dtype=tensor.dtype)
+    with _t.no_grad():
+        out.copy_(tensor)
+    return out
 
 
 def share_module(module):
-    """Move a module's parameters, gradients and buffers into shared memory, in place.
+    """Move a module's parameters and buffers into shared memory, in place.
 
-    Like ``Module.share_memory()`` for torch.multiprocessing: afterwards, passing the
-    module (or its tensors) to actors passes references, and their in-place updates
-    (an optimizer's step) change this module's weights: Hogwild training.
+    Passing the module (or its tensors) to actors then shares its weights: an actor's
+    in-place updates are seen by every holder, as with ``Module.share_memory()`` in
+    ``torch.multiprocessing`` (Hogwild). Parameters stay the same ``nn.Parameter``
+    objects (their ``.data`` moves), so optimizers made before keep working.
 
     Args:
-        module: a ``torch.nn.Module``.
+        module: a ``torch.nn.Module`` on the CPU.
 
     Returns:
-        The same module.
+        ``module``.
 
     Raises:
-        TypeError: ``module`` is not a ``torch.nn.Module``.
+        TypeError: not a module.
+        ValueError: a parameter or buffer not on the CPU.
+        SharedMemoryError: over budget.
     """
-    return _impl().share_module(module)
+    if not isinstance(module, _t.nn.Module):
+        raise TypeError(f"share_module takes an nn.Module, not {type(module).__name__}")
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                p.data = share(p.data)
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = share(b)
+    return module

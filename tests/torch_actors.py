@@ -1,7 +1,4 @@
-"""Actor classes for tests/test_torch.py. Kept free of pytest so actor processes import it
-fast; importing it needs torch."""
-
-import os
+"""Actor classes for the torch tests (imported by actor processes by module name)."""
 
 import numpy as np
 import torch
@@ -12,14 +9,7 @@ from actorshm import actor
 
 
 @actor
-class Tensors:
-    def __init__(self):
-        self.kept = []
-
-    def info(self, t):
-        return (type(t).__name__, str(t.dtype), tuple(t.shape), t.stride(),
-                t.storage_offset(), t.device.type, t.requires_grad, at.is_shared(t))
-
+class TorchWorker:
     def echo(self, x):
         return x
 
@@ -27,50 +17,34 @@ class Tensors:
         with torch.no_grad():
             t.fill_(value)
 
-    def add_one(self, t):
-        t += 1
-        return t
+    def info(self, t):
+        return {"dtype": t.dtype, "shape": tuple(t.shape), "stride": t.stride(),
+                "offset": t.storage_offset(), "parameter": isinstance(t, torch.nn.Parameter),
+                "requires_grad": t.requires_grad, "shared": at.is_shared(t),
+                "type": type(t).__name__}
 
-    def make(self, n, value, dtype="float32"):
-        t = at.empty(n, dtype=getattr(torch, dtype))
-        t.fill_(value)
-        self.kept.append(t)
-        return t
+    def make(self, n, value, dtype=torch.float32):
+        self.kept = at.empty(n, dtype=dtype)
+        self.kept.fill_(value)
+        return self.kept
 
-    def ordinary(self, n):
-        return torch.arange(n, dtype=torch.float32)
+    def kept_sum(self):
+        return float(self.kept.sum())
 
-    def total(self, t):
-        return float(t.double().sum())
+    def sgd_step(self, model, lr):
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr
+        return sum(float(p.sum()) for p in model.parameters())
 
-    def first_bytes(self, t, n):
-        """The first ``n`` bytes of a tensor's storage, as the actor sees them."""
-        s = t.untyped_storage()
-        return bytes(torch.empty(0, dtype=torch.uint8).set_(s)[:n].tolist())
-
-    def nested(self, obj):
-        return {k: [float(x.double().sum()) for x in v] for k, v in obj.items()}
-
-    def write_numpy(self, a, value):
+    def fill_numpy(self, a, value):
         a[...] = value
 
     def threads(self):
-        return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+        return torch.get_num_threads()
 
     def stats(self):
         return actorshm.stats()
 
-    def train(self, model, steps, seed):
-        """SGD steps on a tiny regression, in place on the model's (shared) weights."""
-        g = torch.Generator().manual_seed(seed)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        for _ in range(steps):
-            x = torch.randn(16, model.in_features, generator=g)
-            y = x.sum(dim=1, keepdim=True)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-        return [at.is_shared(p) for p in model.parameters()]
-
-    def np_sum(self, a):
+    def as_numpy_sum(self, a):
         return float(np.asarray(a).sum())
