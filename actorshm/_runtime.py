@@ -87,6 +87,11 @@ class Runtime:
     ``await rt.close()``.
 
     Args:
+      backend: ``"local"`` (default: actors are processes on this machine, arrays
+        travel through shared memory) or ``"ray"`` (actors are Ray actors, arrays travel
+        through Ray's object store). ``Runtime(backend="ray", address=None,
+        **ray_init_options)`` starts a local Ray when ``address`` is None, else connects
+        to that cluster; see the "Scale-out on Ray" page.
       start_method: ``"spawn"`` (default: a fresh interpreter per actor) or
         ``"forkserver"`` (a warm, single-threaded server process forks each actor:
         much faster start-up, same isolation from the driver's threads).
@@ -99,8 +104,17 @@ class Runtime:
         ``CUDA_VISIBLE_DEVICES``, or every GPU CuPy sees).
     """
 
-    def __init__(self, *, start_method: str = "spawn", shm_budget: int | None = None,
-                 shutdown_grace: float = 2.0, start_timeout: float = 60.0,
+    def __new__(cls, *args: Any, backend: str = "local", **options: Any):
+        if backend == "ray":
+            from ._ray import RayRuntime
+            return RayRuntime(*args, **options)
+        if backend != "local":
+            raise ValueError(f"backend must be 'local' or 'ray', not {backend!r}")
+        return super().__new__(cls)
+
+    def __init__(self, *, backend: str = "local", start_method: str = "spawn",
+                 shm_budget: int | None = None, shutdown_grace: float = 2.0,
+                 start_timeout: float = 60.0,
                  gpus: list[int | str] | None = None) -> None:
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', not "

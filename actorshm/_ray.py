@@ -1,0 +1,423 @@
+"""The Ray backend: the same ``@actor`` classes and handles, run as Ray actors.
+
+``Runtime(backend="ray")`` makes a ``RayRuntime``; it and ``RayClient`` sit beside the
+local runtime behind the handle layer (``_actor.py``): a handle asks its client to
+``call``, ``kill``, ``spawn`` and ``get_actor``. Each actorshm actor is one generic Ray
+actor (``_ray_host.Host``) that builds the user's instance. Handles carry their Ray actor
+handle in their actor id (``RayActorId``), so they pickle through Ray and keep calling
+through Ray in whatever process they land. Ray is imported only here, on first use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import os
+import threading
+import uuid
+import warnings
+from typing import Any
+
+from . import _client, _shm
+from ._actor import ActorHandle, ActorOptions, public_methods
+from ._errors import ActorDiedError, RemoteError, RemoteTraceback
+from ._ray_host import Host
+from ._serialization import decode_exception
+
+__all__ = ["RayRuntime", "RayClient", "RayActorId", "ray_env"]
+
+STREAM_BUFFER = 16  # items a streaming method may run ahead of its consumer
+
+
+def ray_env() -> None:
+    """Make a Ray started from this process bind 127.0.0.1 (on Linux too)."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError("the Ray backend needs Ray: pip install 'actorshm[ray]' "
+                          "(or pip install 'ray>=2.9')") from exc
+    return ray
+
+
+class RayActorId:
+    """The actor id of a handle on the Ray backend: the Ray actor handle and its facts."""
+
+    def __init__(self, handle: Any, key: str, streams: frozenset) -> None:
+        self.handle = handle
+        self.key = key
+        self.streams = streams
+
+    def actorshm_client(self) -> "RayClient":
+        return CLIENT
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RayActorId) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return self.key[:12]
+
+
+def _died(exc: BaseException, what: str) -> ActorDiedError:
+    text = str(exc).strip().splitlines()
+    return ActorDiedError(f"{what}: the actor died ({text[0] if text else type(exc).__name__})")
+
+
+def _translate(exc: BaseException, what: str) -> BaseException:
+    """Ray's error for a call -> what the local backend raises."""
+    import ray.exceptions as rex
+    if isinstance(exc, (rex.RayActorError, getattr(rex, "ActorUnavailableError", ()))):
+        return _died(exc, what)
+    if isinstance(exc, rex.RayTaskError):  # the host failed, e.g. a result that won't pickle
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, Exception) and not isinstance(cause, rex.RayError):
+            cause.__cause__ = RemoteTraceback(str(exc))
+            return cause
+        return RemoteError(type(exc).__name__, str(exc))
+    return exc
+
+
+def _outcome(value: Any, what: str):
+    """``(ok, payload)`` from the host -> (result, None) or (None, exception)."""
+    ok, payload = value
+    if ok:
+        return payload, None
+    return None, decode_exception(payload, what)
+
+
+def _warn_shared(args: tuple, kwargs: dict, what: str) -> None:
+    for a in (*args, *kwargs.values()):
+        items = a if isinstance(a, (list, tuple)) else (
+            a.values() if isinstance(a, dict) else (a,))
+        for x in items:
+            if _shm.is_shared(x):
+                warnings.warn(
+                    f"{what}(): an actorshm shared array is passed on the Ray backend; it "
+                    "travels as a read-only copy through Ray's object store, so writes in "
+                    "the actor are not seen by the caller (return the result instead)",
+                    RuntimeWarning, stacklevel=4)
+                return
+
+
+class RayClient:
+    """Makes calls through Ray, in the driver and inside Ray-hosted actors."""
+
+    def __init__(self) -> None:
+        self._dead: set = set()
+        self._remote_host = None
+        self._lock = threading.Lock()
+        self._caller = uuid.uuid4().hex  # calls from one caller start in order
+        self._seqs: dict[str, int] = {}
+
+    # -- calls -------------------------------------------------------------------
+    def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
+             what: str = ""):
+        what = what or method
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if method in actor_id.streams:
+            return self._stream(actor_id, method, args, kwargs, what, loop)
+        if loop is None:  # a sync method in a thread: block on the concurrent future
+            return self._call_from_thread(actor_id, method, args, kwargs, what)
+        fut = loop.create_future()
+        if actor_id.key in self._dead:
+            fut.set_exception(ActorDiedError(f"{what}: the actor was killed"))
+            return fut
+        ref, seq = self._submit(actor_id, actor_id.handle.call, method, args, kwargs, what)
+
+        def settle(cf: concurrent.futures.Future) -> None:
+            if fut.done():
+                return
+            exc = cf.exception()
+            if exc is not None:
+                err = _translate(exc, what)
+                if isinstance(err, BaseException) and not fut.cancelled():
+                    fut.set_exception(err)
+                return
+            result, err = _outcome(cf.result(), what)
+            if err is not None:
+                fut.set_exception(err)
+            else:
+                fut.set_result(result)
+
+        cf = ref.future()
+        cf.add_done_callback(lambda c: loop.call_soon_threadsafe(settle, c))
+        fut.add_done_callback(lambda f: f.cancelled() and self._cancel(actor_id, seq))
+        return fut
+
+    def _submit(self, actor_id, remote_method, method, args, kwargs, what):
+        _warn_shared(args, kwargs, what)
+        try:
+            with self._lock:
+                seq = self._seqs.get(actor_id.key, 0)
+                ref = remote_method.remote(method, args, kwargs, self._caller, seq)
+                self._seqs[actor_id.key] = seq + 1
+            return ref, seq
+        except TypeError as exc:
+            raise TypeError(f"{what}(): an argument cannot be serialized, nothing was "
+                            f"sent: {exc}") from exc
+        except Exception as exc:
+            if "serializ" in str(exc).lower() or "pickl" in str(exc).lower():
+                raise TypeError(f"{what}(): an argument cannot be serialized, nothing "
+                                f"was sent: {exc}") from exc
+            raise
+
+    def _call_from_thread(self, actor_id, method, args, kwargs, what):
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        if actor_id.key in self._dead:
+            out.set_exception(ActorDiedError(f"{what}: the actor was killed"))
+            return out
+        ref, _ = self._submit(actor_id, actor_id.handle.call, method, args, kwargs, what)
+
+        def settle(cf) -> None:
+            exc = cf.exception()
+            if exc is not None:
+                out.set_exception(_translate(exc, what))
+                return
+            result, err = _outcome(cf.result(), what)
+            out.set_exception(err) if err is not None else out.set_result(result)
+
+        ref.future().add_done_callback(settle)
+        return out
+
+    def _stream(self, actor_id, method, args, kwargs, what, loop):
+        if actor_id.key in self._dead:
+            raise ActorDiedError(f"{what}: the actor was killed")
+        remote = actor_id.handle.stream.options(
+            num_returns="streaming", _generator_backpressure_num_objects=STREAM_BUFFER)
+        gen, seq = self._submit(actor_id, remote, method, args, kwargs, what)
+        from ._ray_stream import RayStream
+        return RayStream(gen, what, _translate, _outcome,
+                         lambda _gen: self._cancel(actor_id, seq))
+
+    def _cancel(self, actor_id: RayActorId, seq: int) -> None:
+        """Ask the actor to cancel call ``seq`` (a message, not ``ray.cancel``: a task
+        Ray drops before it arrives would leave a hole in the caller's call order)."""
+        try:
+            actor_id.handle.cancel.remote(self._caller, seq)
+        except Exception:  # Ray is gone
+            pass
+
+    def actor_pid(self, actor_id: RayActorId, pid: int) -> int:
+        return pid
+
+    async def kill(self, actor_id: RayActorId) -> None:
+        ray = _import_ray()
+        self._dead.add(actor_id.key)
+        ray.kill(actor_id.handle, no_restart=True)
+        try:  # wait until Ray reports the death, so pending calls have failed
+            await asyncio.wait_for(actor_id.handle.ready.remote(), 10)
+        except Exception:
+            pass
+
+    # -- spawning ----------------------------------------------------------------
+    async def spawn(self, cls: type, options: ActorOptions, args: tuple,
+                    kwargs: dict) -> ActorHandle:
+        ray = _import_ray()
+        with self._lock:
+            if self._remote_host is None:
+                self._remote_host = ray.remote(Host)
+        methods = public_methods(cls)
+        streams = frozenset(n for n in methods if _is_generator(cls, n))
+        # The host enforces max_concurrency and call order itself (Ray runs async actor
+        # tasks out of order), so Ray may hand it every call at once.
+        opts: dict[str, Any] = {"max_concurrency": 1000 + options.max_concurrency,
+                                "max_restarts": options.max_restarts,
+                                "max_task_retries": 0}
+        if options.name is not None:
+            opts["name"] = options.name
+        if options.num_gpus:
+            opts["num_gpus"] = options.num_gpus
+        env = {}
+        if options.num_cpus != 1:  # Ray's default reserves no CPU while an actor runs
+            opts["num_cpus"] = options.num_cpus
+            env.update(options.thread_env())
+        env.update(options.env or {})
+        if env:
+            opts["runtime_env"] = {"env_vars": env}
+        what = f"{cls.__qualname__}.spawn"
+        try:
+            meta = (cls.__qualname__, methods, streams, options.max_pending_calls)
+            handle = self._remote_host.options(**opts).remote(
+                cls, args, kwargs, options.max_concurrency, get_client, meta)
+        except TypeError as exc:
+            raise TypeError(f"{what}(): an argument cannot be serialized: {exc}") from exc
+        except ValueError as exc:
+            if options.name is not None and "already" in str(exc):
+                raise ValueError(f"an actor named {options.name!r} already exists; "
+                                 "names are unique while the actor lives") from exc
+            raise
+        try:
+            ok, payload = await handle.ready.remote()
+        except Exception as exc:
+            raise _translate(exc, what) from exc
+        if not ok:
+            ray.kill(handle, no_restart=True)
+            raise decode_exception(payload, f"{cls.__qualname__}.__init__")
+        aid = RayActorId(handle, handle._actor_id.hex(), streams)
+        return ActorHandle(self, aid, cls.__qualname__, methods, options.name, payload,
+                           options.max_pending_calls)
+
+    async def get_actor(self, name: str) -> ActorHandle:
+        ray = _import_ray()
+        try:
+            handle = ray.get_actor(name)
+        except ValueError:
+            raise ValueError(f"no live actor named {name!r}; named actors are made with "
+                             "Cls.options(name=...).spawn()") from None
+        key = handle._actor_id.hex()
+        if key in self._dead:
+            raise ValueError(f"no live actor named {name!r} (it was killed)")
+        try:
+            ok, pid = await handle.ready.remote()
+            cls_name, methods, streams, max_pending = await handle.meta.remote()
+        except Exception as exc:
+            raise ValueError(f"no live actor named {name!r} ({exc})") from None
+        return ActorHandle(self, RayActorId(handle, key, streams), cls_name, methods, name,
+                           pid, max_pending)
+
+
+def _user_paths() -> list[str]:
+    """The driver's import path minus the interpreter's own (as local actors get it)."""
+    import sys
+    skip = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    return [os.path.abspath(p or os.getcwd()) for p in sys.path
+            if os.path.isdir(p or ".") and not os.path.abspath(p or ".").startswith(skip)]
+
+
+def _is_generator(cls: type, name: str) -> bool:
+    attr = inspect.getattr_static(cls, name, None)
+    if isinstance(attr, (staticmethod, classmethod)):
+        attr = attr.__func__
+    return inspect.isgeneratorfunction(attr) or inspect.isasyncgenfunction(attr)
+
+
+CLIENT = RayClient()
+
+
+def get_client() -> RayClient:
+    """This process's Ray client (a Ray-hosted actor installs it as its client)."""
+    return CLIENT
+
+
+class RayRuntime:
+    """``Runtime(backend="ray")``: actors run as Ray actors, locally or on a cluster.
+
+    With no ``address``, starts a local Ray (on 127.0.0.1, no dashboard) and shuts it
+    down on close; with one, connects to that cluster and only disconnects on close. If
+    this process is already connected to Ray, that connection is used and kept.
+
+    Args:
+        address: a Ray cluster's address (``"auto"``, ``"ray://host:10001"``, ...), or
+            None for a local Ray.
+        **ray_init_options: passed to ``ray.init`` (for example ``num_cpus``,
+            ``object_store_memory``, ``runtime_env``).
+    """
+
+    backend = "ray"
+
+    def __init__(self, address: str | None = None, **ray_init_options: Any) -> None:
+        self.address = address
+        self.ray_init_options = ray_init_options
+        self._owns_ray = False
+        self._open = False
+        self._closing = False
+        self._spawned: list[ActorHandle] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> "RayRuntime":
+        """Connect to (or start) Ray and open the runtime; see ``Runtime.start``.
+
+        Raises:
+            RuntimeError: it is already open, or was closed.
+            ImportError: Ray is not installed.
+        """
+        if self._open:
+            raise RuntimeError("this Runtime is already open")
+        if self._closing:
+            raise RuntimeError("this Runtime was closed; open a new one")
+        if self.address is None:
+            ray_env()  # read when Ray is imported
+        ray = _import_ray()
+        if not ray.is_initialized():
+            opts = dict(self.ray_init_options)
+            if self.address is None:
+                opts.setdefault("include_dashboard", False)
+                opts.setdefault("object_store_memory", 1 << 30)
+            opts.setdefault("log_to_driver", True)
+            if "job_config" not in opts:  # actors import user modules as the driver does
+                from ray.job_config import JobConfig
+                opts["job_config"] = JobConfig(code_search_path=_user_paths())
+            ray.init(address=self.address, **opts)
+            self._owns_ray = True
+        self.loop = asyncio.get_running_loop()
+        self._open = True
+        _client._runtimes.append(self)
+        return self
+
+    async def __aenter__(self) -> "RayRuntime":
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Kill every actor this runtime spawned; shut down (or disconnect from) Ray."""
+        if not self._open or self._closing:
+            return
+        self._closing = True
+        try:
+            ray = _import_ray()
+            for h in self._spawned:
+                CLIENT._dead.add(h._actor_id.key)
+                try:
+                    ray.kill(h._actor_id.handle, no_restart=True)
+                except Exception:
+                    pass
+            self._spawned.clear()
+            if self._owns_ray:
+                ray.shutdown()
+        finally:
+            self._open = False
+            if self in _client._runtimes:
+                _client._runtimes.remove(self)
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise RuntimeError("this Runtime is closed")
+
+    async def spawn(self, cls: type, options: ActorOptions, args: tuple,
+                    kwargs: dict) -> ActorHandle:
+        self._check_open()
+        h = await CLIENT.spawn(cls, options, args, kwargs)
+        self._spawned.append(h)
+        return h
+
+    def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
+             what: str = ""):
+        return CLIENT.call(actor_id, method, args, kwargs, what)
+
+    def actor_pid(self, actor_id: RayActorId, pid: int) -> int:
+        return pid
+
+    async def kill(self, actor_id: RayActorId) -> None:
+        await CLIENT.kill(actor_id)
+
+    async def get_actor(self, name: str) -> ActorHandle:
+        self._check_open()
+        return await CLIENT.get_actor(name)
+
+    def actors(self) -> list[dict]:
+        """A snapshot of the actors this runtime spawned."""
+        return [{"id": h._actor_id.key, "class": h._cls_name, "pid": h._pid,
+                 "alive": h._actor_id.key not in CLIENT._dead, "name": h._actor_name}
+                for h in self._spawned]

@@ -1,0 +1,240 @@
+"""The Ray actor that hosts one ``@actor`` instance on the Ray backend.
+
+Every actorshm actor on Ray is this one generic async Ray actor: it builds the user's
+instance in its ``__init__`` and runs each call with ``call`` (a sync method inline, or in
+a thread pool when ``max_concurrency > 1``; an async method on Ray's event loop) and
+each streaming call with ``stream``. Results travel as ``(True, value)``; an exception
+raised by the user's code travels as ``(False, encoded)`` (see ``encode_exception``), so
+the caller re-raises the same type instead of Ray's ``RayTaskError``.
+
+Array arguments arrive read-only (Ray's object store gives read-only zero-copy views of
+large arrays; small ones are made read-only here too), so code that writes into an
+argument expecting the caller to see it fails loudly instead of silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+from typing import Any
+
+from . import _client
+from ._serialization import encode_exception
+
+__all__ = ["Host", "freeze_arrays"]
+
+_MAX_DEPTH = 4
+
+
+def freeze_arrays(obj: Any, depth: int = 0) -> None:
+    """Make numpy arrays in ``obj`` (lists, tuples, dicts, a few levels deep) read-only."""
+    if depth > _MAX_DEPTH:
+        return
+    flags = getattr(obj, "flags", None)
+    if flags is not None and hasattr(obj, "setflags") and hasattr(obj, "dtype"):
+        try:
+            obj.setflags(write=False)
+        except ValueError:
+            pass
+        return
+    if isinstance(obj, (list, tuple)):
+        for x in obj:
+            freeze_arrays(x, depth + 1)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            freeze_arrays(x, depth + 1)
+
+
+class _Turns:
+    """Start order of one caller's calls: Ray runs async actor tasks out of order."""
+
+    __slots__ = ("next", "skip", "waiters")
+
+    def __init__(self, first: int) -> None:
+        self.next = first
+        self.skip: set = set()
+        self.waiters: dict = {}
+
+    def advance(self) -> None:
+        self.next += 1
+        while self.next in self.skip:
+            self.skip.discard(self.next)
+            self.next += 1
+        w = self.waiters.pop(self.next, None)
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def consume(self, seq: int) -> None:
+        """``seq`` will never start (cancelled): let the calls after it go."""
+        if seq == self.next:
+            self.advance()
+        elif seq > self.next:
+            self.skip.add(seq)
+
+
+class Host:
+    """Wraps the user's class inside a Ray actor process (made remote by ``_ray``).
+
+    Ray runs async actor tasks in arrival order at best, so each call carries its
+    caller's id and a sequence number: calls from one caller start in the order they
+    were made, and at most ``max_concurrency`` run at once (an ``asyncio.Semaphore``).
+    """
+
+    def __init__(self, cls: type, args: tuple, kwargs: dict, max_concurrency: int,
+                 get_client: Any, meta: tuple) -> None:
+        _client._worker[0] = get_client()  # calls made in here go through Ray
+        self._meta = meta
+        self._cls_name = cls.__qualname__
+        self._executor = None
+        if max_concurrency > 1:
+            from concurrent.futures import ThreadPoolExecutor
+            self._executor = ThreadPoolExecutor(max_concurrency,
+                                                thread_name_prefix=f"actorshm-{cls.__qualname__}")
+        from ._actor import public_methods
+        self._methods = public_methods(cls)
+        self._init_error = None
+        self._instance = None
+        self._max_concurrency = max_concurrency
+        self._sem = None
+        self._callers: dict[str, _Turns] = {}
+        self._cancelled: set = set()  # (caller, seq) cancelled before they arrived
+        self._tasks: dict = {}  # (caller, seq) -> the task running that call
+        try:
+            import warnings
+
+            import ray
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ctx = ray.get_runtime_context()
+                self._restarted = bool(ctx.was_current_actor_reconstructed)
+        except Exception:  # pragma: no cover - outside Ray
+            self._restarted = False
+        try:
+            freeze_arrays(args)
+            freeze_arrays(kwargs)
+            self._instance = cls(*args, **kwargs)
+        except BaseException as exc:  # raised by spawn in the caller
+            self._init_error = encode_exception(exc)
+
+    async def ready(self) -> tuple:
+        """``(True, pid)`` once ``__init__`` returned, ``(False, encoded error)`` if it raised."""
+        if self._init_error is not None:
+            return False, self._init_error
+        return True, os.getpid()
+
+    async def meta(self) -> tuple:
+        """``(class name, public methods, streaming methods, max_pending_calls)``."""
+        return self._meta
+
+    def _method(self, method: str):
+        if method not in self._methods:
+            raise AttributeError(f"actor {self._cls_name} has no public method {method!r}")
+        return getattr(self._instance, method)
+
+    async def cancel(self, caller: str, seq: int) -> None:
+        """Cancel call ``seq`` of ``caller``: queued, it never runs; running, an async
+        method gets ``CancelledError`` at its ``await`` (a sync one finishes)."""
+        task = self._tasks.get((caller, seq))
+        if task is not None:
+            task.cancel()
+            return
+        st = self._turns(caller, seq)
+        if seq >= st.next:
+            self._cancelled.add((caller, seq))
+            st.consume(seq)
+
+    def _turns(self, caller: str, seq: int) -> _Turns:
+        st = self._callers.get(caller)
+        if st is None:  # after a restart, numbering goes on from where the caller is
+            st = self._callers[caller] = _Turns(seq if self._restarted else 0)
+        return st
+
+    async def _take_turn(self, caller: str, seq: int) -> None:
+        st = self._turns(caller, seq)
+        if seq < st.next:  # arrived late (after a restart): run now
+            return
+        if seq != st.next:
+            fut = asyncio.get_running_loop().create_future()
+            st.waiters[seq] = fut
+            try:
+                await fut
+            except BaseException:
+                st.waiters.pop(seq, None)
+                st.consume(seq)
+                raise
+        st.advance()
+
+    async def call(self, method: str, args: tuple, kwargs: dict, caller: str,
+                   seq: int) -> tuple:
+        key = (caller, seq)
+        if key in self._cancelled:
+            self._cancelled.discard(key)
+            return None, None
+        self._tasks[key] = asyncio.current_task()
+        try:
+            await self._take_turn(caller, seq)
+            if self._sem is None:
+                self._sem = asyncio.Semaphore(self._max_concurrency)
+            async with self._sem:
+                return await self._run(method, args, kwargs)
+        except asyncio.CancelledError:
+            return None, None  # the caller has stopped waiting
+        finally:
+            del self._tasks[key]
+
+    async def _run(self, method: str, args: tuple, kwargs: dict) -> tuple:
+        try:
+            fn = self._method(method)
+            freeze_arrays(args)
+            freeze_arrays(kwargs)
+            if self._methods[method] or self._executor is None:
+                result = fn(*args, **kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
+            else:
+                result = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, lambda: fn(*args, **kwargs))
+        except SystemExit:
+            os._exit(0)
+        except Exception as exc:
+            return False, encode_exception(exc)
+        return True, result
+
+    async def stream(self, method: str, args: tuple, kwargs: dict, caller: str, seq: int):
+        """Run a generator or async-generator method, yielding ``(ok, item)`` pairs."""
+        key = (caller, seq)
+        if key in self._cancelled:
+            self._cancelled.discard(key)
+            return
+        self._tasks[key] = asyncio.current_task()
+        try:
+            await self._take_turn(caller, seq)
+        except BaseException:
+            del self._tasks[key]
+            raise
+        try:
+            fn = self._method(method)
+            freeze_arrays(args)
+            freeze_arrays(kwargs)
+            gen = fn(*args, **kwargs)
+        except Exception as exc:
+            self._tasks.pop(key, None)
+            yield False, encode_exception(exc)
+            return
+        try:
+            if inspect.isasyncgen(gen):
+                async for item in gen:
+                    yield True, item
+            else:
+                for item in gen:
+                    yield True, item
+        except Exception as exc:
+            yield False, encode_exception(exc)
+        finally:
+            self._tasks.pop(key, None)
+            close = getattr(gen, "aclose", None)
+            if close is not None:
+                await close()
+            else:
+                gen.close()
