@@ -115,6 +115,7 @@ class RayClient:
         self._lock = threading.Lock()
         self._caller = uuid.uuid4().hex  # calls from one caller start in order
         self._seqs: dict[str, int] = {}
+        self._cancels: dict[str, tuple] = {}
 
     # -- calls -------------------------------------------------------------------
     def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
@@ -201,9 +202,25 @@ class RayClient:
 
     def _cancel(self, actor_id: RayActorId, seq: int) -> None:
         """Ask the actor to cancel call ``seq`` (a message, not ``ray.cancel``: a task
-        Ray drops before it arrives would leave a hole in the caller's call order)."""
+        Ray drops before it arrives would leave a hole in the caller's call order).
+
+        Cancellations made in one event-loop step travel as one message, so the actor
+        cancels them together: a queued call cannot slip in when the running one ends.
+        """
+        batch = self._cancels.get(actor_id.key)
+        if batch is not None:
+            batch[1].append(seq)
+            return
+        self._cancels[actor_id.key] = (actor_id, [seq])
         try:
-            actor_id.handle.cancel.remote(self._caller, seq)
+            asyncio.get_running_loop().call_soon(self._send_cancels, actor_id.key)
+        except RuntimeError:  # no loop here: send at once
+            self._send_cancels(actor_id.key)
+
+    def _send_cancels(self, key: str) -> None:
+        actor_id, seqs = self._cancels.pop(key)
+        try:
+            actor_id.handle.cancel.remote(self._caller, seqs)
         except Exception:  # Ray is gone
             pass
 

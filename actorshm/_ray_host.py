@@ -132,17 +132,18 @@ class Host:
             raise AttributeError(f"actor {self._cls_name} has no public method {method!r}")
         return getattr(self._instance, method)
 
-    async def cancel(self, caller: str, seq: int) -> None:
-        """Cancel call ``seq`` of ``caller``: queued, it never runs; running, an async
-        method gets ``CancelledError`` at its ``await`` (a sync one finishes)."""
-        task = self._tasks.get((caller, seq))
-        if task is not None:
-            task.cancel()
-            return
-        st = self._turns(caller, seq)
-        if seq >= st.next:
-            self._cancelled.add((caller, seq))
-            st.consume(seq)
+    async def cancel(self, caller: str, seqs: list) -> None:
+        """Cancel calls ``seqs`` of ``caller``: queued, one never runs; running, an
+        async method gets ``CancelledError`` at its ``await`` (a sync one finishes)."""
+        for seq in seqs:
+            task = self._tasks.get((caller, seq))
+            if task is not None:
+                task.cancel()
+                continue
+            st = self._turns(caller, seq)
+            if seq >= st.next:
+                self._cancelled.add((caller, seq))
+                st.consume(seq)
 
     def _turns(self, caller: str, seq: int) -> _Turns:
         st = self._callers.get(caller)
