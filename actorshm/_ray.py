@@ -113,7 +113,7 @@ class RayClient:
         self._dead: set = set()
         self._remote_host = None
         self._lock = threading.Lock()
-        self._caller = uuid.uuid4().hex  # calls from one caller start in order
+        self._caller = uuid.uuid4().hex[:16]  # calls from one caller start in order
         self._seqs: dict[str, int] = {}
         self._cancels: dict[str, tuple] = {}
 
@@ -160,7 +160,7 @@ class RayClient:
         try:
             with self._lock:
                 seq = self._seqs.get(actor_id.key, 0)
-                ref = remote_method.remote(method, args, kwargs, self._caller, seq)
+                ref = remote_method.remote((method, args, kwargs, self._caller, seq))
                 self._seqs[actor_id.key] = seq + 1
             return ref, seq
         except TypeError as exc:

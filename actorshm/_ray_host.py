@@ -166,8 +166,13 @@ class Host:
                 raise
         st.advance()
 
-    async def call(self, method: str, args: tuple, kwargs: dict, caller: str,
-                   seq: int) -> tuple:
+    async def call(self, req: tuple) -> tuple:
+        """Run ``req = (method, args, kwargs, caller, seq)``: ``(ok, result or error)``.
+
+        One argument, not five: Ray serializes each argument of a task on its own.
+        """
+        method, args, kwargs, caller, seq = req
+        del req
         key = (caller, seq)
         if key in self._cancelled:
             self._cancelled.discard(key)
@@ -202,8 +207,10 @@ class Host:
             return False, encode_exception(exc)
         return True, result
 
-    async def stream(self, method: str, args: tuple, kwargs: dict, caller: str, seq: int):
+    async def stream(self, req: tuple):
         """Run a generator or async-generator method, yielding ``(ok, item)`` pairs."""
+        method, args, kwargs, caller, seq = req
+        del req
         key = (caller, seq)
         if key in self._cancelled:
             self._cancelled.discard(key)
