@@ -54,6 +54,12 @@ class ActorOptions:
     env: dict | None = None
 
     def merged(self, **kw: Any) -> "ActorOptions":
+        """A copy with ``kw`` applied (``Cls.options(**kw)``).
+
+        Raises:
+            TypeError: an unknown option, or a value of the wrong type.
+            ValueError: a value out of range.
+        """
         unknown = set(kw) - set(self.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown actor option(s) {sorted(unknown)}; known options: "

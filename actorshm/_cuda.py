@@ -8,7 +8,7 @@ slab of their own, and free blocks are recycled by size class, exactly as on the
 A block travels as (slab, offset, size) plus shape, dtype and strides; the first time a
 slab crosses a connection its IPC handle and PCI bus id ride along, and the receiver
 opens the handle once and keeps it open. The receiver's ``GpuBlock`` is a lease given
-back over the same RELEASE frames as host blocks (``_shm.adopt``), so the sender's
+back over the same RELEASE frames as host blocks (``_leases.adopt``), so the sender's
 block stays alive until every receiver let go, and then returns to the sender's pool.
 
 Ordering: before a message leaves, the sender synchronizes its current stream on each
@@ -24,11 +24,12 @@ import weakref
 
 import cupy
 
-from . import _shm
+from . import _leases, _serialization, _shm
 from ._errors import ProtocolError, SharedMemoryError
-from ._serialization import GPU_SLAB
+from ._util import fmt_bytes
+from ._wire import GPU_SLAB
 
-_stats = _shm._stats  # its cuda_* keys are ours
+_stats = _leases.counters  # its cuda_* keys are ours
 
 _runtime = cupy.cuda.runtime
 _ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
@@ -38,6 +39,7 @@ _by_ptr: "weakref.WeakValueDictionary[int, GpuBlock]" = weakref.WeakValueDiction
 
 
 def device_count() -> int:
+    """How many GPUs CuPy sees in this process."""
     return _runtime.getDeviceCount()
 
 
@@ -53,7 +55,7 @@ def _local_device(bus_id: str) -> int:
             "host first.") from None
 
 
-class Slab(_shm.Region):
+class Slab(_leases.Region):
     """One allocation of device memory: owned (ours) or opened from a peer's IPC handle."""
 
     __slots__ = ("mem", "ptr", "bus_id", "handle")
@@ -76,6 +78,10 @@ class Slab(_shm.Region):
             self.handle = bytes(_runtime.ipcGetMemHandle(self.ptr))
         return self.handle
 
+    @staticmethod
+    def fence(releases: list) -> None:
+        fence(releases)
+
     def retirable(self) -> bool:
         # A peer may hold an exported slab open, and freeing memory that another process
         # still has open is undefined behaviour in CUDA: only never-exported slabs go.
@@ -93,7 +99,7 @@ class Slab(_shm.Region):
         self.ptr = 0
 
 
-class GpuBlock(_shm.Block):
+class GpuBlock(_leases.Block):
     """A GPU block in this process: the owner of the memory under its CuPy arrays."""
 
     __slots__ = ("ptr",)
@@ -143,8 +149,8 @@ class GpuPool(_shm.Pool):
                     free, total = _runtime.memGetInfo()
                     raise SharedMemoryError(
                         f"actorshm: GPU {self.device} has no room for "
-                        f"{_shm._fmt(size)} more ({_shm._fmt(free)} of "
-                        f"{_shm._fmt(total)} free; {_shm._fmt(self.reserved)} is held by "
+                        f"{fmt_bytes(size)} more ({fmt_bytes(free)} of "
+                        f"{fmt_bytes(total)} free; {fmt_bytes(self.reserved)} is held by "
                         "this process's actorshm pool). Drop GPU arrays you no longer "
                         "need, in this process and in the actors you sent them to."
                     ) from None
@@ -168,7 +174,7 @@ def pool(device: int | None = None) -> GpuPool:
     return p
 
 
-def find_view(arr) -> GpuBlock | None:
+def find_block(arr) -> GpuBlock | None:
     """The actorshm GPU block a CuPy array views, or None."""
     # Every array on a block shares the block's UnownedMemory, whose pointer is the
     # block's base; device pointers are unique within a process (unified addressing).
@@ -176,7 +182,14 @@ def find_view(arr) -> GpuBlock | None:
 
 
 def empty(shape, dtype=float, order="C"):
-    shape, dtype, n = _shm._nbytes(shape, dtype)
+    """A new CuPy array in a block of this process's pool on the current device.
+
+    Raises:
+        ValueError: ``order`` is not ``"C"`` or ``"F"``.
+        TypeError: an object dtype.
+        SharedMemoryError: the GPU has no room.
+    """
+    shape, dtype, n = _shm.nbytes_of(shape, dtype)
     if order not in ("C", "F"):
         raise ValueError(f"order must be 'C' or 'F', not {order!r}")
     block = pool().alloc(n)
@@ -185,16 +198,22 @@ def empty(shape, dtype=float, order="C"):
 
 
 def zeros(shape, dtype=float, order="C"):
+    """``empty``, filled with zeros."""
     a = empty(shape, dtype, order)
     a.fill(0)
     return a
 
 
 def share(arr):
+    """``arr`` itself if it is already in an actorshm block, else a copy in one.
+
+    Raises:
+        TypeError: ``arr`` is not a ``cupy.ndarray``.
+    """
     if not isinstance(arr, cupy.ndarray):
         raise TypeError(f"actorshm.cuda.share needs a cupy.ndarray, not "
                         f"{type(arr).__name__}; use actorshm.share for numpy arrays")
-    if find_view(arr) is not None:
+    if find_block(arr) is not None:
         return arr
     with arr.device:
         out = empty(arr.shape, arr.dtype, "F" if arr.flags.f_contiguous and
@@ -204,7 +223,8 @@ def share(arr):
 
 
 def is_shared(arr) -> bool:
-    return isinstance(arr, cupy.ndarray) and find_view(arr) is not None
+    """Whether ``arr`` is a CuPy array on an actorshm GPU block."""
+    return isinstance(arr, cupy.ndarray) and find_block(arr) is not None
 
 
 def wait_for_senders_work(devices) -> None:
@@ -220,7 +240,7 @@ def wait_for_senders_work(devices) -> None:
 
 _fence_lock = threading.Lock()
 _fence_queue: list = []
-_fence_thread: list = [None]
+_fence_thread: threading.Thread | None = None
 
 
 def fence(items) -> None:
@@ -229,9 +249,10 @@ def fence(items) -> None:
     ``items`` are (upstream, key, region) releases. An event is recorded on each
     device's legacy default stream, which completes after all work queued before it on
     the device's blocking streams. When the events are done already (a consumer that
-    finished its work), the releases go straight to ``_shm._fenced``; otherwise a helper
+    finished its work), the releases go straight to ``_leases.releases_ready``; otherwise a helper
     thread waits for them, so the event loop never blocks on the GPU.
     """
+    global _fence_thread
     events = []
     for dev in {item[2].device for item in items}:
         with cupy.cuda.Device(dev):
@@ -239,22 +260,22 @@ def fence(items) -> None:
             _runtime.eventRecord(ev.ptr, _runtime.streamLegacy)
         events.append(ev)
     if all(ev.done for ev in events):
-        _shm._fenced.extend(items)
-        _shm._wake()
+        _leases.releases_ready(items)
         return
     with _fence_lock:
         _fence_queue.append((events, items))
-        if _fence_thread[0] is None:
+        if _fence_thread is None:
             th = threading.Thread(target=_fence_loop, name="actorshm-gpu-fence", daemon=True)
-            _fence_thread[0] = th
+            _fence_thread = th
             th.start()
 
 
 def _fence_loop() -> None:
+    global _fence_thread
     while True:
         with _fence_lock:
             if not _fence_queue:
-                _fence_thread[0] = None
+                _fence_thread = None
                 return
             events, items = _fence_queue.pop(0)
         try:
@@ -262,23 +283,24 @@ def _fence_loop() -> None:
                 ev.synchronize()
         except Exception:  # a broken CUDA context: nothing left to wait for
             pass
-        _shm._fenced.extend(items)
-        _shm._wake()
+        _leases.releases_ready(items)
 
 
 def reduce_cupy(enc, a):
-    view = find_view(a)
+    """How a ``cupy.ndarray`` travels (registered with ``register_reducer``): a lease on
+    its block, copied into one first if it is not in one yet."""
+    view = find_block(a)
     if view is None:
         # CuPy's own pool hands out chunks of bigger allocations; their IPC handle would
         # name the whole allocation, so copy once into a block of ours.
         a = share(a)
-        view = find_view(a)
+        view = find_block(a)
         _stats["cuda_bytes_copied"] += a.nbytes
         _stats["cuda_arrays_copied"] += 1
     else:
         _stats["cuda_bytes_zero_copy"] += a.nbytes
         _stats["cuda_arrays_zero_copy"] += 1
-    enc.cuda_devices.add(view.region.device)
+    enc.before_send(wait_for_senders_work, view.region.device)
     row = enc.lease(view, GPU_SLAB, _slab_intro)
     return _rebuild, (row, a.data.ptr - view.ptr, a.shape, a.dtype.str, a.strides)
 
@@ -288,13 +310,12 @@ def _slab_intro(enc, slab: Slab) -> tuple:
 
 
 def _rebuild(row, aoff, shape, dtype, strides):
-    from ._serialization import _ctx
-    view = _ctx().blocks[row]
+    view = _serialization.leased_block(row)
     with cupy.cuda.Device(view.region.device):
         return view.array(shape, dtype, aoff, strides)
 
 
-def _open_slab(ctx, key: tuple, size: int, intro) -> Slab:
+def open_slab(ctx, key: tuple, size: int, intro) -> Slab:
     """Open a slab a peer introduced in this frame (its IPC handle rode along)."""
     if intro is None:
         raise ProtocolError("peer referred to a GPU slab it never sent")
@@ -306,3 +327,7 @@ def _open_slab(ctx, key: tuple, size: int, intro) -> Slab:
     return Slab(key, size, dev, bus_id, dedicated=size >= GpuPool.large, ptr=ptr,
                 handle=handle)
 
+
+
+_serialization.register_reducer(cupy.ndarray, reduce_cupy)
+_serialization.register_region_kind(GPU_SLAB, open_slab)

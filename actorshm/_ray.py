@@ -109,6 +109,8 @@ def _warn_shared(args: tuple, kwargs: dict, what: str) -> None:
 class RayClient:
     """Makes calls through Ray, in the driver and inside Ray-hosted actors."""
 
+    shares_memory = False  # arguments travel through Ray's object store, copied
+
     def __init__(self) -> None:
         self._dead: set = set()
         self._remote_host = None
@@ -341,6 +343,7 @@ class RayRuntime:
     """
 
     backend = "ray"
+    shares_memory = False
 
     def __init__(self, address: str | None = None, **ray_init_options: Any) -> None:
         self.address = address
@@ -378,7 +381,7 @@ class RayRuntime:
             self._owns_ray = True
         self.loop = asyncio.get_running_loop()
         self._open = True
-        _client._runtimes.append(self)
+        _client.runtime_opened(self)
         return self
 
     async def __aenter__(self) -> "RayRuntime":
@@ -405,8 +408,7 @@ class RayRuntime:
                 ray.shutdown()
         finally:
             self._open = False
-            if self in _client._runtimes:
-                _client._runtimes.remove(self)
+            _client.runtime_closed(self)
 
     def _check_open(self) -> None:
         if not self._open:

@@ -83,7 +83,7 @@ class Host:
 
     def __init__(self, cls: type, args: tuple, kwargs: dict, max_concurrency: int,
                  get_client: Any, meta: tuple) -> None:
-        _client._worker[0] = get_client()  # calls made in here go through Ray
+        _client.set_worker(get_client())  # calls made in here go through Ray
         self._meta = meta
         self._cls_name = cls.__qualname__
         self._executor = None

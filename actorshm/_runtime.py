@@ -12,74 +12,28 @@ itself dies (``PR_SET_PDEATHSIG``) and exit on socket EOF.
 from __future__ import annotations
 
 import asyncio
-import collections
-import json
 import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import weakref
 from typing import Any
 
-from . import _client, _shm
+from . import _client, _events, _leases, _plugins, _services, _shm  # noqa: F401 (_plugins)
 from ._actor import ActorHandle, ActorOptions, public_methods
+from ._backend import BackendChoice
 from ._errors import ActorDiedError
+from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, kill_all, start_process)
 from ._protocol import Connection
-from ._util import check_run_args, describe_exit, install_event_loop_policy
+from ._util import check_run_args, describe_exit, first_line, install_event_loop_policy
 
 __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 
 logger = logging.getLogger("actorshm")
-_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _bootstrap(module: str) -> str:
-    """``python -c`` code that runs ``actorshm.<module>.main()`` from the driver's own
-    copy of actorshm, even where another is installed or in the working directory, and
-    then leaves ``sys.path`` as it was (the driver's order is applied later)."""
-    # ``python -c`` puts '' (the working directory) first: drop it, so that a file there
-    # cannot shadow the standard library before the driver's own path is in place.
-    return (f"import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
-            f"sys.path.insert(0, {_PKG_PARENT!r}); "
-            f"import actorshm.{module} as m; sys.path.remove({_PKG_PARENT!r}); m.main()")
-
-
-_WORKER_CMD = _bootstrap("_worker")
-
-
-class _Record:
-    """The driver's view of one actor process."""
-
-    def __init__(self, actor_id: int, cls: type, options: ActorOptions) -> None:
-        self.actor_id = actor_id
-        self.cls = cls
-        self.cls_name = cls.__qualname__
-        self.options = options
-        self.methods = public_methods(cls)
-        self.popen: subprocess.Popen | None = None
-        self.conn: Connection | None = None
-        self.pidfd = -1
-        self.pid = 0
-        self.alive = False
-        self.death: str | None = None
-        self.exited = asyncio.Event()
-        self.stderr_tail: collections.deque = collections.deque(maxlen=20)
-        self.pipes: list = []
-        self.gpus: list[str] = []
-        self.spawn_args: tuple = ()
-        self.restarts = 0
-        self.failed_starts = 0  # restarts in a row whose process died while starting
-        self.no_restart = False
-
-    @property
-    def label(self) -> str:
-        return f"actor {self.cls_name}(id={self.actor_id}, pid={self.pid})"
-
-
-class Runtime:
+class Runtime(_events.EventSource, BackendChoice):
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
 
     Where one ``async with`` block cannot hold the whole program (a notebook: each cell
@@ -87,11 +41,7 @@ class Runtime:
     ``await rt.close()``.
 
     Args:
-      backend: ``"local"`` (default: actors are processes on this machine, arrays
-        travel through shared memory) or ``"ray"`` (actors are Ray actors, arrays travel
-        through Ray's object store). ``Runtime(backend="ray", address=None,
-        **ray_init_options)`` starts a local Ray when ``address`` is None, else connects
-        to that cluster; see the "Scale-out on Ray" page.
+      backend: ``"local"`` (default) or ``"ray"``: Ray actors (``address``, ``ray.init`` options).
       start_method: ``"spawn"`` (default: a fresh interpreter per actor) or
         ``"forkserver"`` (a warm, single-threaded server process forks each actor:
         much faster start-up, same isolation from the driver's threads).
@@ -102,20 +52,14 @@ class Runtime:
       gpus: the GPUs that ``num_gpus`` actors may get, as ``CUDA_VISIBLE_DEVICES``
         entries (ordinals or ``GPU-<uuid>``; default: the driver's
         ``CUDA_VISIBLE_DEVICES``, or every GPU CuPy sees).
-    """
 
-    def __new__(cls, *args: Any, backend: str = "local", **options: Any):
-        if backend == "ray":
-            from ._ray import RayRuntime
-            return RayRuntime(*args, **options)
-        if backend != "local":
-            raise ValueError(f"backend must be 'local' or 'ray', not {backend!r}")
-        return super().__new__(cls)
+    Raises:
+      ValueError: an unknown ``start_method`` (a bare ``fork`` is not offered).
+    """
 
     def __init__(self, *, backend: str = "local", start_method: str = "spawn",
                  shm_budget: int | None = None, shutdown_grace: float = 2.0,
-                 start_timeout: float = 60.0,
-                 gpus: list[int | str] | None = None) -> None:
+                 start_timeout: float = 60.0, gpus: list[int | str] | None = None) -> None:
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', not "
                              f"{start_method!r}: a bare fork deadlocks with threads and "
@@ -124,20 +68,17 @@ class Runtime:
         self.shm_budget = shm_budget
         self.shutdown_grace = shutdown_grace
         self.start_timeout = start_timeout
-        self._gpus = None if gpus is None else [str(g) for g in gpus]
-        self._gpus_free: list[str] | None = None
-        self._gpus_total = 0
+        self._gpus = GpuSlots(None if gpus is None else [str(g) for g in gpus])
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._actors: dict[int, _Record] = {}
+        self._actors: dict[int, ActorRecord] = {}
         self._names: dict[str, int] = {}
         self._next_id = 1
         self._open = False
         self._closing = False
         self._finalizer = None
-        self._fs = None  # (Popen, socket) of the fork server, once started
-        self._fs_waiting: collections.deque = collections.deque()
-        self._fs_exit: dict[int, int] = {}
-        self._fs_exit_events: dict[int, asyncio.Event] = {}
+        self._forkserver: ForkServerClient | None = None
+
+    closing = property(lambda self: self._closing, doc="Whether it is closing or closed.")
 
     # -- context manager ---------------------------------------------------------
     async def start(self) -> "Runtime":
@@ -161,12 +102,14 @@ class Runtime:
                                "`rt = await actorshm.Runtime().start()`")
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        if self.start_method == "forkserver":  # (its server starts on the first fork)
+            self._forkserver = ForkServerClient(self.loop, self.start_timeout)
         _shm.set_budget(self.shm_budget)
         _shm.pool()
-        _shm._flush_hook[0] = _make_flush_hook(self.loop)
+        _leases.set_release_hook(_leases.loop_release_hook(self.loop))
         self._open = True
-        _client._runtimes.append(self)
-        self._finalizer = weakref.finalize(self, _kill_all, self._actors)
+        _client.runtime_opened(self)
+        self._finalizer = weakref.finalize(self, kill_all, self._actors)
         return self
 
     async def __aenter__(self) -> "Runtime":
@@ -187,39 +130,59 @@ class Runtime:
         try:
             recs = [r for r in self._actors.values() if r.alive or r.popen is not None]
             task = asyncio.ensure_future(
-                asyncio.gather(*(self._stop(r) for r in recs), return_exceptions=True))
+                asyncio.gather(*(r.stop(self.shutdown_grace) for r in recs), return_exceptions=True))
             try:
                 await asyncio.shield(task)
             except BaseException:
-                _kill_all(self._actors)
+                kill_all(self._actors)
                 raise
         finally:
-            _kill_all(self._actors)
+            kill_all(self._actors)
             for r in self._actors.values():
                 self._reap(r)
-            self._stop_forkserver()
+            if self._forkserver is not None:
+                self._forkserver.stop()
+            _events.close(self)
             self._open = False
-            if self in _client._runtimes:
-                _client._runtimes.remove(self)
-            if not _client._runtimes:
-                _shm.release_quarantine()  # whoever could hold those blocks is gone
+            if not _client.runtime_closed(self):
+                _leases.release_quarantine()  # whoever could hold those blocks is gone
             if self._finalizer is not None:
                 self._finalizer.detach()
 
     # -- spawning ----------------------------------------------------------------
     async def spawn(self, cls: type, options: ActorOptions, args: tuple,
                     kwargs: dict) -> ActorHandle:
+        """Start a process running ``cls(*args, **kwargs)`` (``Cls.spawn`` comes here).
+
+        Args:
+            cls: the actor class (the undecorated class of an ``@actor``).
+            options: its ``ActorOptions``.
+            args: for ``cls.__init__`` (sent like call arguments).
+            kwargs: for ``cls.__init__``.
+
+        Returns:
+            An ``ActorHandle``, once ``__init__`` has returned in the actor.
+
+        Raises:
+            RuntimeError: the runtime is not open.
+            ValueError: the name is taken by a live actor, or too few GPUs are free.
+            TypeError: an argument cannot be pickled.
+            ActorDiedError: the process died or ``__init__`` did not finish within
+                ``start_timeout`` (the message holds the end of its stderr).
+            Exception: whatever ``__init__`` raised, with the actor's traceback.
+        """
         self._check_open()
         if options.name is not None:
             other = self._names.get(options.name)
             if other is not None and self._actors[other].alive:
                 raise ValueError(f"an actor named {options.name!r} already exists; "
                                  "choose another name or kill that actor first")
-        rec = _Record(self._next_id, cls, options)
+        rec = ActorRecord(self._next_id, cls, options)
+        rec.methods = public_methods(cls)
         self._next_id += 1
         rec.spawn_args = (args, kwargs)
         if options.num_gpus:
-            rec.gpus = self._take_gpus(options.num_gpus, rec.cls_name)
+            rec.gpus = self._gpus.take(options.num_gpus, rec.cls_name)
         self._actors[rec.actor_id] = rec
         if options.name is not None:
             self._names[options.name] = rec.actor_id
@@ -228,56 +191,16 @@ class Runtime:
         except BaseException:
             if options.name is not None and self._names.get(options.name) == rec.actor_id:
                 del self._names[options.name]
-            self._release_gpus(rec)
-            await self._stop(rec, grace=0.5)
+            self._gpus.release(rec)
+            await rec.stop(0.5)
             self._reap(rec)
             raise
         return ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods, options.name,
                            rec.pid, options.max_pending_calls)
 
-    async def _start_process(self, rec: _Record) -> None:
+    async def _start_process(self, rec: ActorRecord) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        env.update(rec.options.thread_env())
-        env.update(rec.options.env or {})
-        # The driver's import path, '' (its working directory, the actor's too) made
-        # absolute: the actor imports what the driver would.
-        env["ACTORSHM_SYS_PATH"] = json.dumps(
-            [os.fspath(p) or os.getcwd() for p in sys.path
-             if isinstance(p, (str, os.PathLike)) and isinstance(os.fspath(p), str)])
-        env["PYTHONUNBUFFERED"] = "1"
-        if rec.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
-        if self.start_method == "forkserver":
-            try:
-                rec.pid, streams = await self._fork(child, env)
-            finally:
-                child.close()
-        else:
-            try:
-                rec.popen = subprocess.Popen(
-                    [sys.executable, "-c", _WORKER_CMD, str(child.fileno())],
-                    pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                    cwd=os.getcwd())
-            finally:
-                child.close()
-            rec.pid = rec.popen.pid
-            streams = (rec.popen.stdout, rec.popen.stderr)
-        rec.alive = True
-        rec.death = None
-        rec.exited = asyncio.Event()
-        try:
-            rec.pidfd = os.pidfd_open(rec.pid)
-            self.loop.add_reader(rec.pidfd, self._on_exit, rec)
-        except (AttributeError, OSError):  # pragma: no cover - kernels before 5.3
-            rec.pidfd = -1
-        rec.pipes = []
-        for stream, out in zip(streams, ("stdout", "stderr")):
-            os.set_blocking(stream.fileno(), False)
-            fwd = _OutputForwarder(rec, stream, out)
-            rec.pipes.append(fwd)
-            self.loop.add_reader(stream.fileno(), fwd.on_readable)
+        await start_process(self.loop, rec, child, actor_env(rec), self._forkserver, self._on_exit)
         if rec.conn is not None and rec.conn.sock is None and not rec.conn.closed:
             rec.conn.label = rec.label
             rec.conn.attach(parent)  # a restart: calls made meanwhile are buffered there
@@ -301,96 +224,23 @@ class Runtime:
                                  else str(exc)) from None
         rec.pid = pid
 
-    async def _fork(self, child: socket.socket, env: dict) -> tuple[int, tuple]:
-        """Ask the fork server (started on first use) for a new actor process."""
-        from . import _forkserver
-        if self._fs is None:
-            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            fs_env = dict(os.environ)
-            fs_env["ACTORSHM_SYS_PATH"] = env["ACTORSHM_SYS_PATH"]
-            popen = subprocess.Popen([sys.executable, "-c", _bootstrap("_forkserver"),
-                                      str(b.fileno())],
-                                     pass_fds=(b.fileno(),), stdin=subprocess.DEVNULL,
-                                     env=fs_env)
-            b.close()
-            self._fs = (popen, a)
-            self.loop.add_reader(a.fileno(), self._on_forkserver)
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        fut = self.loop.create_future()
-        self._fs_waiting.append(fut)
-        try:
-            _forkserver.send_msg(self._fs[1], ("fork", env, os.getcwd(), None),
-                                 [child.fileno(), out_w, err_w])
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-        pid = await asyncio.wait_for(fut, self.start_timeout)
-        return pid, (open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0))
-
-    def _on_forkserver(self) -> None:
-        from . import _forkserver
-        msg = _forkserver.recv_msg(self._fs[1])
-        if msg is None:
-            self.loop.remove_reader(self._fs[1].fileno())
-            for fut in self._fs_waiting:
-                if not fut.done():
-                    fut.set_exception(ActorDiedError("the actorshm fork server died"))
-            self._fs_waiting.clear()
-            return
-        (kind, pid, code), _ = msg
-        if kind == "forked":
-            fut = self._fs_waiting.popleft()
-            if not fut.done():
-                fut.set_result(pid)
-        else:
-            self._fs_exit[pid] = code
-            ev = self._fs_exit_events.pop(pid, None)
-            if ev is not None:
-                ev.set()
-
-    def _stop_forkserver(self) -> None:
-        if self._fs is not None:
-            popen, sock = self._fs
-            self._fs = None
-            try:
-                self.loop.remove_reader(sock.fileno())
-            except Exception:
-                pass
-            sock.close()
-            try:
-                popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:  # pragma: no cover
-                popen.kill()
-                popen.wait()
-
-    def _take_gpus(self, n: int, who: str) -> list[str]:
-        if self._gpus_free is None:
-            self._gpus_free = list(self._gpus) if self._gpus is not None else _visible_gpus()
-            self._gpus_total = len(self._gpus_free)
-        if len(self._gpus_free) < n:
-            if not self._gpus_total:
-                where = ("Runtime(gpus=[])" if self._gpus is not None else
-                         "CUDA_VISIBLE_DEVICES and CuPy")
-                raise ValueError(
-                    f"cannot spawn {who} with num_gpus={n}: no GPU is available to this "
-                    f"runtime ({where} name none). Install the cuda extra "
-                    "(pip install 'actorshm[cuda]') on a machine with a GPU, pass "
-                    "Runtime(gpus=[...]), or spawn with num_gpus=0.")
-            raise ValueError(
-                f"cannot spawn {who} with num_gpus={n}: {len(self._gpus_free)} of "
-                f"{self._gpus_total} GPU(s) are free. Kill a GPU actor first, lower "
-                "num_gpus, or pass Runtime(gpus=[...]).")
-        taken, self._gpus_free = self._gpus_free[:n], self._gpus_free[n:]
-        return taken
-
-    def _release_gpus(self, rec: _Record) -> None:
-        if rec.gpus and self._gpus_free is not None:
-            self._gpus_free.extend(rec.gpus)
-            rec.gpus = []
-
     # -- calls -------------------------------------------------------------------
     def call(self, actor_id: int, method: str, args: tuple, kwargs: dict, what: str = ""):
+        """Call ``method`` on actor ``actor_id``; what handles' methods do.
+
+        Args:
+            actor_id: the actor, as its handle names it.
+            method: the method's name.
+            args: its positional arguments (numpy arrays travel in shared memory).
+            kwargs: its keyword arguments.
+            what: how errors name the call (``"Counter.incr"``).
+
+        Returns:
+            An asyncio future; from another thread, a ``concurrent.futures.Future``.
+
+        Raises:
+            TypeError: an argument cannot be pickled (raised here, nothing is sent).
+        """
         if threading.get_ident() != self._loop_thread:
             return _client.call_from_thread(
                 self.loop, lambda: self.call(actor_id, method, args, kwargs, what))
@@ -402,10 +252,18 @@ class Runtime:
         return rec.conn.call(method, args, kwargs, what)
 
     def actor_pid(self, actor_id: int, pid: int) -> int:
+        """The current pid of actor ``actor_id`` (it changes on a restart), or ``pid``
+        if this runtime does not know the actor."""
         rec = self._actors.get(actor_id)
         return rec.pid if rec is not None else pid
 
     async def kill(self, actor_id: int) -> None:
+        """Kill actor ``actor_id`` at once (SIGKILL, no restart); return once it is gone.
+        Its calls fail with ``ActorDiedError``; an unknown or dead actor is no error.
+
+        Args:
+            actor_id: the actor, as its handle names it.
+        """
         rec = self._actors.get(actor_id)
         if rec is None:
             return
@@ -430,6 +288,14 @@ class Runtime:
         await rec.exited.wait()
 
     async def get_actor(self, name: str) -> ActorHandle:
+        """A handle to the live actor spawned with ``options(name=name)``.
+
+        Args:
+            name: the actor's name.
+
+        Raises:
+            ValueError: no live actor has that name.
+        """
         actor_id = self._names.get(name)
         rec = self._actors.get(actor_id) if actor_id is not None else None
         if rec is None or not rec.alive:
@@ -438,6 +304,10 @@ class Runtime:
         return ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods, name, rec.pid,
                            rec.options.max_pending_calls)
 
+    def record(self, actor_id: int) -> ActorRecord | None:
+        """The driver's record of actor ``actor_id`` (``_launch.ActorRecord``), or None."""
+        return self._actors.get(actor_id)
+
     def actors(self) -> list[dict]:
         """A snapshot of the actors this runtime started."""
         return [{"id": r.actor_id, "class": r.cls_name, "pid": r.pid, "alive": r.alive,
@@ -445,42 +315,12 @@ class Runtime:
 
     # -- services for actor processes --------------------------------------------
     def handle_call(self, conn: Connection, cid: int, call: list) -> None:
-        method, args, _ = call
-        call.clear()
-        try:
-            if method == "__connect__":
-                (target,) = args
-                rec = self._actors.get(target)
-                if rec is None or not rec.alive or rec.conn is None or rec.conn.closed:
-                    why = rec.death if rec is not None and rec.death else \
-                        f"actor {target} is not running"
-                    raise ActorDiedError(why)
-                a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                from ._serialization import PassFd
-                fa, fb = a.detach(), b.detach()
-                rec.conn.call("__accept_peer__", (PassFd(fb), conn.peer_id), {}) \
-                    .add_done_callback(_ignore)
-                rec.conn.close_after_send([fb])
-                conn.reply(cid, (PassFd(fa), rec.label))
-                conn.close_after_send([fa])
-            elif method == "__get_actor__":
-                task = self.loop.create_task(self.get_actor(*args))
-                task.add_done_callback(lambda t: _reply_task(conn, cid, t))
-            elif method == "__kill__":
-                task = self.loop.create_task(self.kill(*args))
-                task.add_done_callback(lambda t: _reply_task(conn, cid, t))
-            elif method == "__spawn__":
-                cls, options, a, k = args
-                task = self.loop.create_task(self.spawn(cls, options, a, k))
-                task.add_done_callback(lambda t: _reply_task(conn, cid, t))
-            elif method == "__stats__":
-                conn.reply(cid, _shm.stats())
-            else:
-                raise AttributeError(f"the driver has no service {method!r}")
-        except BaseException as exc:
-            conn.reply_error(cid, exc)
+        """Answer a service call from an actor process (``Host``): connect it to a peer,
+        spawn, kill or find an actor for it, or report the driver's stats."""
+        _services.serve(self, conn, cid, call)
 
     def connection_eof(self, conn: Connection) -> None:
+        """An actor's connection broke (``Host``): close it once its process is gone."""
         rec = self._actors.get(conn.peer_id)
         if rec is not None and rec.conn is conn and rec.alive:
             # The process is exiting; give its pidfd a moment to tell us how.
@@ -490,7 +330,7 @@ class Runtime:
         else:
             conn.close()
 
-    async def _await_exit_then_close(self, rec: _Record) -> None:
+    async def _await_exit_then_close(self, rec: ActorRecord) -> None:
         try:
             await asyncio.wait_for(rec.exited.wait(), 0.3)
         except asyncio.TimeoutError:
@@ -502,6 +342,7 @@ class Runtime:
                 pass
 
     def connection_closed(self, conn: Connection) -> None:
+        """An actor's connection closed (``Host``)."""
         rec = self._actors.get(conn.peer_id)
         if rec is not None and rec.conn is conn and rec.alive and not self._closing:
             # The connection broke (protocol error): the actor is unusable.
@@ -511,31 +352,21 @@ class Runtime:
                 pass
 
     # -- death and shutdown ------------------------------------------------------
-    def _on_exit(self, rec: _Record) -> None:
-        self.loop.remove_reader(rec.pidfd)
-        os.close(rec.pidfd)
-        rec.pidfd = -1
+    def _on_exit(self, rec: ActorRecord) -> None:
+        rec.unwatch_exit(self.loop)
         if rec.popen is not None:
             self._exited(rec, rec.popen.wait())
-        else:
-            self.loop.create_task(self._forked_exit(rec))
+        else:  # a forked child: its exit code comes from the fork server
+            self.loop.create_task(self._forkserver.exit_code(rec.pid)).add_done_callback(
+                lambda f: f.cancelled() or self._exited(rec, f.result()))
 
-    async def _forked_exit(self, rec: _Record) -> None:
-        if rec.pid not in self._fs_exit:
-            ev = self._fs_exit_events.setdefault(rec.pid, asyncio.Event())
-            try:
-                await asyncio.wait_for(ev.wait(), 1.0)
-            except asyncio.TimeoutError:
-                pass
-        self._exited(rec, self._fs_exit.pop(rec.pid, None))
-
-    def _exited(self, rec: _Record, code: int | None) -> None:
+    def _exited(self, rec: ActorRecord, code: int | None) -> None:
         rec.alive = False
         why = rec.death or f"{rec.label} died: {describe_exit(code)}"
         if self._closing and rec.death is None:
             why = f"{rec.label} was stopped because its runtime closed"
         rec.death = why
-        self._release_gpus(rec)
+        self._gpus.release(rec)
         for fwd in rec.pipes:
             fwd.drain()
         if rec.conn is not None:
@@ -543,7 +374,10 @@ class Runtime:
             rec.conn.close(ActorDiedError(why))
         rec.exited.set()
         limit = rec.options.max_restarts
-        if not self._closing and not rec.no_restart and (limit == -1 or rec.restarts < limit):
+        restart = (not self._closing and not rec.no_restart
+                   and (limit == -1 or rec.restarts < limit))
+        _events.emit(self, "died", rec, why, will_restart=restart)
+        if restart:
             # Calls made from now on wait in a fresh connection for the new process;
             # the ones that were pending have failed (at-most-once, as in Ray).
             rec.restarts += 1
@@ -551,7 +385,7 @@ class Runtime:
             rec.conn.peer_id = rec.actor_id
             self.loop.create_task(self._restart(rec, why))
 
-    async def _restart(self, rec: _Record, why: str) -> None:
+    async def _restart(self, rec: ActorRecord, why: str) -> None:
         conn = rec.conn  # this attempt's; a death during start-up makes the next one's
         if rec.failed_starts:  # back off while new processes keep dying as they start
             await asyncio.sleep(min(5.0, 0.05 * 2 ** rec.failed_starts))
@@ -561,7 +395,7 @@ class Runtime:
             return
         try:
             if rec.options.num_gpus:
-                rec.gpus = self._take_gpus(rec.options.num_gpus, rec.cls_name)
+                rec.gpus = self._gpus.take(rec.options.num_gpus, rec.cls_name)
             rec.death = None
             await self._start_process(rec)
             rec.failed_starts = 0
@@ -570,60 +404,25 @@ class Runtime:
                 os.kill(rec.pid, signal.SIGKILL)
                 return
             logger.warning("actorshm: restarted %s (restart %d of %s) after: %s", rec.label,
-                           rec.restarts, rec.options.max_restarts, _first_line(why))
+                           rec.restarts, rec.options.max_restarts, first_line(why))
+            _events.emit(self, "restarted", rec, why)
         except BaseException as exc:
             if rec.conn is not conn:
                 # The new process died while starting; the next restart is on its way.
                 rec.failed_starts += 1
                 logger.warning("actorshm: restart %d of %s of %s failed while starting: %s",
                                rec.restarts - 1, rec.options.max_restarts, rec.label,
-                               _first_line(str(exc)))
+                               first_line(str(exc)))
                 return
-            rec.death = (f"{rec.label} could not be restarted: {_first_line(str(exc))} "
-                         f"(after: {_first_line(why)})")
+            rec.death = (f"{rec.label} could not be restarted: {first_line(str(exc))} "
+                         f"(after: {first_line(why)})")
             if rec.conn is not None:
                 rec.conn.close(ActorDiedError(rec.death))
             if rec.alive:
-                await self._stop(rec, grace=0.5)
+                await rec.stop(0.5)
 
-    async def _stop(self, rec: _Record, grace: float | None = None) -> None:
-        if not rec.alive:
-            return
-        grace = self.shutdown_grace if grace is None else grace
-        if rec.death is None:
-            rec.death = f"{rec.label} was stopped because its runtime closed"
-        if rec.conn is not None and not rec.conn.closed:
-            rec.conn.call("__stop__", (), {}).add_done_callback(_ignore)
-        for sig, wait in ((None, grace), (signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
-            if sig is not None:
-                try:
-                    os.kill(rec.pid, sig)
-                except ProcessLookupError:
-                    pass
-            try:
-                await asyncio.wait_for(rec.exited.wait(), wait)
-                return
-            except asyncio.TimeoutError:
-                continue
-
-    def _reap(self, rec: _Record) -> None:
-        if rec.pidfd >= 0:
-            try:
-                self.loop.remove_reader(rec.pidfd)
-            except Exception:
-                pass
-            os.close(rec.pidfd)
-            rec.pidfd = -1
-        if rec.popen is not None:
-            try:
-                rec.popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:  # pragma: no cover
-                rec.popen.kill()
-                rec.popen.wait()
-        for fwd in rec.pipes:
-            fwd.drain()
-            fwd.close()
-        rec.pipes = []
+    def _reap(self, rec: ActorRecord) -> None:
+        rec.close_process(self.loop)
         rec.alive = False
         if rec.conn is not None and not rec.conn.closed:
             rec.conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
@@ -634,133 +433,6 @@ class Runtime:
                                "`async with actorshm.Runtime():`")
 
 
-def _ignore(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
-def _reply_task(conn: Connection, cid: int, task: asyncio.Task) -> None:
-    if task.cancelled():
-        conn.reply_error(cid, asyncio.CancelledError())
-    elif task.exception() is not None:
-        conn.reply_error(cid, task.exception())
-    else:
-        conn.reply(cid, task.result())
-
-
-def _first_line(text: str, limit: int = 300) -> str:
-    """A death's cause, short: restart messages must not nest earlier ones whole."""
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[:limit] + "..."
-
-
-def _kill_all(actors: dict) -> None:
-    for rec in list(actors.values()):
-        if rec.popen is not None:
-            if rec.popen.poll() is None:
-                try:
-                    rec.popen.kill()
-                except OSError:
-                    pass
-        elif rec.alive and rec.pid:
-            try:
-                os.kill(rec.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def _visible_gpus() -> list[str]:
-    """The GPUs this process may hand out, as ``CUDA_VISIBLE_DEVICES`` entries.
-
-    Entries are kept as written (ordinals, ``GPU-<uuid>`` or ``MIG-<uuid>``), so that an
-    actor's ``CUDA_VISIBLE_DEVICES`` names the same GPU the driver sees. As in CUDA, the
-    list ends at the first empty or negative entry.
-    """
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        out = []
-        for tok in env.split(","):
-            tok = tok.strip()
-            if not tok or tok.startswith("-"):
-                break
-            out.append(tok)
-        return out
-    try:
-        from . import _cuda
-        return [str(i) for i in range(_cuda.device_count())]
-    except Exception:
-        return []
-
-
-class _OutputForwarder:
-    """Copies an actor's stdout/stderr to the driver's, each line prefixed as Ray does."""
-
-    def __init__(self, rec: _Record, stream, which: str) -> None:
-        self.rec = rec
-        self.stream = stream
-        self.fd = stream.fileno()
-        self.which = which
-        self.partial = b""
-        self.closed = False
-
-    def on_readable(self) -> None:
-        try:
-            data = os.read(self.fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.close()
-            return
-        self._emit(data)
-
-    def _emit(self, data: bytes) -> None:
-        data = self.partial + data
-        *lines, self.partial = data.split(b"\n")
-        if not lines:
-            return
-        prefix = f"({self.rec.cls_name} pid={self.rec.pid}) "
-        text = "".join(prefix + ln.decode(errors="replace") + "\n" for ln in lines)
-        if self.which == "stderr":
-            self.rec.stderr_tail.extend(ln.decode(errors="replace") + "\n" for ln in lines)
-        out = sys.stderr if self.which == "stderr" else sys.stdout
-        try:
-            out.write(text)
-            out.flush()
-        except Exception:  # pragma: no cover
-            pass
-
-    def drain(self) -> None:
-        while not self.closed:
-            try:
-                data = os.read(self.fd, 65536)
-            except (BlockingIOError, OSError):
-                return
-            if not data:
-                self.close()
-                return
-            self._emit(data)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.partial:
-            self._emit(b"\n")
-        try:
-            if self.rec.conn is not None:
-                self.rec.conn.loop.remove_reader(self.fd)
-        except Exception:  # the loop is closing
-            pass
-        self.stream.close()
-
-
-def _make_flush_hook(loop: asyncio.AbstractEventLoop):
-    from ._worker import _make_flush_hook as make
-    return make(loop)
-
-
 def current_runtime() -> Runtime:
     """The runtime that ``spawn`` uses here: the one opened last and not yet closed.
 
@@ -768,14 +440,15 @@ def current_runtime() -> Runtime:
         RuntimeError: no runtime is open (the message says how to open one), or this is
             an actor's process (actors use handles and ``get_actor``).
     """
-    if _client._worker[0] is not None:
+    if _client.current_worker() is not None:
         raise RuntimeError("current_runtime() is for the driver; inside an actor, use "
                            "handles and actorshm.get_actor()")
-    if not _client._runtimes:
+    rt = _client.innermost_runtime()
+    if rt is None:
         raise RuntimeError(
             "no actorshm runtime is open. Open one with `async with actorshm.Runtime():` "
             "around your code, or run it with `actorshm.run(main())`.")
-    return _client._runtimes[-1]
+    return rt
 
 
 async def get_actor(name: str) -> ActorHandle:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import struct
 import sys
 import threading
 import traceback
@@ -30,10 +29,102 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from . import _shm
+from . import _leases, _shm
 from ._errors import ProtocolError, RemoteError, RemoteTraceback
+from ._wire import ARENA, GPU_SLAB, HAS_BLOCKS, LEN, MAX_MESSAGE, PLAIN  # noqa: F401
 
-__all__ = ["encode", "decode", "encode_exception", "decode_exception", "PassFd"]
+__all__ = ["encode", "decode", "encode_exception", "decode_exception", "PassFd",
+           "register_reducer", "register_region_kind", "register_lazy_plugin",
+           "leased_block", "ARENA", "GPU_SLAB"]
+
+# -- plug-in registries ---------------------------------------------------------------
+# The base layers know numpy and host memory only. A plug-in (CuPy: ``_cuda``; torch)
+# registers, when it is imported, how its objects travel (a reducer per type) and how
+# the receiver opens its kind of region (an opener per region kind). A plug-in that
+# should load as soon as its library is in use registers a loader by module name
+# (``register_lazy_plugin``), from a layer above this one.
+
+
+# Exact type -> reducer; a subclass of a registered type is found through its MRO and
+# remembered.
+_reducers: dict[type, Any] = {}
+_not_reduced: set[type] = set()  # types seen with no registered base
+# Module name -> loader, called once when that module is first seen imported.
+_lazy_plugins: dict[str, Any] = {}
+_OPENERS: dict[int, Any] = {}
+
+
+def register_reducer(cls: type, reducer) -> None:
+    """Send instances of ``cls`` (and its subclasses) with ``reducer``.
+
+    ``reducer(enc, obj)`` returns a pickle reduce value ``(callable, args)``, or
+    ``NotImplemented`` to let cloudpickle pickle ``obj`` by value. To send memory out of
+    band, it calls ``enc.lease(block, kind, intro)``, which returns the block's row in the
+    message's block table, and returns a rebuild function (importable by name) whose
+    arguments include that row; on the receiving side the rebuild function gets the block
+    with ``leased_block(row)``. Work the receiver must see before it reads the memory
+    (a GPU stream) is waited for with ``enc.before_send(fn, item)``.
+
+    Args:
+        cls: the type, exactly as the plug-in's library defines it.
+        reducer: called as ``reducer(enc, obj)`` for every such object in a message.
+
+    Raises:
+        TypeError: ``cls`` is not a type, or ``reducer`` is not callable.
+    """
+    if not isinstance(cls, type) or not callable(reducer):
+        raise TypeError("register_reducer(cls, reducer) needs a type and a callable")
+    _reducers[cls] = reducer
+    _not_reduced.clear()
+
+
+def register_region_kind(kind: int, opener) -> None:
+    """Open regions of ``kind`` with ``opener`` when a peer introduces one.
+
+    Args:
+        kind: the region kind, as written in block tables (``ARENA``, ``GPU_SLAB``, ...).
+        opener: called as ``opener(ctx, region key, size, intro)`` with what the peer sent
+            to open it (``intro``: an fd index, an IPC handle); returns an
+            ``actorshm._leases.Region``. It raises ``ProtocolError`` for a malformed
+            introduction (the connection closes), anything else when the region cannot
+            be opened here (that block's call fails).
+    """
+    _OPENERS[kind] = opener
+
+
+def register_lazy_plugin(module: str, loader) -> None:
+    """Call ``loader()`` once, the first time a message is encoded while ``module`` is
+    imported (the loader imports the plug-in, which registers its reducers).
+
+    Args:
+        module: a top-level module name, e.g. ``"cupy"``.
+        loader: a callable with no arguments.
+    """
+    _lazy_plugins[module] = loader
+
+
+def _load_plugins() -> None:
+    mods = sys.modules
+    for name in [n for n in _lazy_plugins if n in mods]:
+        _lazy_plugins[name]()
+        del _lazy_plugins[name]  # (a loader that failed is tried again next time)
+
+
+def _plugin_reducer(t: type):
+    """The reducer registered for ``t`` or a base class of it, or None."""
+    if _lazy_plugins:
+        _load_plugins()
+    r = _reducers.get(t)
+    if r is not None or t in _not_reduced:
+        return r
+    for base in t.__mro__[1:]:
+        r = _reducers.get(base)
+        if r is not None:
+            _reducers[t] = r
+            return r
+    if len(_not_reduced) < 4096:
+        _not_reduced.add(t)
+    return None
 
 _ndarray = np.ndarray
 _memmap = np.memmap
@@ -57,7 +148,15 @@ class _Encoder(cloudpickle.Pickler):
         self.index: dict[tuple, int] = {}  # block key -> its row in the table
         self.grants: list = []  # the Block of each row
         self.new_regions: list = []  # regions introduced on the connection by this message
-        self.cuda_devices: set = set()  # GPUs whose pending work the receiver must see
+        self.waits: dict = {}  # ``before_send``: fn -> the items it waits for
+
+    def before_send(self, fn, item) -> None:
+        """Call ``fn(items)`` once, before the message leaves, with every ``item`` given
+        for it (e.g. the GPUs whose queued work the receiver must see)."""
+        items = self.waits.get(fn)
+        if items is None:
+            items = self.waits[fn] = set()
+        items.add(item)
 
     def lease(self, view, kind: int, intro) -> int:
         """The row of ``view``'s block in this message's table, added (with its grant)
@@ -89,10 +188,10 @@ class _Encoder(cloudpickle.Pickler):
         if t is PassFd:
             self.fds.append(obj.fd)
             return _rebuild_fd, (len(self.fds) - 1,)
-        cp = sys.modules.get("cupy")
-        if cp is not None and isinstance(obj, cp.ndarray):  # arrives as a cupy.ndarray
-            from . import _cuda
-            return _cuda.reduce_cupy(self, obj)
+        if _reducers or _lazy_plugins:
+            r = _plugin_reducer(t)
+            if r is not None:
+                return r(self, obj)
         return super().reducer_override(obj)
 
 
@@ -100,11 +199,11 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     dtype = a.dtype
     if dtype.hasobject or a.size == 0:
         return None  # by value, in band (object arrays hold Python objects, not bytes)
-    view = _shm.find_view(a)
-    stats = _shm._stats
+    view = _shm.find_block(a)
+    stats = _leases.counters
     if view is None:
         a = _shm.copy_to_shared(a)
-        view = _shm.find_view(a)
+        view = _shm.find_block(a)
         stats["bytes_copied"] += a.nbytes
         stats["arrays_copied"] += 1
     else:
@@ -156,6 +255,18 @@ def _ctx() -> _DecodeCtx:
     return ctx
 
 
+def leased_block(row: int):
+    """The block in row ``row`` of the block table of the message being decoded.
+
+    Args:
+        row: what ``enc.lease`` returned on the sending side.
+
+    Raises:
+        ProtocolError: called outside ``decode`` (an actorshm object unpickled by hand).
+    """
+    return _ctx().blocks[row]
+
+
 def _rebuild_fd(index: int) -> int:
     return _ctx().take_fd(index)
 
@@ -176,25 +287,15 @@ def _open_arena(ctx: _DecodeCtx, key: tuple, size: int, fd_index) -> _shm.Arena:
     try:
         if os.fstat(fd).st_size < size:
             raise ProtocolError("arena fd is smaller than the peer claims")
-        addr = _shm._map(fd, size)
+        addr = _shm.map_fd(fd, size)
     except BaseException:
         os.close(fd)
         raise
-    _shm._stats["arenas_mapped"] += 1
+    _leases.counters["arenas_mapped"] += 1
     return _shm.Arena(key, fd, size, addr, owned=False, dedicated=size >= _shm.LARGE)
 
 
-ARENA, GPU_SLAB = 0, 1  # region kinds in a block table
-
-
-def _open_gpu_slab(ctx: _DecodeCtx, key: tuple, size: int, intro):
-    # Imported here: CuPy is needed only where GPU arrays arrive (without it, the
-    # ImportError fails this block like any region that cannot be opened).
-    from ._cuda import _open_slab
-    return _open_slab(ctx, key, size, intro)
-
-
-_OPENERS = {ARENA: _open_arena, GPU_SLAB: _open_gpu_slab}
+register_region_kind(ARENA, _open_arena)
 
 
 def _adopt_table(ctx: _DecodeCtx, table) -> None:
@@ -220,7 +321,7 @@ def _adopt_table(ctx: _DecodeCtx, table) -> None:
         if opener is None:
             raise ProtocolError(f"block table names an unknown region kind {kind!r}")
         try:
-            blocks.append(_shm.adopt(conn, opener, rkey, rsize, intro, boff, bsize, ctx))
+            blocks.append(_leases.adopt(conn, opener, rkey, rsize, intro, boff, bsize, ctx))
         except ProtocolError:
             raise
         except Exception as exc:
@@ -249,17 +350,15 @@ def _simple(obj: Any) -> bool:
     return False
 
 
-HAS_BLOCKS = 1  # frame flag: the payload starts with a block table
-PLAIN = 2  # frame flag: the payload is a plain pickle of builtin scalars and containers
-_TLEN = struct.Struct("<I")
-MAX_MESSAGE = (1 << 31) - (1 << 20)  # a frame's limit, less room for its block table
+_TLEN = LEN
 
 
 def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     """Pickle ``obj`` for ``conn``: (payload, fds, encoder, frame flags).
 
     The payload is bytes, or a list of buffers to send back to back.
-    Nothing is committed until ``commit`` is called.
+    Nothing is committed until the connection's ledger commits the encoder
+    (``_ledger.Ledger.commit``), just before the frame is queued.
     """
     # Fast path (most calls): builtin scalars need neither cloudpickle nor our reducers,
     # and the receiver needs no decoding context for them (``PLAIN``).
@@ -279,9 +378,8 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
         _too_big(f.tell())  # before anything is committed: no lease is taken
     if not enc.table:
         return f.getvalue(), enc.fds, enc, 0
-    if enc.cuda_devices:
-        from ._cuda import wait_for_senders_work
-        wait_for_senders_work(enc.cuda_devices)
+    for fn, items in enc.waits.items():
+        fn(items)
     table = _dumps(enc.table, 5)
     # Parts, not one bytes object: the frame writer joins them with the header in one copy.
     return [_TLEN.pack(len(table)), table, f.getbuffer()], enc.fds, enc, HAS_BLOCKS
@@ -292,24 +390,6 @@ def _too_big(n: int) -> None:
         f"the message is {n / 2**30:.1f} GiB once pickled, over actorshm's 2 GiB frame "
         "limit; pass big data as numpy arrays, which travel in shared memory, not as "
         "bytes or lists")
-
-
-def commit(enc: _Encoder) -> None:
-    """Record the grants and introduced regions of a message that is about to be sent."""
-    if enc is None:
-        return
-    conn = enc.conn
-    grants = conn.grants
-    for view in enc.grants:
-        g = grants.get(view.key)
-        if g is None:
-            # [block, grants, upstreams told we passed it on, the peer's forward count]
-            grants[view.key] = [view, 1, _shm.forwarded(view, conn), 0]
-        else:
-            g[1] += 1
-    for region in enc.new_regions:
-        conn.sent_regions.add(region.key)
-        region.sent_to.add(conn)
 
 
 def decode(payload, fds, conn, flags: int = 0) -> Any:

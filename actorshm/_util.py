@@ -54,6 +54,21 @@ def new_event_loop():
         return asyncio.new_event_loop()
 
 
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.5 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    """A death's cause, short: restart messages must not nest earlier ones whole."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
 def check_run_args(main) -> None:
     """Raise what ``actorshm.run(main)`` should say when it cannot run ``main``."""
     if not inspect.isawaitable(main):

@@ -1,7 +1,8 @@
 """The actor process: its event loop, its one actor instance, and its connections.
 
-Started by the driver as ``python -m actorshm._worker FD`` with one end of a socket pair
-inherited as FD. The first call on it is ``__init_actor__``; then calls run one at a time
+Started by the driver (``_launch``) with one end of a socket pair inherited as fd FD:
+as ``python -c <bootstrap> FD`` (the bootstrap imports the driver's own copy of
+actorshm and calls ``main``), or forked by the fork server (``forked_child_main``). The first call on it is ``__init_actor__``; then calls run one at a time
 in arrival order (``max_concurrency=1``), or up to ``max_concurrency`` at once, sync
 methods then running in a thread pool so the event loop never stalls. Calls to other
 actors go over direct connections that the driver brokers once per pair.
@@ -15,12 +16,13 @@ import faulthandler
 import inspect
 import json
 import os
+import signal
 import socket
 import sys
 import threading
 from typing import Any
 
-from . import _client, _shm
+from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._errors import ActorDiedError
 from ._protocol import Connection
 from ._util import describe_exit, new_event_loop, set_parent_death_signal
@@ -47,8 +49,16 @@ class Worker:
         self.peers: dict[int, Connection] = {}
         self.driver = Connection(loop, self, socket.socket(fileno=fd), label="the driver")
 
+    closing = property(lambda self: self._closing, doc="Whether the actor is stopping.")
+
     # -- client side (handles inside this actor) -------------------------------
     def call(self, actor_id: int, method: str, args, kwargs, what: str = ""):
+        """Call ``method`` on actor ``actor_id`` over a direct connection (brokered by the
+        driver on first use); as ``Runtime.call``.
+
+        Raises:
+            TypeError: an argument cannot be pickled (nothing is sent).
+        """
         if threading.get_ident() != self.loop_thread:
             return _client.call_from_thread(
                 self.loop, lambda: self.call(actor_id, method, args, kwargs, what))
@@ -76,20 +86,29 @@ class Worker:
         return conn
 
     def actor_pid(self, actor_id: int, pid: int) -> int:
+        """The pid a handle was made with (only the driver follows restarts)."""
         return pid
 
     async def kill(self, actor_id: int) -> None:
+        """Ask the driver to kill actor ``actor_id`` (``Runtime.kill``)."""
         await self.driver.call("__kill__", (actor_id,), {})
 
     async def spawn(self, cls, options, args, kwargs):
+        """Ask the driver to spawn an actor (``Runtime.spawn``, whose errors it raises)."""
         return await self.driver.call("__spawn__", (cls, options, args, kwargs), {},
                                       f"{cls.__qualname__}.spawn")
 
     async def get_actor(self, name: str):
+        """Ask the driver for the named actor's handle.
+
+        Raises:
+            ValueError: no live actor has that name.
+        """
         return await self.driver.call("__get_actor__", (name,), {})
 
     # -- host side -------------------------------------------------------------
     def handle_call(self, conn: Connection, cid: int, call: list) -> None:
+        """Run a call on the actor instance, or a service call (``Host``)."""
         method = call[0]
         if method.startswith("__"):
             args = call[1]
@@ -204,8 +223,8 @@ class Worker:
     async def _settle(self, conn: Connection, cid: int, timeout: float) -> None:
         """Before a kill: wait (bounded) for blocks we passed on to come back, and send
         the withdrawals of their forward notices, so their owners need not keep them."""
-        await self.grants_out(lambda g: g[2], timeout, 0.002)  # (g[2]: upstreams told)
-        _shm.flush_releases()
+        await self.grants_out(lambda g: g.told, timeout, 0.002)
+        _leases.dispatch_releases()
         for c in self.connections():
             c.send_owed()
         conn.reply(cid, None)
@@ -215,11 +234,11 @@ class Worker:
         return [c for c in (self.driver, *self.peers.values()) if not c.closed]
 
     async def grants_out(self, which, timeout: float, step: float) -> int:
-        """Wait up to ``timeout`` until no grant record ``which(record)`` picks is left on
-        any connection; how many are left."""
+        """Wait up to ``timeout`` until no grant (``_ledger.Grant``) that ``which(grant)``
+        picks is left on any connection; how many are left."""
         deadline = self.loop.time() + timeout
         while True:
-            left = sum(1 for c in self.connections() for g in c.grants.values() if which(g))
+            left = sum(c.ledger.count(which) for c in self.connections())
             if not left or self.loop.time() >= deadline:
                 return left
             await asyncio.sleep(step)
@@ -252,6 +271,7 @@ class Worker:
         self._finished(None)  # start the calls that arrived before __init__ finished
 
     def connection_eof(self, conn: Connection) -> None:
+        """A connection broke (``Host``)."""
         if conn is self.driver:
             conn.close(ActorDiedError("the driver is gone"))
         else:
@@ -259,6 +279,7 @@ class Worker:
                                       f"{describe_exit(None)}"))
 
     def connection_closed(self, conn: Connection) -> None:
+        """A connection closed (``Host``): the driver's ends the actor."""
         if conn is self.driver:
             if not self.stopped.done():
                 self.stopped.set_result(None)
@@ -269,9 +290,9 @@ class Worker:
 async def _amain(fd: int) -> int:
     loop = asyncio.get_running_loop()
     worker = Worker(loop, fd)
-    _client._worker[0] = worker
-    _shm._flush_hook[0] = _make_flush_hook(loop)
-    _shm._forward_notices[0] = True  # an actor that dies must not strand its relays' blocks
+    _client.set_worker(worker)
+    _leases.set_release_hook(_leases.loop_release_hook(loop))
+    _leases.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks
     try:
         await worker.stopped
         await _wait_for_gpu_leases(worker, worker.shutdown_grace / 2)
@@ -282,7 +303,7 @@ async def _amain(fd: int) -> int:
         # their owners keep them too. (Closing the peers may let go of more: the
         # driver's connection goes last.)
         for c in [*worker.peers.values(), worker.driver]:
-            _shm.flush_releases()
+            _leases.dispatch_releases()
             c.send_owed()
             c.close(peer_gone=False)
         if worker.executor is not None:
@@ -298,7 +319,7 @@ async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
     our GPU arrays would then read freed memory. So wait, a bounded time, and say so if
     some are still out.
     """
-    held = await worker.grants_out(lambda g: g[0].region.device is not None, timeout, 0.01)
+    held = await worker.grants_out(lambda g: g.block.region.device is not None, timeout, 0.01)
     if held:
         print(f"actorshm: actor {worker.cls_name} exits while peers still hold {held} "
               "of its GPU blocks; those arrays are invalid from now on (CUDA frees a "
@@ -306,31 +327,8 @@ async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
               "you before stopping it.", file=sys.stderr, flush=True)
 
 
-def _make_flush_hook(loop: asyncio.AbstractEventLoop):
-    import threading
-    state = {"scheduled": False}
-    loop_thread = threading.get_ident()
-
-    def run() -> None:
-        state["scheduled"] = False
-        _shm.flush_releases()
-
-    def hook() -> None:
-        if state["scheduled"]:
-            return
-        state["scheduled"] = True
-        try:
-            if threading.get_ident() == loop_thread:
-                loop.call_soon(run)
-            else:
-                loop.call_soon_threadsafe(run)
-        except RuntimeError:  # loop closed: the process is ending
-            pass
-
-    return hook
-
-
 def main() -> None:
+    """Run this actor process on the socket fd in ``sys.argv[1]``; exits the process."""
     set_parent_death_signal()
     faulthandler.enable()
     fd = int(sys.argv[1])
@@ -349,6 +347,45 @@ def main() -> None:
         sys.stderr.flush()
     # Skip interpreter teardown: it can only run user __del__s against closed sockets.
     os._exit(code)
+
+
+
+def forked_child_main(server_sock, rfd, wfd, env, cwd, fds) -> None:
+    """Become an actor process: the fork server's child, right after ``fork``.
+
+    Drops the server's sockets and signal set-up, takes the driver's environment and
+    working directory, puts the pipes it was given on stdout and stderr, and runs
+    ``main`` on the actor's socket. Never returns.
+
+    Args:
+        server_sock: the fork server's socket to the driver (closed here).
+        rfd, wfd: the server's signal wake-up pipe (closed here).
+        env, cwd: the environment and working directory the driver asked for.
+        fds: the actor's socket, and its stdout and stderr pipe ends.
+    """
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        server_sock.close()
+        os.close(rfd)
+        os.close(wfd)
+        conn_fd, out_fd, err_fd = fds
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.close(out_fd)
+        os.close(err_fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+        sys.argv = ["actorshm-worker", str(conn_fd)]
+        main()
+    finally:
+        os._exit(1)
 
 
 if __name__ == "__main__":

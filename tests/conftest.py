@@ -47,3 +47,18 @@ async def rt():
     async with actorshm.Runtime(shutdown_grace=1.0) as runtime:
         yield runtime
     gc.collect()
+
+
+@pytest.fixture(params=["spawn", "forkserver"])
+def start_method(request):
+    """Runs a test once per start method (as loky runs its suite per start method):
+    for the tests where how an actor process starts matters."""
+    return request.param
+
+
+@pytest.fixture
+async def rt_each(start_method):
+    """A runtime, once per start method (see ``start_method``)."""
+    async with actorshm.Runtime(start_method=start_method, shutdown_grace=1.0) as runtime:
+        yield runtime
+    gc.collect()

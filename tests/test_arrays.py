@@ -304,29 +304,29 @@ async def test_argument_failing_to_unpickle_gives_leases_back(rt):
 
 
 async def test_dead_peers_memory_is_let_go(rt):
-    from actorshm import _shm
+    from actorshm import _leases
     a = await Arrays.spawn()
-    n0 = len(_shm._regions)
+    n0 = len(_leases._regions)
     kept = await a.make(10, 1.0)  # maps the actor's chunk arena here
     dropped = await a.make(1 << 20, 1.0)  # and one dedicated arena
-    assert len(_shm._regions) == n0 + 2
+    assert len(_leases._regions) == n0 + 2
     del dropped
     await a.kill()
     await asyncio.sleep(0.05)
     gc.collect()
     # The arena still in use stays mapped (its memory stays valid); the other is closed.
-    assert len(_shm._regions) == n0 + 1 and kept.sum() == 10.0
+    assert len(_leases._regions) == n0 + 1 and kept.sum() == 10.0
     del kept  # and the last one goes with its last array
     gc.collect()
     await asyncio.sleep(0.05)
-    assert len(_shm._regions) == n0
+    assert len(_leases._regions) == n0
 
 
 async def test_dead_owners_arena_travels_again_after_peers_let_go(rt):
     # A lends x to C and returns it to us; we pass it on to B. A dies: we and B let go of
     # A's arena, C still holds x. C sends x back and we pass it to B again: the arena is
     # introduced afresh on each hop (nobody may assume the other still has it).
-    from actorshm import _shm
+    from actorshm import _leases
     owner, b, c = await Arrays.spawn(), await Arrays.spawn(), await Arrays.spawn()
     x = await owner.make_and_lend([c], 1 << 20, 1.0)
     assert await b.sum(x) == float(1 << 20)
@@ -339,7 +339,7 @@ async def test_dead_owners_arena_travels_again_after_peers_let_go(rt):
     assert await b.regions() == n0 - 1
     y = await c.get_kept()
     assert await b.sum(y) == float(1 << 20)
-    assert await b.regions() == n0 and _shm._regions
+    assert await b.regions() == n0 and _leases._regions
 
 
 async def test_one_relay_letting_go_does_not_close_a_region_another_still_sends(rt):
@@ -357,7 +357,7 @@ def test_block_dropped_in_a_thread_cannot_be_picked_up_again():
     # new grant must get a new lease, never the dying block (whose lease is going back).
     import threading
     import time
-    from actorshm import _shm
+    from actorshm import _leases, _shm
 
     class Conn:
         closed = False
@@ -377,23 +377,23 @@ def test_block_dropped_in_a_thread_cannot_be_picked_up_again():
     def opener(ctx, rkey, rsize, intro):
         return peer
 
-    conn, hook = Conn(), _shm._flush_hook[0]
-    _shm._flush_hook[0] = lambda: time.sleep(0.2)  # the dying block's thread lets go of the GIL
+    conn, hook = Conn(), _leases._release_hook
+    _leases.set_release_hook(lambda: time.sleep(0.2))  # the dying block's thread lets go of the GIL
     try:
-        box = [_shm.adopt(conn, opener, key, arena.size, 0, 0, 256)]
+        box = [_leases.adopt(conn, opener, key, arena.size, 0, 0, 256)]
         t = threading.Thread(target=box.clear)  # drops the last reference
         t.start()
         time.sleep(0.05)
-        again = _shm.adopt(conn, opener, key, arena.size, None, 0, 256)
+        again = _leases.adopt(conn, opener, key, arena.size, None, 0, 256)
         t.join()
         assert conn.released == 0  # not treated as a second grant of a live block
         assert again.lease.upstream == {conn: 1}
-        assert [r[1] for r in _shm._releases] == [(12345, 0, 0)]  # the old lease goes back
+        assert [r[1] for r in _leases.pending_releases] == [(12345, 0, 0)]  # the old lease goes back
     finally:
-        _shm._flush_hook[0] = hook
-        _shm._releases.clear()
-        _shm._regions.pop(key, None)
-        _shm._own_tokens.discard(owner.token)
+        _leases.set_release_hook(hook)
+        _leases.pending_releases.clear()
+        _leases._regions.pop(key, None)
+        _leases._own_tokens.discard(owner.token)
         _shm._pools.remove(owner)
         arena.close()
 
@@ -401,9 +401,9 @@ def test_block_dropped_in_a_thread_cannot_be_picked_up_again():
 async def test_handed_back_array_does_not_pin_a_dead_owners_arena(rt):
     # We pass the owner's array to b, b hands it back: we and b each introduced the
     # arena to the other. After the owner dies, both must still let it go.
-    from actorshm import _shm
+    from actorshm import _leases
     owner, b = await Arrays.spawn(), await Arrays.spawn()
-    n0, b0 = len(_shm._regions), await b.regions()
+    n0, b0 = len(_leases._regions), await b.regions()
     x = await owner.make(1 << 20, 1.0)
     y = await b.echo(x)
     assert np.shares_memory(x, y)
@@ -413,9 +413,9 @@ async def test_handed_back_array_does_not_pin_a_dead_owners_arena(rt):
     await owner.kill()
     for _ in range(50):
         await asyncio.sleep(0.02)
-        if len(_shm._regions) == n0 and await b.regions() == b0:
+        if len(_leases._regions) == n0 and await b.regions() == b0:
             break
-    assert len(_shm._regions) == n0 and await b.regions() == b0
+    assert len(_leases._regions) == n0 and await b.regions() == b0
 
 
 async def test_losing_one_relay_does_not_make_round_trips_reintroduce_the_arena(rt):
@@ -432,7 +432,7 @@ async def test_losing_one_relay_does_not_make_round_trips_reintroduce_the_arena(
     await b.kill()
     await asyncio.sleep(0.1)
     from actorshm import _shm
-    key = _shm.find_view(x).region.key
+    key = _shm.find_block(x).region.key
     conn = rt._actors[a.actor_id].conn
     for _ in range(5):
         y = await a.echo(x)

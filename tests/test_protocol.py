@@ -15,6 +15,8 @@ from actors import Arrays, Counter
 class _Recorder:
     """A connection host that records calls and answers each with its arguments."""
 
+    closing = False
+
     def __init__(self):
         self.calls = []
         self.closed = []
@@ -139,13 +141,13 @@ async def test_a_message_over_the_frame_limit_fails_before_anything_is_sent(rt, 
 def _peer_block(upstream, idx):
     """A block of a (made-up) peer's arena, leased to this process over ``upstream``."""
     import os
-    from actorshm import _shm
+    from actorshm import _leases, _shm
     fd = os.memfd_create("peer")
     os.ftruncate(fd, 1 << 16)
     key = (424242 + idx, 0)
-    arena = _shm.Arena(key, fd, 1 << 16, _shm._map(fd, 1 << 16), owned=False,
+    arena = _shm.Arena(key, fd, 1 << 16, _shm.map_fd(fd, 1 << 16), owned=False,
                        dedicated=False)
-    _shm._regions[key] = arena
+    _leases._regions[key] = arena
     block = arena.block(0, 4096, None)
     block.lease.upstream = {upstream: 1}
     arena.live += 1
@@ -187,10 +189,10 @@ async def test_a_frame_passing_a_block_on_waits_for_the_notice_upstream(then, mo
     # We (a relay) pass upstream U's block to D while our socket to U is full: the
     # frame to D must not leave before the notice to U, whatever else happens on the
     # connection to D meanwhile.
-    from actorshm import _shm
-    monkeypatch.setattr(_shm, "_forward_notices", [True])  # as in an actor
-    monkeypatch.setitem(_shm._stats, "forward_notices_sent",
-                        _shm._stats["forward_notices_sent"])
+    from actorshm import _leases
+    monkeypatch.setattr(_leases, "_forward_notices", True)  # as in an actor
+    monkeypatch.setitem(_leases.counters, "forward_notices_sent",
+                        _leases.counters["forward_notices_sent"])
     loop = asyncio.get_running_loop()
     host = _Recorder()
     u_a, u_b = socket.socketpair()  # nobody reads u_b: U is busy
@@ -234,7 +236,7 @@ async def test_a_frame_passing_a_block_on_waits_for_the_notice_upstream(then, mo
         for s in (u_b, c_b, e_b):
             s.close()
         for b in blocks:
-            _shm._regions.pop(b.region.key, None)
+            _leases._regions.pop(b.region.key, None)
 
 
 def _drain(sock):
@@ -247,10 +249,10 @@ def _drain(sock):
 
 
 async def test_each_held_frame_waits_only_for_its_own_notice(monkeypatch):
-    from actorshm import _shm
-    monkeypatch.setattr(_shm, "_forward_notices", [True])
-    monkeypatch.setitem(_shm._stats, "forward_notices_sent",
-                        _shm._stats["forward_notices_sent"])
+    from actorshm import _leases
+    monkeypatch.setattr(_leases, "_forward_notices", True)
+    monkeypatch.setitem(_leases.counters, "forward_notices_sent",
+                        _leases.counters["forward_notices_sent"])
     loop = asyncio.get_running_loop()
     host = _Recorder()
     pairs = [socket.socketpair() for _ in range(3)]
@@ -285,17 +287,17 @@ async def test_each_held_frame_waits_only_for_its_own_notice(monkeypatch):
         for _, b in pairs:
             b.close()
         for b in blocks:
-            _shm._regions.pop(b.region.key, None)
+            _leases._regions.pop(b.region.key, None)
 
 
 async def test_closing_an_upstream_with_its_notice_unsent_closes_the_held_connection(
         monkeypatch):
     # We close U ourselves (we stop, or U broke the protocol) while it lives on: its
     # notice will never be written, so the frame passing U's block on must never go.
-    from actorshm import _shm
-    monkeypatch.setattr(_shm, "_forward_notices", [True])
-    monkeypatch.setitem(_shm._stats, "forward_notices_sent",
-                        _shm._stats["forward_notices_sent"])
+    from actorshm import _leases
+    monkeypatch.setattr(_leases, "_forward_notices", True)
+    monkeypatch.setitem(_leases.counters, "forward_notices_sent",
+                        _leases.counters["forward_notices_sent"])
     loop = asyncio.get_running_loop()
     host = _Recorder()
     (u_a, u_b), (c_a, c_b) = socket.socketpair(), socket.socketpair()
@@ -314,7 +316,7 @@ async def test_closing_an_upstream_with_its_notice_unsent_closes_the_held_connec
         C.close()
         u_b.close()
         c_b.close()
-        _shm._regions.pop(block.region.key, None)
+        _leases._regions.pop(block.region.key, None)
 
 
 async def test_a_failing_frame_callback_neither_corrupts_the_stream_nor_hangs_calls(caplog):

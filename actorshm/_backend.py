@@ -1,0 +1,22 @@
+"""Choosing a runtime's backend: ``Runtime(backend="local" | "ray", ...)``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["BackendChoice"]
+
+
+class BackendChoice:
+    """Base of ``Runtime``: ``Runtime(backend="ray", ...)`` makes a ``RayRuntime`` instead.
+
+    Ray is imported only then; the local backend never needs it.
+    """
+
+    def __new__(cls, *args: Any, backend: str = "local", **options: Any):
+        if backend == "ray":
+            from ._ray import RayRuntime
+            return RayRuntime(*args, **options)
+        if backend != "local":
+            raise ValueError(f"backend must be 'local' or 'ray', not {backend!r}")
+        return super().__new__(cls)

@@ -1,0 +1,451 @@
+"""Frames over a Unix socket: the write queue, holds, corking, reads and SCM_RIGHTS.
+
+``FramedSocket`` moves ``_wire`` frames and knows nothing of what they mean. Writing:
+frames queue in ``_out`` and go out in as few ``sendmsg`` calls as the socket takes; file
+descriptors ride as SCM_RIGHTS ancillary data on the ``sendmsg`` that carries the first
+byte of their frame. A frame's fds may be closed here once it is written
+(``close_after_send``), and a callback may wait for it (``after_item``). Frames can be
+held back (``hold``) until something that must go first is out, and the writer can be
+corked while a burst is made. Reading: what the socket has is parsed into whole frames,
+each handed to ``_frame`` with the number of fds its header announces (received fds
+queue in arrival order).
+
+"Flush" here means one thing: write what is queued to the socket, as far as it takes it.
+A subclass (``_protocol.Connection``) gives frames their meaning, and decides what a
+broken socket (``_on_eof``) and a malformed frame (``_protocol_error``) lead to.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import os
+import socket
+import threading
+
+from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, MAX_FDS_PER_FRAME, MAX_FDS_PER_SEND,
+                    MAX_FRAME, RECV_SIZE, RETIRE)
+
+logger = logging.getLogger("actorshm")
+
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))  # received fds never leak to exec
+
+# One receive buffer per thread, reused by every connection of that thread's event loop:
+# allocating 256 KiB per recvmsg costs more than the syscall itself.
+_recv_tls = threading.local()
+
+
+def _recv_view() -> memoryview:
+    view = getattr(_recv_tls, "view", None)
+    if view is None:
+        view = _recv_tls.view = memoryview(bytearray(RECV_SIZE))
+    return view
+
+
+class OutItem:
+    """One buffer in the write queue: (part of) a frame, with what goes or waits with it.
+
+    Attributes:
+        data: the bytes still to write.
+        fds: fds to send with its first byte, or None (cleared once handed to sendmsg).
+        close_fds: fds to close in this process once it is written, or None.
+        callbacks: ``callback(ok)`` to run once it is written (``after_item``), or None.
+    """
+
+    __slots__ = ("data", "fds", "close_fds", "callbacks")
+
+    def __init__(self, data, fds=None, close_fds=None) -> None:
+        self.data = data
+        self.fds = fds
+        self.close_fds = close_fds
+        self.callbacks: list | None = None
+
+
+class Hold:
+    """Frames queued at ``pos`` and after wait until ``count`` reaches zero (``unhold``)."""
+
+    __slots__ = ("pos", "count")
+
+    def __init__(self, pos: int) -> None:
+        self.pos = pos
+        self.count = 1
+
+
+class FramedSocket:
+    """One end of a socket pair, moving frames, driven by the event loop.
+
+    Args:
+        loop: the event loop that watches the socket.
+        label: how errors name the peer.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, label: str) -> None:
+        self.loop = loop
+        self.label = label
+        self.sock: socket.socket | None = None
+        self.fd = -1
+        self.closed = False
+        self._out: list[OutItem] = []
+        self._writing = False
+        self._corked = 0
+        self._eof = False
+        # Frames that pass on a block wait for the forward notice to its upstream
+        # (``hold``): only frames before the first hold's position are written.
+        self._holds: list[Hold] = []
+        self._burst = False
+        self._burst_flush = False
+        self._inbuf = bytearray()
+        self._fds: list[int] = []
+
+    # -- what a subclass provides ------------------------------------------------
+    def _frame(self, kind: int, flags: int, cid: int, payload, fds) -> None:
+        """Handle one whole frame read from the socket."""
+        raise NotImplementedError
+
+    def _on_eof(self) -> None:
+        """The socket broke or the peer closed its end (nothing more is written)."""
+        raise NotImplementedError
+
+    def _protocol_error(self, why: str) -> None:
+        """The peer sent something malformed (it must close the connection)."""
+        raise NotImplementedError
+
+    # -- lifecycle -------------------------------------------------------------
+    def attach(self, sock: socket.socket) -> None:
+        """Start using ``sock`` (a connection may buffer frames before it has one)."""
+        if self.closed:
+            sock.close()
+            return
+        sock.setblocking(False)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self._rview = _recv_view()  # the thread that reads it: this loop's
+        self._rviews = [self._rview]
+        self.loop.add_reader(self.fd, self._on_readable)
+        if self._out:
+            self._flush()
+
+    def _close_socket(self) -> list:
+        """Stop reading and writing, close the socket and every fd still queued here.
+
+        Returns:
+            The callbacks of frames that will never be written (``after_item``).
+        """
+        if self.sock is not None:
+            self._unwatch()
+            self.sock.close()
+        for fd in self._fds:
+            close_fd(fd)
+        self._fds.clear()
+        out, self._out = self._out, []
+        self._holds = []
+        for item in out:
+            for fd in item.close_fds or ():
+                close_fd(fd)
+        return [cb for item in out if item.callbacks for cb in item.callbacks]
+
+    # -- writing ---------------------------------------------------------------
+    def write_frame(self, kind: int, flags: int, cid: int, parts: list, fds,
+                    close_fds=None) -> None:
+        """Queue one frame (``kind`` 0: none) and write what may go now.
+
+        Args:
+            kind, flags, cid: its header (``_wire``).
+            parts: buffers that make its payload, back to back.
+            fds: fds to send with it.
+            close_fds: fds to close here once it is written.
+
+        Raises:
+            ValueError: the payload is over ``MAX_FRAME`` (nothing is queued).
+        """
+        out = self._out
+        if kind:
+            size = 0
+            for part in parts:
+                size += len(part)
+            if size > MAX_FRAME:
+                raise ValueError(f"message of {size} bytes exceeds the frame limit")
+            header = HEADER.pack(size, kind, flags, len(fds), cid)
+            if size < 65536:
+                out.append(OutItem(b"".join((header, *parts)), list(fds) or None, close_fds))
+            else:
+                out.append(OutItem(header, list(fds) or None))
+                for part in parts:
+                    out.append(OutItem(part))
+                out[-1].close_fds = close_fds
+        if self.sock is not None and not self._writing and not self._corked:
+            if self._burst:
+                # A second frame in the same loop iteration: a burst (pipelined calls).
+                # The first frame went out at once; the rest go together in one sendmsg
+                # when this iteration's callback returns, instead of one syscall each.
+                if not self._burst_flush:
+                    self._burst_flush = True
+                    self.loop.call_soon(self._end_burst)
+            else:
+                self._burst = True
+                self.loop.call_soon(self._end_burst)
+                self._burst_flush = True
+                self._flush()
+
+    def queue_whole(self, frame: bytes) -> None:
+        """Queue a whole, ready-made frame (header included) behind the others."""
+        self._out.append(OutItem(frame))
+
+    def write_urgent(self, frame: bytes) -> OutItem | None:
+        """Queue a whole frame ahead of the frames held back, and write now, corked or not.
+
+        Returns:
+            Its queue item while it is still queued (the socket is full), else None.
+        """
+        item = OutItem(frame)
+        if not self._holds:
+            self._out.append(item)
+        else:  # ahead of the frames held back, behind those that may go
+            self._out.insert(self._holds[0].pos, item)
+            for h in self._holds:
+                h.pos += 1
+        self.flush_now()
+        return item if any(it is item for it in self._out) else None
+
+    def _end_burst(self) -> None:
+        self._burst = False
+        self._burst_flush = False
+        if self._out and self.sock is not None and not self._writing and not self._corked \
+                and not self.closed:
+            self._flush()
+
+    def hold(self) -> Hold:
+        """Hold back the frames queued from now on until ``unhold(returned)``."""
+        pos = len(self._out)
+        if self._holds and self._holds[-1].pos == pos:
+            h = self._holds[-1]
+            h.count += 1
+        else:
+            h = Hold(pos)
+            self._holds.append(h)
+        return h
+
+    def unhold(self, h: Hold) -> None:
+        """Let the frames that ``h`` held back go (once every hold on them is gone)."""
+        if self.closed:
+            return
+        h.count -= 1
+        if h.count == 0:
+            self._holds.remove(h)
+            if not self._corked:
+                self.flush_now()
+
+    def flush_now(self) -> None:
+        """Write what is queued now, corked or not, as far as the socket takes it."""
+        if self._out and self.sock is not None and not self._writing and not self._eof \
+                and not self.closed:
+            self._flush()
+
+    @staticmethod
+    def after_item(item: OutItem, callback) -> None:
+        """Call ``callback(True)`` once the queued frame ``item`` is written; if it never
+        will be, ``callback(peer_gone)`` when the connection closes."""
+        if item.callbacks is None:
+            item.callbacks = [callback]
+        else:
+            item.callbacks.append(callback)
+
+    def close_after_send(self, fds: list[int]) -> None:
+        """Close ``fds`` in this process once the frame last queued has been written."""
+        if self._out:
+            item = self._out[-1]
+            item.close_fds = list(item.close_fds or ()) + list(fds)
+        else:
+            for fd in fds:
+                close_fd(fd)
+
+    def cork(self) -> None:
+        """Queue frames without writing them, until as many ``uncork`` calls."""
+        self._corked += 1
+
+    def uncork(self) -> None:
+        """Undo one ``cork``; the last one writes what was queued meanwhile."""
+        self._corked -= 1
+        if not self._corked and self._out and not self._writing and self.sock is not None \
+                and not self.closed:
+            self._flush()
+
+    def _flush(self) -> None:
+        written: list = []  # callbacks of frames written, run once the queue is consistent
+        try:
+            self._write_out(written)
+        finally:
+            if written:
+                run_callbacks(written, True)
+
+    def _write_out(self, written: list) -> None:
+        out = self._out
+        sock = self.sock
+        while out:
+            limit = self._holds[0].pos if self._holds else len(out)
+            if limit <= 0:
+                break  # the rest is held back (``hold``)
+            bufs = []
+            fds: list[int] = []
+            nbytes = 0
+            for i in range(limit):
+                item = out[i]
+                if item.fds:
+                    if len(fds) + len(item.fds) > MAX_FDS_PER_SEND and bufs:
+                        break
+                    fds.extend(item.fds)
+                bufs.append(item.data)
+                nbytes += len(item.data)
+                if len(bufs) >= 64 or nbytes >= (4 << 20):
+                    break
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            try:
+                sent = sock.sendmsg(bufs, anc)
+            except (BlockingIOError, InterruptedError):
+                self._wait_writable()
+                return
+            except OSError:  # EPIPE / ECONNRESET: the peer is gone
+                self._broken()
+                return
+            # Every fd of the frames handed to sendmsg went with its first byte.
+            for item in out[: len(bufs)]:
+                item.fds = None
+            short = sent < nbytes
+            while sent and out:
+                item = out[0]
+                n = len(item.data)
+                if sent >= n:
+                    sent -= n
+                    out.pop(0)
+                    for h in self._holds:
+                        h.pos -= 1
+                    for fd in item.close_fds or ():
+                        close_fd(fd)
+                    if item.callbacks:
+                        written.extend(item.callbacks)
+                else:
+                    item.data = memoryview(item.data)[sent:]
+                    sent = 0
+            if short:
+                self._wait_writable()
+                return
+        if self._writing:
+            self._writing = False
+            self.loop.remove_writer(self.fd)
+
+    def _unwatch(self) -> None:
+        try:
+            self.loop.remove_reader(self.fd)
+            if self._writing:
+                self.loop.remove_writer(self.fd)
+        except Exception:  # the loop is closing
+            pass
+        self._writing = False
+
+    def _broken(self) -> None:
+        if self.sock is not None and not self.closed:
+            self._unwatch()
+            self._corked += 1  # write nothing more; the owner decides when to close
+            self._eof = True
+            self._on_eof()
+
+    def _wait_writable(self) -> None:
+        if not self._writing:
+            self._writing = True
+            self.loop.add_writer(self.fd, self._on_writable)
+
+    def _on_writable(self) -> None:
+        self._flush()
+
+    # -- reading ---------------------------------------------------------------
+    def drain(self) -> None:
+        """Read and handle what the peer wrote before it went away (its process exited)."""
+        while not self.closed and self.sock is not None and not self._eof:
+            if not self._on_readable():
+                return
+
+    def _on_readable(self) -> bool:
+        """Read what the socket has and handle every whole frame; False when it had none."""
+        try:
+            nread, anc, flags, _ = self.sock.recvmsg_into(self._rviews, ANC_SIZE,
+                                                             _CLOEXEC)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:  # ECONNRESET: the peer died with data unread; same as EOF
+            self._broken()
+            return False
+        for level, kind, cdata in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
+                self._fds.extend(fds)
+        if flags & _MSG_CTRUNC:
+            self._protocol_error("file descriptors were truncated")
+            return False
+        if not nread:
+            self._broken()
+            return False
+        # The common case: this read holds whole frames only, parsed straight out of the
+        # receive buffer (each payload a view that ``_frame`` decodes at once). A frame
+        # cut off at the end of a read is kept in ``_inbuf``, and the frames that span
+        # reads are copied out of it.
+        view = self._rview
+        buf = self._inbuf
+        if buf:
+            buf += view[:nread]
+            data = buf
+            n = len(buf)
+        else:
+            data = view
+            n = nread
+        pos = 0
+        self._corked += 1  # replies made while dispatching go out together, afterwards
+        try:
+            while n - pos >= HSIZE:
+                plen, kind, flags, nfds, cid = HEADER.unpack_from(data, pos)
+                if not CALL <= kind <= RETIRE or plen > MAX_FRAME or nfds > MAX_FDS_PER_FRAME:
+                    self._protocol_error(f"bad frame header (kind {kind}, {plen} bytes)")
+                    return
+                start = pos + HSIZE
+                end = start + plen
+                if end > n:
+                    break
+                if nfds:
+                    if nfds > len(self._fds):
+                        self._protocol_error("a frame announced fds it did not carry")
+                        return
+                    fds = self._fds[:nfds]
+                    del self._fds[:nfds]
+                else:
+                    fds = ()
+                pos = end
+                self._frame(kind, flags, cid, data[start:end], fds)
+                if self.closed:
+                    return
+        finally:
+            if not self.closed:
+                if buf:
+                    del buf[:pos]
+                elif pos < n:
+                    buf += view[pos:n]
+                self.uncork()
+        return True
+
+
+def run_callbacks(callbacks: list, ok: bool) -> None:
+    """Run frame-written callbacks, each guarded: a failing one is logged."""
+    for cb in callbacks:
+        try:
+            cb(ok)
+        except Exception:  # a bug: logged, and the others still run
+            logger.exception("actorshm: error in a frame-written callback")
+
+
+def close_fd(fd: int) -> None:
+    """Close ``fd``, ignoring an fd that is already closed."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -1,0 +1,444 @@
+"""Starting actor processes: the command, the fork-server client, output, GPU slots.
+
+An actor process starts one of two ways (``Runtime(start_method=...)``): ``"spawn"`` runs
+a fresh interpreter with ``worker_command()``; ``"forkserver"`` asks a warm fork server
+(``_forkserver``, started on first use by ``ForkServerClient``) to fork one. Either way
+the child gets one end of a socket pair and runs ``actorshm._worker``; its stdout and
+stderr come back through pipes that ``OutputForwarder`` copies to the driver's, each
+line prefixed with the actor. ``GpuSlots`` hands out the GPUs ``num_gpus`` actors get.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from . import _forkserver
+from ._errors import ActorDiedError
+
+_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bootstrap(module: str) -> str:
+    """``python -c`` code that runs ``actorshm.<module>.main()`` from the driver's own
+    copy of actorshm, even where another is installed or in the working directory, and
+    then leaves ``sys.path`` as it was (the driver's order is applied later)."""
+    # ``python -c`` puts '' (the working directory) first: drop it, so that a file there
+    # cannot shadow the standard library before the driver's own path is in place.
+    return (f"import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
+            f"sys.path.insert(0, {_PKG_PARENT!r}); "
+            f"import actorshm.{module} as m; sys.path.remove({_PKG_PARENT!r}); m.main()")
+
+
+_WORKER_CMD = _bootstrap("_worker")
+
+
+def worker_command(fd: int) -> list[str]:
+    """The argv that starts an actor process on inherited socket ``fd`` ("spawn")."""
+    return [sys.executable, "-c", _WORKER_CMD, str(fd)]
+
+
+class ActorRecord:
+    """The driver's view of one actor process (and of its restarts).
+
+    Args:
+        actor_id: the runtime's id for the actor.
+        cls: its class.
+        options: its ``ActorOptions``.
+    """
+
+    def __init__(self, actor_id: int, cls: type, options) -> None:
+        self.actor_id = actor_id
+        self.cls = cls
+        self.cls_name = cls.__qualname__
+        self.options = options
+        self.methods: dict = {}  # set by the runtime (``_actor.public_methods``)
+        self.popen: subprocess.Popen | None = None
+        self.conn = None  # its ``_protocol.Connection``
+        self.pidfd = -1
+        self.pid = 0
+        self.alive = False
+        self.death: str | None = None
+        self.exited = asyncio.Event()
+        self.stderr_tail: collections.deque = collections.deque(maxlen=20)
+        self.pipes: list = []
+        self.gpus: list[str] = []
+        self.spawn_args: tuple = ()
+        self.restarts = 0
+        self.failed_starts = 0  # restarts in a row whose process died while starting
+        self.no_restart = False
+
+    @property
+    def label(self) -> str:
+        return f"actor {self.cls_name}(id={self.actor_id}, pid={self.pid})"
+
+    async def stop(self, grace: float) -> None:
+        """Ask the actor to stop; after ``grace`` seconds SIGTERM, then SIGKILL; return
+        once it has exited."""
+        if not self.alive:
+            return
+        if self.death is None:
+            self.death = f"{self.label} was stopped because its runtime closed"
+        if self.conn is not None and not self.conn.closed:
+            self.conn.call("__stop__", (), {}).add_done_callback(_ignore_result)
+        for sig, wait in ((None, grace), (signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
+            if sig is not None:
+                try:
+                    os.kill(self.pid, sig)
+                except ProcessLookupError:
+                    pass
+            try:
+                await asyncio.wait_for(self.exited.wait(), wait)
+                return
+            except asyncio.TimeoutError:
+                continue
+
+    def unwatch_exit(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stop watching the process's pidfd (it exited, or is being reaped)."""
+        if self.pidfd >= 0:
+            try:
+                loop.remove_reader(self.pidfd)
+            except Exception:  # the loop is closing
+                pass
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+    def close_process(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stop watching the (exited or killed) process, reap it, drain its output."""
+        self.unwatch_exit(loop)
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                self.popen.kill()
+                self.popen.wait()
+        for fwd in self.pipes:
+            fwd.drain()
+            fwd.close()
+        self.pipes = []
+
+
+def actor_env(rec: ActorRecord) -> dict:
+    """The environment an actor process starts with: the driver's, the actor's options,
+    the driver's import path, and its GPUs."""
+    env = dict(os.environ)
+    env.update(rec.options.thread_env())
+    env.update(rec.options.env or {})
+    # The driver's import path, '' (its working directory, the actor's too) made
+    # absolute: the actor imports what the driver would.
+    env["ACTORSHM_SYS_PATH"] = json.dumps(
+        [os.fspath(p) or os.getcwd() for p in sys.path
+         if isinstance(p, (str, os.PathLike)) and isinstance(os.fspath(p), str)])
+    env["PYTHONUNBUFFERED"] = "1"
+    if rec.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
+    return env
+
+
+async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
+                        child: socket.socket, env: dict,
+                        forkserver: "ForkServerClient | None", on_exit) -> None:
+    """Start ``rec``'s process and watch it: its exit (``on_exit(rec)``), its output.
+
+    Args:
+        loop: the runtime's event loop.
+        rec: the actor; its pid, process and pipes are set here.
+        child: the actor's end of its socket pair (closed here once passed on).
+        env: its environment (``actor_env``).
+        forkserver: where to fork it from, or None to start a fresh interpreter.
+        on_exit: called on the loop once the process has exited.
+
+    Raises:
+        OSError: the process could not be started.
+        ActorDiedError: the fork server died.
+    """
+    if forkserver is not None:
+        try:
+            rec.pid, streams = await forkserver.fork(child, env)
+        finally:
+            child.close()
+    else:
+        try:
+            rec.popen = subprocess.Popen(
+                worker_command(child.fileno()),
+                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                cwd=os.getcwd())
+        finally:
+            child.close()
+        rec.pid = rec.popen.pid
+        streams = (rec.popen.stdout, rec.popen.stderr)
+    rec.alive = True
+    rec.death = None
+    rec.exited = asyncio.Event()
+    try:
+        rec.pidfd = os.pidfd_open(rec.pid)
+        loop.add_reader(rec.pidfd, on_exit, rec)
+    except (AttributeError, OSError):  # pragma: no cover - kernels before 5.3
+        rec.pidfd = -1
+    rec.pipes = []
+    for stream, out in zip(streams, ("stdout", "stderr")):
+        os.set_blocking(stream.fileno(), False)
+        fwd = OutputForwarder(rec, stream, out)
+        rec.pipes.append(fwd)
+        loop.add_reader(stream.fileno(), fwd.on_readable)
+
+
+def kill_all(actors: dict) -> None:
+    """SIGKILL every live actor process of ``actors`` (actor id -> ``ActorRecord``)."""
+    for rec in list(actors.values()):
+        if rec.popen is not None:
+            if rec.popen.poll() is None:
+                try:
+                    rec.popen.kill()
+                except OSError:
+                    pass
+        elif rec.alive and rec.pid:
+            try:
+                os.kill(rec.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class ForkServerClient:
+    """The driver's side of the fork server: started on first use, one per runtime.
+
+    Args:
+        loop: the runtime's event loop (the server's reports are read on it).
+        start_timeout: seconds a fork may take before ``fork`` gives up.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, start_timeout: float) -> None:
+        self.loop = loop
+        self.start_timeout = start_timeout
+        self._fs = None  # (Popen, socket) of the fork server, once started
+        self._fs_waiting: collections.deque = collections.deque()
+        self._fs_exit: dict[int, int] = {}
+        self._fs_exit_events: dict[int, asyncio.Event] = {}
+
+    async def fork(self, child: socket.socket, env: dict) -> tuple[int, tuple]:
+        """Ask the fork server (started on first use) for a new actor process.
+
+        Args:
+            child: the actor's end of its socket pair (passed to the child).
+            env: the actor's environment.
+
+        Returns:
+            The child's pid and its stdout and stderr pipes (read ends).
+
+        Raises:
+            ActorDiedError: the fork server died.
+            asyncio.TimeoutError: it did not answer within ``start_timeout``.
+        """
+        if self._fs is None:
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            fs_env = dict(os.environ)
+            fs_env["ACTORSHM_SYS_PATH"] = env["ACTORSHM_SYS_PATH"]
+            popen = subprocess.Popen([sys.executable, "-c", _bootstrap("_forkserver"),
+                                      str(b.fileno())],
+                                     pass_fds=(b.fileno(),), stdin=subprocess.DEVNULL,
+                                     env=fs_env)
+            b.close()
+            self._fs = (popen, a)
+            self.loop.add_reader(a.fileno(), self._on_forkserver)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        fut = self.loop.create_future()
+        self._fs_waiting.append(fut)
+        try:
+            _forkserver.send_msg(self._fs[1], ("fork", env, os.getcwd(), None),
+                                 [child.fileno(), out_w, err_w])
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        pid = await asyncio.wait_for(fut, self.start_timeout)
+        return pid, (open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0))
+
+    def _on_forkserver(self) -> None:
+        msg = _forkserver.recv_msg(self._fs[1])
+        if msg is None:
+            self.loop.remove_reader(self._fs[1].fileno())
+            for fut in self._fs_waiting:
+                if not fut.done():
+                    fut.set_exception(ActorDiedError("the actorshm fork server died"))
+            self._fs_waiting.clear()
+            return
+        (kind, pid, code), _ = msg
+        if kind == "forked":
+            fut = self._fs_waiting.popleft()
+            if not fut.done():
+                fut.set_result(pid)
+        else:
+            self._fs_exit[pid] = code
+            ev = self._fs_exit_events.pop(pid, None)
+            if ev is not None:
+                ev.set()
+
+    async def exit_code(self, pid: int) -> int | None:
+        """The exit code of forked child ``pid`` (which has exited), as the server
+        reports it; None if no report comes within a second."""
+        if pid not in self._fs_exit:
+            ev = self._fs_exit_events.setdefault(pid, asyncio.Event())
+            try:
+                await asyncio.wait_for(ev.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        return self._fs_exit.pop(pid, None)
+
+    def stop(self) -> None:
+        if self._fs is not None:
+            popen, sock = self._fs
+            self._fs = None
+            try:
+                self.loop.remove_reader(sock.fileno())
+            except Exception:
+                pass
+            sock.close()
+            try:
+                popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                popen.kill()
+                popen.wait()
+
+
+class GpuSlots:
+    """The GPUs a runtime may hand to ``num_gpus`` actors, and which are free.
+
+    Args:
+        gpus: ``CUDA_VISIBLE_DEVICES`` entries, or None for ``visible_gpus()``
+            (read when the first GPU actor spawns).
+    """
+
+    def __init__(self, gpus: list[str] | None) -> None:
+        self._gpus = gpus
+        self._gpus_free: list[str] | None = None
+        self._gpus_total = 0
+
+    def take(self, n: int, who: str) -> list[str]:
+        """Reserve ``n`` GPUs for actor ``who``.
+
+        Raises:
+            ValueError: not enough GPUs are free (the message says why and what to do).
+        """
+        if self._gpus_free is None:
+            self._gpus_free = list(self._gpus) if self._gpus is not None else visible_gpus()
+            self._gpus_total = len(self._gpus_free)
+        if len(self._gpus_free) < n:
+            if not self._gpus_total:
+                where = ("Runtime(gpus=[])" if self._gpus is not None else
+                         "CUDA_VISIBLE_DEVICES and CuPy")
+                raise ValueError(
+                    f"cannot spawn {who} with num_gpus={n}: no GPU is available to this "
+                    f"runtime ({where} name none). Install the cuda extra "
+                    "(pip install 'actorshm[cuda]') on a machine with a GPU, pass "
+                    "Runtime(gpus=[...]), or spawn with num_gpus=0.")
+            raise ValueError(
+                f"cannot spawn {who} with num_gpus={n}: {len(self._gpus_free)} of "
+                f"{self._gpus_total} GPU(s) are free. Kill a GPU actor first, lower "
+                "num_gpus, or pass Runtime(gpus=[...]).")
+        taken, self._gpus_free = self._gpus_free[:n], self._gpus_free[n:]
+        return taken
+
+    def release(self, rec: ActorRecord) -> None:
+        """Give back the GPUs ``take`` reserved for ``rec`` (it died or was killed)."""
+        if rec.gpus and self._gpus_free is not None:
+            self._gpus_free.extend(rec.gpus)
+        rec.gpus = []
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may hand out, as ``CUDA_VISIBLE_DEVICES`` entries.
+
+    Entries are kept as written (ordinals, ``GPU-<uuid>`` or ``MIG-<uuid>``), so that an
+    actor's ``CUDA_VISIBLE_DEVICES`` names the same GPU the driver sees. As in CUDA, the
+    list ends at the first empty or negative entry.
+    """
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        out = []
+        for tok in env.split(","):
+            tok = tok.strip()
+            if not tok or tok.startswith("-"):
+                break
+            out.append(tok)
+        return out
+    try:
+        from . import _cuda
+        return [str(i) for i in range(_cuda.device_count())]
+    except Exception:
+        return []
+
+
+class OutputForwarder:
+    """Copies an actor's stdout/stderr to the driver's, each line prefixed as Ray does."""
+
+    def __init__(self, rec: ActorRecord, stream, which: str) -> None:
+        self.rec = rec
+        self.stream = stream
+        self.fd = stream.fileno()
+        self.which = which
+        self.partial = b""
+        self.closed = False
+
+    def on_readable(self) -> None:
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.close()
+            return
+        self._emit(data)
+
+    def _emit(self, data: bytes) -> None:
+        data = self.partial + data
+        *lines, self.partial = data.split(b"\n")
+        if not lines:
+            return
+        prefix = f"({self.rec.cls_name} pid={self.rec.pid}) "
+        text = "".join(prefix + ln.decode(errors="replace") + "\n" for ln in lines)
+        if self.which == "stderr":
+            self.rec.stderr_tail.extend(ln.decode(errors="replace") + "\n" for ln in lines)
+        out = sys.stderr if self.which == "stderr" else sys.stdout
+        try:
+            out.write(text)
+            out.flush()
+        except Exception:  # pragma: no cover
+            pass
+
+    def drain(self) -> None:
+        while not self.closed:
+            try:
+                data = os.read(self.fd, 65536)
+            except (BlockingIOError, OSError):
+                return
+            if not data:
+                self.close()
+                return
+            self._emit(data)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.partial:
+            self._emit(b"\n")
+        try:
+            if self.rec.conn is not None:
+                self.rec.conn.loop.remove_reader(self.fd)
+        except Exception:  # the loop is closing
+            pass
+        self.stream.close()
+
+
+def _ignore_result(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()

@@ -1,0 +1,39 @@
+"""The wire format: frame header, frame kinds and flags, limits, region kinds.
+
+A frame is a 16-byte header followed by its payload::
+
+    uint32 payload length | uint8 kind | uint8 flags | uint16 fd count | uint64 call id
+
+File descriptors ride as SCM_RIGHTS ancillary data on the ``sendmsg`` that carries the
+first byte of their frame (``_framing``). Payloads are pickles (``_serialization``);
+flags say what rides ahead of the user's objects.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+HEADER = struct.Struct("<IBBHQ")
+HSIZE = HEADER.size
+
+# Frame kinds.
+CALL, RESULT, ERROR, RELEASE, RETIRE = 1, 2, 3, 4, 5
+
+# Frame flags.
+HAS_BLOCKS = 1  # the payload starts with a block table (``_serialization``)
+PLAIN = 2  # the payload is a plain pickle of builtin scalars and containers
+HAS_RELEASES = 4  # releases (and forward notices) ride ahead of the payload
+LEN = struct.Struct("<I")  # length prefix of what rides ahead of a payload
+
+# Limits.
+MAX_FRAME = (1 << 31) - 1
+MAX_MESSAGE = (1 << 31) - (1 << 20)  # a frame's limit, less room for its block table
+MAX_FDS_PER_SEND = 250  # Linux caps SCM_RIGHTS at 253 fds per message
+MAX_FDS_PER_FRAME = 4096
+RECV_SIZE = 1 << 18
+ANC_SIZE = socket.CMSG_SPACE(MAX_FDS_PER_SEND * 4)
+
+# Region kinds in a block table: how the receiver opens a region it has not seen. A
+# plug-in registers the opener of its kind (``_serialization.register_region_kind``).
+ARENA, GPU_SLAB = 0, 1

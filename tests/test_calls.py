@@ -1,0 +1,130 @@
+"""Calls: spawning, ordering, concurrency, exceptions, what can be sent."""
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+
+from actorshm import RemoteError
+from actors import BreaksOnArrival, Concurrent, Counter, CustomError, Faulty
+
+
+async def test_spawn_call_and_local_use(rt_each):
+    c = await Counter.spawn(5)
+    fut = c.incr(2)
+    assert await fut == 7
+    assert await c.incr() == 8
+    assert c.pid != os.getpid() and await c.pid_() == c.pid
+    local = Counter(5)  # decorating keeps the class usable locally
+    assert local.incr(1) == 6
+
+
+async def test_unknown_attribute_raises_at_once(rt):
+    c = await Counter.spawn()
+    with pytest.raises(AttributeError, match="no public method 'nope'"):
+        c.nope
+    with pytest.raises(AttributeError):
+        c._private
+
+
+async def test_call_is_sent_without_await(rt):
+    c = await Counter.spawn()
+    futs = [c.record(i) for i in range(5)]
+    await asyncio.sleep(0.5)  # the calls ran although nobody awaited them yet
+    log_fut = c.get_log()
+    assert await log_fut == [0, 1, 2, 3, 4]
+    assert [await f for f in futs] == [0, 1, 2, 3, 4]
+
+
+async def test_order_with_max_concurrency_1(rt):
+    c = await Counter.spawn()
+    futs = []
+    for i in range(60):
+        if i % 3 == 0:
+            futs.append(c.async_record(i, 0.001 * (i % 5)))
+        elif i % 3 == 1:
+            futs.append(c.slow_record(i, 0.0005))
+        else:
+            futs.append(c.record(i))
+    await asyncio.gather(*futs)
+    assert await c.get_log() == list(range(60))
+
+
+async def test_async_methods_interleave_up_to_max_concurrency(rt):
+    a = await Concurrent.spawn()
+    results = await asyncio.gather(*(a.work(0.2) for _ in range(8)))
+    assert max(results) == 4  # never more than max_concurrency at once
+    assert await a.peak_() == 4
+
+
+async def test_sync_methods_in_threads_do_not_stall_loop(rt):
+    a = await Concurrent.spawn()
+    blocking = [a.blocking(1.0) for _ in range(2)]
+    await asyncio.sleep(0.1)
+    t0 = time.monotonic()
+    assert await a.ping() == "pong"  # answered while two sync calls block their threads
+    assert time.monotonic() - t0 < 0.8
+    idents = await asyncio.gather(*blocking)
+    assert len(set(idents)) == 2
+
+
+async def test_same_exception_type_with_remote_traceback(rt):
+    f = await Faulty.spawn()
+    with pytest.raises(ValueError, match="bad value") as info:
+        await f.value_error()
+    assert "value_error" in str(info.value.__cause__)  # the remote traceback text
+    with pytest.raises(CustomError):
+        await f.custom()
+    with pytest.raises(RemoteError, match="Unpicklable") as info:
+        await f.unpicklable()
+    assert "unpicklable" in str(info.value)
+    assert await f.ok() == "ok"  # the actor is unaffected
+
+
+async def test_init_exception_raised_from_spawn(rt):
+    with pytest.raises(KeyError, match="init failed on purpose"):
+        await Faulty.spawn(fail=True)
+
+
+async def test_unserializable_argument_is_type_error_before_sending(rt):
+    c = await Counter.spawn()
+    with pytest.raises(TypeError, match="Counter.echo"):
+        c.echo(threading.Lock())
+    assert await c.incr() == 1
+
+
+async def test_argument_failing_to_unpickle_in_actor_is_type_error(rt):
+    c = await Counter.spawn(0)
+    with pytest.raises(TypeError, match="could not deserialize.*RuntimeError"):
+        await c.echo(BreaksOnArrival())
+    assert await c.incr(1) == 1  # the actor is unaffected, and ran the bad call once only
+    assert await c.incr(1) == 2
+
+
+async def test_actor_whose_init_arguments_fail_stops_cleanly(rt, capfd):
+    with pytest.raises(TypeError, match="could not deserialize"):
+        await Counter.spawn(BreaksOnArrival())
+    await asyncio.sleep(0.3)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+async def test_unserializable_result_is_type_error(rt):
+    f = await Faulty.spawn()
+    with pytest.raises(TypeError, match="cannot be sent back"):
+        await f.bad_result()
+    assert await f.ok() == "ok"
+    with pytest.raises(TypeError, match="do not stream results yet: return a list"):
+        await f.stream(3)
+    assert await f.ok() == "ok"
+
+
+async def test_sync_method_in_thread_can_wait_on_calls(rt):
+    from actors import ThreadedCaller
+    c = await Counter.spawn(1)
+    t = await ThreadedCaller.spawn()
+    assert await t.call_and_wait(c, 2) == 3
+    # the driver, from a thread of its own
+    result = await asyncio.to_thread(lambda: c.incr(1).result(timeout=10))
+    assert result == 4

@@ -1,0 +1,124 @@
+"""Starting actor processes: start methods, output, GPUs, environment, import path."""
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import actorshm
+from actorshm import ActorDiedError
+from actors import Caller, Counter, Faulty, Probe
+
+
+async def test_stdout_stderr_prefixed(rt_each, capfd):
+    c = await Counter.spawn()
+    assert await c.say("hello from actor")
+    await asyncio.sleep(0.2)
+    out, err = capfd.readouterr()
+    assert f"(Counter pid={c.pid}) hello from actor" in out
+    assert f"(Counter pid={c.pid}) err:hello from actor" in err
+
+
+async def test_forkserver_start_method(capfd):
+    async with actorshm.Runtime(start_method="forkserver", shutdown_grace=0.5):
+        cs = await asyncio.gather(*(Counter.spawn(i) for i in range(4)))
+        assert [await c.incr() for c in cs] == [1, 2, 3, 4]
+        assert len({c.pid for c in cs}) == 4
+        assert await cs[0].say("forked hello")
+        f = await Faulty.spawn()
+        with pytest.raises(ActorDiedError, match="SIGSEGV"):
+            await f.crash()
+        g = await Faulty.spawn()
+        with pytest.raises(ActorDiedError, match="code 5"):
+            await g.exit(5)
+        with pytest.raises(KeyError):
+            await Faulty.spawn(fail=True)
+        caller = await Caller.spawn(cs[1])
+        assert await caller.call_other(10) == 12
+        pids = [c.pid for c in cs]
+    await asyncio.sleep(0.1)
+    out, _ = capfd.readouterr()
+    assert f"(Counter pid={pids[0]}) forked hello" in out
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+async def test_num_gpus_gives_each_actor_its_own_gpu():
+    # The runtime's GPU bookkeeping needs no GPU: it hands out CUDA_VISIBLE_DEVICES entries.
+    async with actorshm.Runtime(gpus=[0, "GPU-5d2c"], shutdown_grace=1.0):
+        a = await Probe.options(num_gpus=1).spawn()
+        b = await Probe.options(num_gpus=1).spawn()
+        assert await a.env("CUDA_VISIBLE_DEVICES") == "0"
+        assert await b.env("CUDA_VISIBLE_DEVICES") == "GPU-5d2c"
+        with pytest.raises(ValueError, match="0 of 2 GPU"):
+            await Probe.options(num_gpus=1).spawn()
+        await a.kill()
+        c = await Probe.options(num_gpus=1).spawn()  # a's GPU is free again
+        assert await c.env("CUDA_VISIBLE_DEVICES") == "0"
+
+
+async def test_num_gpus_without_gpus_is_a_clear_error():
+    async with actorshm.Runtime(gpus=[], shutdown_grace=1.0):
+        with pytest.raises(ValueError, match="no GPU is available.*num_gpus=0"):
+            await Probe.options(num_gpus=1).spawn()
+        p = await Probe.spawn()  # the failed spawn left nothing half-made
+        assert await p.env("PATH") == os.environ["PATH"]
+
+
+@pytest.mark.parametrize("env, expect", [
+    ("0,GPU-1a2b, 2", ["0", "GPU-1a2b", "2"]),
+    ("1,-1,2", ["1"]),  # CUDA ignores everything from the first invalid entry
+    ("", []),
+])
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch, env, expect):
+    from actorshm._launch import visible_gpus
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
+    assert visible_gpus() == expect
+
+
+async def test_actor_runs_the_drivers_own_actorshm(rt_each, tmp_path, monkeypatch):
+    # Another actorshm earlier on the actor's path (an old install, a folder of that name
+    # in the working directory) must not be used: driver and actors would speak
+    # different protocols.
+    other = tmp_path / "actorshm"
+    other.mkdir()
+    (other / "__init__.py").write_text("raise ImportError('not the driver\\'s actorshm')\n")
+    monkeypatch.chdir(tmp_path)  # actors start in the driver's working directory
+    c = await Counter.options(env={"PYTHONPATH": str(tmp_path)}).spawn(0)
+    assert await c.incr() == 1
+
+
+SHADOW_SCRIPT = textwrap.dedent("""
+    import actorshm
+    from actorshm import actor
+
+    @actor
+    class Maker:
+        def make(self):
+            return float(actorshm.zeros(10).sum() + 1)  # needs the real secrets module
+
+    async def main():
+        for method in ("spawn", "forkserver"):
+            async with actorshm.Runtime(start_method=method):
+                print(method, await (await Maker.spawn()).make(), flush=True)
+
+    actorshm.run(main())
+""")
+
+
+def test_working_directory_files_do_not_shadow_the_standard_library(tmp_path):
+    # The driver runs a script from elsewhere, so its working directory is not on its
+    # path; a secrets.py there must not be what its actors import either.
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "work").mkdir()
+    (tmp_path / "scripts" / "drv.py").write_text(SHADOW_SCRIPT)
+    (tmp_path / "work" / "secrets.py").write_text("broken = True\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(actorshm.__file__)))
+    p = subprocess.run([sys.executable, str(tmp_path / "scripts" / "drv.py")], env=env,
+                       cwd=tmp_path / "work", capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["spawn", "1.0", "forkserver", "1.0"]

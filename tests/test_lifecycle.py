@@ -1,0 +1,244 @@
+"""Death, restarts and shutdown: every death reported, nothing left behind."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import actorshm
+from actorshm import ActorDiedError
+from actors import Caller, Counter, Dying, Faulty
+
+
+@pytest.mark.parametrize("how,expect", [
+    ("crash", "SIGSEGV"),
+    ("exit", "code 3"),
+    ("kill", "kill"),
+])
+async def test_death_fails_pending_and_later_calls(rt_each, how, expect):
+    f = await Faulty.spawn()
+    other = await Counter.spawn()
+    if how == "kill":
+        pending = [f.hang()] + [f.ok() for _ in range(5)]
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        await f.kill()
+    else:
+        t0 = time.monotonic()
+        doomed = f.crash() if how == "crash" else f.exit(3)
+        pending = [doomed] + [f.ok() for _ in range(5)]  # queued behind the death
+    results = await asyncio.gather(*pending, return_exceptions=True)
+    assert time.monotonic() - t0 < 1.0
+    for r in results:
+        assert isinstance(r, ActorDiedError), r
+        assert expect in str(r), str(r)
+    with pytest.raises(ActorDiedError):
+        await f.ok()
+    assert await other.incr() == 1  # a death never disturbs the other actors
+
+
+async def test_pending_calls_name_the_exit_code_when_the_death_is_seen_first(rt):
+    # The process's exit is handled before the socket's end (a big reply was still
+    # being read): pending calls must still say how it died.
+    for _ in range(3):
+        d = await Dying.spawn()
+        pending = asyncio.ensure_future(d.hang())
+        await asyncio.sleep(0.02)
+        last = asyncio.ensure_future(d.big_reply_then_exit(9))
+        await asyncio.sleep(0.005)
+        time.sleep(0.3)  # the exit and the data are both waiting when we look
+        with pytest.raises(ActorDiedError, match="code 9"):
+            await pending
+        try:
+            await last
+        except ActorDiedError:
+            pass
+
+
+async def test_a_reply_written_just_before_death_is_delivered(rt):
+    # The process exit is handled before the socket is read (as when the pidfd's event
+    # comes first): what the actor wrote before it died is still read and delivered.
+    d = await Dying.spawn()
+    rec = rt._actors[d.actor_id]
+    reply = asyncio.ensure_future(d.reply_then_exit("last words", 3))
+    deadline = time.monotonic() + 5  # our loop reads nothing meanwhile
+    while time.monotonic() < deadline and not os.waitid(
+            os.P_PID, rec.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):
+        time.sleep(0.01)
+    rt._on_exit(rec)  # the exit first, the socket after
+    assert await reply == "last words"
+    with pytest.raises(ActorDiedError, match="code 3"):
+        await d.hang()
+
+
+async def test_current_runtime():
+    with pytest.raises(RuntimeError, match="actorshm.Runtime"):
+        actorshm.current_runtime()
+    async with actorshm.Runtime() as rt:
+        assert actorshm.current_runtime() is rt
+    with pytest.raises(RuntimeError, match="actorshm.run"):
+        await Counter.spawn()
+
+
+async def test_bad_start_method():
+    with pytest.raises(ValueError, match="fork"):
+        actorshm.Runtime(start_method="fork")
+
+
+async def test_runtime_exit_leaves_nothing_behind(start_method):
+    fds_before = set(os.listdir("/proc/self/fd"))
+    async with actorshm.Runtime(start_method=start_method, shutdown_grace=0.5):
+        actors = [await Counter.spawn(i) for i in range(3)]
+        pids = [a.pid for a in actors]
+        caller = await Caller.spawn(actors[0])
+        await caller.call_other(1)
+        busy = await Faulty.spawn()
+        busy.hang()  # must be stopped by SIGTERM after the grace period
+        pids.append(busy.pid)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    await asyncio.sleep(0.05)
+    leaked = set(os.listdir("/proc/self/fd")) - fds_before
+    # fds of arenas this process owns may stay (the pool outlives a runtime); nothing else
+    leaked = {fd for fd in leaked if "memfd" not in _readlink(fd)}
+    assert not leaked, [(_readlink(fd)) for fd in leaked]
+
+
+def _readlink(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+DRIVER_SCRIPT = textwrap.dedent("""
+    import asyncio, os, sys, time
+    import actorshm
+    from actorshm import actor
+
+    @actor
+    class Local:
+        def __init__(self, k):
+            self.k = k
+        def mul(self, x):
+            return x * self.k
+        def getpid(self):
+            return os.getpid()
+
+    async def main():
+        a = await Local.spawn(3)
+        print("RESULT", await a.mul(14), flush=True)
+        print("PID", await a.getpid(), flush=True)
+        if len(sys.argv) > 1:
+            time.sleep(60)
+
+    actorshm.run(main())
+""")
+
+
+def _run_script(tmp_path, *args, **kw):
+    script = tmp_path / "driver_script.py"
+    script.write_text(DRIVER_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(actorshm.__file__)))
+    return subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, **kw)
+
+
+def test_actor_class_defined_in_main(tmp_path):
+    p = _run_script(tmp_path)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "RESULT 42" in out
+
+
+def test_driver_sigkill_ends_actors(tmp_path):
+    p = _run_script(tmp_path, "hang")
+    pid = None
+    for line in p.stdout:
+        if line.startswith("PID"):
+            pid = int(line.split()[1])
+            break
+    assert pid
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("actor outlived its killed driver")
+    p.stdout.close()
+    p.stderr.close()
+
+
+def test_run_returns_result():
+    async def main():
+        c = await Counter.spawn(1)
+        return await c.incr(1)
+    assert actorshm.run(main()) == 2
+
+
+async def test_max_restarts(rt_each):
+    from actors import Phoenix
+    p = await Phoenix.spawn("t")
+    tag, calls, pid1 = await p.hit()
+    assert (tag, calls) == ("t", 1)
+    with pytest.raises(ActorDiedError, match="code 9"):
+        await p.crash()  # the pending call fails: at-most-once delivery
+    tag, calls, pid2 = await p.hit()  # made during the restart: waits for the new process
+    assert (tag, calls) == ("t", 1) and pid2 != pid1 and p.pid == pid2
+    with pytest.raises(ActorDiedError):
+        await p.crash()
+    with pytest.raises(ActorDiedError, match="code 9"):
+        await p.hit()  # restarts used up: dead for good
+    q = await Phoenix.spawn("q")
+    await q.kill()  # kill() never restarts
+    with pytest.raises(ActorDiedError, match="kill"):
+        await q.hit()
+
+
+async def test_restart_that_dies_while_starting_is_retried(rt, tmp_path):
+    from actors import FlakyStart
+    marker = tmp_path / "crash-next-start"
+    a = await FlakyStart.spawn(str(marker))
+    pid1 = await a.ping()
+    marker.write_text("x")  # the first restart's __init__ crashes; the second works
+    with pytest.raises(ActorDiedError):
+        await a.crash()
+    for _ in range(100):
+        try:
+            pid = await a.ping()
+            break
+        except ActorDiedError:
+            await asyncio.sleep(0.05)
+    assert pid != pid1 and not marker.exists()
+    assert rt.actors()[-1]["alive"]
+
+
+async def test_restarts_that_keep_failing_back_off_and_say_so(rt, tmp_path, caplog):
+    from actors import FlakyStart
+    marker = tmp_path / "always-crash"
+    a = await FlakyStart.options(max_restarts=-1).spawn(str(marker), False)
+    marker.write_text("x")  # every restart now dies in __init__
+    with pytest.raises(ActorDiedError):
+        await a.crash()
+    await asyncio.sleep(1.0)
+    rec = rt._actors[a.actor_id]
+    assert 2 <= rec.restarts <= 8  # backing off, not spinning
+    assert "failed while starting" in caplog.text
+    await a.kill()  # ends the retries
+    n = rec.restarts
+    await asyncio.sleep(1.5)
+    assert rec.restarts == n and not rec.alive
+    with pytest.raises(ActorDiedError, match="kill"):
+        await a.ping()

@@ -1,0 +1,84 @@
+"""Actors talking to actors: handles passed on, named actors, brokered connections,
+and a peer that breaks the protocol."""
+
+import asyncio
+import socket
+
+import pytest
+
+import actorshm
+from actorshm import ActorDiedError
+from actors import Caller, Counter
+
+
+async def test_handles_pass_and_call_directly(rt_each):
+    c = await Counter.spawn(10)
+    caller = await Caller.spawn(c)
+    assert await caller.call_other(1) == 11
+    assert await caller.call_handle(c, 2) == 13
+    back = await caller.make_handle_list()
+    assert back == [c] and await back[0].incr(1) == 14
+
+
+async def test_nested_error_and_death_through_actor(rt):
+    c = await Counter.spawn()
+    caller = await Caller.spawn(c)
+    await c.kill()
+    with pytest.raises(ActorDiedError):
+        await caller.call_other(1)
+
+
+async def test_named_actors(rt):
+    c = await Counter.options(name="ctr").spawn(0)
+    same = await actorshm.get_actor("ctr")
+    assert same == c and await same.incr(3) == 3
+    with pytest.raises(ValueError, match="already exists"):
+        await Counter.options(name="ctr").spawn(0)
+    with pytest.raises(ValueError, match="no live actor named 'missing'"):
+        await actorshm.get_actor("missing")
+    caller = await Caller.spawn()
+    assert await caller.by_name("ctr", 2) == 5
+
+
+async def test_actor_spawns_actor(rt):
+    caller = await Caller.spawn()
+    child, value = await caller.spawn_child(41)
+    assert value == 42 and await child.incr(1) == 43
+
+
+async def test_malformed_frame_closes_only_that_connection(rt, caplog):
+    c = await Counter.spawn()
+    caller = await Caller.spawn(c)
+    assert await caller.call_other(1) == 1  # caller now has a direct connection to c
+    # Inject garbage on brokered connections to c, as a buggy peer would.
+    rec = rt._actors[c.actor_id]
+    from actorshm._serialization import PassFd
+    garbage = [
+        b"\xff" * 7 + b"garbage that is not a frame" * 3,                   # bad header
+        b"\x10\x00\x00\x00\x01\x00\x00\x00" + b"\x00" * 8 + b"not a pickle....",  # bad body
+        b"\x10\x00\x00\x00\x01\x00\x01\x00" + b"\x00" * 8 + b"x" * 16,       # missing fd
+        b"\x10\x00\x00\x00\x01\x01\x00\x00" + b"\x00" * 8 + b"y" * 16,       # bad table
+    ]
+    for junk in garbage:
+        a, b = socket.socketpair()
+        with a:
+            await rec.conn.call("__accept_peer__", (PassFd(b.fileno()), 999), {})
+            b.close()
+            a.sendall(junk)
+            a.settimeout(5)
+            await asyncio.sleep(0.2)
+            assert a.recv(100) == b""  # the actor closed that connection
+    assert await c.incr() == 2  # and is otherwise fine
+    assert await caller.call_other(1) == 3
+
+
+async def test_truncated_frame_from_actor_to_driver(rt):
+    c = await Counter.spawn()
+    rec = rt._actors[c.actor_id]
+    # Frames the driver receives that are garbage: the connection closes, the driver lives,
+    # the actor is reported dead with a message that says why.
+    rec.conn._frame(99, 0, 0, b"", ())
+    with pytest.raises(ActorDiedError, match="protocol error"):
+        await c.incr()
+    other = await Counter.spawn()
+    assert await other.incr() == 1

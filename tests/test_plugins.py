@@ -1,0 +1,80 @@
+"""The serialization plug-in registry: how the CuPy (and torch) plug-ins hook in."""
+
+import sys
+
+import pytest
+
+from actorshm import _serialization as ser
+
+
+class Meters:
+    def __init__(self, v):
+        self.v = v
+
+
+class Feet(Meters):
+    pass
+
+
+def _rebuild_meters(v):
+    return Meters(v)
+
+
+class _Conn:
+    sent_regions: set = set()
+
+
+@pytest.fixture
+def registered():
+    seen = []
+
+    def reduce_meters(enc, obj):
+        seen.append(type(obj))
+        return _rebuild_meters, (obj.v * 10,)
+
+    ser.register_reducer(Meters, reduce_meters)
+    yield seen
+    ser._reducers.pop(Meters, None)
+    ser._reducers.pop(Feet, None)
+    ser._not_reduced.clear()
+
+
+def test_a_registered_reducer_sends_its_type_and_subclasses(registered):
+    payload, fds, enc, flags = ser.encode({"a": Meters(1), "b": [Feet(2)]}, _Conn())
+    out = ser.decode(payload, list(fds), _Conn(), flags)
+    assert registered == [Meters, Feet]
+    assert (type(out["a"]), out["a"].v, out["b"][0].v) == (Meters, 10, 20)
+
+
+def test_register_reducer_checks_its_arguments():
+    with pytest.raises(TypeError, match="a type and a callable"):
+        ser.register_reducer("torch.Tensor", lambda enc, obj: None)
+
+
+def test_a_lazy_plugin_loads_once_its_module_is_imported(monkeypatch):
+    loads = []
+    monkeypatch.setitem(ser._lazy_plugins, "fake_plugin_lib", lambda: loads.append(1))
+    ser.encode([Meters(1)], _Conn())
+    assert loads == []  # not imported: nothing loads
+    monkeypatch.setitem(sys.modules, "fake_plugin_lib", object())
+    ser.encode([Meters(1)], _Conn())
+    ser.encode([Meters(1)], _Conn())
+    assert loads == [1] and "fake_plugin_lib" not in ser._lazy_plugins
+
+
+def test_the_base_layers_import_no_plugin():
+    # Lazy imports inside functions count: the plug-in registers itself instead.
+    import ast
+    import pathlib
+
+    pkg = pathlib.Path(ser.__file__).parent
+    for name in ("_wire", "_leases", "_shm", "_serialization", "_ledger", "_framing",
+                 "_protocol"):
+        tree = ast.parse((pkg / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names]
+                assert not {"_cuda", "_plugins", "cuda", "cupy", "torch"} & \
+                    {n.lstrip(".").rsplit(".", 1)[-1] for n in names}, (name, names)
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.split(".")[0] in ("cupy", "torch") for a in node.names)
