@@ -21,7 +21,8 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray binds 127.0.0.1
 
 import actorshm  # noqa: E402
-from actors import Caller, Concurrent, Counter, CustomError, Faulty, Probe, ThreadedCaller  # noqa: E402
+from actors import (Caller, Concurrent, Counter, CustomError, Faulty, PoolWorker, Probe,  # noqa: E402
+                    ThreadedCaller)
 from ray_actors import ArrayUser, Streamer  # noqa: E402
 
 ray = pytest.importorskip("ray", reason="the Ray backend tests need Ray: "
@@ -200,6 +201,32 @@ async def test_max_pending_calls_refuses_without_sending(art):
     assert await asyncio.gather(a, b) == [1, 2]
     assert await c.record(4) == 4
     assert await c.get_log() == [1, 2, 4]
+
+
+# -- Pools and groups -------------------------------------------------------------------
+async def test_actor_pool(art):
+    ws = [await PoolWorker.spawn(i) for i in range(2)]
+    pool = actorshm.ActorPool(ws)
+    out = [v async for v in pool.map(lambda h, v: h.work(v, 0.05), range(6))]
+    assert [v for _, v in out] == list(range(6)) and {t for t, _ in out} == {0, 1}
+    done = sorted([v async for _, v in pool.map_unordered(lambda h, v: h.work(v), range(4))])
+    assert done == [0, 1, 2, 3]
+    assert await pool.submit(lambda h, v: h.work(v), "x") in [(0, "x"), (1, "x")]
+    assert [(await w.counts())["peak"] for w in ws] == [1, 1]  # one call per actor
+
+
+async def test_actor_group(art):
+    g = await actorshm.ActorGroup.spawn(PoolWorker, 3)
+    tags = [t for t, _ in await g.work(0)]
+    arr = np.arange(1000.0)
+    assert await g.work(arr[:3].tolist()) == [(t, [0.0, 1.0, 2.0]) for t in tags]
+    slow = g.work("late", 0.4)
+    await asyncio.sleep(0.1)
+    await g[1].kill()
+    with pytest.raises(actorshm.ActorGroupError) as info:
+        await slow
+    assert info.value.failed == [1]
+    assert isinstance(info.value.exceptions[0], actorshm.ActorDiedError)
 
 
 # -- Cancellation and streaming (Ray only until the local backend has them) ---------
