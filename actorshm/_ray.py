@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import inspect
 import os
+import pickle
 import threading
 import uuid
 import warnings
@@ -22,7 +23,7 @@ from typing import Any
 from . import _client, _shm
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._errors import ActorDiedError, RemoteError, RemoteTraceback
-from ._ray_host import Host
+from ._ray_host import Host, simple
 from ._serialization import decode_exception
 
 __all__ = ["RayRuntime", "RayClient", "RayActorId", "ray_env"]
@@ -86,6 +87,8 @@ def _translate(exc: BaseException, what: str) -> BaseException:
 
 def _outcome(value: Any, what: str):
     """``(ok, payload)`` from the host -> (result, None) or (None, exception)."""
+    if type(value) is bytes:  # a simple reply, pickled by the host
+        value = pickle.loads(value)
     ok, payload = value
     if ok:
         return payload, None
@@ -162,7 +165,10 @@ class RayClient:
         try:
             with self._lock:
                 seq = self._seqs.get(actor_id.key, 0)
-                ref = remote_method.remote((method, args, kwargs, self._caller, seq))
+                req = (method, args, kwargs, self._caller, seq)
+                if simple(args) and simple(kwargs):
+                    req = pickle.dumps(req, protocol=5)
+                ref = remote_method.remote(req)
                 self._seqs[actor_id.key] = seq + 1
             return ref, seq
         except TypeError as exc:
