@@ -37,6 +37,13 @@ class Streamer:
         for i in range(n):
             yield np.full(size, i, dtype=np.int32)
 
+    async def die_after(self, n):
+        for i in range(n):
+            yield i
+        await asyncio.sleep(0.05)
+        os._exit(3)
+        yield n  # never reached
+
     def closed_(self):
         return list(self.closed)
 

@@ -273,6 +273,35 @@ async def test_leaving_a_stream_early_stops_the_generator(art, backend):
     assert await s.ping() == "pong"
 
 
+async def test_a_stream_whose_actor_dies_raises_actor_died(art, backend):
+    ray_only(backend, "streaming methods come to the local backend separately")
+    s = await Streamer.spawn()
+    got = []
+    with pytest.raises(actorshm.ActorDiedError):
+        async for x in s.die_after(3):
+            got.append(x)
+    assert got == [0, 1, 2]
+
+
+async def test_cancelling_a_task_that_iterates_a_stream_stops_the_generator(art, backend):
+    ray_only(backend, "streaming methods come to the local backend separately")
+    s = await Streamer.spawn()
+
+    async def consume():
+        async for _ in s.count(1000, 0.01):
+            pass
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        if await s.closed_() == [1000]:
+            break
+        await asyncio.sleep(0.05)
+    assert await s.closed_() == [1000]
+
+
 async def test_stream_runs_a_bounded_number_of_items_ahead(art, backend):
     ray_only(backend, "streaming methods come to the local backend separately")
     s = await Streamer.spawn()
