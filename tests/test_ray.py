@@ -21,8 +21,8 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray binds 127.0.0.1
 
 import actorshm  # noqa: E402
-from actors import (Caller, Concurrent, Counter, CustomError, Faulty, PoolWorker, Probe,  # noqa: E402
-                    ThreadedCaller)
+from actors import (Caller, Concurrent, Counter, CustomError, Faulty, Phoenix,  # noqa: E402
+                    PoolWorker, Probe, ThreadedCaller)
 from ray_actors import ArrayUser, Streamer  # noqa: E402
 
 ray = pytest.importorskip("ray", reason="the Ray backend tests need Ray: "
@@ -78,6 +78,23 @@ async def test_current_runtime_is_the_open_runtime(art):
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="backend"):
         actorshm.Runtime(backend="dask")
+
+
+def test_ray_backend_without_ray_says_how_to_install_it():
+    code = textwrap.dedent("""
+        import asyncio, sys
+        sys.modules["ray"] = None  # as if Ray were not installed
+        import actorshm
+        async def main():
+            await actorshm.Runtime(backend="ray").start()
+        try:
+            asyncio.run(main())
+        except ImportError as exc:
+            assert "actorshm[ray]" in str(exc), exc
+        else:
+            raise SystemExit("no ImportError")
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_importing_actorshm_imports_no_ray():
@@ -191,6 +208,21 @@ async def test_a_crash_raises_actor_died(art):
         await asyncio.wait_for(f.exit(3), 10)
     with pytest.raises(actorshm.ActorDiedError):
         await asyncio.wait_for(f.ok(), 10)
+
+
+async def test_max_restarts_brings_the_actor_back(art):
+    p = await Phoenix.spawn("a")
+    assert (await p.hit())[:2] == ("a", 1)
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(p.crash(), 10)
+    for _ in range(100):  # calls made while it restarts may fail; then it answers
+        try:
+            tag, calls, _ = await asyncio.wait_for(p.hit(), 10)
+            break
+        except actorshm.ActorDiedError:
+            await asyncio.sleep(0.1)
+    assert (tag, calls) == ("a", 1)  # a fresh instance, built with the same arguments
+    assert [(await p.hit())[1] for _ in range(3)] == [2, 3, 4]
 
 
 async def test_max_pending_calls_refuses_without_sending(art):
