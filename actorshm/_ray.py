@@ -334,6 +334,9 @@ def get_client() -> RayClient:
     return CLIENT
 
 
+_LOCAL_ONLY = {"start_method", "shm_budget", "shutdown_grace", "start_timeout", "gpus"}
+
+
 class RayRuntime:
     """``Runtime(backend="ray")``: actors run as Ray actors, locally or on a cluster.
 
@@ -346,12 +349,20 @@ class RayRuntime:
             None for a local Ray.
         **ray_init_options: passed to ``ray.init`` (for example ``num_cpus``,
             ``object_store_memory``, ``runtime_env``).
+
+    Raises:
+        TypeError: an option of the local backend (``start_method``, ``shm_budget``,
+            ...), which has no meaning on Ray.
     """
 
     backend = "ray"
     shares_memory = False
 
     def __init__(self, address: str | None = None, **ray_init_options: Any) -> None:
+        local_only = sorted(set(ray_init_options) & _LOCAL_ONLY)
+        if local_only:
+            raise TypeError(f"{local_only}: options of the local backend; with "
+                            "backend='ray', other keywords go to ray.init()")
         self.address = address
         self.ray_init_options = ray_init_options
         self._owns_ray = False

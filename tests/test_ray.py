@@ -75,9 +75,11 @@ async def test_current_runtime_is_the_open_runtime(art):
                                      "pool_reuses", "blocks_live"}
 
 
-def test_unknown_backend_is_refused():
+def test_unknown_backend_and_local_options_on_ray_are_refused():
     with pytest.raises(ValueError, match="backend"):
         actorshm.Runtime(backend="dask")
+    with pytest.raises(TypeError, match="start_method"):
+        actorshm.Runtime(backend="ray", start_method="forkserver")
 
 
 def test_ray_backend_without_ray_says_how_to_install_it():
