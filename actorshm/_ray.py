@@ -121,6 +121,9 @@ class RayClient:
         self._caller = uuid.uuid4().hex[:16]  # calls from one caller start in order
         self._seqs: dict[str, int] = {}
         self._cancels: dict[str, tuple] = {}
+        self._pids: dict[str, int] = {}  # after a restart
+        self._watching: set = set()
+        self._watchers: set = set()
 
     # -- calls -------------------------------------------------------------------
     def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
@@ -146,6 +149,8 @@ class RayClient:
             exc = cf.exception()
             if exc is not None:
                 err = _translate(exc, what)
+                if isinstance(err, ActorDiedError):
+                    self._watch_restart(actor_id, loop)
                 if isinstance(err, BaseException) and not fut.cancelled():
                     fut.set_exception(err)
                 return
@@ -233,7 +238,27 @@ class RayClient:
             pass
 
     def actor_pid(self, actor_id: RayActorId, pid: int) -> int:
-        return pid
+        return self._pids.get(actor_id.key, pid)
+
+    def _watch_restart(self, actor_id: RayActorId, loop) -> None:
+        """After a death: if Ray restarts the actor (``max_restarts``), learn its new pid."""
+        if actor_id.key in self._dead or actor_id.key in self._watching:
+            return
+        self._watching.add(actor_id.key)
+
+        async def watch() -> None:
+            try:
+                ok, pid = await asyncio.wait_for(actor_id.handle.ready.remote(), 120)
+                if ok:
+                    self._pids[actor_id.key] = pid
+            except BaseException:  # not restarted (or Ray is gone): the pid stays
+                pass
+            finally:
+                self._watching.discard(actor_id.key)
+
+        self._watchers.add(loop.create_task(watch()))
+        for t in [t for t in self._watchers if t.done()]:
+            self._watchers.discard(t)
 
     async def kill(self, actor_id: RayActorId) -> None:
         ray = _import_ray()
@@ -443,7 +468,27 @@ class RayRuntime:
         return CLIENT.call(actor_id, method, args, kwargs, what)
 
     def actor_pid(self, actor_id: RayActorId, pid: int) -> int:
-        return pid
+        return self._pids.get(actor_id.key, pid)
+
+    def _watch_restart(self, actor_id: RayActorId, loop) -> None:
+        """After a death: if Ray restarts the actor (``max_restarts``), learn its new pid."""
+        if actor_id.key in self._dead or actor_id.key in self._watching:
+            return
+        self._watching.add(actor_id.key)
+
+        async def watch() -> None:
+            try:
+                ok, pid = await asyncio.wait_for(actor_id.handle.ready.remote(), 120)
+                if ok:
+                    self._pids[actor_id.key] = pid
+            except BaseException:  # not restarted (or Ray is gone): the pid stays
+                pass
+            finally:
+                self._watching.discard(actor_id.key)
+
+        self._watchers.add(loop.create_task(watch()))
+        for t in [t for t in self._watchers if t.done()]:
+            self._watchers.discard(t)
 
     async def kill(self, actor_id: RayActorId) -> None:
         await CLIENT.kill(actor_id)

@@ -225,6 +225,12 @@ async def test_max_restarts_brings_the_actor_back(art):
             await asyncio.sleep(0.1)
     assert (tag, calls) == ("a", 1)  # a fresh instance, built with the same arguments
     assert [(await p.hit())[1] for _ in range(3)] == [2, 3, 4]
+    new_pid = (await p.hit())[2]
+    for _ in range(100):
+        if p.pid == new_pid:
+            break
+        await asyncio.sleep(0.05)
+    assert p.pid == new_pid  # the handle's pid follows the restart
 
 
 async def test_max_pending_calls_refuses_without_sending(art):
