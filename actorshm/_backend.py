@@ -7,11 +7,22 @@ from typing import Any
 __all__ = ["BackendChoice"]
 
 
-class BackendChoice:
+class _ChoiceMeta(type):
+    """``isinstance(rt, Runtime)`` holds for a runtime of every backend."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        if type.__instancecheck__(cls, obj):
+            return True
+        return BackendChoice in cls.__bases__ and getattr(obj, "backend", None) == "ray"
+
+
+class BackendChoice(metaclass=_ChoiceMeta):
     """Base of ``Runtime``: ``Runtime(backend="ray", ...)`` makes a ``RayRuntime`` instead.
 
     Ray is imported only then; the local backend never needs it.
     """
+
+    backend = "local"
 
     def __new__(cls, *args: Any, backend: str = "local", **options: Any):
         if backend == "ray":

@@ -69,8 +69,9 @@ def ray_only(backend, why):
 
 
 # -- Runtime -------------------------------------------------------------------------
-async def test_current_runtime_is_the_open_runtime(art):
+async def test_current_runtime_is_the_open_runtime(art, backend):
     assert actorshm.current_runtime() is art
+    assert isinstance(art, actorshm.Runtime) and art.backend == backend
     assert set(actorshm.stats()) >= {"bytes_copied", "bytes_zero_copy", "pool_allocs",
                                      "pool_reuses", "blocks_live"}
 
