@@ -289,6 +289,8 @@ async def test_streaming_methods(art, backend):
     ray_only(backend, "streaming methods come to the local backend separately")
     s = await Streamer.spawn()
     assert [x async for x in s.count(5)] == [0, 1, 2, 3, 4]
+    async for x in s.count(3):  # the actor answers other calls while a stream is open
+        assert await asyncio.wait_for(s.ping(), 10) == "pong"
     assert [x async for x in s.sync_count(4)] == [0, 1, 4, 9]
     got = []
     with pytest.raises(KeyError, match="stream failed on purpose"):
