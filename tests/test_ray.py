@@ -133,6 +133,12 @@ async def test_names_and_get_actor(art):
     assert await same.incr() == 11 and same == c and same.name == "ctr"
     with pytest.raises(ValueError, match="no live actor named 'ghost'"):
         await actorshm.get_actor("ghost")
+    with pytest.raises(ValueError, match="already exists"):
+        await Counter.options(name="ctr").spawn(0)
+    assert await same.incr() == 12  # the first one is unaffected
+    await c.kill()
+    with pytest.raises(ValueError, match="no live actor named 'ctr'"):
+        await actorshm.get_actor("ctr")
 
 
 async def test_handles_pickle_and_work_inside_actors(art):
