@@ -190,17 +190,23 @@ class RayClient:
         if actor_id.key in self._dead:
             out.set_exception(ActorDiedError(f"{what}: the actor was killed"))
             return out
-        ref, _ = self._submit(actor_id, actor_id.handle.call, method, args, kwargs, what)
+        ref, seq = self._submit(actor_id, actor_id.handle.call, method, args, kwargs, what)
 
         def settle(cf) -> None:
-            exc = cf.exception()
-            if exc is not None:
-                out.set_exception(_translate(exc, what))
+            if out.done():  # cancelled by the caller
                 return
-            result, err = _outcome(cf.result(), what)
-            out.set_exception(err) if err is not None else out.set_result(result)
+            exc = cf.exception()
+            try:
+                if exc is not None:
+                    out.set_exception(_translate(exc, what))
+                    return
+                result, err = _outcome(cf.result(), what)
+                out.set_exception(err) if err is not None else out.set_result(result)
+            except concurrent.futures.InvalidStateError:  # cancelled meanwhile
+                pass
 
         ref.future().add_done_callback(settle)
+        out.add_done_callback(lambda f: f.cancelled() and self._cancel(actor_id, seq))
         return out
 
     def _stream(self, actor_id, method, args, kwargs, what, loop):
@@ -220,20 +226,23 @@ class RayClient:
         Cancellations made in one event-loop step travel as one message, so the actor
         cancels them together: a queued call cannot slip in when the running one ends.
         """
-        batch = self._cancels.get(actor_id.key)
-        if batch is not None:
-            batch[1].append(seq)
-            return
-        self._cancels[actor_id.key] = (actor_id, [seq])
+        with self._lock:
+            batch = self._cancels.get(actor_id.key)
+            if batch is not None:
+                batch[1].append(seq)
+                return
+            self._cancels[actor_id.key] = (actor_id, [seq])
         try:
             asyncio.get_running_loop().call_soon(self._send_cancels, actor_id.key)
         except RuntimeError:  # no loop here: send at once
             self._send_cancels(actor_id.key)
 
     def _send_cancels(self, key: str) -> None:
-        actor_id, seqs = self._cancels.pop(key)
+        with self._lock:
+            actor_id, seqs = self._cancels.pop(key)
         try:
-            actor_id.handle.cancel.remote(self._caller, seqs)
+            actor_id.handle.cancel.options(concurrency_group="control").remote(
+                self._caller, seqs)
         except Exception:  # Ray is gone
             pass
 
@@ -275,7 +284,8 @@ class RayClient:
         ray = _import_ray()
         with self._lock:
             if self._remote_host is None:
-                self._remote_host = ray.remote(Host)
+                # Cancel messages run in their own group: their own thread and loop.
+                self._remote_host = ray.remote(concurrency_groups={"control": 1})(Host)
         methods = public_methods(cls)
         streams = frozenset(n for n in methods if _is_generator(cls, n))
         # The host enforces max_concurrency and call order itself (Ray runs async actor

@@ -18,6 +18,7 @@ import asyncio
 import inspect
 import os
 import pickle
+import threading
 from typing import Any
 
 from . import _client
@@ -126,6 +127,9 @@ class Host:
         self._sem = None
         self._callers: dict[str, _Turns] = {}
         self._cancelled: set = set()  # (caller, seq) cancelled before they arrived
+        self._requested: set = set()  # (caller, seq) whose cancel message arrived
+        self._cancel_lock = threading.Lock()
+        self._loop = None  # the actor's event loop, where every call runs
         self._tasks: dict = {}  # (caller, seq) -> the task running that call
         try:
             import warnings
@@ -146,6 +150,7 @@ class Host:
 
     async def ready(self) -> tuple:
         """``(True, pid)`` once ``__init__`` returned, ``(False, encoded error)`` if it raised."""
+        self._loop = asyncio.get_running_loop()
         if self._init_error is not None:
             return False, self._init_error
         return True, os.getpid()
@@ -161,16 +166,30 @@ class Host:
 
     async def cancel(self, caller: str, seqs: list) -> None:
         """Cancel calls ``seqs`` of ``caller``: queued, one never runs; running, an
-        async method gets ``CancelledError`` at its ``await`` (a sync one finishes)."""
+        async method gets ``CancelledError`` at its ``await`` (a sync one finishes).
+
+        Runs in its own concurrency group (its own thread and loop), so a cancellation
+        is recorded even while a sync method blocks the actor's loop: the calls queued
+        behind it then see it before they start.
+        """
+        with self._cancel_lock:
+            self._requested.update((caller, seq) for seq in seqs)
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self._apply_cancel, caller, seqs)
+
+    def _apply_cancel(self, caller: str, seqs: list) -> None:
         for seq in seqs:
             task = self._tasks.get((caller, seq))
             if task is not None:
                 task.cancel()
                 continue
             st = self._turns(caller, seq)
-            if seq >= st.next:
+            if seq >= st.next:  # not arrived yet: it will not run
                 self._cancelled.add((caller, seq))
                 st.consume(seq)
+            with self._cancel_lock:
+                self._requested.discard((caller, seq))
 
     def _turns(self, caller: str, seq: int) -> _Turns:
         st = self._callers.get(caller)
@@ -206,12 +225,17 @@ class Host:
         if key in self._cancelled:
             self._cancelled.discard(key)
             return None, None
+        self._loop = asyncio.get_running_loop()
         self._tasks[key] = asyncio.current_task()
         try:
             await self._take_turn(caller, seq)
             if self._sem is None:
                 self._sem = asyncio.Semaphore(self._max_concurrency)
             async with self._sem:
+                if self._requested and key in self._requested:  # cancelled while queued
+                    with self._cancel_lock:
+                        self._requested.discard(key)
+                    return None, None
                 return pack(await self._run(method, args, kwargs))
         except asyncio.CancelledError:
             return None, None  # the caller has stopped waiting

@@ -75,3 +75,14 @@ class ArrayUser:
 
     def pid_(self):
         return os.getpid()
+
+
+@actor(max_concurrency=2)
+class ThreadCanceller:
+    """A sync method in a thread cancels the call it made to another actor."""
+
+    def cancel_queued(self, counter):
+        first = counter.slow_record(1, 0.5)
+        second = counter.record(2)  # queued behind the first
+        assert second.cancel()
+        return first.result(timeout=10)

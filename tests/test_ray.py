@@ -23,7 +23,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray binds 127
 import actorshm  # noqa: E402
 from actors import (Caller, Concurrent, Counter, CustomError, Faulty, Phoenix,  # noqa: E402
                     PoolWorker, Probe, ThreadedCaller)
-from ray_actors import ArrayUser, Streamer  # noqa: E402
+from ray_actors import ArrayUser, Streamer, ThreadCanceller  # noqa: E402
 
 ray = pytest.importorskip("ray", reason="the Ray backend tests need Ray: "
                                         "pip install 'actorshm[ray]'")
@@ -289,6 +289,15 @@ async def test_cancel_stops_a_running_async_call_and_a_queued_one(art, backend):
         await asyncio.wait_for(c.slow_record(3, 5), 0.3)  # a sync call finishes there
     assert await asyncio.wait_for(c.record(4), 10) == 4
     assert await c.get_log() == [3, 4]
+
+
+async def test_a_call_made_in_a_thread_can_be_cancelled(art, backend):
+    ray_only(backend, "cancellation of calls comes to the local backend separately")
+    c = await Counter.spawn()
+    t = await ThreadCanceller.spawn()
+    assert await t.cancel_queued(c) == 1
+    assert await c.record(3) == 3
+    assert await c.get_log() == [1, 3]  # the cancelled call never ran
 
 
 async def test_streaming_methods(art, backend):
