@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 from . import _client
+from ._errors import ActorDiedError
 from ._serialization import encode_exception
 
 __all__ = ["Host", "freeze_arrays", "simple", "pack"]
@@ -141,16 +142,27 @@ class Host:
                 self._restarted = bool(ctx.was_current_actor_reconstructed)
         except Exception:  # pragma: no cover - outside Ray
             self._restarted = False
+        # The user's __init__ runs on the actor's event loop, as on the local backend
+        # (it may start tasks there): on the first call, ``ready`` at spawn.
+        self._pending_init = (cls, args, kwargs)
+
+    def _build(self) -> None:
+        cls, args, kwargs = self._pending_init
+        self._pending_init = None
         try:
             freeze_arrays(args)
             freeze_arrays(kwargs)
             self._instance = cls(*args, **kwargs)
         except BaseException as exc:  # raised by spawn in the caller
             self._init_error = encode_exception(exc)
+            self._dead_reply = pack((False, encode_exception(ActorDiedError(
+                f"actor {self._cls_name} failed in __init__: {exc!r}"))))
 
     async def ready(self) -> tuple:
         """``(True, pid)`` once ``__init__`` returned, ``(False, encoded error)`` if it raised."""
         self._loop = asyncio.get_running_loop()
+        if self._pending_init is not None:
+            self._build()
         if self._init_error is not None:
             return False, self._init_error
         return True, os.getpid()
@@ -226,6 +238,10 @@ class Host:
             self._cancelled.discard(key)
             return None, None
         self._loop = asyncio.get_running_loop()
+        if self._pending_init is not None:
+            self._build()
+        if self._init_error is not None:
+            return self._dead_reply
         self._tasks[key] = asyncio.current_task()
         try:
             await self._take_turn(caller, seq)
@@ -269,6 +285,12 @@ class Host:
         key = (caller, seq)
         if key in self._cancelled:
             self._cancelled.discard(key)
+            return
+        self._loop = asyncio.get_running_loop()
+        if self._pending_init is not None:
+            self._build()
+        if self._init_error is not None:
+            yield self._dead_reply
             return
         self._tasks[key] = asyncio.current_task()
         try:

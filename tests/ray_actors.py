@@ -86,3 +86,20 @@ class ThreadCanceller:
         second = counter.record(2)  # queued behind the first
         assert second.cancel()
         return first.result(timeout=10)
+
+
+@actor
+class Ticker:
+    """Starts a background task on its event loop in __init__ (as servers do)."""
+
+    def __init__(self):
+        self.ticks = 0
+        self.task = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self):
+        while True:
+            self.ticks += 1
+            await asyncio.sleep(0.01)
+
+    def ticks_(self):
+        return self.ticks

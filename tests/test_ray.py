@@ -23,7 +23,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray binds 127
 import actorshm  # noqa: E402
 from actors import (Caller, Concurrent, Counter, CustomError, Faulty, Phoenix,  # noqa: E402
                     PoolWorker, Probe, ThreadedCaller)
-from ray_actors import ArrayUser, Streamer, ThreadCanceller  # noqa: E402
+from ray_actors import ArrayUser, Streamer, ThreadCanceller, Ticker  # noqa: E402
 
 ray = pytest.importorskip("ray", reason="the Ray backend tests need Ray: "
                                         "pip install 'actorshm[ray]'")
@@ -119,6 +119,15 @@ async def test_spawn_call_and_order(art):
 async def test_init_error_is_raised_by_spawn_with_its_type(art):
     with pytest.raises(KeyError, match="init failed on purpose"):
         await Faulty.spawn(fail=True)
+
+
+async def test_init_runs_on_the_actors_event_loop(art):
+    t = await Ticker.spawn()
+    for _ in range(100):
+        if await t.ticks_() > 3:
+            break
+        await asyncio.sleep(0.02)
+    assert await t.ticks_() > 3  # the task __init__ started keeps running
 
 
 async def test_unknown_method_raises_attribute_error_at_once(art):
