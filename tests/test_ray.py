@@ -295,7 +295,7 @@ async def test_cancel_stops_a_running_async_call_and_a_queued_one(art, backend):
     running.cancel()
     queued.cancel()
     with pytest.raises(asyncio.TimeoutError):
-        await asyncio.wait_for(c.slow_record(3, 5), 0.3)  # a sync call finishes there
+        await asyncio.wait_for(c.slow_record(3, 1.0), 0.3)  # a sync call finishes there
     assert await asyncio.wait_for(c.record(4), 10) == 4
     assert await c.get_log() == [3, 4]
 
