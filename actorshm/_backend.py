@@ -26,7 +26,7 @@ class BackendChoice(metaclass=_ChoiceMeta):
 
     def __new__(cls, *args: Any, backend: str = "local", **options: Any):
         if backend == "ray":
-            from ._ray import RayRuntime
+            from ._ray_runtime import RayRuntime
             return RayRuntime(*args, **options)
         if backend != "local":
             raise ValueError(f"backend must be 'local' or 'ray', not {backend!r}")

@@ -405,7 +405,7 @@ async def test_a_shared_array_on_ray_warns_that_writes_do_not_come_back(art, bac
 # -- Ray only -------------------------------------------------------------------------
 def test_run_with_backend_ray(ray_session):
     async def main():
-        assert isinstance(actorshm.current_runtime(), actorshm._ray.RayRuntime)
+        assert actorshm.current_runtime().backend == "ray"
         c = await Counter.spawn(1)
         return await c.incr(1)
     assert actorshm.run(main(), backend="ray") == 2
