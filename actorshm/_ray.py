@@ -24,7 +24,7 @@ from . import _shm
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._errors import ActorDiedError, RemoteError, RemoteTraceback
 from ._ray_host import Host, simple
-from ._serialization import decode_exception
+from ._remote_errors import decode_exception
 
 __all__ = ["RayClient", "RayActorId", "CLIENT", "get_client", "ray_env", "import_ray"]
 

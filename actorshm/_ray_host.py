@@ -23,7 +23,7 @@ from typing import Any
 
 from . import _client
 from ._errors import ActorDiedError
-from ._serialization import encode_exception
+from ._remote_errors import encode_exception
 
 __all__ = ["Host", "freeze_arrays", "simple", "pack"]
 
