@@ -20,8 +20,11 @@ actorshm.run(main())
 from __future__ import annotations
 
 from ._actor import ActorHandle, actor
-from ._errors import (ActorDiedError, ActorError, PendingCallsLimitError, RemoteError,
-                      SharedMemoryError)
+from ._errors import (ActorDiedError, ActorError, ActorGroupError, PendingCallsLimitError,
+                      RemoteError, SharedMemoryError)
+from ._events import ActorEvent
+from ._group import ActorGroup
+from ._pool import ActorPool
 from ._runtime import Runtime, current_runtime, get_actor, run
 from ._shm import empty, is_shared, share, stats, zeros
 
@@ -39,6 +42,10 @@ __all__ = [
     "RemoteError",
     "SharedMemoryError",
     "PendingCallsLimitError",
+    "ActorGroupError",
+    "ActorPool",
+    "ActorGroup",
+    "ActorEvent",
     "empty",
     "zeros",
     "share",
@@ -46,6 +53,8 @@ __all__ = [
     "stats",
     "cuda",
 ]
+# ``actorshm.torch`` (PyTorch tensors) is loaded on first use too, but is not in
+# ``__all__``: ``from actorshm import *`` must not need torch.
 
 for _name in __all__:
     _obj = globals().get(_name)
@@ -58,9 +67,9 @@ del _name, _obj
 
 
 def __getattr__(name: str):
-    if name == "cuda":  # imported lazily: importing actorshm never needs CuPy or a GPU
+    if name in ("cuda", "torch"):  # lazily: importing actorshm needs no CuPy, GPU or torch
         import importlib
-        mod = importlib.import_module("actorshm.cuda")
-        globals()["cuda"] = mod
+        mod = importlib.import_module("actorshm." + name)
+        globals()[name] = mod
         return mod
     raise AttributeError(f"module 'actorshm' has no attribute {name!r}")

@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 from . import _forkserver, _leases
+from ._output import OutputForwarder  # noqa: F401  (re-exported)
 from ._errors import ActorDiedError
 
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,15 +126,19 @@ class ActorRecord:
             except asyncio.TimeoutError:
                 continue
 
-    def close_process(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Stop watching the (exited or killed) process, reap it, drain its output."""
+    def unwatch_exit(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stop watching the process's pidfd (it exited, or is being reaped)."""
         if self.pidfd >= 0:
             try:
                 loop.remove_reader(self.pidfd)
-            except Exception:
+            except Exception:  # the loop is closing
                 pass
             os.close(self.pidfd)
             self.pidfd = -1
+
+    def close_process(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stop watching the (exited or killed) process, reap it, drain its output."""
+        self.unwatch_exit(loop)
         if self.popen is not None:
             try:
                 self.popen.wait(timeout=5)
@@ -430,80 +435,6 @@ def visible_gpus() -> list[str]:
         return [str(i) for i in range(_cuda.device_count())]
     except Exception:
         return []
-
-
-class OutputForwarder:
-    """Copies an actor's stdout/stderr to the driver's, each line prefixed as Ray does.
-
-    A carriage return ends a line too (progress bars update in place), and a line longer
-    than ``max_line`` is forwarded in pieces, so output without line ends costs bounded
-    memory and time.
-    """
-
-    max_line = 64 << 10
-
-    def __init__(self, rec: ActorRecord, stream, which: str) -> None:
-        self.rec = rec
-        self.stream = stream
-        self.fd = stream.fileno()
-        self.which = which
-        self.partial = b""
-        self.closed = False
-
-    def on_readable(self) -> None:
-        try:
-            data = os.read(self.fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.close()
-            return
-        self._emit(data)
-
-    def _emit(self, data: bytes) -> None:
-        data = self.partial + data
-        *lines, self.partial = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-        while len(self.partial) > self.max_line:
-            lines.append(self.partial[:self.max_line])
-            self.partial = self.partial[self.max_line:]
-        if not lines:
-            return
-        prefix = f"({self.rec.cls_name} pid={self.rec.pid}) "
-        text = "".join(prefix + ln.decode(errors="replace") + "\n" for ln in lines)
-        if self.which == "stderr":
-            self.rec.stderr_tail.extend(ln.decode(errors="replace") + "\n" for ln in lines)
-        out = sys.stderr if self.which == "stderr" else sys.stdout
-        try:
-            out.write(text)
-            out.flush()
-        except Exception:  # pragma: no cover
-            pass
-
-    def drain(self) -> None:
-        while not self.closed:
-            try:
-                data = os.read(self.fd, 65536)
-            except (BlockingIOError, OSError):
-                return
-            if not data:
-                self.close()
-                return
-            self._emit(data)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.partial:
-            self._emit(b"\n")
-        try:
-            if self.rec.conn is not None:
-                self.rec.conn.loop.remove_reader(self.fd)
-        except Exception:  # the loop is closing
-            pass
-        self.stream.close()
 
 
 def _ignore_result(fut: asyncio.Future) -> None:

@@ -29,7 +29,6 @@ fenced.
 from __future__ import annotations
 
 import collections
-import threading
 import weakref
 from typing import Any, Protocol
 
@@ -131,7 +130,7 @@ _blocks: dict[tuple, "_Lease"] = {}
 _own_tokens: set[int] = set()
 # Grants to give back, appended when a block dies (any thread), flushed on the loop:
 # (upstream, block key, region).
-_releases: collections.deque = collections.deque()
+pending_releases: collections.deque = collections.deque()
 # Grants whose region's fence has passed (``Region.fence``): ready to go back.
 _fenced: collections.deque = collections.deque()
 # Regions retired by their owner (any thread), announced to peers on the loop.
@@ -142,6 +141,20 @@ _release_hook = None  # ``set_release_hook``: schedules ``dispatch_releases`` on
 _forward_notices = False
 
 
+def block_at(lo: int, hi: int, device: int | None = None) -> "Block | None":
+    """The live block holding the bytes ``[lo, hi)`` at these addresses, or None: how
+    memory reached some other way than through a block's arrays is recognised."""
+    for region in list(_regions.values()):
+        base = getattr(region, "addr", 0)
+        if region.device != device or not (base and base <= lo and hi <= base + region.size):
+            continue
+        off, end, k0, k1 = lo - base, hi - base, region.key[0], region.key[1]
+        for k, ref in list(_blocks.items()):
+            b = ref() if k[0] == k0 and k[1] == k1 else None
+            if b is not None and b.offset <= off and end <= b.offset + b.size:
+                return b
+        return None
+    return None
 
 
 def register_region(region: Region) -> None:
@@ -233,31 +246,6 @@ def releases_ready(releases) -> None:
     _wake()
 
 
-def loop_release_hook(loop):
-    """A hook for ``set_release_hook`` that runs ``dispatch_releases`` on ``loop``, once per
-    loop iteration however many blocks die, from whichever thread they die on."""
-    state = {"scheduled": False}
-    loop_thread = threading.get_ident()
-
-    def run() -> None:
-        state["scheduled"] = False
-        dispatch_releases()
-
-    def hook() -> None:
-        if state["scheduled"]:
-            return
-        state["scheduled"] = True
-        try:
-            if threading.get_ident() == loop_thread:
-                loop.call_soon(run)
-            else:
-                loop.call_soon_threadsafe(run)
-        except RuntimeError:  # loop closed: the process is ending
-            pass
-
-    return hook
-
-
 class _Lease(weakref.ref):
     """How ``_blocks`` finds a live block, and what gives its lease back when it dies.
 
@@ -272,10 +260,10 @@ class _Lease(weakref.ref):
 def _block_died(lease: _Lease) -> None:
     try:
         if lease.upstream:
-            _releases.append((lease.upstream, lease.key, lease.region))
+            pending_releases.append((lease.upstream, lease.key, lease.region))
             _wake()
         if lease.pool is not None:
-            lease.pool._returned.append((lease.region, lease.offset, lease.size))
+            lease.pool.block_returned(lease.region, lease.offset, lease.size)
     except Exception:  # interpreter shutdown: nothing left to tell
         pass
 
@@ -304,11 +292,11 @@ class Block:
         lease.offset = offset
         lease.size = size
         _blocks[key] = lease
-        if len(_blocks) > _prune_at[0]:
+        if len(_blocks) > _prune_at:
             _prune_blocks()
 
 
-_prune_at = [4096]
+_prune_at = 4096  # prune dead entries of ``_blocks`` once it grows past this
 
 
 def _prune_blocks() -> None:
@@ -316,7 +304,8 @@ def _prune_blocks() -> None:
     for key, ref in list(_blocks.items()):
         if ref() is None and _blocks.get(key) is ref:
             _blocks.pop(key, None)
-    _prune_at[0] = max(4096, 2 * len(_blocks))
+    global _prune_at
+    _prune_at = max(4096, 2 * len(_blocks))
 
 
 def dispatch_releases() -> None:
@@ -330,13 +319,13 @@ def dispatch_releases() -> None:
         _announce_retired(_retired.popleft())
     if _fenced:
         _give_back(_fenced)
-    if not _releases:
+    if not pending_releases:
         return
     host: collections.deque = collections.deque()
     fenced: dict = {}  # a region class's fence -> its releases
     host_fence = Region.fence
-    while _releases:  # take a snapshot first: other threads may append meanwhile
-        item = _releases.popleft()
+    while pending_releases:  # a snapshot first: other threads may append meanwhile
+        item = pending_releases.popleft()
         fence = item[2].fence
         if fence is host_fence:
             host.append(item)

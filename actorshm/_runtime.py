@@ -20,20 +20,21 @@ import threading
 import weakref
 from typing import Any
 
-from . import _client, _leases, _plugins, _services, _shm  # noqa: F401  (_plugins: GPU)
+from . import _client, _events, _leases, _plugins, _services, _shm  # noqa: F401 (_plugins)
 from ._actor import ActorHandle, ActorOptions, public_methods
+from ._backend import BackendChoice
 from ._errors import ActorDiedError
-from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, kill_all,
-                      start_process)
+from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, kill_all, start_process)
 from ._protocol import Connection
-from ._util import check_run_args, describe_exit, first_line, install_event_loop_policy
+from ._util import (check_run_args, coalesced_call, describe_exit, first_line,
+                    install_event_loop_policy)
 
 __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 
 logger = logging.getLogger("actorshm")
 
 
-class Runtime:
+class Runtime(_events.EventSource, BackendChoice):
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
 
     Where one ``async with`` block cannot hold the whole program (a notebook: each cell
@@ -41,6 +42,7 @@ class Runtime:
     ``await rt.close()``.
 
     Args:
+      backend: ``"local"`` (default) or ``"ray"``: Ray actors (``address``, ``ray.init`` options).
       start_method: ``"spawn"`` (default: a fresh interpreter per actor) or
         ``"forkserver"`` (a warm, single-threaded server process forks each actor:
         much faster start-up, same isolation from the driver's threads).
@@ -56,9 +58,9 @@ class Runtime:
       ValueError: an unknown ``start_method`` (a bare ``fork`` is not offered).
     """
 
-    def __init__(self, *, start_method: str = "spawn", shm_budget: int | None = None,
-                 shutdown_grace: float = 2.0, start_timeout: float = 60.0,
-                 gpus: list[int | str] | None = None) -> None:
+    def __init__(self, *, backend: str = "local", start_method: str = "spawn",
+                 shm_budget: int | None = None, shutdown_grace: float = 2.0,
+                 start_timeout: float = 60.0, gpus: list[int | str] | None = None) -> None:
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', not "
                              f"{start_method!r}: a bare fork deadlocks with threads and "
@@ -73,9 +75,11 @@ class Runtime:
         self._names: dict[str, int] = {}
         self._next_id = 1
         self._open = False
-        self.closing = False
+        self._closing = False
         self._finalizer = None
         self._forkserver: ForkServerClient | None = None
+
+    closing = property(lambda self: self._closing, doc="Whether it is closing or closed.")
 
     # -- context manager ---------------------------------------------------------
     async def start(self) -> "Runtime":
@@ -94,18 +98,17 @@ class Runtime:
         """
         if self._open:
             raise RuntimeError("this Runtime is already open")
-        if self.closing:
+        if self._closing:
             raise RuntimeError("this Runtime was closed; open a new one: "
                                "`rt = await actorshm.Runtime().start()`")
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         if self.start_method == "forkserver":  # (its server starts on the first fork)
             self._forkserver = ForkServerClient(self.loop, self.start_timeout)
-        _shm.set_budget(self.shm_budget, id(self))
-        _shm.pool()
-        _leases.set_release_hook(_leases.loop_release_hook(self.loop))
+        _shm.set_budget(self.shm_budget, id(self)), _shm.pool()
+        _leases.set_release_hook(coalesced_call(self.loop, _leases.dispatch_releases))
         self._open = True
-        _client._runtimes.append(self)
+        _client.runtime_opened(self)
         self._finalizer = weakref.finalize(self, kill_all, self._actors)
         return self
 
@@ -121,9 +124,9 @@ class Runtime:
         Leaving ``async with`` calls it; after ``start()``, call it yourself. Calling it
         again does nothing.
         """
-        if not self._open or self.closing:
+        if not self._open or self._closing:
             return
-        self.closing = True
+        self._closing = True
         try:
             recs = [r for r in self._actors.values() if r.alive or r.popen is not None]
             task = asyncio.ensure_future(
@@ -139,10 +142,9 @@ class Runtime:
                 self._reap(r)
             if self._forkserver is not None:
                 self._forkserver.stop()
+            _events.close(self)
             self._open = False
-            if self in _client._runtimes:
-                _client._runtimes.remove(self)
-            if not _client._runtimes:
+            if not _client.runtime_closed(self):
                 _leases.release_quarantine()  # whoever could hold those blocks is gone
             _shm.release_budget(id(self), trim=not _client._runtimes)  # idle memory too
             self._finalizer.detach()  # (set by start(), which close() needs)
@@ -198,8 +200,7 @@ class Runtime:
 
     async def _start_process(self, rec: ActorRecord) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        await start_process(self.loop, rec, child, actor_env(rec), self._forkserver,
-                            self._on_exit)
+        await start_process(self.loop, rec, child, actor_env(rec), self._forkserver, self._on_exit)
         if rec.conn is not None and rec.conn.sock is None and not rec.conn.closed:
             rec.conn.label = rec.label
             rec.conn.attach(parent)  # a restart: calls made meanwhile are buffered there
@@ -257,10 +258,8 @@ class Runtime:
         return rec.pid if rec is not None else pid
 
     async def kill(self, actor_id: int) -> None:
-        """Kill actor ``actor_id`` at once (SIGKILL, no restart) and wait until it is gone.
-
-        Its pending and later calls fail with ``ActorDiedError``. An unknown or dead
-        actor is not an error.
+        """Kill actor ``actor_id`` at once (SIGKILL, no restart); return once it is gone.
+        Its calls fail with ``ActorDiedError``; an unknown or dead actor is no error.
 
         Args:
             actor_id: the actor, as its handle names it.
@@ -345,7 +344,7 @@ class Runtime:
     def connection_closed(self, conn: Connection) -> None:
         """An actor's connection closed (``Host``)."""
         rec = self._actors.get(conn.peer_id)
-        if rec is not None and rec.conn is conn and rec.alive and not self.closing:
+        if rec is not None and rec.conn is conn and rec.alive and not self._closing:
             # The connection broke (protocol error): the actor is unusable.
             try:
                 os.kill(rec.pid, signal.SIGKILL)
@@ -354,21 +353,17 @@ class Runtime:
 
     # -- death and shutdown ------------------------------------------------------
     def _on_exit(self, rec: ActorRecord) -> None:
-        self.loop.remove_reader(rec.pidfd)
-        os.close(rec.pidfd)
-        rec.pidfd = -1
+        rec.unwatch_exit(self.loop)
         if rec.popen is not None:
             self._exited(rec, rec.popen.wait())
-        else:
-            self.loop.create_task(self._forked_exit(rec))
-
-    async def _forked_exit(self, rec: ActorRecord) -> None:
-        self._exited(rec, await self._forkserver.exit_code(rec.pid))
+        else:  # a forked child: its exit code comes from the fork server
+            self.loop.create_task(self._forkserver.exit_code(rec.pid)).add_done_callback(
+                lambda f: f.cancelled() or self._exited(rec, f.result()))
 
     def _exited(self, rec: ActorRecord, code: int | None) -> None:
         rec.alive = False
         why = rec.death or f"{rec.label} died: {describe_exit(code)}"
-        if self.closing and rec.death is None:
+        if self._closing and rec.death is None:
             why = f"{rec.label} was stopped because its runtime closed"
         rec.death = why
         self._gpus.release(rec)
@@ -379,7 +374,10 @@ class Runtime:
             rec.conn.close(ActorDiedError(why))
         rec.exited.set()
         limit = rec.options.max_restarts
-        if not self.closing and not rec.no_restart and (limit == -1 or rec.restarts < limit):
+        restart = (not self._closing and not rec.no_restart
+                   and (limit == -1 or rec.restarts < limit))
+        _events.emit(self, "died", rec, why, will_restart=restart)
+        if restart:
             # Calls made from now on wait in a fresh connection for the new process;
             # the ones that were pending have failed (at-most-once, as in Ray).
             rec.restarts += 1
@@ -391,7 +389,7 @@ class Runtime:
         conn = rec.conn  # this attempt's; a death during start-up makes the next one's
         if rec.failed_starts:  # back off while new processes keep dying as they start
             await asyncio.sleep(min(5.0, 0.05 * 2 ** rec.failed_starts))
-        if self.closing or rec.no_restart:  # closed or killed meanwhile
+        if self._closing or rec.no_restart:  # closed or killed meanwhile
             if rec.conn is conn and conn is not None:
                 conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
             return
@@ -407,6 +405,7 @@ class Runtime:
                 return
             logger.warning("actorshm: restarted %s (restart %d of %s) after: %s", rec.label,
                            rec.restarts, rec.options.max_restarts, first_line(why))
+            _events.emit(self, "restarted", rec, why)
         except BaseException as exc:
             if rec.conn is not conn:
                 # The new process died while starting; the next restart is on its way.
@@ -429,7 +428,7 @@ class Runtime:
             rec.conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
 
     def _check_open(self) -> None:
-        if not self._open or self.closing:
+        if not self._open or self._closing:
             raise RuntimeError("this actorshm Runtime is not open; spawn actors inside "
                                "`async with actorshm.Runtime():`")
 
@@ -441,14 +440,15 @@ def current_runtime() -> Runtime:
         RuntimeError: no runtime is open (the message says how to open one), or this is
             an actor's process (actors use handles and ``get_actor``).
     """
-    if _client._worker[0] is not None:
+    if _client.current_worker() is not None:
         raise RuntimeError("current_runtime() is for the driver; inside an actor, use "
                            "handles and actorshm.get_actor()")
-    if not _client._runtimes:
+    rt = _client.innermost_runtime()
+    if rt is None:
         raise RuntimeError(
             "no actorshm runtime is open. Open one with `async with actorshm.Runtime():` "
             "around your code, or run it with `actorshm.run(main())`.")
-    return _client._runtimes[-1]
+    return rt
 
 
 async def get_actor(name: str) -> ActorHandle:

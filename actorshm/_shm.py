@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import _leases
+from ._budget import default_budget, fd_limit  # noqa: F401  (re-exported)
 from ._errors import SharedMemoryError
 from ._leases import Block, Region, counters
 from ._util import fmt_bytes
@@ -95,13 +96,26 @@ class HostBlock(Block):
 
 
 def find_block(arr: np.ndarray) -> "HostBlock | None":
-    """The shared block an array views, or None."""
+    """The shared block an array views, or None.
+
+    Found through the array's ``base`` chain; an array whose memory another object
+    owns (``np.frombuffer(w.data)``, ``torch.from_numpy(w).numpy()``) by its address.
+    """
     base = arr
     while isinstance(base, np.ndarray):
         base = base.base
     if type(base) is HostBlock:
         return base
-    return None
+    if base is None or arr.size == 0:
+        return None  # memory the array owns: not shared
+    lo, hi = _byte_bounds(arr)
+    return _leases.block_at(lo, hi)
+
+
+try:
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # numpy < 2
+    _byte_bounds = np.byte_bounds
 
 
 def is_shared(arr: Any) -> bool:
@@ -232,16 +246,21 @@ class Pool:
         region.close()
         _leases.region_retired(region)  # (allocation may run in any thread)
 
+    def block_returned(self, region: Region, offset: int, size: int) -> None:
+        """A block of ours died here (any thread, from a ``_Lease`` callback): it goes
+        back on its free list at the next ``drain``."""
+        self._returned.append((region, offset, size))
+
     def drain(self) -> None:
-        """Move blocks returned by ``_block_died`` (any thread) back onto the free lists."""
+        """Move blocks returned (``block_returned``) back onto the free lists."""
         ret = self._returned
         if ret:
             with self.lock:
                 while ret:
-                    blk = ret.popleft()
-                    self.free[blk[2]].append(blk)
+                    free = ret.popleft()  # (region, offset, size)
+                    self.free[free[2]].append(free)
                     self.blocks_live -= 1
-                    self._in_use[blk[0].key[1]] -= 1
+                    self._in_use[free[0].key[1]] -= 1
             self._idle_pressure()
 
     def _idle_pressure(self) -> None:
@@ -347,24 +366,6 @@ class HostPool(Pool):
         (``RLIMIT_NOFILE``): the process must still be able to open files and spawn."""
         if len(self.regions) > fd_limit() // 2 and len(self.regions) > self.blocks_live:
             self._retire_free(self.reserved + 1)
-
-
-def fd_limit() -> int:
-    """This process's soft limit on open file descriptors."""
-    import resource
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-def default_budget() -> int:
-    """``ACTORSHM_SHM_BUDGET`` bytes, else half the machine's RAM."""
-    env = os.environ.get("ACTORSHM_SHM_BUDGET")
-    if env:
-        return int(float(env))
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):  # pragma: no cover
-        total = 16 << 30
-    return total // 2
 
 
 _pool: HostPool | None = None

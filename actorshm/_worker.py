@@ -25,7 +25,7 @@ from typing import Any
 from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._errors import ActorDiedError
 from ._protocol import Connection
-from ._util import describe_exit, die_with, new_event_loop, set_parent_death_signal
+from ._util import coalesced_call, describe_exit, die_with, new_event_loop, set_parent_death_signal
 
 
 class Worker:
@@ -35,7 +35,7 @@ class Worker:
         self.loop = loop
         self.loop_thread = threading.get_ident()
         self.stopped = loop.create_future()
-        self.closing = False
+        self._closing = False
         self.exit_code = 0
         self.shutdown_grace = 2.0  # the runtime's, once __init_actor__ arrives
         self.instance: Any = None
@@ -48,6 +48,8 @@ class Worker:
         self.executor = None
         self.peers: dict[int, Connection] = {}
         self.driver = Connection(loop, self, socket.socket(fileno=fd), label="the driver")
+
+    closing = property(lambda self: self._closing, doc="Whether the actor is stopping.")
 
     # -- client side (handles inside this actor) -------------------------------
     def call(self, actor_id: int, method: str, args, kwargs, what: str = ""):
@@ -203,7 +205,7 @@ class Worker:
                 self.peers.setdefault(peer_id, peer)
                 conn.reply(cid, None)
             elif method == "__stop__":
-                self.closing = True  # the runtime closes: every actor is stopping
+                self._closing = True  # the runtime closes: every actor is stopping
                 conn.reply(cid, None)
                 if not self.stopped.done():
                     self.stopped.set_result(None)
@@ -288,14 +290,14 @@ class Worker:
 async def _amain(fd: int) -> int:
     loop = asyncio.get_running_loop()
     worker = Worker(loop, fd)
-    _client._worker[0] = worker
-    _leases.set_release_hook(_leases.loop_release_hook(loop))
+    _client.set_worker(worker)
+    _leases.set_release_hook(coalesced_call(loop, _leases.dispatch_releases))
     _leases.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks
     try:
         await worker.stopped
         await _wait_for_gpu_leases(worker, worker.shutdown_grace / 2)
     finally:
-        worker.closing = True
+        worker._closing = True
         # What came back goes out before we do. Peers may live on, holding blocks we
         # passed them: closing keeps those, and our forward notices for them stand, so
         # their owners keep them too. (Closing the peers may let go of more: the

@@ -44,3 +44,14 @@ class SoakWorker:
 
     async def relay(self, peer, a):
         return await peer.add_one(a)
+
+
+@actor
+class ReadSink:
+    """For the Ray backend, where arguments arrive read-only: reads one element."""
+
+    def noop(self, x=None):
+        return None
+
+    def touch(self, a):
+        return int(a[0])

@@ -11,6 +11,7 @@ if EXAMPLES not in sys.path:
 
 pytest.importorskip("sklearn")
 
+import data_parallel  # noqa: E402
 import data_pipeline  # noqa: E402
 import hogwild  # noqa: E402
 import parameter_server  # noqa: E402
@@ -52,9 +53,41 @@ def test_hogwild():
     assert out["bytes_copied"] == 0
 
 
+def test_torch_hogwild():
+    pytest.importorskip("torch", reason="torch is not installed (the torch extra)")
+    import torch_hogwild
+    out = torch_hogwild.main(["--quick"])
+    assert out["accuracy"] > 0.8  # the actors' steps reached the shared model
+    assert out["single_accuracy"] > 0.8
+    assert out["bytes_copied"] == 0 and out["bytes_zero_copy"] > 0
+
+
 def test_data_pipeline():
     out = data_pipeline.main(["--quick"])
     assert out["bytes_copied_per_batch"] == 0
     assert out["new_blocks_per_batch"] == 0
     assert out["bytes_zero_copy_per_batch"] > 0
     assert out["test_accuracy"] > 0.85
+
+
+def test_parameter_server_on_ray(mode="sync"):
+    pytest.importorskip("ray", reason="the Ray backend needs Ray: pip install 'actorshm[ray]'")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray binds 127.0.0.1
+    out = parameter_server.main(["--quick", "--mode", mode, "--workers", "2",
+                                 "--backend", "ray", "--epochs", "3"])
+    assert out["test_accuracy"] > 0.8
+    assert all(h["bytes_zero_copy"] == 0 for h in out["history"])  # Ray copies instead
+
+
+def test_data_parallel_matches_the_parameter_server(capsys):
+    out = data_parallel.main(["--quick", "--workers", "2"])
+    assert out["test_accuracy"] > 0.85
+    hist = out["history"]
+    assert all(h["bytes_copied"] == 0 for h in hist)  # weights and gradients: shared
+    assert all(h["bytes_zero_copy"] > 0 for h in hist)
+    assert all(h["pool_allocs"] == 0 for h in hist)
+    # the same algorithm as the sync parameter server: the same losses, step by step
+    ps = out["parameter_server"]
+    assert [h["loss"] for h in hist] == pytest.approx([h["loss"] for h in ps["history"]])
+    assert out["test_accuracy"] == pytest.approx(ps["test_accuracy"])
+    assert "final test accuracy: " in capsys.readouterr().out.splitlines()[-1]
