@@ -139,6 +139,9 @@ class ActorRecord:
     def close_process(self, loop: asyncio.AbstractEventLoop) -> None:
         """Stop watching the (exited or killed) process, reap it, drain its output."""
         self.unwatch_exit(loop)
+        if self.pid in _live_pids:  # (its exit was not reported through the pidfd)
+            _live_pids.discard(self.pid)
+            _leases.process_gone(self.pid)
         if self.popen is not None:
             try:
                 self.popen.wait(timeout=5)
