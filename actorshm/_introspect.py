@@ -34,6 +34,10 @@ from ._serialization import PassFd
 
 __all__ = ["Inspectable", "MemoryReport", "call_init", "serve_probe", "oom_note"]
 
+# Registered with ``faulthandler`` in every actor process: its stacks, written by the
+# signal handler itself, on its stderr (which the driver forwards, prefixed). The
+# fallback for an actor whose probe thread cannot run (C code holding the GIL).
+STACK_SIGNAL = signal.SIGRTMIN + 3
 _HEADER = struct.Struct("!QI")  # request id, payload length
 _ids = itertools.count(1)
 
@@ -158,6 +162,7 @@ class _Probe:
         self.sock = sock
         self.buf = bytearray()  # survives a timed-out request: the stream stays framed
         self.lock: asyncio.Lock | None = None
+        self.ready = False  # its actor is initialized (its STACK_SIGNAL handler too)
 
     async def ask(self, what: str, timeout: float) -> Any:
         if self.lock is None:
@@ -211,6 +216,9 @@ def call_init(rec, config: dict, args: tuple, kwargs: dict) -> asyncio.Future:
     fut = rec.conn.call("__init_actor__", (rec.cls, args, kwargs, config), {},
                         f"{rec.cls_name}.__init__")
     rec.conn.close_after_send([theirs.detach()])
+    probe = rec.probe
+    fut.add_done_callback(lambda f: setattr(probe, "ready", not f.cancelled()
+                                            and f.exception() is None))
     return fut
 
 
@@ -358,8 +366,9 @@ class Inspectable:
 
         Answered by a thread of each actor's own, so an actor stuck in a sync method
         (a deadlock, an endless loop, a wait that never ends) shows where it is stuck.
-        One that holds the GIL in C code the whole time cannot answer: it is listed as
-        not answering (``py-spy dump --pid PID`` can still read it).
+        One that holds the GIL in C code the whole time cannot answer in time: it is
+        listed as not answering, and ``faulthandler`` in it writes its threads' stacks
+        to its stderr (forwarded to the driver's, prefixed with the actor).
 
         Args:
             timeout: seconds to wait for each actor's answer.
@@ -379,9 +388,18 @@ class Inspectable:
             parts.append("".join(prefix + ln + "\n" for ln in
                                  [f"{rec.label}:"] + text.rstrip("\n").split("\n")))
         for rec, exc in missed:
-            why = "no answer" if isinstance(exc, asyncio.TimeoutError) else repr(exc)
-            parts.append(f"({rec.cls_name} pid={rec.pid}) {rec.label}: {why} within "
-                         f"{timeout} s (busy in C code holding the GIL?)\n")
+            why = f"{exc!r}: see its stderr"
+            if isinstance(exc, asyncio.TimeoutError):
+                why = (f"no answer within {timeout} s (busy in C code holding the GIL?); "
+                       "its faulthandler dump follows on stderr")
+                if rec.probe is None or not rec.probe.ready:
+                    why = f"no answer within {timeout} s (still starting?)"
+                else:
+                    try:
+                        os.kill(rec.pid, STACK_SIGNAL)
+                    except ProcessLookupError:
+                        pass
+            parts.append(f"({rec.cls_name} pid={rec.pid}) {rec.label}: {why}\n")
         text = "".join(parts)
         print(text, end="", file=file if file is not None else sys.stderr, flush=True)
         return text

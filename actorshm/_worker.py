@@ -24,7 +24,7 @@ from typing import Any
 
 from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._errors import ActorDiedError
-from ._introspect import serve_probe
+from ._introspect import STACK_SIGNAL, serve_probe
 from ._protocol import Connection
 from ._util import describe_exit, new_event_loop, set_parent_death_signal
 
@@ -334,6 +334,7 @@ def main() -> None:
     """Run this actor process on the socket fd in ``sys.argv[1]``; exits the process."""
     set_parent_death_signal()
     faulthandler.enable()
+    faulthandler.register(STACK_SIGNAL, all_threads=True)  # rt.dump_stacks's fallback
     fd = int(sys.argv[1])
     extra = os.environ.pop("ACTORSHM_SYS_PATH", None)
     if extra:

@@ -39,6 +39,10 @@ class Probed:
     async def wait_forever_in_async(self):
         await asyncio.sleep(60)
 
+    def spin_in_c(self):
+        import re
+        re.match(r"(a+)+$", "a" * 40 + "b")  # backtracks for ages, holding the GIL
+
     def ping(self):
         return os.getpid()
 
@@ -142,6 +146,24 @@ async def test_dump_stacks_shows_an_actor_stuck_in_a_sync_method(rt):
     for f in (stuck, waiting):
         with pytest.raises(actorshm.ActorDiedError):
             await f
+
+
+async def test_an_actor_holding_the_gil_in_c_code_dumps_its_stacks_to_stderr(rt, capsys):
+    a = await Probed.spawn()
+    spinning = asyncio.ensure_future(a.spin_in_c())
+    await asyncio.sleep(0.3)
+    text = await rt.dump_stacks(timeout=1, file=io.StringIO())
+    assert "no answer within 1 s" in text and "faulthandler" in text
+    err = ""
+    for _ in range(100):  # forwarded from its stderr by the driver's loop
+        await asyncio.sleep(0.05)
+        err += capsys.readouterr().err
+        if "in spin_in_c" in err:
+            break
+    assert f"(Probed pid={a.pid}) " in err and "in spin_in_c" in err
+    await rt.kill(a.actor_id)
+    with pytest.raises(actorshm.ActorDiedError):
+        await spinning
 
 
 async def test_introspection_needs_an_open_runtime():
