@@ -139,19 +139,17 @@ def held_blocks(connections) -> dict:
     for conn in connections:
         for key in list(conn.ledger.grants):
             granted[key] = granted.get(key, 0) + 1
+    live, tokens = _leases.live_blocks()
     blocks = []
-    for key, lease in list(_leases._blocks.items()):
-        block = lease()
-        if block is None:
-            continue
-        # References: ``block`` here, getrefcount's argument, one per grant; any more
-        # are arrays (or their buffers) in this process.
-        in_use = sys.getrefcount(block) - 2 > granted.get(key, 0)
+    for block in live:
+        # References: ``live``, ``block`` here, getrefcount's argument, one per grant;
+        # any more are arrays (or their buffers) in this process.
+        in_use = sys.getrefcount(block) - 3 > granted.get(block.key, 0)
         device = block.region.device
-        blocks.append((key, block.size, "host" if device is None else f"gpu:{device}",
-                       in_use))
-        del block
-    return {"tokens": sorted(_leases._own_tokens), "blocks": blocks, "stats": _shm.stats()}
+        blocks.append((block.key, block.size,
+                       "host" if device is None else f"gpu:{device}", in_use))
+    live = block = None  # (no reference of ours outlives the scan)
+    return {"tokens": sorted(tokens), "blocks": blocks, "stats": _shm.stats()}
 
 
 # -- in the driver ---------------------------------------------------------------------

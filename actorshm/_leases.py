@@ -144,6 +144,9 @@ _forward_notices = False
 _quarantine: list = []
 
 
+def live_blocks() -> tuple[list, set]:
+    """This process's live ``Block`` objects, and its own pools' tokens (any thread)."""
+    return [b for b in (r() for r in list(_blocks.values())) if b is not None], set(_own_tokens)
 
 
 def register_region(region: Region) -> None:
