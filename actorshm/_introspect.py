@@ -258,16 +258,20 @@ class MemoryReport:
         widths = [max(len(row[i]) for row in table) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
                  for row in table]
-        lines.append(f"{len(self.rows)} live blocks, {_human(self.total_bytes)}")
+        lines.append(f"{_count(len(self.rows), 'live block')}, {_human(self.total_bytes)}")
         lines.append("pools (free blocks included):")
         for label, p in self.processes.items():
             gpu = p.get("cuda_slab_bytes_owned", 0)
             lines.append(f"  {label}: {_human(p.get('arena_bytes_owned', 0))} host"
                          + (f", {_human(gpu)} GPU" if gpu else "")
-                         + f", {p.get('blocks_live', 0)} blocks live")
+                         + f", {_count(p.get('blocks_live', 0), 'block')} live")
         for label in self.unresponsive:
             lines.append(f"  {label}: did not answer")
         return "\n".join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _human(n: int) -> str:

@@ -166,6 +166,20 @@ async def test_an_actor_holding_the_gil_in_c_code_dumps_its_stacks_to_stderr(rt,
         await spinning
 
 
+async def test_a_restarted_actor_answers_through_its_new_process(rt):
+    a = await Probed.options(max_restarts=1).spawn()
+    old = a.pid
+    os.kill(old, signal.SIGKILL)
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        if a.pid != old and rt.record(a.actor_id).alive:
+            break
+    await a.ping()
+    st = await rt.stats()
+    assert st["actors"][a.actor_id]["calls_received"] == 2  # the new process's
+    assert f"(Probed pid={a.pid})" in await rt.dump_stacks(file=io.StringIO())
+
+
 async def test_introspection_needs_an_open_runtime():
     rt = actorshm.Runtime()
     with pytest.raises(RuntimeError, match="not open"):
