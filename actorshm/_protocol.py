@@ -27,6 +27,7 @@ import socket
 from typing import Any, Protocol
 
 from . import _leases
+from . import _remote_errors as remote_errors
 from . import _serialization as ser
 from ._errors import ActorDiedError, ProtocolError
 from ._framing import FramedSocket, close_fd, run_callbacks
@@ -135,8 +136,10 @@ class Connection(FramedSocket):
     def call(self, method: str, args: tuple, kwargs: dict, what: str = "") -> asyncio.Future:
         """Send a call now and return a future for its reply.
 
-        Raises ``TypeError`` (before anything is sent) when an argument cannot be
-        serialized.
+        Raises (before anything is sent): ``TypeError`` when an argument cannot be
+        serialized (an open file, an object over the frame limit, an unpicklable one);
+        ``SharedMemoryError`` (a ``MemoryError``) when copying an array into shared
+        memory runs out of budget.
         """
         fut = self.loop.create_future()
         if self.closed:
@@ -144,6 +147,11 @@ class Connection(FramedSocket):
             return fut
         try:
             payload, fds, enc, flags = ser.encode((method, args, kwargs), self)
+        except MemoryError:  # out of shared memory while copying an array: as it is
+            raise
+        except (ser.Unsendable, ser.MessageTooBig) as exc:  # says what to do already
+            raise TypeError(f"cannot send the arguments of {what or method}(): {exc}") \
+                from exc
         except Exception as exc:
             raise TypeError(
                 f"cannot send the arguments of {what or method}(): {exc}. Arguments must be "
@@ -164,6 +172,9 @@ class Connection(FramedSocket):
             return
         try:
             payload, fds, enc, flags = ser.encode(value, self)
+        except MemoryError as exc:  # out of shared memory: the caller gets it as it is
+            self.reply_error(cid, exc)
+            return
         except Exception as exc:
             if inspect.isgenerator(value) or inspect.isasyncgen(value):
                 exc = TypeError(f"it is a generator; actorshm methods do not stream results "
@@ -173,13 +184,28 @@ class Connection(FramedSocket):
             self.reply_error(cid, err)
             return
         self.ledger.commit(enc, self)
-        self._send(RESULT, flags, cid, payload, fds)
+        try:
+            self._send(RESULT, flags, cid, payload, fds)
+        except Exception as exc:  # not queued: the caller must still hear of it
+            err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}")
+            err.__cause__ = exc
+            self.reply_error(cid, err)
 
     def reply_error(self, cid: int, exc: BaseException) -> None:
+        """Send ``exc`` as call ``cid``'s error reply; never raises.
+
+        An exception too big for a frame goes as a short copy of itself
+        (``_remote_errors.encode_exception``); should even that fail, as a
+        ``RemoteError`` carrying its type name and a short text.
+        """
         if self.closed:
             return
-        payload = ser.encode_exception(exc)
-        self._send(ERROR, 0, cid, payload, ())
+        try:
+            self._send(ERROR, 0, cid, remote_errors.encode_exception(exc), ())
+        except Exception as err:
+            logger.exception("actorshm: the error reply of a call to %s could not be sent",
+                             self.label)
+            self._send(ERROR, 0, cid, remote_errors.encode_failure(exc, err), ())
 
     def queue_release(self, key: tuple, n: int) -> None:
         """Give ``n`` grants of block ``key`` back to the peer (batched, sent soon)."""
@@ -282,6 +308,11 @@ class Connection(FramedSocket):
             "recycled) for as long as it runs. See docs/shared-memory.md.", self.label, n)
 
     def _frame(self, kind: int, flags: int, cid: int, payload, fds) -> None:
+        if fds and kind != CALL and kind != RESULT:  # only calls and results carry fds
+            for fd in fds:
+                close_fd(fd)
+            self._protocol_error(f"a frame of kind {kind} carried {len(fds)} file descriptor(s)")
+            return
         if flags & HAS_RELEASES:
             # Releases ride ahead of the payload: <I length, pickle>.
             mv = memoryview(payload)
@@ -342,6 +373,8 @@ class Connection(FramedSocket):
                     value = ser.decode(payload, fds, self, flags)
                 except ProtocolError as exc:
                     self._protocol_error(str(exc))
+                    if not fut.done():  # popped above: closing did not fail it
+                        fut.set_exception(_copy_exc(self.close_exc))
                     return
                 except Exception as exc:
                     if not fut.done():
@@ -353,7 +386,7 @@ class Connection(FramedSocket):
                 if not fut.done():
                     fut.set_result(value)
             else:
-                exc = ser.decode_exception(payload, what)
+                exc = remote_errors.decode_exception(payload, what)
                 if not fut.done():
                     fut.set_exception(exc)
         elif kind == RELEASE:

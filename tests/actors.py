@@ -89,6 +89,9 @@ class Faulty:
     def hang(self):
         time.sleep(60)
 
+    def call(self, fn, *args):
+        return fn(*args)
+
     def ok(self):
         return "ok"
 
@@ -433,3 +436,31 @@ class Named:
 
     def actor_id(self):
         return 42
+
+
+@actor
+class Oversized:
+    """Replies that cannot be sent as they are (the frame limit lowered in the actor)."""
+
+    def lower_frame_limit(self, n):
+        from actorshm import _framing, _remote_errors, _serialization
+        _framing.MAX_FRAME = n
+        _serialization.MAX_MESSAGE = _remote_errors.MAX_MESSAGE = n
+        return True
+
+    def lower_framing_limit_only(self, n):
+        from actorshm import _framing
+        _framing.MAX_FRAME = n  # the serializer's own check passes: the frame writer fails
+        return True
+
+    def raise_big(self, n):
+        raise ValueError("payload", np.ones(n, np.uint8))
+
+    async def araise_big(self, n):
+        raise ValueError("payload", np.ones(n, np.uint8))
+
+    def call(self, fn, *args):
+        return fn(*args)
+
+    def ok(self):
+        return "ok"
