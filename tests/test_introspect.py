@@ -128,7 +128,8 @@ async def test_memory_names_each_block_its_owner_and_its_holders(rt):
     assert "0 live blocks" in str(report)
 
 
-async def test_dump_stacks_shows_an_actor_stuck_in_a_sync_method(rt):
+async def test_dump_stacks_shows_an_actor_stuck_in_a_sync_method(rt_each):
+    rt = rt_each
     a, b = await Probed.spawn(), await Probed.spawn()
     stuck = asyncio.ensure_future(a.wait_forever_in_sync())
     waiting = asyncio.ensure_future(b.wait_forever_in_async())
@@ -148,7 +149,9 @@ async def test_dump_stacks_shows_an_actor_stuck_in_a_sync_method(rt):
             await f
 
 
-async def test_an_actor_holding_the_gil_in_c_code_dumps_its_stacks_to_stderr(rt, capsys):
+async def test_an_actor_holding_the_gil_in_c_code_dumps_its_stacks_to_stderr(rt_each,
+                                                                             capsys):
+    rt = rt_each
     a = await Probed.spawn()
     spinning = asyncio.ensure_future(a.spin_in_c())
     await asyncio.sleep(0.3)
