@@ -26,7 +26,7 @@ from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GP
 from ._errors import ActorDiedError
 from ._introspect import STACK_SIGNAL, serve_probe
 from ._protocol import Connection
-from ._util import describe_exit, new_event_loop, set_parent_death_signal
+from ._util import coalesced_call, describe_exit, new_event_loop, set_parent_death_signal
 
 
 class Worker:
@@ -294,7 +294,7 @@ async def _amain(fd: int) -> int:
     loop = asyncio.get_running_loop()
     worker = Worker(loop, fd)
     _client.set_worker(worker)
-    _leases.set_release_hook(_leases.loop_release_hook(loop))
+    _leases.set_release_hook(coalesced_call(loop, _leases.dispatch_releases))
     _leases.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks
     try:
         await worker.stopped
