@@ -290,8 +290,9 @@ class ActorHandle:
 
 def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1):
     from ._client import client_for_decode
-    return ActorHandle(client_for_decode(), actor_id, cls_name, methods, name, pid,
-                       max_pending)
+    own = getattr(actor_id, "actorshm_client", None)  # an id that names its client (Ray)
+    return ActorHandle(own() if own is not None else client_for_decode(), actor_id,
+                       cls_name, methods, name, pid, max_pending)
 
 
 # Unanswered calls per actor from this process, for actors with ``max_pending_calls``.

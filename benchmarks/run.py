@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray binds 127.0.0.1
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -148,7 +150,10 @@ class Contenders:
 
 async def _start_ray():  # pragma: no cover - needs ray
     import ray
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    from ray.job_config import JobConfig
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
+             object_store_memory=1 << 30,  # actors import benchmarks/ as this process does
+             job_config=JobConfig(code_search_path=[str(ROOT)]))
 
     @ray.remote
     class RaySink:
@@ -592,6 +597,12 @@ async def run(args, data: dict | None = None) -> str:
                   "buffer goes home)",
                   ["contender", "ms per batch", "refill alone ms", "transport ms",
                    "bytes copied/batch", "new blocks/batch"], rows)
+        if c.ray is not None:  # pragma: no cover
+            from benchmarks import ray_backend
+            res = await ray_backend.measure(quick)
+            data["ray_backend"] = res
+            table.add("The Ray backend: actorshm on Ray next to raw Ray",
+                      ray_backend.HEADER, ray_backend.rows(res))
         size, n = (64 * MiB, 4) if quick else (512 * MiB, 8)
         bc = await broadcast(size, n, rounds=3 if quick else 10)
         one = statistics.median(bc["one actor"])
