@@ -24,6 +24,7 @@ from typing import Any
 
 from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._errors import ActorDiedError
+from ._introspect import STACK_SIGNAL, serve_probe
 from ._protocol import Connection
 from ._util import coalesced_call, describe_exit, die_with, new_event_loop, set_parent_death_signal
 
@@ -249,6 +250,8 @@ class Worker:
         self.max_concurrency = config["max_concurrency"]
         self.shutdown_grace = config.get("shutdown_grace", 2.0)
         _shm.set_budget(config.get("shm_budget"))
+        if config.get("probe") is not None:
+            serve_probe(config["probe"], self)
         from ._actor import public_methods
         self.methods = public_methods(cls)
         if self.max_concurrency > 1:
@@ -335,6 +338,7 @@ def main() -> None:
     else:
         set_parent_death_signal()
     faulthandler.enable()
+    faulthandler.register(STACK_SIGNAL, all_threads=True)  # rt.dump_stacks's fallback
     fd = int(sys.argv[1])
     os.set_inheritable(fd, False)  # a program the actor starts must not hold the driver's socket
     extra = os.environ.pop("ACTORSHM_SYS_PATH", None)
