@@ -20,8 +20,8 @@ actorshm.run(main())
 from __future__ import annotations
 
 from ._actor import ActorHandle, actor
-from ._errors import (ActorDiedError, ActorError, PendingCallsLimitError, RemoteError,
-                      SharedMemoryError)
+from ._errors import (ActorDiedError, ActorError, PendingCallsLimitError,
+                      ReentrantCallError, RemoteError, SharedMemoryError)
 from ._runtime import Runtime, current_runtime, get_actor, run
 from ._shm import empty, is_shared, share, stats, zeros
 
@@ -39,6 +39,7 @@ __all__ = [
     "RemoteError",
     "SharedMemoryError",
     "PendingCallsLimitError",
+    "ReentrantCallError",
     "empty",
     "zeros",
     "share",

@@ -25,7 +25,7 @@ import socket
 import threading
 
 from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, MAX_FDS_PER_FRAME, MAX_FDS_PER_SEND,
-                    MAX_FRAME, RECV_SIZE, RETIRE)
+                    MAX_FRAME, RECV_SIZE, LAST_KIND)
 
 logger = logging.getLogger("actorshm")
 
@@ -405,7 +405,7 @@ class FramedSocket:
         try:
             while n - pos >= HSIZE:
                 plen, kind, flags, nfds, cid = HEADER.unpack_from(data, pos)
-                if not CALL <= kind <= RETIRE or plen > MAX_FRAME or nfds > MAX_FDS_PER_FRAME:
+                if not CALL <= kind <= LAST_KIND or plen > MAX_FRAME or nfds > MAX_FDS_PER_FRAME:
                     self._protocol_error(f"bad frame header (kind {kind}, {plen} bytes)")
                     return
                 start = pos + HSIZE

@@ -31,8 +31,8 @@ from . import _serialization as ser
 from ._errors import ActorDiedError, ProtocolError
 from ._framing import FramedSocket, close_fd, run_callbacks
 from ._ledger import Ledger
-from ._wire import (CALL, ERROR, HAS_RELEASES, HEADER, HSIZE, LEN, RELEASE,  # noqa: F401
-                    RESULT, RETIRE)
+from ._wire import (CALL, CANCEL, CREDIT, ERROR, HAS_RELEASES, HEADER, HSIZE,  # noqa: F401
+                    ITEM, LEN, RELEASE, RESULT, RETIRE)
 
 __all__ = ["Connection", "Host"]
 
@@ -54,6 +54,9 @@ class Host(Protocol):
 
     def connection_closed(self, conn: "Connection") -> None:
         """``conn`` closed (its calls have failed)."""
+
+    # Optional: ``cancel_call(conn, cid)``, the caller cancelled call ``cid``; and
+    # ``stream_credit(conn, cid, n)``, the caller of streaming call ``cid`` took n items.
 
 
 def _copy_exc(exc: BaseException) -> BaseException:
@@ -81,6 +84,7 @@ class Connection(FramedSocket):
         self.host = host
         self.pending: dict[int, asyncio.Future] = {}
         self.pending_meta: dict[int, str] = {}
+        self.streams: dict[int, Any] = {}  # streaming calls we made: cid -> its receiver
         self.ledger = Ledger()
         # (The lease engine's view of the ledger: see ``_leases.Channel``.)
         self.sent_regions = self.ledger.sent_regions
@@ -117,6 +121,13 @@ class Connection(FramedSocket):
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(_copy_exc(self.close_exc))
+                # One connection's end fails all its calls at once: an awaited one raises,
+                # one nobody awaits any more must not print "exception was never
+                # retrieved" (the caller has moved on, often after an earlier error).
+                fut.exception()
+        streams, self.streams = self.streams, {}
+        for st in streams.values():
+            st.wake()
         kept = self.ledger.settle(peer_gone)
         if kept:
             self.loop.call_later(0.5, self._warn_kept, kept)
@@ -132,8 +143,17 @@ class Connection(FramedSocket):
         run_callbacks(waiting, peer_gone)
 
     # -- sending ---------------------------------------------------------------
-    def call(self, method: str, args: tuple, kwargs: dict, what: str = "") -> asyncio.Future:
+    def call(self, method: str, args: tuple, kwargs: dict, what: str = "",
+             meta: dict | None = None, stream: Any = None) -> asyncio.Future:
         """Send a call now and return a future for its reply.
+
+        Cancelling the future cancels the call: its entry goes at once and the peer is
+        told (``CANCEL``), so a queued call never runs and a running one is cancelled.
+
+        Args:
+            meta: what rides with the call besides its arguments (the chain of actors
+                it was made from, a stream's run-ahead), or None.
+            stream: the receiver of a streaming call's items (``_streams.CallStream``).
 
         Raises ``TypeError`` (before anything is sent) when an argument cannot be
         serialized.
@@ -142,8 +162,9 @@ class Connection(FramedSocket):
         if self.closed:
             fut.set_exception(_copy_exc(self.close_exc))
             return fut
+        call = (method, args, kwargs) if meta is None else (method, args, kwargs, meta)
         try:
-            payload, fds, enc, flags = ser.encode((method, args, kwargs), self)
+            payload, fds, enc, flags = ser.encode(call, self)
         except Exception as exc:
             raise TypeError(
                 f"cannot send the arguments of {what or method}(): {exc}. Arguments must be "
@@ -155,9 +176,43 @@ class Connection(FramedSocket):
         self.pending[cid] = fut
         if what:
             self.pending_meta[cid] = what
+        if stream is not None:
+            self.streams[cid] = stream
+            stream.conn, stream.cid = self, cid
         _leases.counters["calls_sent"] += 1
         self._send(CALL, flags, cid, payload, fds)
+        fut.add_done_callback(lambda f: f.cancelled() and self.cancel(cid))
         return fut
+
+    def cancel(self, cid: int) -> None:
+        """Forget call ``cid`` (its reply, if any, is dropped) and tell the peer."""
+        self.streams.pop(cid, None)
+        if self.pending.pop(cid, None) is None:
+            return
+        self.pending_meta.pop(cid, None)
+        if not self.closed:
+            self._send(CANCEL, 0, cid, b"", ())
+
+    def send_credit(self, cid: int, n: int) -> None:
+        """Let the peer send ``n`` more items of streaming call ``cid``."""
+        if not self.closed and cid in self.pending:
+            self._send(CREDIT, 0, cid, _RLEN.pack(n), ())
+
+    def send_item(self, cid: int, value: Any, what: str = "") -> None:
+        """Send one item of streaming call ``cid`` (as a result is sent).
+
+        Raises:
+            TypeError: the item cannot be serialized.
+        """
+        if self.closed:
+            return
+        try:
+            payload, fds, enc, flags = ser.encode(value, self)
+        except Exception as exc:
+            raise TypeError(f"an item of {what or 'the stream'} cannot be sent: {exc}") \
+                from exc
+        self.ledger.commit(enc, self)
+        self._send(ITEM, flags, cid, payload, fds)
 
     def reply(self, cid: int, value: Any, what: str = "") -> None:
         if self.closed:
@@ -166,8 +221,8 @@ class Connection(FramedSocket):
             payload, fds, enc, flags = ser.encode(value, self)
         except Exception as exc:
             if inspect.isgenerator(value) or inspect.isasyncgen(value):
-                exc = TypeError(f"it is a generator; actorshm methods do not stream results "
-                                "yet: return a list instead")
+                exc = TypeError("it is a generator object; to stream, make the method "
+                                "itself a generator (a `def` or `async def` with `yield`)")
             err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}")
             err.__cause__ = exc
             self.reply_error(cid, err)
@@ -300,7 +355,7 @@ class Connection(FramedSocket):
             _leases.counters["calls_received"] += 1
             try:
                 call = list(ser.decode(payload, fds, self, flags))
-                method, args, kwargs = call if len(call) == 3 else (None, None, None)
+                method, args, kwargs = call[:3] if len(call) in (3, 4) else (None, None, None)
             except ProtocolError as exc:
                 self._protocol_error(str(exc))
                 return
@@ -316,7 +371,8 @@ class Connection(FramedSocket):
                 err.__cause__ = exc
                 self.reply_error(cid, err)
                 return
-            if len(call) != 3 or type(method) is not str or type(args) is not tuple \
+            if len(call) not in (3, 4) or (len(call) == 4 and type(call[3]) is not dict) \
+                    or type(method) is not str or type(args) is not tuple \
                     or type(kwargs) is not dict:
                 self._protocol_error("malformed call")
                 return
@@ -356,6 +412,28 @@ class Connection(FramedSocket):
                 exc = ser.decode_exception(payload, what)
                 if not fut.done():
                     fut.set_exception(exc)
+        elif kind == ITEM:
+            st = self.streams.get(cid)
+            try:
+                value = ser.decode(payload, fds, self, flags)  # (decoded even if dropped:
+            except ProtocolError as exc:  # leases come back)
+                self._protocol_error(str(exc))
+                return
+            except Exception as exc:
+                if st is not None:
+                    st.fail(TypeError(f"an item of {st.what} could not be deserialized "
+                                      f"here: {type(exc).__name__}: {exc}"))
+                return
+            if st is not None:
+                st.push(value)
+        elif kind == CANCEL:
+            cancel = getattr(self.host, "cancel_call", None)
+            if cancel is not None:
+                cancel(self, cid)
+        elif kind == CREDIT:
+            credit = getattr(self.host, "stream_credit", None)
+            if credit is not None and len(payload) == 4:
+                credit(self, cid, _RLEN.unpack_from(payload)[0])
         elif kind == RELEASE:
             self._apply_releases(payload)
         elif kind == RETIRE:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import faulthandler
 import inspect
 import json
@@ -25,10 +26,11 @@ from typing import Any
 from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._errors import ActorDiedError
 from ._protocol import Connection
+from ._streams import Outflow, StreamingClient, chain, reentrant_error, run_stream
 from ._util import describe_exit, new_event_loop, set_parent_death_signal
 
 
-class Worker:
+class Worker(StreamingClient):
     """The host of every connection in an actor process, and its call client."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
@@ -46,24 +48,33 @@ class Worker:
         self.running = 0
         self.queue: collections.deque = collections.deque()
         self.executor = None
+        self.running_calls: dict[tuple, Any] = {}  # (conn, cid) -> its task, or None: sync
+        self.dropped: set[tuple] = set()  # sync calls cancelled while they ran
+        self.outflows: dict[tuple, Outflow] = {}  # (conn, cid) of streams -> their credit
         self.peers: dict[int, Connection] = {}
         self.driver = Connection(loop, self, socket.socket(fileno=fd), label="the driver")
 
     # -- client side (handles inside this actor) -------------------------------
-    def call(self, actor_id: int, method: str, args, kwargs, what: str = ""):
+    def call(self, actor_id: int, method: str, args, kwargs, what: str = "",
+             meta: dict | None = None, stream: Any = None):
         """Call ``method`` on actor ``actor_id`` over a direct connection (brokered by the
-        driver on first use); as ``Runtime.call``.
+        driver on first use); as ``Runtime.call``. The call carries the chain of calls
+        it was made from (``_streams.chain``).
 
         Raises:
             TypeError: an argument cannot be pickled (nothing is sent).
         """
         if threading.get_ident() != self.loop_thread:
-            return _client.call_from_thread(
-                self.loop, lambda: self.call(actor_id, method, args, kwargs, what))
+            ctx = contextvars.copy_context()
+            return _client.call_from_thread(self.loop, lambda: ctx.run(
+                self.call, actor_id, method, args, kwargs, what, meta, stream))
         conn = self.peers.get(actor_id)
         if conn is None:
             conn = self._connect(actor_id)
-        return conn.call(method, args, kwargs, what)
+        calls = chain.get()
+        if calls:
+            meta = {**(meta or {}), "chain": calls}
+        return conn.call(method, args, kwargs, what, meta, stream)
 
     def _connect(self, actor_id: int) -> Connection:
         conn = Connection(self.loop, self, label=f"actor {actor_id}")
@@ -116,13 +127,21 @@ class Worker:
         if self.instance is None:  # not initialized yet: calls wait for __init__
             self.queue.append((conn, cid, call))
             return
+        if len(call) == 4 and self.max_concurrency == 1 and self.running:
+            err = reentrant_error(call[3].get("chain", ()), self.actor_id, self.cls_name,
+                                  f"{self.cls_name}.{method}")
+            if err is not None:
+                call.clear()
+                conn.reply_error(cid, err)
+                return
         if self.running < self.max_concurrency and not self.queue:
             self._start(conn, cid, call)
         else:
             self.queue.append((conn, cid, call))
 
     def _start(self, conn: Connection, cid: int, call: list) -> None:
-        method, args, kwargs = call
+        method, args, kwargs = call[:3]
+        meta = call[3] if len(call) == 4 else {}
         call.clear()
         if method not in self.methods:
             self.running += 1
@@ -132,16 +151,30 @@ class Worker:
             return
         what = f"{self.cls_name}.{method}"
         fn = getattr(self.instance, method)
-        if self.methods[method]:
+        ctx = contextvars.copy_context()  # calls it makes carry the chain, this one last
+        ctx.run(chain.set, (*meta.get("chain", ()), (self.actor_id, what)))
+        key = (conn, cid)
+        kind = self.methods[method]
+        if kind == "stream" or "run_ahead" in meta:
             self.running += 1
-            task = self.loop.create_task(self._run_async(conn, cid, fn, args, kwargs, what))
-            task.add_done_callback(self._finished)
+            task = self.loop.create_task(self._run_stream(conn, cid, fn, args, kwargs, what,
+                                                          meta), context=ctx)
+            self.running_calls[key] = task
+            task.add_done_callback(lambda t: self._finished(key))
+        elif kind:
+            self.running += 1
+            task = self.loop.create_task(self._run_async(conn, cid, fn, args, kwargs, what),
+                                         context=ctx)
+            self.running_calls[key] = task
+            task.add_done_callback(lambda t: self._finished(key))
         elif self.max_concurrency > 1:
             self.running += 1
-            fut = self.loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+            self.running_calls[key] = None
+            fut = self.loop.run_in_executor(self.executor, lambda: ctx.run(fn, *args, **kwargs))
             fut.add_done_callback(lambda f: self._sync_done(conn, cid, f, what))
         else:
             self.running += 1
+            token = chain.set(ctx[chain])
             try:
                 result = fn(*args, **kwargs)
             except SystemExit as exc:
@@ -153,6 +186,8 @@ class Worker:
                 del args, kwargs
                 conn.reply(cid, result, what)
                 del result
+            finally:
+                chain.reset(token)
             self._finished(None)
 
     async def _run_async(self, conn, cid, fn, args, kwargs, what) -> None:
@@ -164,12 +199,67 @@ class Worker:
         except SystemExit as exc:
             self._exit(exc)
             return
+        except asyncio.CancelledError:
+            return  # its caller cancelled it: nobody waits for a reply
         except BaseException as exc:
             conn.reply_error(cid, exc)
             return
         conn.reply(cid, result, what)
 
+    async def _run_stream(self, conn, cid, fn, args, kwargs, what, meta) -> None:
+        out = self.outflows[(conn, cid)] = Outflow(meta.get("run_ahead", 16))
+        try:
+            try:
+                gen = fn(*args, **kwargs)
+            except BaseException as exc:
+                if isinstance(exc, SystemExit):
+                    self._exit(exc)
+                else:
+                    conn.reply_error(cid, exc)
+                return
+            del args, kwargs
+            if inspect.isawaitable(gen):
+                gen = await gen
+            if not (inspect.isgenerator(gen) or inspect.isasyncgen(gen)):
+                conn.reply(cid, gen, what)  # not a generator: its result ends the stream
+                return
+            try:
+                await run_stream(conn, cid, gen, out, what,
+                                 self.executor if self.max_concurrency > 1 else None)
+            except SystemExit as exc:
+                self._exit(exc)
+        finally:
+            self.outflows.pop((conn, cid), None)
+
+    def stream_credit(self, conn: Connection, cid: int, n: int) -> None:
+        """The caller of streaming call ``cid`` took ``n`` more items (``Host``)."""
+        out = self.outflows.get((conn, cid))
+        if out is not None:
+            out.add(n)
+
+    def cancel_call(self, conn: Connection, cid: int) -> None:
+        """The caller cancelled call ``cid`` (``Host``): a queued call never runs, a
+        running async one (or stream) is cancelled, a running sync one's result is
+        dropped."""
+        key = (conn, cid)
+        if key in self.running_calls:
+            task = self.running_calls[key]
+            if task is None:
+                self.dropped.add(key)
+            else:
+                task.cancel()
+            return
+        for i, (qconn, qcid, _call) in enumerate(self.queue):
+            if qconn is conn and qcid == cid:
+                del self.queue[i]
+                return
+
     def _sync_done(self, conn, cid, fut, what) -> None:
+        self.running_calls.pop((conn, cid), None)
+        if (conn, cid) in self.dropped:
+            self.dropped.discard((conn, cid))
+            self._finished(None)
+            return
         exc = fut.exception()
         if isinstance(exc, SystemExit):
             self._exit(exc)
@@ -179,7 +269,9 @@ class Worker:
             conn.reply(cid, fut.result(), what)
         self._finished(None)
 
-    def _finished(self, _task) -> None:
+    def _finished(self, key) -> None:
+        if key is not None:
+            self.running_calls.pop(key, None)
         self.running -= 1
         while self.queue and self.running < self.max_concurrency:
             self._start(*self.queue.popleft())
