@@ -236,6 +236,8 @@ async def run_stream(conn: Any, cid: int, gen: Any, out: Outflow, what: str,
             await out.take()
             conn.send_item(cid, item, what)
             del item
+            if not is_async and executor is None:
+                conn.flush_now()  # out before the generator holds the event loop again
     except asyncio.CancelledError:
         await _close(gen, is_async, step)
         return

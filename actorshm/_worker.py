@@ -48,6 +48,7 @@ class Worker(StreamingClient):
         self.running = 0
         self.queue: collections.deque = collections.deque()
         self.executor = None
+        self.held = False  # a sync call just held the loop: calls wait a moment (_finished)
         self.running_calls: dict[tuple, Any] = {}  # (conn, cid) -> its task, or None: sync
         self.dropped: set[tuple] = set()  # sync calls cancelled while they ran
         self.outflows: dict[tuple, Outflow] = {}  # (conn, cid) of streams -> their credit
@@ -188,7 +189,7 @@ class Worker(StreamingClient):
                 del result
             finally:
                 chain.reset(token)
-            self._finished(None)
+            self._finished(None, blocked=True)
 
     async def _run_async(self, conn, cid, fn, args, kwargs, what) -> None:
         try:
@@ -269,12 +270,24 @@ class Worker(StreamingClient):
             conn.reply(cid, fut.result(), what)
         self._finished(None)
 
-    def _finished(self, key) -> None:
+    def _finished(self, key, blocked: bool = False) -> None:
         if key is not None:
             self.running_calls.pop(key, None)
         self.running -= 1
+        if blocked:
+            # A sync call held the event loop: let it read what arrived meanwhile (a
+            # cancel of a call behind it) before the next call starts.
+            self.running += 1
+            if not self.held:
+                self.held = True
+                self.loop.call_soon(self.loop.call_soon, self._release_hold)
+            return
         while self.queue and self.running < self.max_concurrency:
             self._start(*self.queue.popleft())
+
+    def _release_hold(self) -> None:
+        self.held = False
+        self._finished(None)
 
     def _exit(self, exc: SystemExit) -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
