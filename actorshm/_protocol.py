@@ -20,13 +20,14 @@ logged error.
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import pickle
 import socket
 from typing import Any, Protocol
 
-from . import _leases
+from . import _leases, _results
 from . import _serialization as ser
 from ._errors import ActorDiedError, ProtocolError
 from ._framing import FramedSocket, close_fd, run_callbacks
@@ -84,6 +85,7 @@ class Connection(FramedSocket):
         self.host = host
         self.pending: dict[int, asyncio.Future] = {}
         self.pending_meta: dict[int, str] = {}
+        self.held: collections.deque = collections.deque()  # calls held (``_hold``)
         self.streams: dict[int, Any] = {}  # streaming calls we made: cid -> its receiver
         self.ledger = Ledger()
         # (The lease engine's view of the ledger: see ``_leases.Channel``.)
@@ -125,6 +127,11 @@ class Connection(FramedSocket):
                 # one nobody awaits any more must not print "exception was never
                 # retrieved" (the caller has moved on, often after an earlier error).
                 fut.exception()
+        held, self.held = self.held, collections.deque()
+        for entry in held:
+            if not entry[0].done():
+                entry[0].set_exception(_copy_exc(self.close_exc))
+                entry[0].exception()
         streams, self.streams = self.streams, {}
         for st in streams.values():
             st.wake()
@@ -162,9 +169,26 @@ class Connection(FramedSocket):
         if self.closed:
             fut.set_exception(_copy_exc(self.close_exc))
             return fut
+        _results.mark_call(fut)
+        entry = (fut, method, args, kwargs, what, meta, stream)
+        if self.held:  # behind a call waiting for a result it takes (``_results``)
+            self.held.append(entry)
+        else:
+            try:
+                self._send_call(*entry)
+            except _results.Unfinished as u:
+                self._hold(entry, u.fut)
+        return fut
+
+    def _send_call(self, fut, method, args, kwargs, what, meta, stream) -> None:
         call = (method, args, kwargs) if meta is None else (method, args, kwargs, meta)
         try:
             payload, fds, enc, flags = ser.encode(call, self)
+        except _results.Unfinished:
+            raise
+        except _results.DependencyFailed as dep:
+            fut.set_exception(_copy_exc(dep.exc))
+            return
         except Exception as exc:
             raise TypeError(
                 f"cannot send the arguments of {what or method}(): {exc}. Arguments must be "
@@ -182,7 +206,25 @@ class Connection(FramedSocket):
         _leases.counters["calls_sent"] += 1
         self._send(CALL, flags, cid, payload, fds)
         fut.add_done_callback(lambda f: f.cancelled() and self.cancel(cid))
-        return fut
+
+    def _hold(self, entry: tuple, waits_for: asyncio.Future) -> None:
+        """Hold ``entry``'s call, and the calls after it, until ``waits_for`` is done."""
+        if not self.held:
+            self.held.append(entry)
+        waits_for.add_done_callback(self._send_held)
+
+    def _send_held(self, _fut=None) -> None:
+        while self.held and not self.closed:
+            entry = self.held[0]
+            if not entry[0].done():  # (a held call cancelled meanwhile is dropped)
+                try:
+                    self._send_call(*entry)
+                except _results.Unfinished as u:
+                    u.fut.add_done_callback(self._send_held)
+                    return
+                except Exception as exc:
+                    entry[0].set_exception(exc)
+            self.held.popleft()
 
     def cancel(self, cid: int) -> None:
         """Forget call ``cid`` (its reply, if any, is dropped) and tell the peer."""

@@ -69,6 +69,9 @@ class Worker:
             a[0] = i % 256
             yield a
 
+    def fails_nonstream(self):
+        raise ValueError("no")
+
     def stats(self):
         return actorshm.stats()
 
@@ -102,6 +105,9 @@ class Relay:
 
     async def ping_via(self, other):
         return await other.call_back(self_handle[0])
+
+    async def pass_along(self, source, sink):
+        return await sink.record(source.work(0.2))
 
     def set_self(self, h):
         self_handle[0] = h

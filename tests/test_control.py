@@ -226,3 +226,41 @@ async def test_many_calls_failing_at_once_print_nothing(rt, capfd, caplog):
     gc.collect()
     assert "never retrieved" not in caplog.text
     assert "never retrieved" not in capfd.readouterr().err
+
+
+# -- results as arguments -------------------------------------------------------------
+async def test_unfinished_call_as_argument_is_resolved_in_order(rt):
+    w = await Worker.spawn()
+    other = await Worker.spawn()
+    slow = w.work(0.3)
+    first = other.record({"nested": [slow, (slow,)]})
+    then = other.record("after")  # made later: runs later on `other`, though ready now
+    assert await first == {"nested": [0.3, (0.3,)]}
+    assert await then == "after"
+    assert await other.get_log() == [{"nested": [0.3, (0.3,)]}, "after"]
+    # a finished call's awaitable passes as its result too
+    assert await other.record(slow) == 0.3
+
+
+async def test_failed_call_as_argument_fails_the_call(rt):
+    w = await Worker.spawn()
+    other = await Worker.spawn()
+    bad = w.fails_nonstream()
+    with pytest.raises(ValueError, match="no"):
+        await other.record(bad)
+    assert await other.get_log() == []
+
+
+async def test_plain_future_as_argument_says_await_it_first(rt):
+    w = await Worker.spawn()
+    fut = asyncio.get_running_loop().create_future()
+    with pytest.raises(TypeError, match="await it first"):
+        w.record(fut)
+    fut.cancel()
+
+
+async def test_call_results_as_arguments_inside_actors(rt):
+    w = await Worker.spawn()
+    other = await Worker.spawn()
+    r = await Relay.spawn()
+    assert await r.pass_along(w, other) == 0.2
