@@ -86,6 +86,7 @@ class Connection(FramedSocket):
         self.pending: dict[int, asyncio.Future] = {}
         self.pending_meta: dict[int, str] = {}
         self.held: collections.deque = collections.deque()  # calls held (``_hold``)
+        self.failed_types: set[type] = set()  # error types calls on it have failed with
         self.streams: dict[int, Any] = {}  # streaming calls we made: cid -> its receiver
         self.ledger = Ledger()
         # (The lease engine's view of the ledger: see ``_leases.Channel``.)
@@ -454,6 +455,9 @@ class Connection(FramedSocket):
                 exc = ser.decode_exception(payload, what)
                 if not fut.done():
                     fut.set_exception(exc)
+                    if type(exc) in self.failed_types:  # one "never retrieved" per kind
+                        fut.exception()  # of error per connection, not one per call
+                    self.failed_types.add(type(exc))
         elif kind == ITEM:
             st = self.streams.get(cid)
             try:

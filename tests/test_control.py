@@ -264,3 +264,12 @@ async def test_call_results_as_arguments_inside_actors(rt):
     other = await Worker.spawn()
     r = await Relay.spawn()
     assert await r.pass_along(w, other) == 0.2
+
+
+async def test_calls_failing_alike_print_one_message_not_one_each(rt, caplog):
+    w = await Worker.spawn()
+    futs = [w.fails_nonstream() for _ in range(30)]
+    await asyncio.wait(futs)
+    del futs
+    gc.collect()
+    assert caplog.text.count("never retrieved") <= 1
