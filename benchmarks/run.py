@@ -498,6 +498,12 @@ async def run(args, data: dict | None = None) -> str:
                   "buffer goes home)",
                   ["contender", "ms per batch", "refill alone ms", "transport ms",
                    "bytes copied/batch", "new blocks/batch"], rows)
+        from benchmarks.streaming import rows as stream_rows, streaming
+        st = await streaming(quick)
+        data["streaming"] = st
+        table.add("Streaming method vs the same items by individual calls (one awaited "
+                  "at a time)", ["items", "streamed items/s", "individual calls items/s",
+                                 "streaming speed-up"], stream_rows(st))
         ray_rows = []
         many_label = f"{4 if quick else 16} actors at once"
         data["startup"] = {}
