@@ -37,9 +37,8 @@ logger = logging.getLogger("actorshm")
 class Runtime(StreamingClient):
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
 
-    Where one ``async with`` block cannot hold the whole program (a notebook: each cell
-    is its own block), open it with ``rt = await Runtime().start()`` and end it with
-    ``await rt.close()``.
+    Where one ``async with`` block cannot hold the whole program (a notebook: each cell is
+    its own block), open it with ``rt = await Runtime().start()``, end it with ``close()``.
 
     Args:
       start_method: ``"spawn"`` (default: a fresh interpreter per actor) or
@@ -231,7 +230,8 @@ class Runtime(StreamingClient):
         Args:
             actor_id: the actor, as its handle names it.
             method: the method's name.
-            args, kwargs: its arguments (numpy arrays travel in shared memory).
+            args: its positional arguments (numpy arrays travel in shared memory).
+            kwargs: its keyword arguments.
             what: how errors name the call (``"Counter.incr"``); ``kw``: to ``Connection.call``.
 
         Returns:
