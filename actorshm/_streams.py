@@ -28,26 +28,29 @@ __all__ = ["CallStream", "StreamingClient", "Outflow", "run_stream", "chain",
 
 DEFAULT_RUN_AHEAD = 16
 
-# The chain of the call this task or thread runs: [(actor id, "Cls.method"), ...],
+# The chain of the call this task or thread runs: ((actor id, "Cls.method", seq), ...),
 # outermost first, this actor's own call last. Empty in the driver.
 chain: contextvars.ContextVar[tuple] = contextvars.ContextVar("actorshm_chain", default=())
 
 
-def reentrant_error(calls: list, actor_id: int, cls_name: str, what: str):
+def reentrant_error(calls: tuple, running: tuple, cls_name: str, what: str):
     """The error for a call that would wait on itself, or None when it would not.
 
     Args:
-        calls: the chain the call carries (``chain``'s value where it was made).
-        actor_id, cls_name: the actor it arrived at, busy with its one call at a time.
+        calls: the chain the call carries (``chain``'s value where it was made):
+            ``(actor id, "Cls.method", seq)`` per call, outermost first.
+        running: ``(actor id, seq)`` of the call the receiving actor is running (it runs
+            one call at a time).
+        cls_name: the receiving actor's class name.
         what: the call (``"Cls.method"``).
     """
-    ids = [c[0] for c in calls]
-    if actor_id not in ids:
+    keys = [(c[0], c[2]) for c in calls]
+    if running not in keys:
         return None
-    loop = calls[ids.index(actor_id):]
-    names = " -> ".join(f"{w} (actor {a})" for a, w in loop)
+    loop = calls[keys.index(running):]
+    names = " -> ".join(f"{w} (actor {a})" for a, w, _seq in loop)
     return ReentrantCallError(
-        f"re-entrant call would deadlock: {names} -> {what} (actor {actor_id}). Actor "
+        f"re-entrant call would deadlock: {names} -> {what} (actor {running[0]}). Actor "
         f"{cls_name} runs one call at a time (max_concurrency=1) and its running call is "
         f"waiting for this one. Give {cls_name} max_concurrency > 1 with async methods, "
         "or do not call back into an actor from a call it is waiting for.")

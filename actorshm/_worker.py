@@ -48,6 +48,8 @@ class Worker(StreamingClient):
         self.running = 0
         self.queue: collections.deque = collections.deque()
         self.executor = None
+        self.seq = 0  # calls started
+        self.current = (-1, 0)  # the latest call started: (actor id, seq)
         self.held = False  # a sync call just held the loop: calls wait a moment (_finished)
         self.running_calls: dict[tuple, Any] = {}  # (conn, cid) -> its task, or None: sync
         self.dropped: set[tuple] = set()  # sync calls cancelled while they ran
@@ -129,7 +131,7 @@ class Worker(StreamingClient):
             self.queue.append((conn, cid, call))
             return
         if len(call) == 4 and self.max_concurrency == 1 and self.running:
-            err = reentrant_error(call[3].get("chain", ()), self.actor_id, self.cls_name,
+            err = reentrant_error(call[3].get("chain", ()), self.current, self.cls_name,
                                   f"{self.cls_name}.{method}")
             if err is not None:
                 call.clear()
@@ -153,7 +155,9 @@ class Worker(StreamingClient):
         what = f"{self.cls_name}.{method}"
         fn = getattr(self.instance, method)
         ctx = contextvars.copy_context()  # calls it makes carry the chain, this one last
-        ctx.run(chain.set, (*meta.get("chain", ()), (self.actor_id, what)))
+        self.seq += 1
+        self.current = (self.actor_id, self.seq)  # (with max_concurrency=1: the one running)
+        ctx.run(chain.set, (*meta.get("chain", ()), (self.actor_id, what, self.seq)))
         key = (conn, cid)
         kind = self.methods[method]
         if kind == "stream" or "run_ahead" in meta:

@@ -109,6 +109,21 @@ class Relay:
     async def pass_along(self, source, sink):
         return await sink.record(source.work(0.2))
 
+    async def fire_and_return(self, other):
+        self.bg = asyncio.ensure_future(other.call_back_later(self_handle[0], 0.1))
+        return "sent"
+
+    async def call_back_later(self, other, delay):
+        await asyncio.sleep(delay)
+        self.result = await other.ping()
+
+    def last(self):
+        return getattr(self, "result", None)
+
+    async def hold(self, t):
+        await asyncio.sleep(t)
+        return "held"
+
     def set_self(self, h):
         self_handle[0] = h
 

@@ -273,3 +273,13 @@ async def test_calls_failing_alike_print_one_message_not_one_each(rt, caplog):
     del futs
     gc.collect()
     assert caplog.text.count("never retrieved") <= 1
+
+
+async def test_call_back_into_an_actor_busy_with_another_call_waits(rt):
+    # A's earlier call made the call to B without waiting for it: no deadlock, no error
+    a = await Relay.spawn()
+    b = await Relay.spawn()
+    await a.set_self(a)
+    assert await a.fire_and_return(b) == "sent"
+    assert await a.hold(0.3) == "held"  # B's call back to A arrives meanwhile and waits
+    assert await asyncio.wait_for(b.last(), 5) == "pong"
