@@ -20,8 +20,11 @@ actorshm.run(main())
 from __future__ import annotations
 
 from ._actor import ActorHandle, actor
-from ._errors import (ActorDiedError, ActorError, PendingCallsLimitError,
+from ._errors import (ActorDiedError, ActorError, ActorGroupError, PendingCallsLimitError,
                       ReentrantCallError, RemoteError, SharedMemoryError)
+from ._events import ActorEvent
+from ._group import ActorGroup
+from ._pool import ActorPool
 from ._runtime import Runtime, current_runtime, get_actor, run
 from ._shm import empty, is_shared, share, stats, zeros
 
@@ -40,6 +43,10 @@ __all__ = [
     "SharedMemoryError",
     "PendingCallsLimitError",
     "ReentrantCallError",
+    "ActorGroupError",
+    "ActorPool",
+    "ActorGroup",
+    "ActorEvent",
     "empty",
     "zeros",
     "share",

@@ -8,6 +8,33 @@ _runtimes: list = []  # open runtimes in the driver, innermost last
 _worker: list = [None]  # the worker, inside an actor process
 
 
+def set_worker(worker: Any) -> None:
+    """This process is an actor's: ``worker`` makes its calls."""
+    _worker[0] = worker
+
+
+def current_worker() -> Any:
+    """The worker of this actor process, or None in the driver."""
+    return _worker[0]
+
+
+def runtime_opened(runtime: Any) -> None:
+    """``runtime`` opened in this (driver) process: the innermost from now on."""
+    _runtimes.append(runtime)
+
+
+def runtime_closed(runtime: Any) -> bool:
+    """``runtime`` closed; whether any runtime is still open."""
+    if runtime in _runtimes:
+        _runtimes.remove(runtime)
+    return bool(_runtimes)
+
+
+def innermost_runtime() -> Any:
+    """The runtime opened last and not yet closed in this process, or None."""
+    return _runtimes[-1] if _runtimes else None
+
+
 def client() -> Any:
     w = _worker[0]
     if w is not None:

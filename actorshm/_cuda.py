@@ -240,7 +240,7 @@ def wait_for_senders_work(devices) -> None:
 
 _fence_lock = threading.Lock()
 _fence_queue: list = []
-_fence_thread: list = [None]
+_fence_thread: threading.Thread | None = None
 
 
 def fence(items) -> None:
@@ -252,6 +252,7 @@ def fence(items) -> None:
     finished its work), the releases go straight to ``_leases.releases_ready``; otherwise a helper
     thread waits for them, so the event loop never blocks on the GPU.
     """
+    global _fence_thread
     events = []
     for dev in {item[2].device for item in items}:
         with cupy.cuda.Device(dev):
@@ -263,17 +264,18 @@ def fence(items) -> None:
         return
     with _fence_lock:
         _fence_queue.append((events, items))
-        if _fence_thread[0] is None:
+        if _fence_thread is None:
             th = threading.Thread(target=_fence_loop, name="actorshm-gpu-fence", daemon=True)
-            _fence_thread[0] = th
+            _fence_thread = th
             th.start()
 
 
 def _fence_loop() -> None:
+    global _fence_thread
     while True:
         with _fence_lock:
             if not _fence_queue:
-                _fence_thread[0] = None
+                _fence_thread = None
                 return
             events, items = _fence_queue.pop(0)
         try:

@@ -16,6 +16,7 @@ __all__ = [
     "PendingCallsLimitError",
     "ReentrantCallError",
     "ProtocolError",
+    "ActorGroupError",
 ]
 
 
@@ -82,3 +83,60 @@ class ReentrantCallError(ActorError):
 
 class ProtocolError(ActorError):
     """A peer sent a frame that is not valid actorshm protocol; its connection closes."""
+
+
+try:  # Python >= 3.11
+    _ExceptionGroup = ExceptionGroup  # noqa: F821
+except NameError:  # Python 3.10: the backport (a dependency there), else a plain error
+    try:
+        from exceptiongroup import ExceptionGroup as _ExceptionGroup
+    except ImportError:  # pragma: no cover
+        _ExceptionGroup = None
+
+if _ExceptionGroup is not None:
+    _GroupBase: tuple = (_ExceptionGroup, ActorError)
+else:  # pragma: no cover
+    _GroupBase = (ActorError,)
+
+
+class ActorGroupError(*_GroupBase):
+    """Some calls of a group call (or spawns of a group spawn) failed.
+
+    An ``ExceptionGroup`` (on Python 3.10 the ``exceptiongroup`` backport's), so
+    ``except* ValueError`` picks out the members that raised ``ValueError``, and an
+    ``ActorError``, so ``except actorshm.ActorError`` catches it too.
+
+    Attributes:
+        exceptions: the members' exceptions, in member order.
+        failed: the indices of the failed members, in the same order.
+        results: the list of every member's result, ``None`` where it failed.
+    """
+
+    def __new__(cls, message: str, exceptions, failed=(), results=None):
+        if _ExceptionGroup is None:  # pragma: no cover
+            self = ActorError.__new__(cls, message)
+        else:
+            self = super().__new__(cls, message, list(exceptions))
+        self.failed = list(failed)
+        self.results = results
+        return self
+
+    def __init__(self, message: str, exceptions, failed=(), results=None) -> None:
+        if _ExceptionGroup is None:  # pragma: no cover
+            ActorError.__init__(self, message)
+            self.message = message
+            self.exceptions = tuple(exceptions)
+        else:
+            super().__init__(message, list(exceptions))
+
+    def derive(self, excs):
+        """The same kind of error for a subset of the exceptions (``except*``, ``split``)."""
+        keep = [i for i, e in zip(self.failed, self.exceptions) if e in excs]
+        return ActorGroupError(self.message, excs, keep, self.results)
+
+    def __reduce__(self):
+        return (ActorGroupError, (self.message, list(self.exceptions), self.failed,
+                                  self.results))
+
+    def __str__(self) -> str:
+        return self.message

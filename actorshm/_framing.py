@@ -22,10 +22,11 @@ import asyncio
 import logging
 import os
 import socket
+import struct
 import threading
 
-from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, MAX_FDS_PER_FRAME, MAX_FDS_PER_SEND,
-                    MAX_FRAME, RECV_SIZE, LAST_KIND)
+from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, MARK, MAX_FDS_PER_FRAME,
+                    MAX_FLAGS, MAX_FRAME, RECV_SIZE, LAST_KIND)
 
 logger = logging.getLogger("actorshm")
 
@@ -35,6 +36,10 @@ _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))  # received fds never lea
 # One receive buffer per thread, reused by every connection of that thread's event loop:
 # allocating 256 KiB per recvmsg costs more than the syscall itself.
 _recv_tls = threading.local()
+
+
+_pack_header = struct.Struct.pack.__get__(HEADER)  # the marker given by the caller
+_unpack_header = HEADER.unpack_from
 
 
 def _recv_view() -> memoryview:
@@ -167,7 +172,7 @@ class FramedSocket:
                 size += len(part)
             if size > MAX_FRAME:
                 raise ValueError(f"message of {size} bytes exceeds the frame limit")
-            header = HEADER.pack(size, kind, flags, len(fds), cid)
+            header = _pack_header(size, kind, flags, len(fds), MARK, cid)
             if size < 65536:
                 out.append(OutItem(b"".join((header, *parts)), list(fds) or None, close_fds))
             else:
@@ -293,9 +298,11 @@ class FramedSocket:
             for i in range(limit):
                 item = out[i]
                 if item.fds:
-                    if len(fds) + len(item.fds) > MAX_FDS_PER_SEND and bufs:
+                    # A frame's fds go with a sendmsg that starts with its header, so
+                    # the reader knows whose they are (``_check_fds``).
+                    if bufs:
                         break
-                    fds.extend(item.fds)
+                    fds = item.fds
                 bufs.append(item.data)
                 nbytes += len(item.data)
                 if len(bufs) >= 64 or nbytes >= (4 << 20):
@@ -360,6 +367,28 @@ class FramedSocket:
         self._flush()
 
     # -- reading ---------------------------------------------------------------
+    @staticmethod
+    def _bad_header(data, pos: int) -> str:
+        plen, kind, flags, nfds, mark, cid = _unpack_header(data, pos)
+        what = "no frame marker" if mark != MARK else \
+            f"kind {kind}, flags {flags:#x}, {plen} bytes, {nfds} fds"
+        return (f"bad frame header ({what}): the stream lost its place, as after a "
+                "truncated frame")
+
+    def _fds_owned(self, data, pos: int, n: int) -> bool:
+        """Whether the fds received and not yet taken belong to the frame cut off at
+        ``pos`` (the writer sends a frame's fds with a sendmsg that starts with its
+        header, so they come with the read that has its first byte); if not, a
+        protocol error."""
+        if n - pos >= HSIZE:
+            if HEADER.unpack_from(data, pos)[3] == len(self._fds):
+                return True
+        elif n > pos:
+            return True  # its header is not whole yet: checked once it is
+        self._protocol_error(f"{len(self._fds)} file descriptor(s) came with no frame "
+                             "that announced them")
+        return False
+
     def drain(self) -> None:
         """Read and handle what the peer wrote before it went away (its process exited)."""
         while not self.closed and self.sock is not None and not self._eof:
@@ -404,9 +433,12 @@ class FramedSocket:
         self._corked += 1  # replies made while dispatching go out together, afterwards
         try:
             while n - pos >= HSIZE:
-                plen, kind, flags, nfds, cid = HEADER.unpack_from(data, pos)
-                if not CALL <= kind <= LAST_KIND or plen > MAX_FRAME or nfds > MAX_FDS_PER_FRAME:
-                    self._protocol_error(f"bad frame header (kind {kind}, {plen} bytes)")
+                plen, kind, flags, nfds, mark, cid = _unpack_header(data, pos)
+                # A few integer comparisons catch a header read from the middle of a
+                # frame (the stream lost its place): no marker, or fields out of range.
+                if mark != MARK or not CALL <= kind <= LAST_KIND or flags > MAX_FLAGS \
+                        or plen > MAX_FRAME or nfds > MAX_FDS_PER_FRAME:
+                    self._protocol_error(self._bad_header(data, pos))
                     return
                 start = pos + HSIZE
                 end = start + plen
@@ -424,6 +456,8 @@ class FramedSocket:
                 self._frame(kind, flags, cid, data[start:end], fds)
                 if self.closed:
                     return
+            if self._fds and not self._fds_owned(data, pos, n):
+                return
         finally:
             if not self.closed:
                 if buf:

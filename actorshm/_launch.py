@@ -99,15 +99,19 @@ class ActorRecord:
             except asyncio.TimeoutError:
                 continue
 
-    def close_process(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Stop watching the (exited or killed) process, reap it, drain its output."""
+    def unwatch_exit(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stop watching the process's pidfd (it exited, or is being reaped)."""
         if self.pidfd >= 0:
             try:
                 loop.remove_reader(self.pidfd)
-            except Exception:
+            except Exception:  # the loop is closing
                 pass
             os.close(self.pidfd)
             self.pidfd = -1
+
+    def close_process(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stop watching the (exited or killed) process, reap it, drain its output."""
+        self.unwatch_exit(loop)
         if self.popen is not None:
             try:
                 self.popen.wait(timeout=5)

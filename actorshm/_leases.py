@@ -129,7 +129,7 @@ _blocks: dict[tuple, "_Lease"] = {}
 _own_tokens: set[int] = set()
 # Grants to give back, appended when a block dies (any thread), flushed on the loop:
 # (upstream, block key, region).
-_releases: collections.deque = collections.deque()
+pending_releases: collections.deque = collections.deque()
 # Grants whose region's fence has passed (``Region.fence``): ready to go back.
 _fenced: collections.deque = collections.deque()
 # Regions retired by their owner (any thread), announced to peers on the loop.
@@ -290,10 +290,10 @@ class _Lease(weakref.ref):
 def _block_died(lease: _Lease) -> None:
     try:
         if lease.upstream:
-            _releases.append((lease.upstream, lease.key, lease.region))
+            pending_releases.append((lease.upstream, lease.key, lease.region))
             _wake()
         if lease.pool is not None:
-            lease.pool._returned.append((lease.region, lease.offset, lease.size))
+            lease.pool.block_returned(lease.region, lease.offset, lease.size)
     except Exception:  # interpreter shutdown: nothing left to tell
         pass
 
@@ -322,11 +322,11 @@ class Block:
         lease.offset = offset
         lease.size = size
         _blocks[key] = lease
-        if len(_blocks) > _prune_at[0]:
+        if len(_blocks) > _prune_at:
             _prune_blocks()
 
 
-_prune_at = [4096]
+_prune_at = 4096  # prune dead entries of ``_blocks`` once it grows past this
 
 
 def _prune_blocks() -> None:
@@ -334,7 +334,8 @@ def _prune_blocks() -> None:
     for key, ref in list(_blocks.items()):
         if ref() is None and _blocks.get(key) is ref:
             _blocks.pop(key, None)
-    _prune_at[0] = max(4096, 2 * len(_blocks))
+    global _prune_at
+    _prune_at = max(4096, 2 * len(_blocks))
 
 
 def dispatch_releases() -> None:
@@ -348,13 +349,13 @@ def dispatch_releases() -> None:
         _announce_retired(_retired.popleft())
     if _fenced:
         _give_back(_fenced)
-    if not _releases:
+    if not pending_releases:
         return
     host: collections.deque = collections.deque()
     fenced: dict = {}  # a region class's fence -> its releases
     host_fence = Region.fence
-    while _releases:  # take a snapshot first: other threads may append meanwhile
-        item = _releases.popleft()
+    while pending_releases:  # a snapshot first: other threads may append meanwhile
+        item = pending_releases.popleft()
         fence = item[2].fence
         if fence is host_fence:
             host.append(item)

@@ -28,8 +28,10 @@ import socket
 from typing import Any, Protocol
 
 from . import _leases, _results
+from . import _remote_errors as remote_errors
 from . import _serialization as ser
 from ._errors import ActorDiedError, ProtocolError
+from ._control import CallControl
 from ._framing import FramedSocket, close_fd, run_callbacks
 from ._ledger import Ledger
 from ._wire import (CALL, CANCEL, CREDIT, ERROR, HAS_RELEASES, HEADER, HSIZE,  # noqa: F401
@@ -69,7 +71,7 @@ def _copy_exc(exc: BaseException) -> BaseException:
     return new
 
 
-class Connection(FramedSocket):
+class Connection(CallControl, FramedSocket):
     """One end of a socket pair, speaking actorshm frames, driven by the event loop.
 
     Args:
@@ -161,10 +163,12 @@ class Connection(FramedSocket):
         Args:
             meta: what rides with the call besides its arguments (the chain of actors
                 it was made from, a stream's run-ahead), or None.
-            stream: the receiver of a streaming call's items (``_streams.CallStream``).
+            stream: the receiver of a streaming call's items (``_streams.Inbox``).
 
-        Raises ``TypeError`` (before anything is sent) when an argument cannot be
-        serialized.
+        Raises (before anything is sent): ``TypeError`` when an argument cannot be
+        serialized (an open file, an object over the frame limit, an unpicklable one);
+        ``SharedMemoryError`` (a ``MemoryError``) when copying an array into shared
+        memory runs out of budget.
         """
         fut = self.loop.create_future()
         if self.closed:
@@ -190,6 +194,11 @@ class Connection(FramedSocket):
         except _results.DependencyFailed as dep:
             fut.set_exception(_copy_exc(dep.exc))
             return
+        except MemoryError:  # out of shared memory while copying an array: as it is
+            raise
+        except (ser.Unsendable, ser.MessageTooBig) as exc:  # says what to do already
+            raise TypeError(f"cannot send the arguments of {what or method}(): {exc}") \
+                from exc
         except Exception as exc:
             raise TypeError(
                 f"cannot send the arguments of {what or method}(): {exc}. Arguments must be "
@@ -208,60 +217,15 @@ class Connection(FramedSocket):
         self._send(CALL, flags, cid, payload, fds)
         fut.add_done_callback(lambda f: f.cancelled() and self.cancel(cid))
 
-    def _hold(self, entry: tuple, waits_for: asyncio.Future) -> None:
-        """Hold ``entry``'s call, and the calls after it, until ``waits_for`` is done."""
-        if not self.held:
-            self.held.append(entry)
-        waits_for.add_done_callback(self._send_held)
-
-    def _send_held(self, _fut=None) -> None:
-        while self.held and not self.closed:
-            entry = self.held[0]
-            if not entry[0].done():  # (a held call cancelled meanwhile is dropped)
-                try:
-                    self._send_call(*entry)
-                except _results.Unfinished as u:
-                    u.fut.add_done_callback(self._send_held)
-                    return
-                except Exception as exc:
-                    entry[0].set_exception(exc)
-            self.held.popleft()
-
-    def cancel(self, cid: int) -> None:
-        """Forget call ``cid`` (its reply, if any, is dropped) and tell the peer."""
-        self.streams.pop(cid, None)
-        if self.pending.pop(cid, None) is None:
-            return
-        self.pending_meta.pop(cid, None)
-        if not self.closed:
-            self._send(CANCEL, 0, cid, b"", ())
-
-    def send_credit(self, cid: int, n: int) -> None:
-        """Let the peer send ``n`` more items of streaming call ``cid``."""
-        if not self.closed and cid in self.pending:
-            self._send(CREDIT, 0, cid, _RLEN.pack(n), ())
-
-    def send_item(self, cid: int, value: Any, what: str = "") -> None:
-        """Send one item of streaming call ``cid`` (as a result is sent).
-
-        Raises:
-            TypeError: the item cannot be serialized.
-        """
-        if self.closed:
-            return
-        try:
-            payload, fds, enc, flags = ser.encode(value, self)
-        except Exception as exc:
-            raise TypeError(f"an item of {what or 'the stream'} cannot be sent: {exc}") \
-                from exc
-        self.ledger.commit(enc, self)
-        self._send(ITEM, flags, cid, payload, fds)
 
     def reply(self, cid: int, value: Any, what: str = "") -> None:
         if self.closed:
             return
         try:
             payload, fds, enc, flags = ser.encode(value, self)
+        except MemoryError as exc:  # out of shared memory: the caller gets it as it is
+            self.reply_error(cid, exc)
+            return
         except Exception as exc:
             if inspect.isgenerator(value) or inspect.isasyncgen(value):
                 exc = TypeError("it is a generator object; to stream, make the method "
@@ -271,13 +235,28 @@ class Connection(FramedSocket):
             self.reply_error(cid, err)
             return
         self.ledger.commit(enc, self)
-        self._send(RESULT, flags, cid, payload, fds)
+        try:
+            self._send(RESULT, flags, cid, payload, fds)
+        except Exception as exc:  # not queued: the caller must still hear of it
+            err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}")
+            err.__cause__ = exc
+            self.reply_error(cid, err)
 
     def reply_error(self, cid: int, exc: BaseException) -> None:
+        """Send ``exc`` as call ``cid``'s error reply; never raises.
+
+        An exception too big for a frame goes as a short copy of itself
+        (``_remote_errors.encode_exception``); should even that fail, as a
+        ``RemoteError`` carrying its type name and a short text.
+        """
         if self.closed:
             return
-        payload = ser.encode_exception(exc)
-        self._send(ERROR, 0, cid, payload, ())
+        try:
+            self._send(ERROR, 0, cid, remote_errors.encode_exception(exc), ())
+        except Exception as err:
+            logger.exception("actorshm: the error reply of a call to %s could not be sent",
+                             self.label)
+            self._send(ERROR, 0, cid, remote_errors.encode_failure(exc, err), ())
 
     def queue_release(self, key: tuple, n: int) -> None:
         """Give ``n`` grants of block ``key`` back to the peer (batched, sent soon)."""
@@ -327,7 +306,7 @@ class Connection(FramedSocket):
 
     def _send(self, kind: int, flags: int, cid: int, payload, fds, close_fds=None) -> None:
         """Queue one frame (``kind`` 0: none, just the pending releases) and write."""
-        if _leases._releases:
+        if _leases.pending_releases:
             _leases.dispatch_releases()
         parts = payload if type(payload) is list else [payload]
         if self._releases or self._forwards:
@@ -380,6 +359,11 @@ class Connection(FramedSocket):
             "recycled) for as long as it runs. See docs/shared-memory.md.", self.label, n)
 
     def _frame(self, kind: int, flags: int, cid: int, payload, fds) -> None:
+        if fds and kind != CALL and kind != RESULT and kind != ITEM:  # only these carry fds
+            for fd in fds:
+                close_fd(fd)
+            self._protocol_error(f"a frame of kind {kind} carried {len(fds)} file descriptor(s)")
+            return
         if flags & HAS_RELEASES:
             # Releases ride ahead of the payload: <I length, pickle>.
             mv = memoryview(payload)
@@ -441,6 +425,8 @@ class Connection(FramedSocket):
                     value = ser.decode(payload, fds, self, flags)
                 except ProtocolError as exc:
                     self._protocol_error(str(exc))
+                    if not fut.done():  # popped above: closing did not fail it
+                        fut.set_exception(_copy_exc(self.close_exc))
                     return
                 except Exception as exc:
                     if not fut.done():
@@ -452,34 +438,14 @@ class Connection(FramedSocket):
                 if not fut.done():
                     fut.set_result(value)
             else:
-                exc = ser.decode_exception(payload, what)
+                exc = remote_errors.decode_exception(payload, what)
                 if not fut.done():
                     fut.set_exception(exc)
                     if type(exc) in self.failed_types:  # one "never retrieved" per kind
                         fut.exception()  # of error per connection, not one per call
                     self.failed_types.add(type(exc))
-        elif kind == ITEM:
-            st = self.streams.get(cid)
-            try:
-                value = ser.decode(payload, fds, self, flags)  # (decoded even if dropped:
-            except ProtocolError as exc:  # leases come back)
-                self._protocol_error(str(exc))
-                return
-            except Exception as exc:
-                if st is not None:
-                    st.fail(TypeError(f"an item of {st.what} could not be deserialized "
-                                      f"here: {type(exc).__name__}: {exc}"))
-                return
-            if st is not None:
-                st.push(value)
-        elif kind == CANCEL:
-            cancel = getattr(self.host, "cancel_call", None)
-            if cancel is not None:
-                cancel(self, cid)
-        elif kind == CREDIT:
-            credit = getattr(self.host, "stream_credit", None)
-            if credit is not None and len(payload) == 4:
-                credit(self, cid, _RLEN.unpack_from(payload)[0])
+        elif kind == ITEM or kind == CANCEL or kind == CREDIT:
+            self._control_frame(kind, flags, cid, payload, fds)
         elif kind == RELEASE:
             self._apply_releases(payload)
         elif kind == RETIRE:

@@ -20,7 +20,7 @@ import threading
 import weakref
 from typing import Any
 
-from . import _client, _leases, _plugins, _services, _shm  # noqa: F401  (_plugins: GPU)
+from . import _client, _events, _leases, _plugins, _services, _shm  # noqa: F401 (_plugins)
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._errors import ActorDiedError
 from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, kill_all,
@@ -34,7 +34,7 @@ __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 logger = logging.getLogger("actorshm")
 
 
-class Runtime(StreamingClient):
+class Runtime(_events.EventSource, StreamingClient):
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
 
     Where one ``async with`` block cannot hold the whole program (a notebook: each cell is
@@ -73,9 +73,11 @@ class Runtime(StreamingClient):
         self._names: dict[str, int] = {}
         self._next_id = 1
         self._open = False
-        self.closing = False
+        self._closing = False
         self._finalizer = None
         self._forkserver: ForkServerClient | None = None
+
+    closing = property(lambda self: self._closing, doc="Whether it is closing or closed.")
 
     # -- context manager ---------------------------------------------------------
     async def start(self) -> "Runtime":
@@ -94,7 +96,7 @@ class Runtime(StreamingClient):
         """
         if self._open:
             raise RuntimeError("this Runtime is already open")
-        if self.closing:
+        if self._closing:
             raise RuntimeError("this Runtime was closed; open a new one: "
                                "`rt = await actorshm.Runtime().start()`")
         self.loop = asyncio.get_running_loop()
@@ -105,7 +107,7 @@ class Runtime(StreamingClient):
         _shm.pool()
         _leases.set_release_hook(_leases.loop_release_hook(self.loop))
         self._open = True
-        _client._runtimes.append(self)
+        _client.runtime_opened(self)
         self._finalizer = weakref.finalize(self, kill_all, self._actors)
         return self
 
@@ -121,9 +123,9 @@ class Runtime(StreamingClient):
         Leaving ``async with`` calls it; after ``start()``, call it yourself. Calling it
         again does nothing.
         """
-        if not self._open or self.closing:
+        if not self._open or self._closing:
             return
-        self.closing = True
+        self._closing = True
         try:
             recs = [r for r in self._actors.values() if r.alive or r.popen is not None]
             task = asyncio.ensure_future(
@@ -139,10 +141,9 @@ class Runtime(StreamingClient):
                 self._reap(r)
             if self._forkserver is not None:
                 self._forkserver.stop()
+            _events.close(self)
             self._open = False
-            if self in _client._runtimes:
-                _client._runtimes.remove(self)
-            if not _client._runtimes:
+            if not _client.runtime_closed(self):
                 _leases.release_quarantine()  # whoever could hold those blocks is gone
             if self._finalizer is not None:
                 self._finalizer.detach()
@@ -257,10 +258,8 @@ class Runtime(StreamingClient):
         return rec.pid if rec is not None else pid
 
     async def kill(self, actor_id: int) -> None:
-        """Kill actor ``actor_id`` at once (SIGKILL, no restart) and wait until it is gone.
-
-        Its pending and later calls fail with ``ActorDiedError``. An unknown or dead
-        actor is not an error.
+        """Kill actor ``actor_id`` at once (SIGKILL, no restart); return once it is gone.
+        Its calls fail with ``ActorDiedError``; an unknown or dead actor is no error.
 
         Args:
             actor_id: the actor, as its handle names it.
@@ -345,7 +344,7 @@ class Runtime(StreamingClient):
     def connection_closed(self, conn: Connection) -> None:
         """An actor's connection closed (``Host``)."""
         rec = self._actors.get(conn.peer_id)
-        if rec is not None and rec.conn is conn and rec.alive and not self.closing:
+        if rec is not None and rec.conn is conn and rec.alive and not self._closing:
             # The connection broke (protocol error): the actor is unusable.
             try:
                 os.kill(rec.pid, signal.SIGKILL)
@@ -354,21 +353,17 @@ class Runtime(StreamingClient):
 
     # -- death and shutdown ------------------------------------------------------
     def _on_exit(self, rec: ActorRecord) -> None:
-        self.loop.remove_reader(rec.pidfd)
-        os.close(rec.pidfd)
-        rec.pidfd = -1
+        rec.unwatch_exit(self.loop)
         if rec.popen is not None:
             self._exited(rec, rec.popen.wait())
-        else:
-            self.loop.create_task(self._forked_exit(rec))
-
-    async def _forked_exit(self, rec: ActorRecord) -> None:
-        self._exited(rec, await self._forkserver.exit_code(rec.pid))
+        else:  # a forked child: its exit code comes from the fork server
+            self.loop.create_task(self._forkserver.exit_code(rec.pid)).add_done_callback(
+                lambda f: f.cancelled() or self._exited(rec, f.result()))
 
     def _exited(self, rec: ActorRecord, code: int | None) -> None:
         rec.alive = False
         why = rec.death or f"{rec.label} died: {describe_exit(code)}"
-        if self.closing and rec.death is None:
+        if self._closing and rec.death is None:
             why = f"{rec.label} was stopped because its runtime closed"
         rec.death = why
         self._gpus.release(rec)
@@ -379,7 +374,10 @@ class Runtime(StreamingClient):
             rec.conn.close(ActorDiedError(why))
         rec.exited.set()
         limit = rec.options.max_restarts
-        if not self.closing and not rec.no_restart and (limit == -1 or rec.restarts < limit):
+        restart = (not self._closing and not rec.no_restart
+                   and (limit == -1 or rec.restarts < limit))
+        _events.emit(self, "died", rec, why, will_restart=restart)
+        if restart:
             # Calls made from now on wait in a fresh connection for the new process;
             # the ones that were pending have failed (at-most-once, as in Ray).
             rec.restarts += 1
@@ -391,7 +389,7 @@ class Runtime(StreamingClient):
         conn = rec.conn  # this attempt's; a death during start-up makes the next one's
         if rec.failed_starts:  # back off while new processes keep dying as they start
             await asyncio.sleep(min(5.0, 0.05 * 2 ** rec.failed_starts))
-        if self.closing or rec.no_restart:  # closed or killed meanwhile
+        if self._closing or rec.no_restart:  # closed or killed meanwhile
             if rec.conn is conn and conn is not None:
                 conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
             return
@@ -407,6 +405,7 @@ class Runtime(StreamingClient):
                 return
             logger.warning("actorshm: restarted %s (restart %d of %s) after: %s", rec.label,
                            rec.restarts, rec.options.max_restarts, first_line(why))
+            _events.emit(self, "restarted", rec, why)
         except BaseException as exc:
             if rec.conn is not conn:
                 # The new process died while starting; the next restart is on its way.
@@ -429,7 +428,7 @@ class Runtime(StreamingClient):
             rec.conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
 
     def _check_open(self) -> None:
-        if not self._open or self.closing:
+        if not self._open or self._closing:
             raise RuntimeError("this actorshm Runtime is not open; spawn actors inside "
                                "`async with actorshm.Runtime():`")
 
@@ -441,14 +440,15 @@ def current_runtime() -> Runtime:
         RuntimeError: no runtime is open (the message says how to open one), or this is
             an actor's process (actors use handles and ``get_actor``).
     """
-    if _client._worker[0] is not None:
+    if _client.current_worker() is not None:
         raise RuntimeError("current_runtime() is for the driver; inside an actor, use "
                            "handles and actorshm.get_actor()")
-    if not _client._runtimes:
+    rt = _client.innermost_runtime()
+    if rt is None:
         raise RuntimeError(
             "no actorshm runtime is open. Open one with `async with actorshm.Runtime():` "
             "around your code, or run it with `actorshm.run(main())`.")
-    return _client._runtimes[-1]
+    return rt
 
 
 async def get_actor(name: str) -> ActorHandle:

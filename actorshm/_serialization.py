@@ -24,17 +24,16 @@ from asyncio import Future as _Future
 import pickle
 import sys
 import threading
-import traceback
 from typing import Any
 
 import cloudpickle
 import numpy as np
 
 from . import _leases, _results, _shm
-from ._errors import ProtocolError, RemoteError, RemoteTraceback
+from ._errors import ProtocolError
 from ._wire import ARENA, GPU_SLAB, HAS_BLOCKS, LEN, MAX_MESSAGE, PLAIN  # noqa: F401
 
-__all__ = ["encode", "decode", "encode_exception", "decode_exception", "PassFd",
+__all__ = ["encode", "decode", "Unsendable", "MessageTooBig", "PassFd",
            "register_reducer", "register_region_kind", "register_lazy_plugin",
            "leased_block", "ARENA", "GPU_SLAB"]
 
@@ -131,6 +130,24 @@ _ndarray = np.ndarray
 _memmap = np.memmap
 
 
+class Unsendable(TypeError):
+    """An object that cannot travel, with a message that already says what to do."""
+
+
+# Open files: cloudpickle would send a text file as a snapshot of its contents (a copy
+# that no longer follows the file), and a binary one fails with a bare "cannot pickle".
+_FILE_TYPES = frozenset({io.FileIO, io.BufferedReader, io.BufferedWriter, io.BufferedRandom,
+                         io.TextIOWrapper})
+
+
+def _refuse_file(f) -> None:
+    name = getattr(f, "name", None)
+    what = f"the open file {name!r}" if isinstance(name, str) else "an open file"
+    raise Unsendable(
+        f"{what} cannot be sent to another process: pass its path and open it there, "
+        "or its contents (f.read())")
+
+
 class PassFd:
     """Wraps a file descriptor so that it travels with a message (SCM_RIGHTS)."""
 
@@ -191,6 +208,8 @@ class _Encoder(cloudpickle.Pickler):
             return _rebuild_fd, (len(self.fds) - 1,)
         if isinstance(obj, _Future):  # a call's result as an argument (``_results``)
             return _results.reduce_future(obj)
+        if t in _FILE_TYPES and obj is not sys.stdout and obj is not sys.stderr:
+            _refuse_file(obj)
         if _reducers or _lazy_plugins:
             r = _plugin_reducer(t)
             if r is not None:
@@ -388,8 +407,12 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     return [_TLEN.pack(len(table)), table, f.getbuffer()], enc.fds, enc, HAS_BLOCKS
 
 
+class MessageTooBig(ValueError):
+    """A message over the frame limit (``MAX_MESSAGE``)."""
+
+
 def _too_big(n: int) -> None:
-    raise ValueError(
+    raise MessageTooBig(
         f"the message is {n / 2**30:.1f} GiB once pickled, over actorshm's 2 GiB frame "
         "limit; pass big data as numpy arrays, which travel in shared memory, not as "
         "bytes or lists")
@@ -425,42 +448,3 @@ def decode(payload, fds, conn, flags: int = 0) -> Any:
                         os.close(fd)
                     except OSError:
                         pass
-
-
-def encode_exception(exc: BaseException) -> bytes:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        blob = cloudpickle.dumps(exc, protocol=5)
-    except Exception:
-        blob = None
-    t = type(exc)
-    name = t.__qualname__ if t.__module__ in ("builtins", "__main__") else \
-        f"{t.__module__}.{t.__qualname__}"
-    try:
-        msg = str(exc)
-    except Exception:
-        msg = "<unprintable exception>"
-    return pickle.dumps((blob, name, msg, tb), protocol=5)
-
-
-def decode_exception(payload: bytes, where: str = "") -> BaseException:
-    """Rebuild an exception sent by ``encode_exception``: same type where possible."""
-    try:
-        blob, name, msg, tb = pickle.loads(payload)
-    except Exception as exc:  # pragma: no cover - a peer bug
-        return ProtocolError(f"undecodable error reply: {exc!r}")
-    exc = None
-    if blob is not None:
-        try:
-            exc = pickle.loads(blob)
-        except Exception:
-            exc = None
-    if not isinstance(exc, BaseException):
-        return RemoteError(name, msg, tb)
-    exc.__cause__ = RemoteTraceback(tb)
-    if hasattr(exc, "add_note"):
-        try:
-            exc.add_note(f"(raised in {where})" if where else "(raised in an actor)")
-        except Exception:
-            pass
-    return exc

@@ -195,16 +195,17 @@ class Pool:
         """Free unused dedicated regions (largest first) until ``needed`` bytes are back."""
         candidates = []
         for blocks in self.free.values():
-            for blk in blocks:
-                if blk[0].dedicated and blk[0].retirable():
-                    candidates.append(blk)
-        candidates.sort(key=lambda b: -b[2])
-        for blk in candidates:
+            for free in blocks:  # (region, offset, size)
+                if free[0].dedicated and free[0].retirable():
+                    candidates.append(free)
+        candidates.sort(key=lambda free: -free[2])
+        for free in candidates:
+            region, _, size = free
             if needed <= 0:
                 break
-            self.free[blk[2]].remove(blk)
-            needed -= blk[0].size
-            self._retire(blk[0])
+            self.free[size].remove(free)
+            needed -= region.size
+            self._retire(region)
 
     def _retire(self, region: Region) -> None:
         del self.regions[region.key[1]]
@@ -213,14 +214,19 @@ class Pool:
         region.close()
         _leases.region_retired(region)  # (allocation may run in any thread)
 
+    def block_returned(self, region: Region, offset: int, size: int) -> None:
+        """A block of ours died here (any thread, from a ``_Lease`` callback): it goes
+        back on its free list at the next ``drain``."""
+        self._returned.append((region, offset, size))
+
     def drain(self) -> None:
-        """Move blocks returned by ``_block_died`` (any thread) back onto the free lists."""
+        """Move blocks returned (``block_returned``) back onto the free lists."""
         ret = self._returned
         if ret:
             with self.lock:
                 while ret:
-                    blk = ret.popleft()
-                    self.free[blk[2]].append(blk)
+                    free = ret.popleft()  # (region, offset, size)
+                    self.free[free[2]].append(free)
                     self.blocks_live -= 1
 
     def report(self, out: dict) -> None:

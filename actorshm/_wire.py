@@ -1,8 +1,14 @@
 """The wire format: frame header, frame kinds and flags, limits, region kinds.
 
-A frame is a 16-byte header followed by its payload::
+A frame is an 18-byte header followed by its payload::
 
-    uint32 payload length | uint8 kind | uint8 flags | uint16 fd count | uint64 call id
+    uint32 payload length | uint8 kind | uint8 flags | uint16 fd count | uint16 marker
+    | uint64 call id
+
+The marker is always ``MARK``. A reader that lost its place in the stream (a truncated
+frame) reads a header from the middle of a frame, and the marker, the kind, the flags,
+the fd count and the length checks catch it (``_framing``): a few integer comparisons
+per frame.
 
 File descriptors ride as SCM_RIGHTS ancillary data on the ``sendmsg`` that carries the
 first byte of their frame (``_framing``). Payloads are pickles (``_serialization``);
@@ -14,7 +20,19 @@ from __future__ import annotations
 import socket
 import struct
 
-HEADER = struct.Struct("<IBBHQ")
+MARK = 0xAC5F  # the frame marker
+
+
+class _Header(struct.Struct):
+    """The frame header: ``pack(length, kind, flags, fd count, call id)`` adds the
+    marker; ``unpack_from`` gives (length, kind, flags, fd count, marker, call id)."""
+
+    def pack(self, plen: int, kind: int, flags: int, nfds: int, cid: int) -> bytes:
+        return _pack(self, plen, kind, flags, nfds, MARK, cid)
+
+
+_pack = struct.Struct.pack
+HEADER = _Header("<IBBHHQ")
 HSIZE = HEADER.size
 
 # Frame kinds.
@@ -28,6 +46,7 @@ LAST_KIND = CREDIT
 HAS_BLOCKS = 1  # the payload starts with a block table (``_serialization``)
 PLAIN = 2  # the payload is a plain pickle of builtin scalars and containers
 HAS_RELEASES = 4  # releases (and forward notices) ride ahead of the payload
+MAX_FLAGS = HAS_BLOCKS | PLAIN | HAS_RELEASES  # a header with other bits set is corrupt
 LEN = struct.Struct("<I")  # length prefix of what rides ahead of a payload
 
 # Limits.

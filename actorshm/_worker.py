@@ -37,7 +37,7 @@ class Worker(StreamingClient):
         self.loop = loop
         self.loop_thread = threading.get_ident()
         self.stopped = loop.create_future()
-        self.closing = False
+        self._closing = False
         self.exit_code = 0
         self.shutdown_grace = 2.0  # the runtime's, once __init_actor__ arrives
         self.instance: Any = None
@@ -48,14 +48,15 @@ class Worker(StreamingClient):
         self.running = 0
         self.queue: collections.deque = collections.deque()
         self.executor = None
-        self.seq = 0  # calls started
-        self.current = (-1, 0)  # the latest call started: (actor id, seq)
+        self.seq, self.current = 0, (-1, 0)  # calls started; the latest: (actor id, seq)
         self.held = False  # a sync call just held the loop: calls wait a moment (_finished)
         self.running_calls: dict[tuple, Any] = {}  # (conn, cid) -> its task, or None: sync
         self.dropped: set[tuple] = set()  # sync calls cancelled while they ran
         self.outflows: dict[tuple, Outflow] = {}  # (conn, cid) of streams -> their credit
         self.peers: dict[int, Connection] = {}
         self.driver = Connection(loop, self, socket.socket(fileno=fd), label="the driver")
+
+    closing = property(lambda self: self._closing, doc="Whether the actor is stopping.")
 
     # -- client side (handles inside this actor) -------------------------------
     def call(self, actor_id: int, method: str, args, kwargs, what: str = "",
@@ -312,7 +313,7 @@ class Worker(StreamingClient):
                 self.peers.setdefault(peer_id, peer)
                 conn.reply(cid, None)
             elif method == "__stop__":
-                self.closing = True  # the runtime closes: every actor is stopping
+                self._closing = True  # the runtime closes: every actor is stopping
                 conn.reply(cid, None)
                 if not self.stopped.done():
                     self.stopped.set_result(None)
@@ -397,14 +398,14 @@ class Worker(StreamingClient):
 async def _amain(fd: int) -> int:
     loop = asyncio.get_running_loop()
     worker = Worker(loop, fd)
-    _client._worker[0] = worker
+    _client.set_worker(worker)
     _leases.set_release_hook(_leases.loop_release_hook(loop))
     _leases.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks
     try:
         await worker.stopped
         await _wait_for_gpu_leases(worker, worker.shutdown_grace / 2)
     finally:
-        worker.closing = True
+        worker._closing = True
         # What came back goes out before we do. Peers may live on, holding blocks we
         # passed them: closing keeps those, and our forward notices for them stand, so
         # their owners keep them too. (Closing the peers may let go of more: the

@@ -404,10 +404,32 @@ def ray_startup(count: int):  # pragma: no cover - needs ray
 
 
 async def startup(method: str, count: int) -> float:
+    """Seconds until ``count`` actors started at once (``ActorGroup.spawn``) all run."""
     async with actorshm.Runtime(start_method=method):
         t = time.perf_counter()
-        await asyncio.gather(*[Sink.spawn() for _ in range(count)])
+        await actorshm.ActorGroup.spawn(Sink, count)
         return time.perf_counter() - t
+
+
+async def broadcast(size: int, n: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call with one shared array: to one actor, and to a group of ``n``."""
+    group = await actorshm.ActorGroup.spawn(Sink, n)
+    one = group[0]
+    a = actorshm.empty(size, np.uint8)
+    a[::4096] = 1
+    fns = {"one actor": lambda: one.touch(a), f"group of {n}": lambda: group.touch(a)}
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        await fn()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            for _ in range(10):
+                t = time.perf_counter()
+                await fn()
+                samples[k].append(time.perf_counter() - t)
+    del a
+    await group.kill()
+    return samples
 
 
 # -- report ------------------------------------------------------------------------
@@ -498,6 +520,14 @@ async def run(args, data: dict | None = None) -> str:
                   "buffer goes home)",
                   ["contender", "ms per batch", "refill alone ms", "transport ms",
                    "bytes copied/batch", "new blocks/batch"], rows)
+        size, n = (64 * MiB, 4) if quick else (512 * MiB, 8)
+        bc = await broadcast(size, n, rounds=3 if quick else 10)
+        one = statistics.median(bc["one actor"])
+        table.add(f"Broadcast: one shared {_size(size)} array to a group of {n} actors "
+                  "(`await group.touch(a)`)",
+                  ["call", "median ms", "p99 ms", "vs one actor"],
+                  [[k, _ms(statistics.median(v)), _ms(_pct(v, 0.99)),
+                    f"{statistics.median(v) / one:.2f}x"] for k, v in bc.items()])
         from benchmarks.streaming import rows as stream_rows, streaming
         st = await streaming(quick)
         data["streaming"] = st
@@ -523,7 +553,8 @@ async def run(args, data: dict | None = None) -> str:
     data["startup"] = {**ours, **data["startup"]}
     rows += ray_rows
     table.add("Actor start-up", ["contender", "1 actor ms",
-                                 f"{4 if quick else 16} actors at once ms"], rows)
+                                 f"{4 if quick else 16} actors at once "
+                                 "(`ActorGroup.spawn`) ms"], rows)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     notes = "\n".join(f"- {n}" for n in table.notes + c.skipped +
                       [f"Peak RSS of the driver: {rss:.0f} MiB."])

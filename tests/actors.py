@@ -89,6 +89,9 @@ class Faulty:
     def hang(self):
         time.sleep(60)
 
+    def call(self, fn, *args):
+        return fn(*args)
+
     def ok(self):
         return "ok"
 
@@ -345,6 +348,84 @@ class EnvReader:
         return {n: os.environ.get(n) for n in names}
 
 
+@actor(max_concurrency=8)
+class PoolWorker:
+    """For pools and groups: counts how many of its calls run at once."""
+
+    def __init__(self, tag=0, init_delay=0.0):
+        self.started = time.time()
+        time.sleep(init_delay)
+        self.init_done = time.time()
+        self.tag = tag
+        self.active = 0
+        self.peak = 0
+        self.calls = 0
+
+    async def work(self, value, delay=0.0):
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        self.calls += 1
+        try:
+            await asyncio.sleep(delay)
+            return (self.tag, value)
+        finally:
+            self.active -= 1
+
+    def counts(self):
+        return {"peak": self.peak, "calls": self.calls, "active": self.active}
+
+    def init_times(self):
+        return (self.started, self.init_done)
+
+    async def fail_if(self, value, bad, delay=0.0):
+        await asyncio.sleep(delay)
+        if value == bad:
+            raise ValueError(f"bad value {value}")
+        return value
+
+    def fail_if_tag(self, tag):
+        if tag == self.tag:
+            raise ValueError(f"tag {tag} fails")
+        return self.tag
+
+    def die_if(self, value, bad):
+        if value == bad:
+            os._exit(7)
+        return value
+
+    def write_at(self, a, i, value):
+        a[i] = value
+        return actorshm.is_shared(a)
+
+    def sum(self, a):
+        return float(a.sum())
+
+    def stats(self):
+        return actorshm.stats()
+
+    async def broadcast(self, group, value):
+        """Use a group and a pool of other actors from inside this actor."""
+        pool = actorshm.ActorPool(list(group))
+        mapped = [r async for r in pool.map(lambda a, v: a.work(v), range(3))]
+        return await group.work(value), mapped
+
+
+@actor
+class InitFailsOnce:
+    """The first of several to create ``path`` fails in ``__init__``; the others start."""
+
+    def __init__(self, path):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.close(fd)
+        raise KeyError("the first one fails on purpose")
+
+    def ping(self):
+        return os.getpid()
+
+
 @actor
 class Named:
     def __init__(self, label):
@@ -355,3 +436,31 @@ class Named:
 
     def actor_id(self):
         return 42
+
+
+@actor
+class Oversized:
+    """Replies that cannot be sent as they are (the frame limit lowered in the actor)."""
+
+    def lower_frame_limit(self, n):
+        from actorshm import _framing, _remote_errors, _serialization
+        _framing.MAX_FRAME = n
+        _serialization.MAX_MESSAGE = _remote_errors.MAX_MESSAGE = n
+        return True
+
+    def lower_framing_limit_only(self, n):
+        from actorshm import _framing
+        _framing.MAX_FRAME = n  # the serializer's own check passes: the frame writer fails
+        return True
+
+    def raise_big(self, n):
+        raise ValueError("payload", np.ones(n, np.uint8))
+
+    async def araise_big(self, n):
+        raise ValueError("payload", np.ones(n, np.uint8))
+
+    def call(self, fn, *args):
+        return fn(*args)
+
+    def ok(self):
+        return "ok"

@@ -19,6 +19,9 @@ def test_errors_hierarchy():
     assert issubclass(actorshm.ActorDiedError, actorshm.ActorError)
     assert issubclass(actorshm.RemoteError, actorshm.ActorError)
     assert issubclass(actorshm.SharedMemoryError, MemoryError)
+    assert issubclass(actorshm.ActorGroupError, actorshm.ActorError)
+    if sys.version_info >= (3, 11):
+        assert issubclass(actorshm.ActorGroupError, ExceptionGroup)  # noqa: F821
 
 
 def test_import_needs_no_cupy():

@@ -388,10 +388,10 @@ def test_block_dropped_in_a_thread_cannot_be_picked_up_again():
         t.join()
         assert conn.released == 0  # not treated as a second grant of a live block
         assert again.lease.upstream == {conn: 1}
-        assert [r[1] for r in _leases._releases] == [(12345, 0, 0)]  # the old lease goes back
+        assert [r[1] for r in _leases.pending_releases] == [(12345, 0, 0)]  # the old lease goes back
     finally:
         _leases.set_release_hook(hook)
-        _leases._releases.clear()
+        _leases.pending_releases.clear()
         _leases._regions.pop(key, None)
         _leases._own_tokens.discard(owner.token)
         _shm._pools.remove(owner)

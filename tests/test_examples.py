@@ -11,6 +11,7 @@ if EXAMPLES not in sys.path:
 
 pytest.importorskip("sklearn")
 
+import data_parallel  # noqa: E402
 import data_pipeline  # noqa: E402
 import hogwild  # noqa: E402
 import parameter_server  # noqa: E402
@@ -58,3 +59,17 @@ def test_data_pipeline():
     assert out["new_blocks_per_batch"] == 0
     assert out["bytes_zero_copy_per_batch"] > 0
     assert out["test_accuracy"] > 0.85
+
+
+def test_data_parallel_matches_the_parameter_server(capsys):
+    out = data_parallel.main(["--quick", "--workers", "2"])
+    assert out["test_accuracy"] > 0.85
+    hist = out["history"]
+    assert all(h["bytes_copied"] == 0 for h in hist)  # weights and gradients: shared
+    assert all(h["bytes_zero_copy"] > 0 for h in hist)
+    assert all(h["pool_allocs"] == 0 for h in hist)
+    # the same algorithm as the sync parameter server: the same losses, step by step
+    ps = out["parameter_server"]
+    assert [h["loss"] for h in hist] == pytest.approx([h["loss"] for h in ps["history"]])
+    assert out["test_accuracy"] == pytest.approx(ps["test_accuracy"])
+    assert "final test accuracy: " in capsys.readouterr().out.splitlines()[-1]

@@ -1,79 +1,183 @@
-"""Pools and size classes (``_shm``), in this process: no actor, no event loop."""
+"""ActorPool: load balancing with one call per actor in flight, ordering, deaths, members."""
 
-import gc
+import asyncio
 
-import numpy as np
 import pytest
 
-from actorshm import _leases, _shm
-from actorshm._errors import SharedMemoryError
+import actorshm
+from actorshm import ActorDiedError, ActorPool
+from actors import Counter, PoolWorker
 
 
-@pytest.fixture
-def pool():
-    p = _shm.HostPool(budget=256 << 20)
-    yield p
-    p.close()
-    _shm._pools.remove(p)
-    _leases._own_tokens.discard(p.token)
+def work(a, v):
+    return a.work(v)
 
 
-def test_size_classes_are_four_per_power_of_two():
-    assert _shm.size_class(1) == _shm.MIN_BLOCK
-    assert _shm.size_class(_shm.MIN_BLOCK) == _shm.MIN_BLOCK
-    # 1024..2048 splits into 1024, 1280, 1536, 1792, 2048
-    assert [_shm.size_class(n) for n in (1025, 1280, 1281, 1793)] == [1280, 1280, 1536, 2048]
-    for n in (300, 5000, 123457, 3 << 20):
-        c = _shm.size_class(n)
-        assert n <= c < n * 1.25 + _shm.MIN_BLOCK
+async def workers(n):
+    return await asyncio.gather(*(PoolWorker.spawn(i) for i in range(n)))
 
 
-def test_large_size_classes_are_whole_pages():
-    c = _shm.size_class(_shm.LARGE + 1)
-    assert c % _shm.PAGE == 0 and c > _shm.LARGE
+async def test_map_yields_in_input_order_and_spreads_work(rt):
+    ws = await workers(2)
+    pool = ActorPool(ws)
+    delays = [0.2, 0.0, 0.1, 0.0, 0.0, 0.05]  # later items finish first
+    out = [r async for r in pool.map(lambda a, v: a.work(v, delays[v]), range(6))]
+    assert [v for _, v in out] == list(range(6))
+    assert {tag for tag, _ in out} == {0, 1}
 
 
-def test_a_dropped_block_is_recycled_by_its_pool(pool):
-    block = pool.alloc(1000)
-    where = (block.region.key, block.offset, block.size)
-    reuses = _leases.counters["pool_reuses"]
-    del block
-    gc.collect()
-    again = pool.alloc(900)  # the same size class
-    assert (again.region.key, again.offset, again.size) == where
-    assert _leases.counters["pool_reuses"] == reuses + 1
-    assert pool.blocks_live == 1
+async def test_map_unordered_yields_in_completion_order(rt):
+    pool = ActorPool(await workers(2))
+    delays = [1.0, 0.0, 0.0, 0.0]  # item 0 holds one actor; the other does 1, 2, 3
+    out = [v async for _, v in pool.map_unordered(lambda a, v: a.work(v, delays[v]),
+                                                   range(4))]
+    assert out == [1, 2, 3, 0]
 
 
-def test_small_blocks_share_a_chunk_and_large_ones_get_their_own(pool):
-    a, b = pool.alloc(1000), pool.alloc(1000)
-    big = pool.alloc(_shm.LARGE)
-    assert a.region is b.region and not a.region.dedicated
-    assert big.region.dedicated and big.region is not a.region
-    assert len(pool.regions) == 2
+async def test_one_call_per_actor_in_flight(rt):
+    ws = await workers(3)  # each allows 8 concurrent calls: only the pool limits them
+    pool = ActorPool(ws)
+    futs = [pool.submit(lambda a, v: a.work(v, 0.02), v) for v in range(12)]
+    assert len(await asyncio.gather(*futs)) == 12
+    counts = await asyncio.gather(*(w.counts() for w in ws))
+    assert [c["peak"] for c in counts] == [1, 1, 1]
+    assert sum(c["calls"] for c in counts) == 12
 
 
-def test_the_budget_frees_unused_dedicated_regions_before_it_fails(pool):
-    pool.budget = _shm.CHUNK_SIZE + 3 * _shm.LARGE
-    pool.alloc(1)  # a chunk
-    big = pool.alloc(2 * _shm.LARGE)
-    del big
-    gc.collect()
-    other = pool.alloc(3 * _shm.LARGE)  # fits only once the free 8 MiB region is gone
-    assert other.region.dedicated and len(pool.regions) == 2
-    with pytest.raises(SharedMemoryError, match="shm_budget"):
-        pool.alloc(2 * _shm.LARGE)
+async def test_submit_starts_at_once_and_returns_an_awaitable(rt):
+    c = await Counter.spawn(0)
+    pool = ActorPool([c])
+    f1 = pool.submit(lambda a, v: a.record(v), 1)
+    f2 = pool.submit(lambda a, v: a.record(v), 2)  # queued until the first is done
+    assert not f2.done()
+    assert await f2 == 2 and await f1 == 1
+    assert await c.get_log() == [1, 2]  # queued work runs in submission order
+
+    async def two_calls(a, v):  # an async fn may make several calls on its actor
+        return await a.incr(v) + await a.incr(v)
+    assert await pool.submit(two_calls, 5) == 5 + 10
 
 
-def test_arrays_on_a_block_keep_it_alive(pool):
-    block = pool.alloc(800)
-    arr = _shm.array_from_block(block, (100,), np.float64)
-    key = block.key
-    del block
-    gc.collect()
-    assert _leases._blocks[key]() is not None
-    assert _shm.find_block(arr[10:]).key == key
-    del arr
-    gc.collect()
-    pool.drain()
-    assert pool.blocks_live == 0
+async def test_errors_reach_the_awaitable_and_the_pool_goes_on(rt):
+    pool = ActorPool(await workers(2))
+    with pytest.raises(ValueError, match="bad value 3"):
+        async for _ in pool.map(lambda a, v: a.fail_if(v, 3), range(6)):
+            pass
+    # a fn that returns no awaitable
+    with pytest.raises(TypeError, match="must return an awaitable"):
+        await pool.submit(lambda a, v: v, 1)
+    # everything cancelled and freed: the pool is usable again, both actors free
+    assert sorted([v async for v in pool.map(lambda a, v: a.fail_if(v, -1), range(4))]) \
+        == [0, 1, 2, 3]
+    assert pool.has_free()
+
+
+async def test_member_dying_mid_map_fails_with_actor_died_not_a_hang(rt):
+    ws = await workers(2)
+    pool = ActorPool(ws)
+
+    async def consume():
+        return [r async for r in pool.map(lambda a, v: a.die_if(v, 3), range(8))]
+    with pytest.raises(ActorDiedError):
+        await asyncio.wait_for(consume(), 10)
+    assert len(pool) == 1  # the dead member left the pool
+    survivor = list(pool)[0]
+    assert await asyncio.wait_for(
+        pool.submit(lambda a, v: a.work(v), 9), 10) == (await survivor.work(0))[:1] + (9,)
+    # the last member dies too: queued and new work fail instead of waiting forever
+    f1 = pool.submit(lambda a, v: a.die_if(v, v), 1)
+    f2 = pool.submit(lambda a, v: a.work(v), 2)
+    with pytest.raises(ActorDiedError):
+        await asyncio.wait_for(f1, 10)
+    with pytest.raises(ActorDiedError, match="every actor of this ActorPool has died"):
+        await asyncio.wait_for(f2, 10)
+    with pytest.raises(ActorDiedError, match="has died"):
+        pool.submit(lambda a, v: a.work(v), 3)
+
+
+async def test_leaving_map_early_cancels_the_work_in_flight(rt):
+    pool = ActorPool(await workers(2))
+    delays = {0: 0.0, 1: 30.0}
+    async for _ in pool.map_unordered(lambda a, v: a.work(v, delays.get(v, 0)), range(2)):
+        break  # item 1 sleeps 30 s in its actor: leaving cancels it
+    for _ in range(100):
+        if pool.has_free() and len(pool._idle) == 2:
+            break
+        await asyncio.sleep(0.02)
+    out = await asyncio.wait_for(
+        asyncio.gather(*(pool.submit(work, v) for v in range(4))), 10)
+    assert [v for _, v in out] == [0, 1, 2, 3]
+
+
+async def test_cancelling_a_submit_frees_its_actor(rt):
+    (w,) = await workers(1)
+    pool = ActorPool([w])
+    f = pool.submit(lambda a, v: a.work(v, 30), 1)
+    queued = pool.submit(work, 2)
+    await asyncio.sleep(0.05)
+    f.cancel()
+    assert await asyncio.wait_for(queued, 10) == (0, 2)
+
+
+async def test_push_remove_pop_idle(rt):
+    a, b, c = await workers(3)
+    pool = ActorPool([a])
+    pool.push(b)
+    assert list(pool) == [a, b] and len(pool) == 2
+    with pytest.raises(ValueError, match="already"):
+        pool.push(b)
+    busy = pool.submit(lambda h, v: h.work(v, 0.2), 1)  # runs on a
+    idle = pool.pop_idle()
+    assert idle == b and list(pool) == [a]
+    pool.remove(a)  # busy: its call still finishes
+    assert await busy == (0, 1)
+    with pytest.raises(ValueError, match="no actors left"):
+        pool.submit(work, 1)
+    pool.push(c)
+    assert await pool.submit(work, 5) == (2, 5)
+    assert pool.pop_idle() == c and pool.pop_idle() is None
+    with pytest.raises(ValueError, match="not in this pool"):
+        pool.remove(a)
+
+
+async def test_a_member_pushed_back_while_busy_still_gets_one_call_at_a_time(rt):
+    (w,) = await workers(1)
+    pool = ActorPool([w])
+    first = pool.submit(lambda a, v: a.work(v, 0.3), 1)
+    pool.remove(w)
+    pool.push(w)  # back while its call runs: the next item waits for that call
+    second = pool.submit(lambda a, v: a.work(v, 0.0), 2)
+    assert await asyncio.gather(first, second) == [(0, 1), (0, 2)]
+    assert (await w.counts())["peak"] == 1
+
+
+async def test_removing_the_last_member_fails_queued_work(rt):
+    (w,) = await workers(1)
+    pool = ActorPool([w])
+    running = pool.submit(lambda a, v: a.work(v, 0.2), 1)
+    queued = pool.submit(work, 2)
+    pool.remove(w)
+    with pytest.raises(ValueError, match="no actors left"):
+        await queued
+    assert await running == (0, 1)
+
+
+async def test_bad_input_is_a_clear_error(rt):
+    c = await Counter.spawn(0)
+    with pytest.raises(ValueError, match="at least one actor"):
+        ActorPool([])
+    with pytest.raises(TypeError, match="not an actor handle"):
+        ActorPool([c, 3])
+    with pytest.raises(TypeError, match="not one handle"):
+        ActorPool(c)
+    with pytest.raises(TypeError, match="not int"):
+        ActorPool(3)
+    with pytest.raises(ValueError, match="twice"):
+        ActorPool([c, c])
+    pool = ActorPool([c])
+    with pytest.raises(TypeError, match="must be callable"):
+        pool.submit("incr", 1)
+    with pytest.raises(TypeError, match="actor handle"):
+        pool.push("x")
+    assert "ActorPool 1 actors" in repr(pool)
+    assert actorshm.ActorPool.__module__ == "actorshm"

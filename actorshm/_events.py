@@ -1,0 +1,178 @@
+"""Lifecycle events: the owner of actors learns of deaths and restarts without calling them.
+
+``Runtime`` mixes in ``EventSource``: ``rt.on_actor_event(callback)`` and
+``async for ev in rt.events()``. The runtime calls ``emit`` where it learns that an actor
+process died or that a restart brought one back; everything else lives here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["ActorEvent", "EventSource", "emit", "close"]
+
+logger = logging.getLogger("actorshm")
+
+
+@dataclass(frozen=True)
+class ActorEvent:
+    """Something that happened to an actor, seen by the runtime that owns it.
+
+    Attributes:
+        kind: ``"died"`` (its process is gone: a crash, a signal, ``kill()``, an exit)
+            or ``"restarted"`` (a new process runs it after a death, ``max_restarts``).
+        handle: a handle to the actor (after ``"restarted"``, calls on it work again).
+        actor_id: the actor's id in its runtime (``handle.actor_id``).
+        cls_name: the actor's class name.
+        name: its ``name`` option, or ``None``.
+        pid: the process that died, or the new process after a restart.
+        reason: why it died (exit code or signal, ``kill()``), or what the restart
+            followed.
+        will_restart: for ``"died"``: whether a restart is on its way.
+        restarts: how many times it has been restarted so far.
+        time: ``time.time()`` when the runtime learned of it.
+    """
+
+    kind: str
+    handle: Any = field(repr=False)
+    actor_id: int
+    cls_name: str
+    name: str | None
+    pid: int
+    reason: str
+    will_restart: bool = False
+    restarts: int = 0
+    time: float = 0.0
+
+
+class _EventStream:
+    """What ``rt.events()`` returns: an async iterator over the events from then on."""
+
+    def __init__(self, source: "EventSource") -> None:
+        self._source = source
+        self._queue: collections.deque = collections.deque()
+        self._wake = asyncio.Event()
+        self._closed = False
+        source._event_state()[1].append(self)
+
+    def _put(self, ev: ActorEvent | None) -> None:
+        if ev is None:
+            self._closed = True
+        else:
+            self._queue.append(ev)
+        self._wake.set()
+
+    def __aiter__(self) -> "_EventStream":
+        return self
+
+    async def __anext__(self) -> ActorEvent:
+        while not self._queue:
+            if self._closed:
+                raise StopAsyncIteration
+            self._wake.clear()
+            await self._wake.wait()
+        return self._queue.popleft()
+
+    async def aclose(self) -> None:
+        """Stop receiving events (leaving ``async for`` with ``break`` is enough too)."""
+        self._closed = True
+        self._queue.clear()
+        streams = self._source._event_state()[1]
+        if self in streams:
+            streams.remove(self)
+        self._wake.set()
+
+
+class EventSource:
+    """Mixed into ``Runtime``: subscribe to its actors' lifecycle events."""
+
+    def _event_state(self) -> tuple[list, list]:
+        st = self.__dict__.get("_actorshm_events")
+        if st is None:
+            st = self.__dict__["_actorshm_events"] = ([], [])  # (callbacks, streams)
+        return st
+
+    def on_actor_event(self, callback: Callable[[ActorEvent], Any]) -> Callable[[], None]:
+        """Call ``callback(event)`` on the event loop for every later death or restart.
+
+        The callback may be a plain function or an ``async def`` (run as a task). An
+        exception it raises is logged and does not stop later events. Deaths caused by
+        closing the runtime are not reported.
+
+        Args:
+            callback: called with each ``ActorEvent``.
+
+        Returns:
+            A function that unsubscribes the callback.
+
+        Raises:
+            TypeError: ``callback`` is not callable.
+        """
+        if not callable(callback):
+            raise TypeError(f"on_actor_event takes a callable, not {type(callback).__name__}")
+        callbacks = self._event_state()[0]
+        entry = [callback]  # a fresh object: the same function may be subscribed twice
+        callbacks.append(entry)
+
+        def unsubscribe() -> None:
+            if entry in callbacks:
+                callbacks.remove(entry)
+        return unsubscribe
+
+    def events(self) -> _EventStream:
+        """An async iterator of the ``ActorEvent``s from now on; it ends when the
+        runtime closes. ``async for ev in rt.events(): ...``; events wait in it
+        (unbounded) until read, so leave the loop (or ``aclose()`` it) when done."""
+        stream = _EventStream(self)
+        if getattr(self, "_closing", False):  # closed (or closing): nothing more will come
+            stream._put(None)
+        return stream
+
+
+def emit(runtime: Any, kind: str, rec: Any, reason: str, will_restart: bool = False) -> None:
+    """Tell ``runtime``'s subscribers that actor ``rec`` died or restarted."""
+    if getattr(runtime, "_closing", False):
+        return
+    callbacks, streams = runtime._event_state()
+    if not callbacks and not streams:
+        return
+    from ._actor import ActorHandle
+    handle = ActorHandle(runtime, rec.actor_id, rec.cls_name, rec.methods, rec.options.name,
+                         rec.pid, rec.options.max_pending_calls)
+    ev = ActorEvent(kind, handle, rec.actor_id, rec.cls_name, rec.options.name, rec.pid,
+                    reason, will_restart, rec.restarts, time.time())
+    for s in list(streams):
+        s._put(ev)
+    for (cb,) in list(callbacks):
+        runtime.loop.call_soon(_run_callback, runtime.loop, cb, ev)
+
+
+def close(runtime: Any) -> None:
+    """The runtime closed: every ``events()`` iterator ends."""
+    st = runtime.__dict__.get("_actorshm_events")
+    if st is not None:
+        for s in st[1]:
+            s._put(None)
+        st[1].clear()
+        st[0].clear()
+
+
+def _run_callback(loop: asyncio.AbstractEventLoop, cb: Callable, ev: ActorEvent) -> None:
+    try:
+        out = cb(ev)
+        if inspect.isawaitable(out):
+            task = asyncio.ensure_future(out)
+            task.add_done_callback(_log_task_error)
+    except Exception:
+        logger.exception("actorshm: an actor event callback raised (event: %s)", ev)
+
+
+def _log_task_error(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("actorshm: an actor event callback raised", exc_info=task.exception())

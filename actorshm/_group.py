@@ -1,0 +1,287 @@
+"""``ActorGroup``: one call broadcast to a set of actors, results gathered in member order.
+
+Written against the public handle API only (calls, ``kill``) and the classes' own
+``spawn``, so it works the same on every backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from . import _shm
+from ._actor import ActorHandle, _Spawner
+from ._errors import ActorGroupError
+from ._pool import check_handles
+
+__all__ = ["ActorGroup"]
+
+
+class ActorGroup:
+    """A fixed list of actors that a call goes to at once: ``await group.step(x)``.
+
+    ``group.method(*args, **kwargs)`` sends the call to every member now and returns an
+    awaitable of the list of results, in member order. The ``await`` returns only once
+    every member's call has finished or failed; if any failed it raises
+    ``ActorGroupError`` (an ``ExceptionGroup`` and an ``ActorError``) naming the failed
+    members, with every result in its ``results``. Cancelling the awaitable cancels
+    every member's call.
+
+    Arrays: a shared array (``actorshm.empty``/``zeros``/``share``) goes to every member
+    by reference, nothing copied. An ordinary ndarray given as an argument, or inside a
+    list, tuple or dict argument, is copied into shared memory once for the whole group
+    and then passed by reference to all; arrays deeper in other objects are copied once
+    per member, as for single calls.
+
+    ``len(group)``, ``group[i]`` and iteration give the handles; ``group[a:b]`` is a
+    group of those members.
+
+    Args:
+        handles: the actors (a non-empty list of distinct handles). Members may be of
+            different classes: a method is callable on the group when every member has it.
+
+    Raises:
+        TypeError: ``handles`` is not a list of actor handles.
+        ValueError: it is empty or lists an actor twice.
+    """
+
+    __slots__ = ("_handles", "_methods")
+
+    def __init__(self, handles: Iterable[ActorHandle]) -> None:
+        self._handles: tuple[ActorHandle, ...] = tuple(check_handles(handles, "ActorGroup"))
+        self._methods: dict[str, GroupMethod] = {}
+
+    @classmethod
+    async def spawn(cls, actor_cls: Any, n: int, /, *args: Any,
+                    **kwargs: Any) -> "ActorGroup":
+        """Start ``n`` actors of ``actor_cls`` at once and return them as a group.
+
+        Every start-up runs concurrently (``asyncio.gather`` of the spawns), so ``n``
+        actors take about as long as the slowest one (with ``start_method="forkserver"``
+        or when ``__init__`` waits on I/O) instead of ``n`` times one. Each member gets the
+        same ``*args, **kwargs`` for its ``__init__``.
+
+        Args:
+            actor_cls: an ``@actor`` class, or ``Cls.options(...)`` for per-spawn options
+                (without ``name``: names are unique, so give each member its own with
+                ``Cls.options(name=...)`` spawned one by one).
+            n: how many actors (>= 1).
+
+        Raises:
+            TypeError: ``actor_cls`` is not an actor class, or ``n`` is not an int.
+            ValueError: ``n < 1``, or a ``name`` option with ``n > 1``.
+            ActorGroupError: some members failed to start (each one's error inside, e.g.
+                the exception its ``__init__`` raised); the ones that started are
+                stopped first, so nothing is left running.
+        """
+        spawner = _spawner_of(actor_cls)
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"ActorGroup.spawn: n must be an int, not {type(n).__name__}")
+        if n < 1:
+            raise ValueError(f"ActorGroup.spawn: n must be >= 1, not {n}")
+        if n > 1 and spawner._options.name is not None:
+            raise ValueError(f"ActorGroup.spawn: cannot give {n} actors the one name "
+                             f"{spawner._options.name!r}; names are unique. Spawn "
+                             "without name=, or spawn named actors one by one and "
+                             "pass them to ActorGroup([...])")
+        what = f"{spawner._cls.__qualname__}.__init__"
+        outs = await _gather_all([spawner.spawn(*args, **kwargs) for _ in range(n)])
+        failed = [i for i, (ok, _) in enumerate(outs) if not ok]
+        if failed:
+            started = [v for ok, v in outs if ok]
+            await asyncio.gather(*(h.kill() for h in started), return_exceptions=True)
+            errors = [outs[i][1] for i in failed]
+            raise ActorGroupError(
+                f"{len(failed)} of {n} actors failed to start ({what}): "
+                + "; ".join(f"member {i}: {_brief(e)}" for i, e in zip(failed, errors))
+                + (f"; the {len(started)} that started were stopped" if started else ""),
+                errors, failed, None)
+        return cls([v for _, v in outs])
+
+    # -- the members ---------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def __iter__(self) -> Iterator[ActorHandle]:
+        return iter(self._handles)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return ActorGroup(self._handles[i])
+        return self._handles[i]
+
+    def __repr__(self) -> str:
+        names = sorted({h._cls_name for h in self._handles})
+        return f"<ActorGroup of {len(self._handles)} {'/'.join(names)} actors>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ActorGroup) and other._handles == self._handles
+
+    def __hash__(self) -> int:
+        return hash(self._handles)
+
+    def __reduce__(self):
+        return (ActorGroup, (list(self._handles),))
+
+    def __getattr__(self, name: str) -> "GroupMethod":
+        if name.startswith("_"):
+            raise AttributeError(name)
+        m = self._methods.get(name)
+        if m is None:
+            missing = [i for i, h in enumerate(self._handles) if name not in h._methods]
+            if missing:
+                h = self._handles[missing[0]]
+                raise AttributeError(
+                    f"ActorGroup: member {missing[0]} (actor {h._cls_name}) has no public "
+                    f"method {name!r}; its methods are {sorted(h._methods)}")
+            m = self._methods[name] = GroupMethod(self._handles, name)
+        return m
+
+    def __dir__(self):
+        common = set.intersection(*(set(h._methods) for h in self._handles))
+        return sorted(set(super().__dir__()) | common)
+
+    async def kill(self) -> None:
+        """End every member's process (``handle.kill()`` on each, at once)."""
+        await asyncio.gather(*(h.kill() for h in self._handles), return_exceptions=True)
+
+
+class GroupMethod:
+    """One method of every member of a group: calling it sends the call to all."""
+
+    __slots__ = ("_handles", "_name")
+
+    def __init__(self, handles: tuple, name: str) -> None:
+        self._handles = handles
+        self._name = name
+
+    def __repr__(self) -> str:
+        return f"<group method {self._name} of {len(self._handles)} actors>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> asyncio.Future:
+        """Send the call to every member now; return an awaitable of the results list.
+
+        Raises:
+            TypeError: an argument cannot be serialized (nothing is sent to anyone).
+            PendingCallsLimitError: the first member's ``max_pending_calls`` calls are
+                all unanswered (nothing is sent); for a later member it is that member's
+                failure in the ``ActorGroupError``.
+        """
+        if len(self._handles) > 1:
+            args, kwargs = _share_once((args, kwargs))
+        loop = asyncio.get_running_loop()
+        futs: list[asyncio.Future] = []
+        for i, h in enumerate(self._handles):
+            try:
+                futs.append(getattr(h, self._name)(*args, **kwargs))
+            except Exception as exc:
+                if i == 0:
+                    raise  # nothing was sent: as for a single call
+                f = loop.create_future()
+                f.set_exception(exc)
+                futs.append(f)
+        del args, kwargs  # the members hold what they need (shared copies go home)
+        return _gather(loop, futs, self._handles, self._name)
+
+
+def _gather(loop, futs: list, handles: tuple, name: str) -> asyncio.Future:
+    """A future of every call's result, once all are done; cancelling it cancels them."""
+    out = loop.create_future()
+    left = [len(futs)]
+
+    def one_done(_f) -> None:
+        left[0] -= 1
+        if left[0] or out.done():
+            return
+        results, errors, failed = [], [], []
+        for i, f in enumerate(futs):
+            if f.cancelled():
+                errors.append(asyncio.CancelledError(f"the call to member {i} was cancelled"))
+                failed.append(i)
+                results.append(None)
+            elif f.exception() is not None:
+                errors.append(f.exception())
+                failed.append(i)
+                results.append(None)
+            else:
+                results.append(f.result())
+        if not failed:
+            out.set_result(results)
+            return
+        what = f"{handles[0]._cls_name}.{name}"
+        out.set_exception(ActorGroupError(
+            f"{len(failed)} of {len(futs)} calls of {what} failed: "
+            + "; ".join(f"member {i} ({_who(handles[i])}): {_brief(e)}"
+                        for i, e in zip(failed, errors)),
+            errors, failed, results))
+
+    def cancel_calls(o: asyncio.Future) -> None:
+        if o.cancelled():
+            for f in futs:
+                f.cancel()
+
+    for f in futs:
+        f.add_done_callback(one_done)
+    out.add_done_callback(cancel_calls)
+    return out
+
+
+async def _gather_all(aws: list) -> list[tuple[bool, Any]]:
+    """Run every awaitable to its end; (True, result) or (False, exception) each.
+
+    Cancelled, it cancels them all and waits for them, so nothing runs on unseen."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for t in tasks:  # kill what started before the cancellation reached it
+            if not t.cancelled() and t.exception() is None:
+                await asyncio.shield(t.result().kill())
+        raise
+    return [(False, t.exception()) if t.exception() is not None else (True, t.result())
+            for t in tasks]
+
+
+def _spawner_of(actor_cls: Any) -> _Spawner:
+    if isinstance(actor_cls, _Spawner):
+        return actor_cls
+    if isinstance(actor_cls, type) and "__actorshm_options__" in vars(actor_cls):
+        return actor_cls.options()
+    raise TypeError(f"ActorGroup.spawn takes an @actor class or Cls.options(...), not "
+                    f"{actor_cls!r}; decorate the class with @actorshm.actor")
+
+
+def _who(h: ActorHandle) -> str:
+    return f"actor {h._cls_name} id={h._actor_id}"
+
+
+def _brief(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _share_once(obj: Any) -> Any:
+    """``obj`` with every ordinary ndarray in it (through lists, tuples and dicts) replaced
+    by a shared copy, made once: each member's call then passes that copy by reference."""
+    t = type(obj)
+    if t is np.ndarray:
+        if obj.dtype.hasobject or obj.size == 0 or _shm.is_shared(obj):
+            return obj
+        shared = _shm.copy_to_shared(obj)
+        _shm.counters["bytes_copied"] += obj.nbytes  # copied because it was not shared
+        _shm.counters["arrays_copied"] += 1
+        return shared
+    if t is list:
+        return [_share_once(x) for x in obj]
+    if t is dict:
+        return {k: _share_once(v) for k, v in obj.items()}
+    if t is tuple:
+        return tuple(_share_once(x) for x in obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return t(*(_share_once(x) for x in obj))
+    return obj

@@ -1,0 +1,318 @@
+"""``ActorPool``: load-balance calls over a set of actors, as Ray's ``ActorPool``.
+
+Written against the public handle API only (calls, ``kill``), so it works the same on
+every backend. Everything runs on the caller's event loop; nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+
+from ._actor import ActorHandle
+from ._errors import ActorDiedError
+
+__all__ = ["ActorPool"]
+
+
+def check_handles(handles: Iterable[Any], what: str) -> list[ActorHandle]:
+    """``handles`` as a list, or a clear error naming what is wrong with it."""
+    if isinstance(handles, ActorHandle):
+        raise TypeError(f"{what} takes a list of actor handles, not one handle; "
+                        f"write {what}([handle])")
+    try:
+        out = list(handles)
+    except TypeError:
+        raise TypeError(f"{what} takes a list of actor handles, not "
+                        f"{type(handles).__name__}") from None
+    for i, h in enumerate(out):
+        if not isinstance(h, ActorHandle):
+            raise TypeError(f"{what}: item {i} is a {type(h).__name__}, not an actor "
+                            "handle (what `await Cls.spawn()` returns)")
+    if not out:
+        raise ValueError(f"{what} needs at least one actor handle; spawn some first, "
+                         f"e.g. `await actorshm.ActorGroup.spawn(Cls, 4)`")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{what}: the same actor is listed twice")
+    return out
+
+
+class ActorPool:
+    """Runs work on a set of actors, one call per actor at a time, as Ray's ActorPool.
+
+    ``fn(handle, value)`` must start one call on ``handle`` and return its awaitable
+    (``lambda a, v: a.step(v)``), or be an ``async def`` that awaits calls on it.
+    Work waits in a queue, first in first out, until an actor is free.
+
+    A member whose call raises ``ActorDiedError`` leaves the pool (that call's awaitable
+    raises the error; work still queued goes to the others). Once no member is left,
+    queued and new work fails with ``ActorDiedError`` instead of waiting forever.
+    ``push`` a restarted actor back to use it again.
+
+    Args:
+        handles: the actors (a non-empty list of distinct handles).
+
+    Raises:
+        TypeError: ``handles`` is not a list of actor handles.
+        ValueError: it is empty or lists an actor twice.
+    """
+
+    def __init__(self, handles: Iterable[ActorHandle]) -> None:
+        self._members: list[ActorHandle] = check_handles(handles, "ActorPool")
+        self._idle: collections.deque = collections.deque(self._members)
+        self._queue: collections.deque = collections.deque()  # (fn, value, future)
+        self._busy: dict[ActorHandle, asyncio.Future] = {}
+        self._dead: list[str] = []  # why members left the pool by dying
+
+    # -- members -------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __iter__(self):
+        return iter(list(self._members))
+
+    def __repr__(self) -> str:
+        return (f"<ActorPool {len(self._members)} actors, {len(self._idle)} free, "
+                f"{len(self._queue)} queued>")
+
+    def push(self, handle: ActorHandle) -> None:
+        """Add an actor to the pool; queued work starts on it at once.
+
+        Args:
+            handle: the actor to add.
+
+        Raises:
+            TypeError: ``handle`` is not an actor handle.
+            ValueError: it is already a member.
+        """
+        if not isinstance(handle, ActorHandle):
+            raise TypeError(f"ActorPool.push takes an actor handle, not "
+                            f"{type(handle).__name__}")
+        if handle in self._members:
+            raise ValueError(f"{handle!r} is already in this pool")
+        self._members.append(handle)
+        if handle not in self._busy:  # (one removed while busy is free when its call ends)
+            self._idle.append(handle)
+        self._dispatch()
+
+    def remove(self, handle: ActorHandle) -> None:
+        """Take an actor out of the pool; a call it is running finishes normally.
+
+        Work still queued when the last member leaves fails with ``ValueError``.
+
+        Args:
+            handle: a member.
+
+        Raises:
+            ValueError: ``handle`` is not a member.
+        """
+        if handle not in self._members:
+            raise ValueError(f"{handle!r} is not in this pool")
+        self._members.remove(handle)
+        if handle in self._idle:
+            self._idle.remove(handle)
+        self._fail_queue_if_empty()
+
+    def pop_idle(self) -> ActorHandle | None:
+        """Take a free actor out of the pool and return it; ``None`` if none is free."""
+        if not self._idle:
+            return None
+        h = self._idle.popleft()
+        self._members.remove(h)
+        self._fail_queue_if_empty()
+        return h
+
+    def has_free(self) -> bool:
+        """Whether an actor is free and nothing waits in the queue."""
+        return bool(self._idle) and not self._queue
+
+    # -- work ------------------------------------------------------------------------
+    def submit(self, fn: Callable[[ActorHandle, Any], Awaitable], value: Any) -> asyncio.Future:
+        """Run ``fn(handle, value)`` on the next free actor; return an awaitable of its result.
+
+        The call starts at once when an actor is free (no ``await`` needed), else when
+        one becomes free, in submission order. Cancelling the awaitable cancels the call
+        (or drops it from the queue). Errors of ``fn`` and of the call are raised by
+        ``await``.
+
+        Args:
+            fn: ``fn(actor, value)``, returning the awaitable of a call on ``actor``
+                (``lambda a, v: a.method(v)``), or an ``async def`` awaiting calls on it.
+            value: passed to ``fn``.
+
+        Returns:
+            An ``asyncio.Future`` of the result.
+
+        Raises:
+            TypeError: ``fn`` is not callable.
+            ValueError: the pool has no members (all removed).
+            ActorDiedError: every member has died.
+        """
+        if not callable(fn):
+            raise TypeError(f"ActorPool.submit(fn, value): fn must be callable, like "
+                            f"`lambda actor, v: actor.method(v)`, not {type(fn).__name__}")
+        if not self._members:
+            raise self._empty_error()
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append((fn, value, fut))
+        self._dispatch()
+        return fut
+
+    async def map(self, fn: Callable[[ActorHandle, Any], Awaitable],
+                  values: Iterable[Any]) -> AsyncIterator[Any]:
+        """Apply ``fn`` to every value on the pool's actors; yield results in input order.
+
+        ``values`` is read lazily (it may be a generator), keeping at most twice as many
+        items in flight or finished-but-not-yet-yielded as the pool has actors. The first
+        error is raised here; leaving the loop early cancels the work still in flight.
+
+        Args:
+            fn: as for ``submit``.
+            values: an iterable of values, one call each.
+
+        Raises:
+            ActorDiedError: a member died running an item (it leaves the pool).
+            Exception: the first error of ``fn`` or of a call, as ``await`` raises it.
+        """
+        pending: collections.deque = collections.deque()
+        it = iter(values)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(pending) < self._window():
+                    try:
+                        v = next(it)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    pending.append(self.submit(fn, v))
+                if not pending:
+                    return
+                yield await pending.popleft()
+        finally:
+            _cancel_all(pending)
+
+    async def map_unordered(self, fn: Callable[[ActorHandle, Any], Awaitable],
+                            values: Iterable[Any]) -> AsyncIterator[Any]:
+        """Like ``map``, but yield each result as soon as it is ready (completion order).
+
+        Args:
+            fn: as for ``submit``.
+            values: an iterable of values, one call each.
+
+        Raises:
+            ActorDiedError: a member died running an item (it leaves the pool).
+            Exception: the first error of ``fn`` or of a call, as ``await`` raises it.
+        """
+        pending: set = set()
+        done: collections.deque = collections.deque()
+        wake = asyncio.Event()
+
+        def finished(f: asyncio.Future) -> None:
+            pending.discard(f)
+            done.append(f)
+            wake.set()
+
+        it = iter(values)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(pending) + len(done) < self._window():
+                    try:
+                        v = next(it)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    f = self.submit(fn, v)
+                    pending.add(f)
+                    f.add_done_callback(finished)
+                if not done:
+                    if not pending:
+                        return
+                    wake.clear()
+                    await wake.wait()
+                    continue
+                yield done.popleft().result()
+        finally:
+            _cancel_all(pending)
+            for f in done:  # mark errors seen: they were superseded by the one raised
+                if not f.cancelled():
+                    f.exception()
+
+    # -- internals ---------------------------------------------------------------------
+    def _window(self) -> int:
+        return max(2, 2 * len(self._members))
+
+    def _empty_error(self) -> Exception:
+        if self._dead:
+            return ActorDiedError("every actor of this ActorPool has died; last: "
+                                  f"{self._dead[-1]}")
+        return ValueError("this ActorPool has no actors left (they were removed); "
+                          "push() one before submitting work")
+
+    def _fail_queue_if_empty(self) -> None:
+        if self._members:
+            return
+        while self._queue:
+            _, _, fut = self._queue.popleft()
+            if not fut.done():
+                fut.set_exception(self._empty_error())
+
+    def _dispatch(self) -> None:
+        while self._queue and self._idle:
+            fn, value, fut = self._queue.popleft()
+            if fut.done():  # cancelled while queued
+                continue
+            self._start(self._idle.popleft(), fn, value, fut)
+
+    def _start(self, h: ActorHandle, fn: Callable, value: Any, fut: asyncio.Future) -> None:
+        try:
+            aw = fn(h, value)
+        except Exception as exc:
+            fut.set_exception(exc)
+            self._release(h, None)
+            return
+        if not inspect.isawaitable(aw):
+            fut.set_exception(TypeError(
+                "ActorPool: fn(actor, value) must return an awaitable, like "
+                f"`lambda a, v: a.method(v)`; it returned {type(aw).__name__}"))
+            self._release(h, None)
+            return
+        inner = asyncio.ensure_future(aw)
+        self._busy[h] = inner
+        inner.add_done_callback(lambda f: self._finished(h, fut, f))
+        fut.add_done_callback(lambda f: f.cancelled() and not inner.done() and inner.cancel())
+
+    def _finished(self, h: ActorHandle, fut: asyncio.Future, inner: asyncio.Future) -> None:
+        self._busy.pop(h, None)
+        exc = None if inner.cancelled() else inner.exception()
+        if not fut.done():
+            if inner.cancelled():
+                fut.cancel()
+            elif exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(inner.result())
+        self._release(h, exc)
+
+    def _release(self, h: ActorHandle, exc: BaseException | None) -> None:
+        if h not in self._members:  # removed while busy
+            self._dispatch()
+            return
+        if isinstance(exc, ActorDiedError):
+            self._members.remove(h)
+            self._dead.append(str(exc).splitlines()[0] if str(exc) else repr(h))
+            self._fail_queue_if_empty()
+            return
+        self._idle.append(h)
+        self._dispatch()
+
+
+def _cancel_all(futs) -> None:
+    for f in list(futs):
+        if not f.done():
+            f.cancel()
+        elif not f.cancelled():
+            f.exception()  # retrieved: an error after the one raised is not "unhandled"

@@ -1,0 +1,92 @@
+"""Error replies: an exception raised by a call, pickled for the caller, and rebuilt there.
+
+The caller gets the same exception type where it pickles, with the remote traceback as
+its ``__cause__`` and a note naming the call; otherwise ``RemoteError`` with the type's
+name, the message and the traceback text. An exception too big for a frame (it holds
+big data in its arguments) goes back as a new exception of its type with its message
+cut short, so that ``except ValueError:`` still works and the call still finishes.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+
+import cloudpickle
+
+from ._errors import ProtocolError, RemoteError, RemoteTraceback
+from ._wire import MAX_MESSAGE
+
+__all__ = ["encode_exception", "encode_failure", "decode_exception"]
+
+_BRIEF = 1 << 16  # what a too-big exception keeps of its message and traceback text
+
+
+def _type_name(t: type) -> str:
+    return t.__qualname__ if t.__module__ in ("builtins", "__main__") else \
+        f"{t.__module__}.{t.__qualname__}"
+
+
+def encode_exception(exc: BaseException) -> bytes:
+    """Pickle an exception for an error reply: itself where it pickles, and its type
+    name, message and traceback text. One over the frame limit (it holds big data)
+    goes as a new exception of its type with its message cut short, or as its text."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        blob = cloudpickle.dumps(exc, protocol=5)
+    except Exception:
+        blob = None
+    t = type(exc)
+    name = _type_name(t)
+    try:
+        msg = str(exc)
+    except Exception:
+        msg = "<unprintable exception>"
+    if blob is not None and len(blob) + len(msg) + len(tb) > MAX_MESSAGE - _BRIEF:
+        size = len(blob)
+        note = (f" [actorshm: this {name} was {size / 2**20:.1f} MiB pickled, over the "
+                "frame limit: it was sent back as a new one with its message cut short]")
+        msg = msg[:_BRIEF] + note
+        tb = tb[-_BRIEF:]
+        try:
+            blob = cloudpickle.dumps(t(msg), protocol=5)
+        except Exception:
+            blob = None
+        if blob is not None and len(blob) > _BRIEF * 2:
+            blob = None
+    elif len(msg) + len(tb) > MAX_MESSAGE - _BRIEF:  # unpicklable, with a huge text
+        msg, tb = msg[:_BRIEF], tb[-_BRIEF:]
+    return pickle.dumps((blob, name, msg, tb), protocol=5)
+
+
+def encode_failure(exc: BaseException, why: BaseException) -> bytes:
+    """A last-resort error reply: ``exc``'s type name and a short text (always fits)."""
+    try:
+        msg = str(exc)[:_BRIEF]
+    except Exception:
+        msg = "<unprintable exception>"
+    msg += f" [actorshm: the error could not be sent back as it was: {why!r}]"[:_BRIEF]
+    return pickle.dumps((None, _type_name(type(exc)), msg, ""), protocol=5)
+
+
+def decode_exception(payload: bytes, where: str = "") -> BaseException:
+    """Rebuild an exception sent by ``encode_exception``: same type where possible."""
+    try:
+        blob, name, msg, tb = pickle.loads(payload)
+    except Exception as exc:  # pragma: no cover - a peer bug
+        return ProtocolError(f"undecodable error reply: {exc!r}")
+    exc = None
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        return RemoteError(name, msg, tb)
+    exc.__cause__ = RemoteTraceback(tb)
+    if hasattr(exc, "add_note"):
+        try:
+            exc.add_note(f"(raised in {where})" if where else "(raised in an actor)")
+        except Exception:
+            pass
+    return exc

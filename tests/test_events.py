@@ -1,0 +1,80 @@
+"""Lifecycle events: the owner hears of deaths and restarts without calling the actor."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+import actorshm
+from actors import Counter, Phoenix
+
+
+async def next_event(stream, timeout=10):
+    return await asyncio.wait_for(stream.__anext__(), timeout)
+
+
+async def test_death_by_signal_is_reported_without_a_call(rt):
+    seen = []
+    unsubscribe = rt.on_actor_event(seen.append)
+    stream = rt.events()
+    c = await Counter.options(name="watched").spawn(0)
+    pid = c.pid
+    os.kill(pid, signal.SIGKILL)  # nobody calls it
+    ev = await next_event(stream)
+    assert ev.kind == "died" and ev.actor_id == c.actor_id and ev.handle == c
+    assert ev.cls_name == "Counter" and ev.name == "watched" and ev.pid == pid
+    assert "SIGKILL" in ev.reason and not ev.will_restart
+    await asyncio.sleep(0)  # callbacks run on the loop, after the stream got it
+    assert seen == [ev]
+    unsubscribe()
+    d = await Counter.spawn(0)
+    await d.kill()  # kill() is reported too, with its reason
+    ev = await next_event(stream)
+    assert ev.kind == "died" and ev.actor_id == d.actor_id and "kill()" in ev.reason
+    assert seen == [seen[0]]  # unsubscribed
+    await stream.aclose()
+
+
+async def test_restart_is_reported_and_the_handle_works_again(rt):
+    stream = rt.events()
+    got = asyncio.Queue()
+
+    async def on_event(ev):  # an async callback runs as a task
+        await got.put(ev)
+    rt.on_actor_event(on_event)
+    p = await Phoenix.spawn("t")
+    pid1 = p.pid
+    os.kill(pid1, signal.SIGKILL)
+    died = await next_event(stream)
+    assert (died.kind, died.pid, died.will_restart, died.restarts) == ("died", pid1, True, 0)
+    restarted = await next_event(stream)
+    assert restarted.kind == "restarted" and restarted.restarts == 1
+    assert restarted.pid != pid1 and restarted.pid == p.pid
+    assert "SIGKILL" in restarted.reason
+    assert (await restarted.handle.hit())[0] == "t"
+    assert [(await asyncio.wait_for(got.get(), 5)).kind for _ in range(2)] == \
+        ["died", "restarted"]
+
+
+async def test_a_failing_callback_is_logged_and_later_events_still_come(rt, caplog):
+    def bad(ev):
+        raise RuntimeError("callback bug")
+    rt.on_actor_event(bad)
+    stream = rt.events()
+    for _ in range(2):
+        c = await Counter.spawn(0)
+        await c.kill()
+        assert (await next_event(stream)).kind == "died"
+    await asyncio.sleep(0.05)
+    assert caplog.text.count("an actor event callback raised") == 2
+    with pytest.raises(TypeError, match="callable"):
+        rt.on_actor_event("nope")
+
+
+async def test_events_end_when_the_runtime_closes_and_closing_is_not_reported():
+    async with actorshm.Runtime(shutdown_grace=1.0) as rt:
+        stream = rt.events()
+        await Counter.spawn(0)
+    assert [ev async for ev in stream] == []  # ended, with no "died" for the shutdown
+    assert [ev async for ev in rt.events()] == []  # made after the close: ended at once

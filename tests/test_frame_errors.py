@@ -1,0 +1,290 @@
+"""What cannot be sent, and frames that are wrong: clear errors, never a hang or a leak."""
+
+import asyncio
+import os
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+import actorshm
+from actorshm import _protocol as P
+from actorshm import _serialization, _shm
+from actorshm import _wire as W
+from actors import Arrays, Counter, Oversized
+
+
+class _Recorder:
+    """A connection host that records calls and answers each with its arguments."""
+
+    closing = False
+
+    def __init__(self):
+        self.calls = []
+        self.closed = []
+
+    def handle_call(self, conn, cid, call):
+        method, args, kwargs = call
+        call.clear()
+        self.calls.append((method, args, kwargs))
+        conn.reply(cid, args)
+
+    def connection_eof(self, conn):
+        conn.close()
+
+    def connection_closed(self, conn):
+        self.closed.append(conn)
+
+
+def _fd_count():
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def _until(cond, timeout=2.0):
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return cond()
+
+
+# -- what cannot be sent: the error says why, and only why --------------------------------
+
+async def test_the_frame_limit_error_gives_no_unrelated_advice(rt, monkeypatch):
+    c = await Counter.spawn()
+    monkeypatch.setattr(_serialization, "MAX_MESSAGE", 10_000)
+    with pytest.raises(TypeError, match="frame limit") as info:
+        c.echo(b"x" * 20_000)
+    assert "picklable" not in str(info.value) and "open files" not in str(info.value)
+    monkeypatch.undo()
+    assert await c.incr() == 1
+
+
+@pytest.mark.parametrize("mode", ["r", "rb", "w", "r+b"])
+async def test_an_open_file_argument_is_refused_with_what_to_pass(rt, tmp_path, mode):
+    path = tmp_path / "data.txt"
+    path.write_text("hello")
+    c = await Counter.spawn()
+    with open(path, mode) as f:
+        with pytest.raises(TypeError, match="open file") as info:
+            c.echo(f)
+        with pytest.raises(TypeError, match="open file"):
+            c.echo({"nested": [f]})
+    text = str(info.value)
+    assert "data.txt" in text and "path" in text and "read()" in text
+    assert await c.incr() == 1  # nothing was sent; the actor carries on
+    assert await c.echo(str(path)) == str(path)
+
+
+async def test_an_open_file_result_is_an_error_the_caller_gets(rt, tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("hello")
+    o = await Oversized.spawn()
+    # `open` itself travels (a builtin); the file object it returns is made in the actor.
+    with pytest.raises(TypeError, match="open file"):
+        await o.call(open, str(path))
+    assert await o.ok() == "ok"
+
+
+async def test_out_of_budget_while_copying_an_argument_is_a_memory_error(rt):
+    w = await Arrays.spawn()
+    pool = _shm.pool()
+    old = pool.budget
+    pool.budget = pool.reserved + (4 << 20)
+    try:
+        with pytest.raises(actorshm.SharedMemoryError, match="shm_budget") as info:
+            w.echo(np.ones(64 << 20, np.uint8))  # an ordinary array: copied to shared memory
+        assert isinstance(info.value, MemoryError)
+        assert "picklable" not in str(info.value)
+    finally:
+        pool.budget = old
+    assert await w.echo(3) == 3
+
+
+async def test_out_of_budget_while_copying_a_result_is_a_memory_error(rt):
+    o = await Oversized.spawn()
+    await o.call(_shm.set_budget, 4 << 20)  # the actor's budget only
+    with pytest.raises(actorshm.SharedMemoryError, match="shm_budget"):
+        await o.call(np.ones, 8 << 20, np.uint8)  # an ordinary array result: copied there
+    assert await o.ok() == "ok"
+
+
+# -- replies that cannot be sent or read: the caller always gets an error -----------------
+
+@pytest.mark.parametrize("method", ["raise_big", "araise_big"])
+async def test_an_error_reply_over_the_frame_limit_reaches_the_caller(rt, method):
+    o = await Oversized.spawn()
+    assert await o.lower_frame_limit(100_000)
+    # The exception carries a 1 MB array, pickled in band: over the (lowered) limit.
+    with pytest.raises(ValueError, match="payload") as info:
+        await asyncio.wait_for(getattr(o, method)(1_000_000), 10)
+    assert "frame limit" in str(info.value) or "frame limit" in "".join(
+        getattr(info.value, "__notes__", []))
+    for _ in range(3):  # the actor's only slot was given back
+        assert await asyncio.wait_for(o.ok(), 10) == "ok"
+
+
+async def test_a_reply_the_frame_writer_refuses_becomes_an_error_reply(rt):
+    o = await Oversized.spawn()
+    assert await o.lower_framing_limit_only(100_000)
+    with pytest.raises(TypeError, match="cannot be sent back.*frame limit"):
+        await asyncio.wait_for(o.call(bytes, 200_000), 10)
+    # An error reply the writer refuses: the last resort, its type name and text.
+    with pytest.raises(actorshm.RemoteError, match="ValueError.*could not be sent back"):
+        await asyncio.wait_for(o.raise_big(200_000), 10)
+    assert await asyncio.wait_for(o.ok(), 10) == "ok"
+
+
+async def test_a_result_frame_that_fails_to_decode_fails_its_call():
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    host = _Recorder()
+    conn = P.Connection(loop, host, a, "peer")
+    fut = conn.call("f", (1,), {})
+    other = conn.call("g", (2,), {})
+    # A RESULT for call 1 whose block table is not a pickle: a protocol error.
+    junk = P.LEN.pack(5) + b"\xff" * 5 + b"."
+    with b:
+        b.sendall(P.HEADER.pack(len(junk), P.RESULT, W.HAS_BLOCKS, 0, 1) + junk)
+        for f in (fut, other):
+            with pytest.raises(actorshm.ActorDiedError, match="protocol error"):
+                await asyncio.wait_for(f, 5)
+    assert conn.closed and not conn.pending
+
+
+# -- file descriptors a frame does not announce ----------------------------------------
+
+def _release_frame(nfds=0):
+    body = b"\x80\x05]\x94."  # pickle of []: no releases
+    return P.HEADER.pack(len(body), P.RELEASE, 0, nfds, 0) + body
+
+
+async def _receiver_of(frames_with_fds, settle=lambda conn: conn.closed):
+    """A Connection fed ``(frame bytes, fds to send with it)`` on a raw socket; returns
+    it once ``settle(conn)`` holds, and the fd count before it was made."""
+    loop = asyncio.get_running_loop()
+    fd0 = _fd_count()
+    a, b = socket.socketpair()
+    conn = P.Connection(loop, _Recorder(), a, "peer")
+    fut = conn.call("f", (), {})
+    with b:
+        for frame, fds in frames_with_fds:
+            try:
+                socket.send_fds(b, [frame], fds) if fds else b.sendall(frame)
+            except OSError:  # it closed its end: the rest is not read
+                break
+            await asyncio.sleep(0)
+        await _until(lambda: settle(conn))
+    return conn, fut, fd0
+
+
+async def test_fds_a_frame_does_not_announce_close_the_connection_and_are_closed():
+    r, w = os.pipe()
+    try:
+        frames = [(_release_frame(0), [r, w, r, w, r]) for _ in range(40)]
+        conn, fut, fd0 = await _receiver_of(frames)
+        assert conn.closed and "file descriptor" in str(conn.close_exc)
+        with pytest.raises(actorshm.ActorDiedError, match="protocol error"):
+            await asyncio.wait_for(fut, 5)
+        assert _fd_count() == fd0  # every fd received was closed
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+async def test_fds_on_a_frame_kind_that_carries_none_are_a_protocol_error():
+    r, w = os.pipe()
+    try:
+        conn, fut, fd0 = await _receiver_of([(_release_frame(2), [r, w])])
+        assert conn.closed and "file descriptor" in str(conn.close_exc)
+        assert _fd_count() == fd0
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+async def test_announced_fds_of_a_frame_cut_across_reads_are_kept_for_it():
+    # A frame whose fds arrive with its first bytes, and the rest later, is fine.
+    r, w = os.pipe()
+    try:
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()
+        host = _Recorder()
+        conn = P.Connection(loop, host, a, "peer")
+        data = await _call_bytes(loop, [("f", (1,))])
+        with b:
+            for cut in (3, P.HSIZE + 2):  # the header itself cut, then the payload
+                hdr = bytearray(data[:P.HSIZE])
+                hdr[6:8] = (1).to_bytes(2, "little")  # it announces one fd
+                whole = bytes(hdr) + data[P.HSIZE:]
+                socket.send_fds(b, [whole[:cut]], [r])
+                await asyncio.sleep(0.05)
+                assert not conn.closed
+                b.sendall(whole[cut:])
+                assert await _until(lambda: len(host.calls) == 1 or conn.closed)
+                assert not conn.closed and host.calls.pop()[1] == (1,)
+        conn.close()
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+async def _call_bytes(loop, calls):
+    """The bytes a Connection writes for ``calls``."""
+    a, b = socket.socketpair()
+    sender = P.Connection(loop, _Recorder(), a, "sender")
+    futs = [sender.call(m, args, {}) for m, args in calls]
+    await asyncio.sleep(0.05)
+    data = b.recv(1 << 20)
+    for f in futs:
+        f.cancel()
+    sender.close()
+    b.close()
+    return data
+
+
+# -- a stream that lost its place --------------------------------------------------------
+
+_EMPTY_RELEASES = b"\x80\x05]\x94."  # pickle of []: a release frame with nothing in it
+_RELEASE_LEN = P.HSIZE + len(_EMPTY_RELEASES)
+
+
+async def _feed_after_truncated_frame(swallowed, rest, caplog):
+    """A truncated release frame whose header claims ``swallowed`` bytes more than its
+    payload, then ``rest``: the reader takes those bytes of ``rest`` as the end of it."""
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    conn = P.Connection(loop, _Recorder(), a, "peer")
+    fut = conn.call("f", (), {})
+    head = P.HEADER.pack(len(_EMPTY_RELEASES) + swallowed, P.RELEASE, 0, 0, 0)
+    with b:
+        b.sendall(head + _EMPTY_RELEASES + rest)
+        await _until(lambda: conn.closed)
+    return conn, fut
+
+
+async def test_a_header_read_from_the_middle_of_a_frame_closes_the_connection(caplog):
+    # The bytes the reader lands on look like a header (a known kind, a length it then
+    # waits for) but have no frame marker: without one, the call waits forever.
+    lookalike = struct.Struct("<IBBHHQ").pack(1 << 20, P.RESULT, 0, 0, 0, 1)
+    body = __import__("pickle").dumps(lookalike, 5)
+    at = body.index(lookalike)
+    valid = P.HEADER.pack(len(body), P.RESULT, W.PLAIN, 0, 99) + body  # for no call
+    conn, fut = await _feed_after_truncated_frame(P.HSIZE + at, valid, caplog)
+    assert conn.closed and "frame marker" in str(conn.close_exc)
+    with pytest.raises(actorshm.ActorDiedError, match="protocol error"):
+        await asyncio.wait_for(fut, 5)
+    assert any("truncated frame" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("swallowed", [k for k in range(1, 3 * _RELEASE_LEN)
+                                       if k % _RELEASE_LEN])
+async def test_a_truncated_frame_followed_by_valid_ones_closes_the_connection(
+        swallowed, caplog):
+    valid = (P.HEADER.pack(len(_EMPTY_RELEASES), P.RELEASE, 0, 0, 0) + _EMPTY_RELEASES) * 5
+    # (A multiple of _RELEASE_LEN would land on a header: nothing to detect.)
+    conn, fut = await _feed_after_truncated_frame(swallowed, valid, caplog)
+    assert conn.closed and "protocol error" in str(conn.close_exc)
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(fut, 5)

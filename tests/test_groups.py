@@ -1,0 +1,174 @@
+"""ActorGroup: broadcast calls, results in member order, failures, shared arrays, spawning."""
+
+import asyncio
+import pickle
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import actorshm
+from actorshm import ActorDiedError, ActorError, ActorGroup, ActorGroupError
+from actors import Counter, Faulty, InitFailsOnce, PoolWorker
+
+
+async def test_call_every_member_results_in_member_order(rt):
+    g = await ActorGroup.spawn(PoolWorker, 3)
+    assert len(g) == 3
+    assert [h for h in g] == [g[0], g[1], g[2]] and len({h.pid for h in g}) == 3
+    tags = await asyncio.gather(*(h.work(0) for h in g))
+    fut = g.work("x")  # sent now: an awaitable of every result
+    assert await fut == [(t, "x") for t, _ in tags]
+    assert await g[1:].work(1) == [(tags[1][0], 1), (tags[2][0], 1)]
+    assert isinstance(g[1:], ActorGroup) and len(g[1:]) == 2
+    assert pickle.loads(pickle.dumps(g)) == g
+    with pytest.raises(AttributeError, match="no public method 'nope'"):
+        g.nope
+    assert "work" in dir(g)
+
+
+async def test_groups_and_pools_work_inside_an_actor(rt):
+    caller, g = await asyncio.gather(PoolWorker.spawn(9), ActorGroup.spawn(PoolWorker, 2))
+    tags = [t for t, _ in await g.work(0)]
+    direct, mapped = await caller.broadcast(g, "hi")  # the group pickles
+    assert direct == [(t, "hi") for t in tags]
+    assert [v for _, v in mapped] == [0, 1, 2]
+
+
+async def test_members_of_different_classes(rt):
+    c, w = await asyncio.gather(Counter.spawn(0), PoolWorker.spawn(7))
+    g = ActorGroup([c, w])
+    with pytest.raises(AttributeError, match="member 1 .*PoolWorker.* no public method 'incr'"):
+        g.incr
+    assert "incr" not in dir(g)
+
+
+async def test_failure_names_the_failed_members_after_every_call_ended(rt):
+    g = await ActorGroup.spawn(PoolWorker, 3)
+    tags = [t for t, _ in await g.work(0)]
+    slow = g.work("late", 0.4)  # member 1 dies while the others are busy
+    await asyncio.sleep(0.1)
+    await g[1].kill()
+    with pytest.raises(ActorGroupError) as info:
+        await slow
+    err = info.value
+    assert err.failed == [1]
+    assert isinstance(err, ActorError) and isinstance(err.exceptions[0], ActorDiedError)
+    # the await waited for the slow members: their results are there
+    assert err.results == [(tags[0], "late"), None, (tags[2], "late")]
+    assert "1 of 3 calls of PoolWorker.work failed: member 1 (actor PoolWorker id=" in str(err)
+    if sys.version_info >= (3, 11):
+        assert isinstance(err, ExceptionGroup)  # noqa: F821
+        match, rest = err.split(ActorDiedError)
+        assert isinstance(match, ActorGroupError) and match.failed == [1] and rest is None
+
+
+async def test_partial_failure_keeps_the_remote_exception_type(rt):
+    g = ActorGroup([await PoolWorker.spawn(i) for i in range(3)])
+    with pytest.raises(ActorGroupError) as info:
+        await g.fail_if_tag(2)  # the same argument for all: only member 2 has tag 2
+    err = info.value
+    assert err.failed == [2] and isinstance(err.exceptions[0], ValueError)
+    assert err.results == [0, 1, None]
+    assert "member 2" in str(err) and "ValueError: tag 2 fails" in str(err)
+    assert pickle.loads(pickle.dumps(err)).failed == [2]
+
+
+async def test_shared_array_goes_by_reference_to_every_member(rt):
+    g = await ActorGroup.spawn(PoolWorker, 4)
+    a = actorshm.zeros(1 << 18)  # 2 MiB, shared
+    before = actorshm.stats()
+    assert await g.write_at(a, 0, 1.0) == [True] * 4
+    for i, h in enumerate(g):  # every member sees (and writes) the same memory
+        await h.write_at(a, i + 1, i + 1)
+    assert list(a[:5]) == [1.0, 1.0, 2.0, 3.0, 4.0]
+    s = actorshm.stats()
+    assert s["bytes_copied"] == before["bytes_copied"]  # 0 bytes copied
+    assert s["bytes_zero_copy"] - before["bytes_zero_copy"] == 8 * a.nbytes
+
+
+async def test_ordinary_array_is_copied_once_for_the_whole_group(rt):
+    g = await ActorGroup.spawn(PoolWorker, 3)
+    a = np.ones(1 << 17)  # 1 MiB, not shared
+    before = actorshm.stats()
+    assert await g.sum(a) == [float(1 << 17)] * 3
+    assert await g.sum([a, {"k": (a,)}][1]["k"][0]) == [float(1 << 17)] * 3
+    s = actorshm.stats()
+    assert s["bytes_copied"] - before["bytes_copied"] == 2 * a.nbytes  # once per call
+    assert s["bytes_zero_copy"] - before["bytes_zero_copy"] == 6 * a.nbytes
+    # the shared copy goes home once every member dropped it
+    for _ in range(200):
+        if actorshm.stats()["blocks_live"] <= before["blocks_live"]:
+            break
+        await asyncio.sleep(0.02)
+    assert actorshm.stats()["blocks_live"] <= before["blocks_live"]
+
+
+async def test_cancelling_a_group_call_ends_the_await_at_once(rt):
+    g = await ActorGroup.spawn(PoolWorker.options(max_pending_calls=1), 2)
+    fut = g.work(1, 30)
+    await asyncio.sleep(0.05)
+    with pytest.raises(actorshm.PendingCallsLimitError):
+        g.work(2)  # one call per member is unanswered
+    fut.cancel()  # cancels every member's call (as cancelling each call would)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(fut, 5)
+    # no member call is left unanswered: a new group call may go out
+    assert await asyncio.wait_for(g.work(2), 10) == [(0, 2), (0, 2)]
+
+
+async def test_spawn_overlaps_start_up(tmp_path):
+    async with actorshm.Runtime(start_method="forkserver", shutdown_grace=1.0):
+        g = await ActorGroup.spawn(PoolWorker.options(max_concurrency=2), 3, 0, 1.0)
+        times = await g.init_times()
+        # every __init__ (1 s each) started before the first one ended
+        assert max(s for s, _ in times) < min(e for _, e in times)
+        await g.kill()
+        with pytest.raises(ActorGroupError):
+            await g.work(1)
+
+
+async def test_spawn_failure_stops_the_others(rt, tmp_path):
+    with pytest.raises(ActorGroupError) as info:
+        await ActorGroup.spawn(InitFailsOnce, 3, str(tmp_path / "marker"))
+    err = info.value
+    assert len(err.failed) == 1 and isinstance(err.exceptions[0], KeyError)
+    assert "1 of 3 actors failed to start (InitFailsOnce.__init__)" in str(err)
+    assert "the 2 that started were stopped" in str(err)
+    assert all(not r["alive"] for r in rt.actors())
+    with pytest.raises(ActorGroupError, match="3 of 3"):
+        await ActorGroup.spawn(Faulty, 3, True)
+
+
+async def test_bad_input_is_a_clear_error(rt):
+    c = await Counter.spawn(0)
+    with pytest.raises(ValueError, match="at least one actor"):
+        ActorGroup([])
+    with pytest.raises(TypeError, match="not an actor handle"):
+        ActorGroup([c, "x"])
+    with pytest.raises(TypeError, match="@actor class"):
+        await ActorGroup.spawn(int, 2)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        await ActorGroup.spawn(Counter, 0)
+    with pytest.raises(TypeError, match="n must be an int"):
+        await ActorGroup.spawn(Counter, 2.0)
+    with pytest.raises(ValueError, match="one name"):
+        await ActorGroup.spawn(Counter.options(name="c"), 2)
+    g = ActorGroup([c])
+    with pytest.raises(TypeError):  # cannot be serialized: raised by the call, nothing sent
+        g.echo(threading.Lock())
+    assert await g.incr() == [1]
+
+
+async def test_cancelled_spawn_leaves_no_actor_running(rt):
+    task = asyncio.ensure_future(ActorGroup.spawn(PoolWorker, 3, 0, 2.0))  # __init__: 2 s
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+    for _ in range(200):
+        if not any(r["alive"] for r in rt.actors()):
+            break
+        await asyncio.sleep(0.02)
+    assert len(rt.actors()) == 3 and not any(r["alive"] for r in rt.actors())

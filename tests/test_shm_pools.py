@@ -1,0 +1,79 @@
+"""Pools and size classes (``_shm``), in this process: no actor, no event loop."""
+
+import gc
+
+import numpy as np
+import pytest
+
+from actorshm import _leases, _shm
+from actorshm._errors import SharedMemoryError
+
+
+@pytest.fixture
+def pool():
+    p = _shm.HostPool(budget=256 << 20)
+    yield p
+    p.close()
+    _shm._pools.remove(p)
+    _leases._own_tokens.discard(p.token)
+
+
+def test_size_classes_are_four_per_power_of_two():
+    assert _shm.size_class(1) == _shm.MIN_BLOCK
+    assert _shm.size_class(_shm.MIN_BLOCK) == _shm.MIN_BLOCK
+    # 1024..2048 splits into 1024, 1280, 1536, 1792, 2048
+    assert [_shm.size_class(n) for n in (1025, 1280, 1281, 1793)] == [1280, 1280, 1536, 2048]
+    for n in (300, 5000, 123457, 3 << 20):
+        c = _shm.size_class(n)
+        assert n <= c < n * 1.25 + _shm.MIN_BLOCK
+
+
+def test_large_size_classes_are_whole_pages():
+    c = _shm.size_class(_shm.LARGE + 1)
+    assert c % _shm.PAGE == 0 and c > _shm.LARGE
+
+
+def test_a_dropped_block_is_recycled_by_its_pool(pool):
+    block = pool.alloc(1000)
+    where = (block.region.key, block.offset, block.size)
+    reuses = _leases.counters["pool_reuses"]
+    del block
+    gc.collect()
+    again = pool.alloc(900)  # the same size class
+    assert (again.region.key, again.offset, again.size) == where
+    assert _leases.counters["pool_reuses"] == reuses + 1
+    assert pool.blocks_live == 1
+
+
+def test_small_blocks_share_a_chunk_and_large_ones_get_their_own(pool):
+    a, b = pool.alloc(1000), pool.alloc(1000)
+    big = pool.alloc(_shm.LARGE)
+    assert a.region is b.region and not a.region.dedicated
+    assert big.region.dedicated and big.region is not a.region
+    assert len(pool.regions) == 2
+
+
+def test_the_budget_frees_unused_dedicated_regions_before_it_fails(pool):
+    pool.budget = _shm.CHUNK_SIZE + 3 * _shm.LARGE
+    pool.alloc(1)  # a chunk
+    big = pool.alloc(2 * _shm.LARGE)
+    del big
+    gc.collect()
+    other = pool.alloc(3 * _shm.LARGE)  # fits only once the free 8 MiB region is gone
+    assert other.region.dedicated and len(pool.regions) == 2
+    with pytest.raises(SharedMemoryError, match="shm_budget"):
+        pool.alloc(2 * _shm.LARGE)
+
+
+def test_arrays_on_a_block_keep_it_alive(pool):
+    block = pool.alloc(800)
+    arr = _shm.array_from_block(block, (100,), np.float64)
+    key = block.key
+    del block
+    gc.collect()
+    assert _leases._blocks[key]() is not None
+    assert _shm.find_block(arr[10:]).key == key
+    del arr
+    gc.collect()
+    pool.drain()
+    assert pool.blocks_live == 0
