@@ -283,3 +283,27 @@ async def test_call_back_into_an_actor_busy_with_another_call_waits(rt):
     assert await a.fire_and_return(b) == "sent"
     assert await a.hold(0.3) == "held"  # B's call back to A arrives meanwhile and waits
     assert await asyncio.wait_for(b.last(), 5) == "pong"
+
+
+async def test_cancelling_the_task_that_awaits_a_call(rt):
+    w = await Worker.spawn()
+
+    async def go():
+        return await w.awork(30)
+
+    t = asyncio.create_task(go())
+    await asyncio.sleep(0.2)
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    assert await asyncio.wait_for(w.get_log(), 5) == ["cancelled"]
+
+
+async def test_cancelled_sync_call_in_a_thread_pool_actor_is_dropped(rt):
+    w = await Worker.options(max_concurrency=2).spawn()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(w.work(0.5), 0.05)
+    assert await asyncio.wait_for(w.record("meanwhile"), 5) == "meanwhile"
+    await asyncio.sleep(0.8)
+    assert await w.get_log() == ["meanwhile", ("work", 0.5)]
+    assert _pending(rt, w) == {}
