@@ -42,6 +42,7 @@ __all__ = ["Connection", "Host"]
 logger = logging.getLogger("actorshm")
 _dumps = pickle.dumps
 _RLEN = LEN
+_CallFuture = _results.CallFuture
 
 
 class Host(Protocol):
@@ -170,11 +171,10 @@ class Connection(CallControl, FramedSocket):
         ``SharedMemoryError`` (a ``MemoryError``) when copying an array into shared
         memory runs out of budget.
         """
-        fut = self.loop.create_future()
+        fut = _CallFuture(loop=self.loop)
         if self.closed:
             fut.set_exception(_copy_exc(self.close_exc))
             return fut
-        _results.mark_call(fut)
         entry = (fut, method, args, kwargs, what, meta, stream)
         if self.held:  # behind a call waiting for a result it takes (``_results``)
             self.held.append(entry)
@@ -215,7 +215,7 @@ class Connection(CallControl, FramedSocket):
             stream.conn, stream.cid = self, cid
         _leases.counters["calls_sent"] += 1
         self._send(CALL, flags, cid, payload, fds)
-        fut.add_done_callback(lambda f: f.cancelled() and self.cancel(cid))
+        fut.conn, fut.cid = self, cid  # (cancelling it now cancels the call: ``cancel``)
 
 
     def reply(self, cid: int, value: Any, what: str = "") -> None:

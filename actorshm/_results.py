@@ -11,16 +11,24 @@ that says to await it first.
 from __future__ import annotations
 
 import asyncio
-import weakref
+from typing import Any
 
-__all__ = ["mark_call", "reduce_future", "Unfinished", "DependencyFailed"]
-
-_call_futures: "weakref.WeakSet[asyncio.Future]" = weakref.WeakSet()
+__all__ = ["CallFuture", "reduce_future", "Unfinished", "DependencyFailed"]
 
 
-def mark_call(fut: asyncio.Future) -> None:
-    """Remember ``fut`` as a call's future: it may be passed as an argument."""
-    _call_futures.add(fut)
+class CallFuture(asyncio.Future):
+    """The awaitable of a call: an asyncio future that may be passed as an argument,
+    and whose ``cancel()`` also cancels the call where it was sent."""
+
+    conn: Any = None  # set once the call is sent: its connection and call id
+    cid = 0
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        if self.conn is not None:
+            self.conn.cancel(self.cid)
+        return True
 
 
 class Unfinished(Exception):
@@ -51,7 +59,7 @@ def reduce_future(fut: asyncio.Future):
         DependencyFailed: it is a call's that failed or was cancelled.
         TypeError: it is not a call's future.
     """
-    if fut not in _call_futures:
+    if not isinstance(fut, CallFuture):
         raise TypeError("an asyncio Future cannot be passed to an actor: await it first "
                         "and pass its result (only the awaitable of an actor call may be "
                         "passed unfinished)")

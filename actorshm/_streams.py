@@ -28,8 +28,9 @@ __all__ = ["CallStream", "StreamingClient", "Outflow", "run_stream", "chain",
 
 DEFAULT_RUN_AHEAD = 16
 
-# The chain of the call this task or thread runs: ((actor id, "Cls.method", seq), ...),
-# outermost first, this actor's own call last. Empty in the driver.
+# The call this task or thread runs, as (the chain it carried, actor id, "Cls.method",
+# seq); a chain is ((actor id, "Cls.method", seq), ...), outermost first. Empty in the
+# driver. (A call made here carries the chain plus this call: ``Worker.call``.)
 chain: contextvars.ContextVar[tuple] = contextvars.ContextVar("actorshm_chain", default=())
 
 

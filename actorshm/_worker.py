@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import threading
+from time import perf_counter as _clock
 from typing import Any
 
 from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
@@ -28,6 +29,9 @@ from ._errors import ActorDiedError
 from ._protocol import Connection
 from ._streams import Outflow, StreamingClient, chain, reentrant_error, run_stream
 from ._util import describe_exit, new_event_loop, set_parent_death_signal
+
+
+_NO_META: dict = {}
 
 
 class Worker(StreamingClient):
@@ -75,9 +79,9 @@ class Worker(StreamingClient):
         conn = self.peers.get(actor_id)
         if conn is None:
             conn = self._connect(actor_id)
-        calls = chain.get()
-        if calls:
-            meta = {**(meta or {}), "chain": calls}
+        link = chain.get()
+        if link:  # (outer chain, actor id, "Cls.method", seq): the call this one is made in
+            meta = {**(meta or {}), "chain": (*link[0], link[1:])}
         return conn.call(method, args, kwargs, what, meta, stream)
 
     def _connect(self, actor_id: int) -> Connection:
@@ -144,8 +148,10 @@ class Worker(StreamingClient):
             self.queue.append((conn, cid, call))
 
     def _start(self, conn: Connection, cid: int, call: list) -> None:
-        method, args, kwargs = call[:3]
-        meta = call[3] if len(call) == 4 else {}
+        if len(call) == 3:
+            (method, args, kwargs), meta = call, _NO_META
+        else:
+            method, args, kwargs, meta = call
         call.clear()
         if method not in self.methods:
             self.running += 1
@@ -155,32 +161,28 @@ class Worker(StreamingClient):
             return
         what = f"{self.cls_name}.{method}"
         fn = getattr(self.instance, method)
-        ctx = contextvars.copy_context()  # calls it makes carry the chain, this one last
         self.seq += 1
         self.current = (self.actor_id, self.seq)  # (with max_concurrency=1: the one running)
-        ctx.run(chain.set, (*meta.get("chain", ()), (self.actor_id, what, self.seq)))
+        # Calls it makes carry the chain, this one last (tasks copy the context now).
+        token = chain.set((meta.get("chain", ()), self.actor_id, what, self.seq))
         key = (conn, cid)
         kind = self.methods[method]
-        if kind == "stream" or "run_ahead" in meta:
-            self.running += 1
-            task = self.loop.create_task(self._run_stream(conn, cid, fn, args, kwargs, what,
-                                                          meta), context=ctx)
-            self.running_calls[key] = task
-            task.add_done_callback(lambda t: self._finished(key))
-        elif kind:
-            self.running += 1
-            task = self.loop.create_task(self._run_async(conn, cid, fn, args, kwargs, what),
-                                         context=ctx)
-            self.running_calls[key] = task
+        self.running += 1
+        streams = kind == "stream" or "run_ahead" in meta
+        if streams or kind:
+            run = self._run_stream(conn, cid, fn, args, kwargs, what, meta) if streams \
+                else self._run_async(conn, cid, fn, args, kwargs, what)
+            task = self.running_calls[key] = self.loop.create_task(run)
+            chain.reset(token)
             task.add_done_callback(lambda t: self._finished(key))
         elif self.max_concurrency > 1:
-            self.running += 1
             self.running_calls[key] = None
+            ctx = contextvars.copy_context()
+            chain.reset(token)
             fut = self.loop.run_in_executor(self.executor, lambda: ctx.run(fn, *args, **kwargs))
             fut.add_done_callback(lambda f: self._sync_done(conn, cid, f, what))
         else:
-            self.running += 1
-            token = chain.set(ctx[chain])
+            t0 = _clock()
             try:
                 result = fn(*args, **kwargs)
             except SystemExit as exc:
@@ -194,7 +196,7 @@ class Worker(StreamingClient):
                 del result
             finally:
                 chain.reset(token)
-            self._finished(None, blocked=True)
+            self._finished(None, blocked=_clock() - t0 > 0.002)
 
     async def _run_async(self, conn, cid, fn, args, kwargs, what) -> None:
         try:
@@ -239,14 +241,12 @@ class Worker(StreamingClient):
 
     def stream_credit(self, conn: Connection, cid: int, n: int) -> None:
         """The caller of streaming call ``cid`` took ``n`` more items (``Host``)."""
-        out = self.outflows.get((conn, cid))
-        if out is not None:
-            out.add(n)
+        if (conn, cid) in self.outflows:
+            self.outflows[(conn, cid)].add(n)
 
     def cancel_call(self, conn: Connection, cid: int) -> None:
-        """The caller cancelled call ``cid`` (``Host``): a queued call never runs, a
-        running async one (or stream) is cancelled, a running sync one's result is
-        dropped."""
+        """The caller cancelled call ``cid`` (``Host``): a queued call never runs, a running
+        async one (or stream) is cancelled, a running sync one's result is dropped."""
         key = (conn, cid)
         if key in self.running_calls:
             task = self.running_calls[key]
@@ -280,8 +280,8 @@ class Worker(StreamingClient):
             self.running_calls.pop(key, None)
         self.running -= 1
         if blocked:
-            # A sync call held the event loop: let it read what arrived meanwhile (a
-            # cancel of a call behind it) before the next call starts.
+            # A sync call held the event loop (over 2 ms): let it read what arrived
+            # meanwhile (a cancel of a call behind it) before the next call starts.
             self.running += 1
             if not self.held:
                 self.held = True
