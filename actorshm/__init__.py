@@ -54,6 +54,8 @@ __all__ = [
     "stats",
     "cuda",
 ]
+# ``actorshm.torch`` (PyTorch tensors) is loaded on first use too, but is not in
+# ``__all__``: ``from actorshm import *`` must not need torch.
 
 for _name in __all__:
     _obj = globals().get(_name)
@@ -66,9 +68,9 @@ del _name, _obj
 
 
 def __getattr__(name: str):
-    if name == "cuda":  # imported lazily: importing actorshm never needs CuPy or a GPU
+    if name in ("cuda", "torch"):  # lazily: importing actorshm needs no CuPy, GPU or torch
         import importlib
-        mod = importlib.import_module("actorshm.cuda")
-        globals()["cuda"] = mod
+        mod = importlib.import_module("actorshm." + name)
+        globals()[name] = mod
         return mod
     raise AttributeError(f"module 'actorshm' has no attribute {name!r}")

@@ -85,8 +85,10 @@ class ActorOptions:
         return new
 
     def thread_env(self) -> dict[str, str]:
-        """The environment an actor process gets for these options' ``num_cpus``."""
-        n = str(max(1, int(self.num_cpus)))
+        """The thread-count variables an actor process gets: ``num_cpus``, or the
+        ``OMP_NUM_THREADS`` given in ``env`` (torch reads ``MKL_NUM_THREADS`` before it,
+        so one must not say otherwise); ``env`` itself is applied after these."""
+        n = (self.env or {}).get("OMP_NUM_THREADS") or str(max(1, int(self.num_cpus)))
         return {var: n for var in _THREAD_VARS}
 
 

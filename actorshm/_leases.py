@@ -29,7 +29,6 @@ fenced.
 from __future__ import annotations
 
 import collections
-import threading
 import weakref
 from typing import Any, Protocol
 
@@ -144,6 +143,20 @@ _forward_notices = False
 _quarantine: list = []
 
 
+def block_at(lo: int, hi: int, device: int | None = None) -> "Block | None":
+    """The live block holding the bytes ``[lo, hi)`` at these addresses, or None: how
+    memory reached some other way than through a block's arrays is recognised."""
+    for region in list(_regions.values()):
+        base = getattr(region, "addr", 0)
+        if region.device != device or not (base and base <= lo and hi <= base + region.size):
+            continue
+        off, end, k0, k1 = lo - base, hi - base, region.key[0], region.key[1]
+        for k, ref in list(_blocks.items()):
+            b = ref() if k[0] == k0 and k[1] == k1 else None
+            if b is not None and b.offset <= off and end <= b.offset + b.size:
+                return b
+        return None
+    return None
 
 
 def register_region(region: Region) -> None:
@@ -249,31 +262,6 @@ def releases_ready(releases) -> None:
     """Releases whose fence has passed (any thread): sent on the loop's next flush."""
     _fenced.extend(releases)
     _wake()
-
-
-def loop_release_hook(loop):
-    """A hook for ``set_release_hook`` that runs ``dispatch_releases`` on ``loop``, once per
-    loop iteration however many blocks die, from whichever thread they die on."""
-    state = {"scheduled": False}
-    loop_thread = threading.get_ident()
-
-    def run() -> None:
-        state["scheduled"] = False
-        dispatch_releases()
-
-    def hook() -> None:
-        if state["scheduled"]:
-            return
-        state["scheduled"] = True
-        try:
-            if threading.get_ident() == loop_thread:
-                loop.call_soon(run)
-            else:
-                loop.call_soon_threadsafe(run)
-        except RuntimeError:  # loop closed: the process is ending
-            pass
-
-    return hook
 
 
 class _Lease(weakref.ref):

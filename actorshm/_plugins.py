@@ -25,10 +25,15 @@ def _load_cuda() -> None:
     from . import _cuda  # noqa: F401  (registers itself)
 
 
+def _load_torch() -> None:
+    from . import _torch  # noqa: F401  (registers itself)
+
+
 def _open_gpu_slab(ctx, key: tuple, size: int, intro):
     from . import _cuda
     return _cuda.open_slab(ctx, key, size, intro)
 
 
 _serialization.register_lazy_plugin("cupy", _load_cuda)
+_serialization.register_lazy_plugin("torch", _load_torch)
 _serialization.register_region_kind(GPU_SLAB, _open_gpu_slab)

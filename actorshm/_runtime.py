@@ -27,7 +27,8 @@ from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, kill_a
                       start_process)
 from ._protocol import Connection
 from ._streams import StreamingClient
-from ._util import check_run_args, describe_exit, first_line, install_event_loop_policy
+from ._util import (check_run_args, coalesced_call, describe_exit, first_line,
+                    install_event_loop_policy)
 
 __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 
@@ -103,9 +104,8 @@ class Runtime(_events.EventSource, StreamingClient):
         self._loop_thread = threading.get_ident()
         if self.start_method == "forkserver":  # (its server starts on the first fork)
             self._forkserver = ForkServerClient(self.loop, self.start_timeout)
-        _shm.set_budget(self.shm_budget)
-        _shm.pool()
-        _leases.set_release_hook(_leases.loop_release_hook(self.loop))
+        _shm.set_budget(self.shm_budget), _shm.pool()
+        _leases.set_release_hook(coalesced_call(self.loop, _leases.dispatch_releases))
         self._open = True
         _client.runtime_opened(self)
         self._finalizer = weakref.finalize(self, kill_all, self._actors)

@@ -35,7 +35,7 @@ from ._wire import ARENA, GPU_SLAB, HAS_BLOCKS, LEN, MAX_MESSAGE, PLAIN  # noqa:
 
 __all__ = ["encode", "decode", "Unsendable", "MessageTooBig", "PassFd",
            "register_reducer", "register_region_kind", "register_lazy_plugin",
-           "leased_block", "ARENA", "GPU_SLAB"]
+           "leased_block", "lease_host_block", "ARENA", "GPU_SLAB"]
 
 # -- plug-in registries ---------------------------------------------------------------
 # The base layers know numpy and host memory only. A plug-in (CuPy: ``_cuda``; torch)
@@ -239,6 +239,12 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     dt = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
     return _rebuild_array, (row, data - view.region.addr - view.offset, a.shape, dt,
                             a.strides, sub)
+
+
+def lease_host_block(enc: _Encoder, block) -> int:
+    """Lease a host block in the message ``enc`` is encoding; returns its table row (for
+    plug-ins sending objects that live in host shared memory, e.g. torch tensors)."""
+    return enc.lease(block, ARENA, _arena_fd)
 
 
 def _arena_fd(enc: _Encoder, arena) -> int:

@@ -95,13 +95,26 @@ class HostBlock(Block):
 
 
 def find_block(arr: np.ndarray) -> "HostBlock | None":
-    """The shared block an array views, or None."""
+    """The shared block an array views, or None.
+
+    Found through the array's ``base`` chain; an array whose memory another object
+    owns (``np.frombuffer(w.data)``, ``torch.from_numpy(w).numpy()``) by its address.
+    """
     base = arr
     while isinstance(base, np.ndarray):
         base = base.base
     if type(base) is HostBlock:
         return base
-    return None
+    if base is None or arr.size == 0:
+        return None  # memory the array owns: not shared
+    lo, hi = _byte_bounds(arr)
+    return _leases.block_at(lo, hi)
+
+
+try:
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # numpy < 2
+    _byte_bounds = np.byte_bounds
 
 
 def is_shared(arr: Any) -> bool:

@@ -6,6 +6,7 @@ import asyncio
 import ctypes
 import inspect
 import signal
+import threading
 
 PR_SET_PDEATHSIG = 1
 
@@ -90,3 +91,29 @@ def check_run_args(main) -> None:
         f"IPython, or async code). Await the coroutine instead: `await {name}()` inside "
         "`async with actorshm.Runtime():`, or keep a runtime open across notebook cells "
         "with `rt = await actorshm.Runtime().start()` and end it with `await rt.close()`.")
+
+
+def coalesced_call(loop, fn):
+    """A callable that schedules ``fn()`` on ``loop`` at most once per loop iteration,
+    however often and from whichever thread it is called (e.g. once per batch of dying
+    blocks, to hand their releases to their connections)."""
+    state = {"scheduled": False}
+    loop_thread = threading.get_ident()
+
+    def run() -> None:
+        state["scheduled"] = False
+        fn()
+
+    def hook() -> None:
+        if state["scheduled"]:
+            return
+        state["scheduled"] = True
+        try:
+            if threading.get_ident() == loop_thread:
+                loop.call_soon(run)
+            else:
+                loop.call_soon_threadsafe(run)
+        except RuntimeError:  # loop closed: the process is ending
+            pass
+
+    return hook

@@ -28,7 +28,7 @@ from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GP
 from ._errors import ActorDiedError
 from ._protocol import Connection
 from ._streams import Outflow, StreamingClient, chain, reentrant_error, run_stream
-from ._util import describe_exit, new_event_loop, set_parent_death_signal
+from ._util import coalesced_call, describe_exit, new_event_loop, set_parent_death_signal
 
 
 _NO_META: dict = {}
@@ -399,7 +399,7 @@ async def _amain(fd: int) -> int:
     loop = asyncio.get_running_loop()
     worker = Worker(loop, fd)
     _client.set_worker(worker)
-    _leases.set_release_hook(_leases.loop_release_hook(loop))
+    _leases.set_release_hook(coalesced_call(loop, _leases.dispatch_releases))
     _leases.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks
     try:
         await worker.stopped

@@ -53,6 +53,15 @@ def test_hogwild():
     assert out["bytes_copied"] == 0
 
 
+def test_torch_hogwild():
+    pytest.importorskip("torch", reason="torch is not installed (the torch extra)")
+    import torch_hogwild
+    out = torch_hogwild.main(["--quick"])
+    assert out["accuracy"] > 0.8  # the actors' steps reached the shared model
+    assert out["single_accuracy"] > 0.8
+    assert out["bytes_copied"] == 0 and out["bytes_zero_copy"] > 0
+
+
 def test_data_pipeline():
     out = data_pipeline.main(["--quick"])
     assert out["bytes_copied_per_batch"] == 0

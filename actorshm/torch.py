@@ -1,0 +1,136 @@
+"""PyTorch tensors in shared memory: ``actorshm.torch.empty/zeros/share/is_shared/share_module``.
+
+Every ``torch.Tensor`` in the arguments or result of a call travels like a numpy array:
+by reference when its storage lies in actorshm shared memory, copied into it once
+otherwise; see docs/torch.md. Importing ``actorshm`` never imports this module or torch;
+this module needs torch (``pip install 'actorshm[torch]'``).
+"""
+
+from __future__ import annotations
+
+try:
+    import torch as _t
+except ImportError as exc:  # pragma: no cover - exercised without torch only
+    raise ImportError("actorshm.torch needs PyTorch: pip install 'actorshm[torch]'") from exc
+
+import numpy as np
+
+from . import _shm, _torch
+
+__all__ = ["empty", "zeros", "share", "is_shared", "share_module"]
+
+
+def _size(size) -> tuple:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, _t.Size)):
+        size = tuple(size[0])
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in size):
+        raise ValueError(f"sizes must be ints >= 0, got {size}")
+    return tuple(size)
+
+
+def empty(*size, dtype=None, device="cpu"):
+    """A new tensor in shared memory owned by this process (contents undefined).
+
+    It travels to actors without a copy, writable on both sides, and its memory comes
+    back to this process's pool once every process has dropped it.
+
+    Args:
+        *size: the dimensions, as ints or one tuple (``empty(2, 3)``, ``empty((2, 3))``).
+        dtype: any torch dtype (default: ``torch.get_default_dtype()``).
+        device: ``"cpu"`` (host shared memory).
+
+    Raises:
+        ValueError: a negative size, or a device other than the CPU.
+        SharedMemoryError: over the shared-memory budget, as ``actorshm.empty``.
+    """
+    size = _size(size)
+    dtype = dtype or _t.get_default_dtype()
+    dev = _t.device(device)
+    if dev.type != "cpu":
+        raise ValueError(
+            f"actorshm.torch.empty(device={device!r}): only 'cpu' is supported; CUDA "
+            "tensors travel by reference through the CuPy pool (actorshm.cuda) only, "
+            "see docs/torch.md")
+    itemsize = _t.empty(0, dtype=dtype).element_size()
+    n = itemsize
+    for s in size:
+        n *= s
+    buf = _shm.empty(max(n, 1), np.uint8)
+    stride, acc = [], 1
+    for s in reversed(size):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return _torch.tensor_over(buf, dtype, size, tuple(reversed(stride)), 0)
+
+
+def zeros(*size, dtype=None, device="cpu"):
+    """A new zero-filled tensor in shared memory. Args and errors as ``empty``."""
+    return empty(*size, dtype=dtype, device=device).zero_()
+
+
+def is_shared(tensor) -> bool:
+    """Whether ``tensor``'s storage lies in actorshm shared memory (it travels by
+    reference).
+
+    Args:
+        tensor: a ``torch.Tensor``.
+
+    Raises:
+        TypeError: not a tensor.
+    """
+    if not isinstance(tensor, _t.Tensor):
+        raise TypeError(f"is_shared takes a torch.Tensor, not {type(tensor).__name__}")
+    return _torch.storage_block(tensor) is not None
+
+
+def share(tensor):
+    """``tensor`` itself if it is already shared, else a shared copy of it (same dtype,
+    shape and values; a contiguous layout).
+
+    Args:
+        tensor: a CPU ``torch.Tensor``.
+
+    Raises:
+        TypeError: not a tensor.
+        ValueError: not on the CPU.
+        SharedMemoryError: over budget, as ``empty``.
+    """
+    if is_shared(tensor):
+        return tensor
+    if tensor.device.type != "cpu":
+        raise ValueError("actorshm.torch.share takes CPU tensors; move it with .cpu()")
+    out = empty(*tensor.shape, dtype=tensor.dtype)
+    with _t.no_grad():
+        out.copy_(tensor)
+    return out
+
+
+def share_module(module):
+    """Move a module's parameters and buffers into shared memory, in place.
+
+    Passing the module (or its tensors) to actors then shares its weights: an actor's
+    in-place updates are seen by every holder, as with ``Module.share_memory()`` in
+    ``torch.multiprocessing`` (Hogwild). Parameters stay the same ``nn.Parameter``
+    objects (their ``.data`` moves), so optimizers made before keep working.
+
+    Args:
+        module: a ``torch.nn.Module`` on the CPU.
+
+    Returns:
+        ``module``.
+
+    Raises:
+        TypeError: not a module.
+        ValueError: a parameter or buffer not on the CPU.
+        SharedMemoryError: over budget.
+    """
+    if not isinstance(module, _t.nn.Module):
+        raise TypeError(f"share_module takes an nn.Module, not {type(module).__name__}")
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                p.data = share(p.data)
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = share(b)
+    return module

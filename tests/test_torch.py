@@ -1,0 +1,186 @@
+"""torch.Tensor arguments and results: by reference, writable, every dtype, recycled."""
+
+import asyncio
+import gc
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (the torch extra)")
+
+import actorshm  # noqa: E402
+import actorshm.torch as at  # noqa: E402
+from torch_actors import TorchWorker  # noqa: E402
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool,
+          torch.complex64, torch.complex128, torch.int8, torch.uint8, torch.int16,
+          torch.int32, torch.int64] + [getattr(torch, n) for n in (
+              "float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
+
+
+def test_importing_actorshm_does_not_import_torch():
+    code = "import sys, actorshm; actorshm.zeros(3); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+async def test_shared_tensor_is_written_through_both_ways(rt):
+    w = await TorchWorker.spawn()
+    t = at.zeros(1000)
+    s0 = actorshm.stats()
+    await w.fill(t, 3.0)
+    assert float(t.sum()) == 3000.0  # the actor wrote our memory
+    r = await w.make(10, 1.0)
+    assert at.is_shared(r)
+    r += 1  # we write the actor's memory
+    assert await w.kept_sum() == 20.0
+    s1 = actorshm.stats()
+    assert s1["bytes_copied"] == s0["bytes_copied"]
+    assert s1["bytes_zero_copy"] - s0["bytes_zero_copy"] == t.numel() * 4
+
+
+async def test_every_dtype_round_trips_by_reference(rt):
+    w = await TorchWorker.spawn()
+    src = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    for dtype in DTYPES:
+        t = at.empty(4, 6, dtype=dtype)
+        t.copy_(src.to(dtype) if dtype is not torch.bool else src > 5)
+        back = await w.echo(t)
+        assert back.dtype == dtype and back.shape == t.shape, dtype
+        assert back.untyped_storage().data_ptr() == t.untyped_storage().data_ptr(), dtype
+        info = await w.info(t)
+        assert info["dtype"] == dtype and info["shared"], dtype
+        ordinary = src.to(dtype)  # copied once, and equal bit for bit
+        back = await w.echo(ordinary)
+        assert back.dtype == dtype
+        assert torch.equal(back.view(torch.uint8), ordinary.view(torch.uint8)), dtype
+
+
+async def test_views_keep_strides_and_storage_offset(rt):
+    w = await TorchWorker.spawn()
+    base = at.zeros(6, 8)
+    v = base[1:5, ::2].t()
+    info = await w.info(v)
+    assert (info["shape"], info["stride"], info["offset"]) == (
+        tuple(v.shape), v.stride(), v.storage_offset())
+    await w.fill(v, 7.0)
+    expect = torch.zeros(6, 8)
+    expect[1:5, ::2] = 7.0
+    assert torch.equal(base, expect)
+
+
+async def test_tensors_in_containers_at_any_depth(rt):
+    w = await TorchWorker.spawn()
+    a, b = at.zeros(3), at.zeros(2, dtype=torch.int64)
+    back = await w.echo({"x": [a, (b, {"deep": a[1:]})]})
+    assert back["x"][0].untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    back["x"][1][1]["deep"][0] = 5.0  # a view of a, rebuilt over the same memory
+    assert a[1] == 5.0
+
+
+async def test_ordinary_tensor_is_copied_once_and_counted(rt):
+    w = await TorchWorker.spawn()
+    t = torch.ones(256)
+    s0 = actorshm.stats()
+    info = await w.info(t)
+    s1 = actorshm.stats()
+    assert info["shared"]  # the actor got it in shared memory
+    assert s1["bytes_copied"] - s0["bytes_copied"] == 256 * 4
+    assert not at.is_shared(t)
+
+
+async def test_parameter_and_requires_grad_travel_and_non_leaf_is_refused(rt):
+    w = await TorchWorker.spawn()
+    p = torch.nn.Parameter(at.zeros(4))
+    info = await w.info(p)
+    assert info["parameter"] and info["requires_grad"]
+    leaf = at.zeros(3).requires_grad_(True)
+    info = await w.info(leaf)
+    assert info["requires_grad"] and not info["parameter"]
+    non_leaf = leaf * 2
+    with pytest.raises(TypeError, match=r"detach\(\)"):
+        w.info(non_leaf)
+    assert (await w.info(non_leaf.detach()))["requires_grad"] is False
+
+
+async def test_share_module_hogwild_updates_the_shared_weights(rt):
+    torch.manual_seed(0)
+    model = at.share_module(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(),
+                                                torch.nn.Linear(3, 2)))
+    before = [p.detach().clone() for p in model.parameters()]
+    workers = [await TorchWorker.spawn() for _ in range(2)]
+    s0 = actorshm.stats()
+    await asyncio.gather(*(wk.sgd_step(model, 0.5) for wk in workers))
+    s1 = actorshm.stats()
+    for p, p0 in zip(model.parameters(), before):
+        assert torch.allclose(p.detach(), p0 - 1.0)  # both actors' steps reached us
+    assert s1["bytes_copied"] == s0["bytes_copied"]
+
+
+async def test_shared_tensors_recycle(rt):
+    w = await TorchWorker.spawn()
+    for _ in range(3):
+        t = at.empty(1 << 18)
+        await w.fill(t, 1.0)
+        del t
+    await asyncio.sleep(0.05)
+    s0 = actorshm.stats()
+    for _ in range(50):
+        t = at.empty(1 << 18)
+        await w.fill(t, 1.0)
+        del t
+    await asyncio.sleep(0.05)
+    gc.collect()
+    s1 = actorshm.stats()
+    assert s1["pool_allocs"] == s0["pool_allocs"]
+    assert s1["pool_reuses"] - s0["pool_reuses"] == 50
+
+
+async def test_numpy_views_of_shared_memory_found_by_address(rt):
+    w = await TorchWorker.spawn()
+    base = actorshm.zeros(100)
+    s0 = actorshm.stats()
+    via_torch = torch.from_numpy(base).numpy()
+    via_buffer = np.frombuffer(base.data)
+    await w.fill_numpy(via_torch, 1.0)
+    assert base.sum() == 100.0
+    await w.fill_numpy(via_buffer[10:20], 2.0)
+    assert base.sum() == 110.0
+    assert actorshm.stats()["bytes_copied"] == s0["bytes_copied"]
+    assert actorshm.is_shared(via_torch) and actorshm.is_shared(via_buffer)
+    assert not actorshm.is_shared(np.frombuffer(bytearray(16)))
+
+
+async def test_tensor_from_numpy_of_shared_array_travels_by_reference(rt):
+    w = await TorchWorker.spawn()
+    a = actorshm.zeros(50, dtype=np.float32)
+    t = torch.from_numpy(a)
+    assert at.is_shared(t)
+    await w.fill(t, 4.0)
+    assert a.sum() == 200.0
+
+
+async def test_num_cpus_sets_torch_threads(rt):
+    one = await TorchWorker.spawn()
+    two = await TorchWorker.options(num_cpus=2).spawn()
+    # (torch caps its count at the machine's cores: 2 is the most a 2-core CI shows)
+    three = await TorchWorker.options(num_cpus=1, env={"OMP_NUM_THREADS": "2"}).spawn()
+    assert await one.threads() == 1
+    assert await two.threads() == 2
+    assert await three.threads() == 2  # env wins over num_cpus, for torch too
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match="only 'cpu'"):
+        at.empty(3, device="meta")
+    with pytest.raises(ValueError, match="ints >= 0"):
+        at.empty(-1)
+    with pytest.raises(TypeError, match="nn.Module"):
+        at.share_module(torch.zeros(3))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        at.is_shared(np.zeros(3))
+    s = at.share(torch.arange(4.0))
+    assert at.is_shared(s) and at.share(s) is s and s.tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -1,0 +1,50 @@
+"""Actor classes for the torch tests (imported by actor processes by module name)."""
+
+import numpy as np
+import torch
+
+import actorshm
+import actorshm.torch as at
+from actorshm import actor
+
+
+@actor
+class TorchWorker:
+    def echo(self, x):
+        return x
+
+    def fill(self, t, value):
+        with torch.no_grad():
+            t.fill_(value)
+
+    def info(self, t):
+        return {"dtype": t.dtype, "shape": tuple(t.shape), "stride": t.stride(),
+                "offset": t.storage_offset(), "parameter": isinstance(t, torch.nn.Parameter),
+                "requires_grad": t.requires_grad, "shared": at.is_shared(t),
+                "type": type(t).__name__}
+
+    def make(self, n, value, dtype=torch.float32):
+        self.kept = at.empty(n, dtype=dtype)
+        self.kept.fill_(value)
+        return self.kept
+
+    def kept_sum(self):
+        return float(self.kept.sum())
+
+    def sgd_step(self, model, lr):
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr
+        return sum(float(p.sum()) for p in model.parameters())
+
+    def fill_numpy(self, a, value):
+        a[...] = value
+
+    def threads(self):
+        return torch.get_num_threads()
+
+    def stats(self):
+        return actorshm.stats()
+
+    def as_numpy_sum(self, a):
+        return float(np.asarray(a).sum())
