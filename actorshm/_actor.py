@@ -225,7 +225,8 @@ class ActorMethod:
                 process are all unanswered (nothing is sent).
         """
         h = self._handle
-        if h._methods.get(self._name) == STREAM:  # an async iterator of its items
+        if h._methods.get(self._name) == STREAM and hasattr(h._client, "stream"):
+            # an async iterator of its items (a client without ``stream`` streams in call)
             return h._client.stream(h._actor_id, self._name, args, kwargs, self._what,
                                     self._run_ahead)
         if h._max_pending > 0:
@@ -314,8 +315,9 @@ class ActorHandle:
 
 def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1):
     from ._client import client_for_decode
-    return ActorHandle(client_for_decode(), actor_id, cls_name, methods, name, pid,
-                       max_pending)
+    own = getattr(actor_id, "actorshm_client", None)  # an id that names its client (Ray)
+    return ActorHandle(own() if own is not None else client_for_decode(), actor_id,
+                       cls_name, methods, name, pid, max_pending)
 
 
 # Unanswered calls per actor from this process, for actors with ``max_pending_calls``.

@@ -169,8 +169,8 @@ class GroupMethod:
                 all unanswered (nothing is sent); for a later member it is that member's
                 failure in the ``ActorGroupError``.
         """
-        if len(self._handles) > 1:
-            args, kwargs = _share_once((args, kwargs))
+        if len(self._handles) > 1 and getattr(self._handles[0]._client, "shares_memory", True):
+            args, kwargs = _share_once((args, kwargs))  # not on Ray: it copies arguments
         loop = asyncio.get_running_loop()
         futs: list[asyncio.Future] = []
         for i, h in enumerate(self._handles):

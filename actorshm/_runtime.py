@@ -22,9 +22,9 @@ from typing import Any
 
 from . import _client, _events, _leases, _plugins, _services, _shm  # noqa: F401 (_plugins)
 from ._actor import ActorHandle, ActorOptions, public_methods
+from ._backend import BackendChoice
 from ._errors import ActorDiedError
-from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, kill_all,
-                      start_process)
+from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, kill_all, start_process)
 from ._protocol import Connection
 from ._streams import StreamingClient
 from ._util import (check_run_args, coalesced_call, describe_exit, first_line,
@@ -35,13 +35,14 @@ __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 logger = logging.getLogger("actorshm")
 
 
-class Runtime(_events.EventSource, StreamingClient):
+class Runtime(_events.EventSource, BackendChoice, StreamingClient):
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
 
     Where one ``async with`` block cannot hold the whole program (a notebook: each cell is
     its own block), open it with ``rt = await Runtime().start()``, end it with ``close()``.
 
     Args:
+      backend: ``"local"`` (default) or ``"ray"``: Ray actors (``address``, ``ray.init`` options).
       start_method: ``"spawn"`` (default: a fresh interpreter per actor) or
         ``"forkserver"`` (a warm, single-threaded server process forks each actor:
         much faster start-up, same isolation from the driver's threads).
@@ -57,9 +58,9 @@ class Runtime(_events.EventSource, StreamingClient):
       ValueError: an unknown ``start_method`` (a bare ``fork`` is not offered).
     """
 
-    def __init__(self, *, start_method: str = "spawn", shm_budget: int | None = None,
-                 shutdown_grace: float = 2.0, start_timeout: float = 60.0,
-                 gpus: list[int | str] | None = None) -> None:
+    def __init__(self, *, backend: str = "local", start_method: str = "spawn",
+                 shm_budget: int | None = None, shutdown_grace: float = 2.0,
+                 start_timeout: float = 60.0, gpus: list[int | str] | None = None) -> None:
         if start_method not in ("spawn", "forkserver"):
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', not "
                              f"{start_method!r}: a bare fork deadlocks with threads and "
@@ -199,8 +200,7 @@ class Runtime(_events.EventSource, StreamingClient):
 
     async def _start_process(self, rec: ActorRecord) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        await start_process(self.loop, rec, child, actor_env(rec), self._forkserver,
-                            self._on_exit)
+        await start_process(self.loop, rec, child, actor_env(rec), self._forkserver, self._on_exit)
         if rec.conn is not None and rec.conn.sock is None and not rec.conn.closed:
             rec.conn.label = rec.label
             rec.conn.attach(parent)  # a restart: calls made meanwhile are buffered there

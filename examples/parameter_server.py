@@ -5,11 +5,17 @@ N worker actors each own a shard of scikit-learn's digits and push gradients.
     python examples/parameter_server.py --mode async --workers 4
     python examples/parameter_server.py --single              # one process, same settings
     python examples/parameter_server.py --quick               # a few seconds, for tests
+    python examples/parameter_server.py --backend ray         # the same actors on Ray
+    python examples/parameter_server.py --backend ray --address auto   # on a Ray cluster
 
 The weights live in one flat float64 buffer from ``actorshm.zeros`` in the server.  Every
 reply that carries them is a zero-copy view of that buffer; every gradient a worker
 pushes is written into a buffer from ``actorshm.empty`` in the worker, which goes back to
 that worker's pool (and is reused) once the server drops it.
+
+With ``--backend ray`` the same classes run as Ray actors, on one machine or across a
+cluster's nodes: weights and gradients then travel through Ray's object store (copied,
+read-only on arrival), so the buffers are ordinary numpy arrays there.
 """
 
 from __future__ import annotations
@@ -102,8 +108,9 @@ def accuracy(w, X, y) -> float:
 class Server:
     """Holds the weights; ``push_sync`` gathers N gradients per step, ``push_async`` applies each."""
 
-    def __init__(self, n_workers: int, lr: float, seed: int):
-        self.w = actorshm.zeros(N_PARAMS)  # shared: every reply is a view of this buffer
+    def __init__(self, n_workers: int, lr: float, seed: int, backend: str = "local"):
+        # Shared on the local backend: every reply is a view of this buffer.
+        self.w = actorshm.zeros(N_PARAMS) if backend == "local" else np.zeros(N_PARAMS)
         self.w[...] = init_params(seed)
         self.n_workers = n_workers
         self.lr = lr
@@ -151,7 +158,10 @@ class Server:
 class Worker:
     """Owns one shard of the training set; runs its share of each epoch against the server."""
 
-    def __init__(self, index: int, count: int, seed: int, batch_size: int, device: str = "cpu"):
+    def __init__(self, index: int, count: int, seed: int, batch_size: int, device: str = "cpu",
+                 backend: str = "local"):
+        # Ray copies arguments through its object store: a shared buffer would gain nothing.
+        self.alloc = actorshm.empty if backend == "local" else np.empty
         Xtr, _, ytr, _ = load_data(seed)
         self.X, self.y = shard(Xtr, ytr, index, count)
         self.rng = np.random.default_rng(seed * 1000 + index)
@@ -170,7 +180,7 @@ class Worker:
         return idx
 
     def _grad(self, w, idx):
-        g = actorshm.empty(N_PARAMS)  # recycled: comes home once the server drops it
+        g = self.alloc(N_PARAMS)  # shared: recycled, comes home once the server drops it
         if self.xp is np:
             return loss_and_grad(w, self.X[idx], self.y[idx], g), g
         xp = self.xp
@@ -213,6 +223,10 @@ def parse(argv=None):
     p.add_argument("--plot", metavar="FILE.png")
     p.add_argument("--single", action="store_true",
                    help="train in this one process with the same settings")
+    p.add_argument("--backend", choices=["local", "ray"], default="local",
+                   help="run the actors as local processes (default) or as Ray actors")
+    p.add_argument("--address", help="with --backend ray: a Ray cluster to connect to "
+                                     "(default: start a local Ray)")
     args = p.parse_args(argv)
     if args.quick:
         args.epochs = min(args.epochs, 6)
@@ -237,9 +251,9 @@ def total_stats(dicts):
 
 async def _distributed(args, Xtr, Xte, ytr, yte):
     server = await Server.options(max_concurrency=args.workers + 2).spawn(
-        args.workers, args.lr, args.seed)
+        args.workers, args.lr, args.seed, args.backend)
     workers = await asyncio.gather(*[
-        Worker.spawn(i, args.workers, args.seed, args.batch_size, args.device)
+        Worker.spawn(i, args.workers, args.seed, args.batch_size, args.device, args.backend)
         for i in range(args.workers)])
     actors = [server, *workers]
     steps = steps_per_epoch(len(Xtr), args)
@@ -322,13 +336,17 @@ def plot(history, path):
 def main(argv=None) -> dict:
     args = parse(argv)
     Xtr, Xte, ytr, yte = load_data(args.seed)
-    what = "single process" if args.single else f"{args.mode}, {args.workers} workers"
+    what = "single process" if args.single else \
+        f"{args.mode}, {args.workers} workers, {args.backend} backend"
     print(f"parameter server: {what}, {N_PARAMS} params, train {len(Xtr)} test {len(Xte)}")
     t0 = time.perf_counter()
     if args.single:
         w, history, staleness = _single(args, Xtr, Xte, ytr, yte)
     else:
-        w, history, staleness = actorshm.run(_distributed(args, Xtr, Xte, ytr, yte))
+        opts = {"backend": args.backend}
+        if args.backend == "ray":
+            opts.update(address=args.address, log_to_driver=False)
+        w, history, staleness = actorshm.run(_distributed(args, Xtr, Xte, ytr, yte), **opts)
     elapsed = time.perf_counter() - t0
     acc = accuracy(w, Xte, yte)
     if args.plot:

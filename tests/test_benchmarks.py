@@ -1,5 +1,6 @@
 """The benchmarks must never rot: CI runs the quick mode and checks what it reports."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -37,6 +38,8 @@ def test_quick_benchmarks_run(tmp_path):
                     "Broadcast: one shared 64 MiB array", "ActorGroup.spawn"):
         assert section in report
     assert "not measured" in report  # peers skipped in quick mode say so
+    if importlib.util.find_spec("torch") is not None:  # torch rows, in the same run
+        assert "torch tensor argument" in report and "Recycling loop, 64 MiB torch" in report
     assert "pins every process to CPU 0 (" in report  # the affinity in effect
     # behaviour, not speed: the recycling loop copies nothing and maps nothing new
     line = [ln for ln in report.splitlines() if ln.startswith("| ") and "|" in ln]

@@ -70,6 +70,15 @@ def test_data_pipeline():
     assert out["test_accuracy"] > 0.85
 
 
+def test_parameter_server_on_ray(mode="sync"):
+    pytest.importorskip("ray", reason="the Ray backend needs Ray: pip install 'actorshm[ray]'")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray binds 127.0.0.1
+    out = parameter_server.main(["--quick", "--mode", mode, "--workers", "2",
+                                 "--backend", "ray", "--epochs", "3"])
+    assert out["test_accuracy"] > 0.8
+    assert all(h["bytes_zero_copy"] == 0 for h in out["history"])  # Ray copies instead
+
+
 def test_data_parallel_matches_the_parameter_server(capsys):
     out = data_parallel.main(["--quick", "--workers", "2"])
     assert out["test_accuracy"] > 0.85

@@ -1,0 +1,361 @@
+"""The Ray backend: the same ``@actor`` classes and handles, run as Ray actors.
+
+``Runtime(backend="ray")`` makes a ``RayRuntime`` (``_ray_runtime``); it and this
+module's ``RayClient`` sit beside the local runtime behind the handle layer (``_actor.py``): a handle asks its client to
+``call``, ``kill``, ``spawn`` and ``get_actor``. Each actorshm actor is one generic Ray
+actor (``_ray_host.Host``) that builds the user's instance. Handles carry their Ray actor
+handle in their actor id (``RayActorId``), so they pickle through Ray and keep calling
+through Ray in whatever process they land. Ray is imported only here, on first use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import os
+import pickle
+import threading
+import uuid
+import warnings
+from typing import Any
+
+from . import _shm
+from ._actor import ActorHandle, ActorOptions, public_methods
+from ._errors import ActorDiedError, RemoteError, RemoteTraceback
+from ._ray_host import Host, simple
+from ._remote_errors import decode_exception
+
+__all__ = ["RayClient", "RayActorId", "CLIENT", "get_client", "ray_env", "import_ray"]
+
+STREAM_BUFFER = 16  # items a streaming method may run ahead of its consumer
+
+
+def ray_env() -> None:
+    """Make a Ray started from this process bind 127.0.0.1 (on Linux too)."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError("the Ray backend needs Ray: pip install 'actorshm[ray]' "
+                          "(or pip install 'ray>=2.9')") from exc
+    return ray
+
+
+class RayActorId:
+    """The actor id of a handle on the Ray backend: the Ray actor handle and its facts."""
+
+    def __init__(self, handle: Any, key: str, streams: frozenset) -> None:
+        self.handle = handle
+        self.key = key
+        self.streams = streams
+
+    def actorshm_client(self) -> "RayClient":
+        return CLIENT
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RayActorId) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return self.key[:12]
+
+
+def _died(exc: BaseException, what: str) -> ActorDiedError:
+    text = str(exc).strip().splitlines()
+    return ActorDiedError(f"{what}: the actor died ({text[0] if text else type(exc).__name__})")
+
+
+def _translate(exc: BaseException, what: str) -> BaseException:
+    """Ray's error for a call -> what the local backend raises."""
+    import ray.exceptions as rex
+    if isinstance(exc, (rex.RayActorError, getattr(rex, "ActorUnavailableError", ()))):
+        return _died(exc, what)
+    if isinstance(exc, rex.RayTaskError):  # the host failed, e.g. a result that won't pickle
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, Exception) and not isinstance(cause, rex.RayError):
+            cause.__cause__ = RemoteTraceback(str(exc))
+            return cause
+        return RemoteError(type(exc).__name__, str(exc))
+    return exc
+
+
+def _outcome(value: Any, what: str):
+    """``(ok, payload)`` from the host -> (result, None) or (None, exception)."""
+    if type(value) is bytes:  # a simple reply, pickled by the host
+        value = pickle.loads(value)
+    ok, payload = value
+    if ok:
+        return payload, None
+    return None, decode_exception(payload, what)
+
+
+def _warn_shared(args: tuple, kwargs: dict, what: str) -> None:
+    for a in (*args, *kwargs.values()):
+        items = a if isinstance(a, (list, tuple)) else (
+            a.values() if isinstance(a, dict) else (a,))
+        for x in items:
+            if _shm.is_shared(x):
+                warnings.warn(
+                    f"{what}(): an actorshm shared array is passed on the Ray backend; it "
+                    "travels as a read-only copy through Ray's object store, so writes in "
+                    "the actor are not seen by the caller (return the result instead)",
+                    RuntimeWarning, stacklevel=4)
+                return
+
+
+class RayClient:
+    """Makes calls through Ray, in the driver and inside Ray-hosted actors."""
+
+    shares_memory = False  # arguments travel through Ray's object store, copied
+
+    def __init__(self) -> None:
+        self._dead: set = set()
+        self._remote_host = None
+        self._lock = threading.Lock()
+        self._caller = uuid.uuid4().hex[:16]  # calls from one caller start in order
+        self._seqs: dict[str, int] = {}
+        self._cancels: dict[str, tuple] = {}
+        self._pids: dict[str, int] = {}  # after a restart
+        self._watching: set = set()
+        self._watchers: set = set()
+
+    # -- calls -------------------------------------------------------------------
+    def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
+             what: str = ""):
+        what = what or method
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if method in actor_id.streams:
+            return self._stream(actor_id, method, args, kwargs, what, loop)
+        if loop is None:  # a sync method in a thread: block on the concurrent future
+            return self._call_from_thread(actor_id, method, args, kwargs, what)
+        fut = loop.create_future()
+        if actor_id.key in self._dead:
+            fut.set_exception(ActorDiedError(f"{what}: the actor was killed"))
+            return fut
+        ref, seq = self._submit(actor_id, actor_id.handle.call, method, args, kwargs, what)
+
+        def settle(cf: concurrent.futures.Future) -> None:
+            if fut.done():
+                return
+            exc = cf.exception()
+            if exc is not None:
+                err = _translate(exc, what)
+                if isinstance(err, ActorDiedError):
+                    self._watch_restart(actor_id, loop)
+                if isinstance(err, BaseException) and not fut.cancelled():
+                    fut.set_exception(err)
+                return
+            result, err = _outcome(cf.result(), what)
+            if err is not None:
+                fut.set_exception(err)
+            else:
+                fut.set_result(result)
+
+        cf = ref.future()
+        cf.add_done_callback(lambda c: loop.call_soon_threadsafe(settle, c))
+        fut.add_done_callback(lambda f: f.cancelled() and self._cancel(actor_id, seq))
+        return fut
+
+    def _submit(self, actor_id, remote_method, method, args, kwargs, what):
+        _warn_shared(args, kwargs, what)
+        try:
+            with self._lock:
+                seq = self._seqs.get(actor_id.key, 0)
+                req = (method, args, kwargs, self._caller, seq)
+                if simple(args) and simple(kwargs):
+                    req = pickle.dumps(req, protocol=5)
+                ref = remote_method.remote(req)
+                self._seqs[actor_id.key] = seq + 1
+            return ref, seq
+        except TypeError as exc:
+            raise TypeError(f"{what}(): an argument cannot be serialized, nothing was "
+                            f"sent: {exc}") from exc
+        except Exception as exc:
+            if "serializ" in str(exc).lower() or "pickl" in str(exc).lower():
+                raise TypeError(f"{what}(): an argument cannot be serialized, nothing "
+                                f"was sent: {exc}") from exc
+            raise
+
+    def _call_from_thread(self, actor_id, method, args, kwargs, what):
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        if actor_id.key in self._dead:
+            out.set_exception(ActorDiedError(f"{what}: the actor was killed"))
+            return out
+        ref, seq = self._submit(actor_id, actor_id.handle.call, method, args, kwargs, what)
+
+        def settle(cf) -> None:
+            if out.done():  # cancelled by the caller
+                return
+            exc = cf.exception()
+            try:
+                if exc is not None:
+                    out.set_exception(_translate(exc, what))
+                    return
+                result, err = _outcome(cf.result(), what)
+                out.set_exception(err) if err is not None else out.set_result(result)
+            except concurrent.futures.InvalidStateError:  # cancelled meanwhile
+                pass
+
+        ref.future().add_done_callback(settle)
+        out.add_done_callback(lambda f: f.cancelled() and self._cancel(actor_id, seq))
+        return out
+
+    def _stream(self, actor_id, method, args, kwargs, what, loop):
+        if actor_id.key in self._dead:
+            raise ActorDiedError(f"{what}: the actor was killed")
+        remote = actor_id.handle.stream.options(
+            num_returns="streaming", _generator_backpressure_num_objects=STREAM_BUFFER)
+        gen, seq = self._submit(actor_id, remote, method, args, kwargs, what)
+        from ._ray_stream import RayStream
+        return RayStream(gen, what, _translate, _outcome,
+                         lambda _gen: self._cancel(actor_id, seq))
+
+    def _cancel(self, actor_id: RayActorId, seq: int) -> None:
+        """Ask the actor to cancel call ``seq`` (a message, not ``ray.cancel``: a task
+        Ray drops before it arrives would leave a hole in the caller's call order).
+
+        Cancellations made in one event-loop step travel as one message, so the actor
+        cancels them together: a queued call cannot slip in when the running one ends.
+        """
+        with self._lock:
+            batch = self._cancels.get(actor_id.key)
+            if batch is not None:
+                batch[1].append(seq)
+                return
+            self._cancels[actor_id.key] = (actor_id, [seq])
+        try:
+            asyncio.get_running_loop().call_soon(self._send_cancels, actor_id.key)
+        except RuntimeError:  # no loop here: send at once
+            self._send_cancels(actor_id.key)
+
+    def _send_cancels(self, key: str) -> None:
+        with self._lock:
+            actor_id, seqs = self._cancels.pop(key)
+        try:
+            actor_id.handle.cancel.options(concurrency_group="control").remote(
+                self._caller, seqs)
+        except Exception:  # Ray is gone
+            pass
+
+    def actor_pid(self, actor_id: RayActorId, pid: int) -> int:
+        return self._pids.get(actor_id.key, pid)
+
+    def _watch_restart(self, actor_id: RayActorId, loop) -> None:
+        """After a death: if Ray restarts the actor (``max_restarts``), learn its new pid."""
+        if actor_id.key in self._dead or actor_id.key in self._watching:
+            return
+        self._watching.add(actor_id.key)
+
+        async def watch() -> None:
+            try:
+                ok, pid = await asyncio.wait_for(actor_id.handle.ready.remote(), 120)
+                if ok:
+                    self._pids[actor_id.key] = pid
+            except BaseException:  # not restarted (or Ray is gone): the pid stays
+                pass
+            finally:
+                self._watching.discard(actor_id.key)
+
+        self._watchers.add(loop.create_task(watch()))
+        for t in [t for t in self._watchers if t.done()]:
+            self._watchers.discard(t)
+
+    async def kill(self, actor_id: RayActorId) -> None:
+        ray = import_ray()
+        self._dead.add(actor_id.key)
+        ray.kill(actor_id.handle, no_restart=True)
+        try:  # wait until Ray reports the death, so pending calls have failed
+            await asyncio.wait_for(actor_id.handle.ready.remote(), 10)
+        except Exception:
+            pass
+
+    # -- spawning ----------------------------------------------------------------
+    async def spawn(self, cls: type, options: ActorOptions, args: tuple,
+                    kwargs: dict) -> ActorHandle:
+        ray = import_ray()
+        with self._lock:
+            if self._remote_host is None:
+                # Cancel messages run in their own group: their own thread and loop.
+                self._remote_host = ray.remote(concurrency_groups={"control": 1})(Host)
+        methods = public_methods(cls)
+        streams = frozenset(n for n in methods if _is_generator(cls, n))
+        # The host enforces max_concurrency and call order itself (Ray runs async actor
+        # tasks out of order), so Ray may hand it every call at once.
+        opts: dict[str, Any] = {"max_concurrency": 1000 + options.max_concurrency,
+                                "max_restarts": options.max_restarts,
+                                "max_task_retries": 0}
+        if options.name is not None:
+            opts["name"] = options.name
+        if options.num_gpus:
+            opts["num_gpus"] = options.num_gpus
+        env = {}
+        if options.num_cpus != 1:  # Ray's default reserves no CPU while an actor runs
+            opts["num_cpus"] = options.num_cpus
+            env.update(options.thread_env())
+        env.update(options.env or {})
+        if env:
+            opts["runtime_env"] = {"env_vars": env}
+        what = f"{cls.__qualname__}.spawn"
+        try:
+            meta = (cls.__qualname__, methods, streams, options.max_pending_calls)
+            handle = self._remote_host.options(**opts).remote(
+                cls, args, kwargs, options.max_concurrency, get_client, meta)
+        except TypeError as exc:
+            raise TypeError(f"{what}(): an argument cannot be serialized: {exc}") from exc
+        except ValueError as exc:
+            if options.name is not None and "already" in str(exc):
+                raise ValueError(f"an actor named {options.name!r} already exists; "
+                                 "names are unique while the actor lives") from exc
+            raise
+        try:
+            ok, payload = await handle.ready.remote()
+        except Exception as exc:
+            raise _translate(exc, what) from exc
+        if not ok:
+            ray.kill(handle, no_restart=True)
+            raise decode_exception(payload, f"{cls.__qualname__}.__init__")
+        aid = RayActorId(handle, handle._actor_id.hex(), streams)
+        return ActorHandle(self, aid, cls.__qualname__, methods, options.name, payload,
+                           options.max_pending_calls)
+
+    async def get_actor(self, name: str) -> ActorHandle:
+        ray = import_ray()
+        try:
+            handle = ray.get_actor(name)
+        except ValueError:
+            raise ValueError(f"no live actor named {name!r}; named actors are made with "
+                             "Cls.options(name=...).spawn()") from None
+        key = handle._actor_id.hex()
+        if key in self._dead:
+            raise ValueError(f"no live actor named {name!r} (it was killed)")
+        try:
+            ok, pid = await handle.ready.remote()
+            cls_name, methods, streams, max_pending = await handle.meta.remote()
+        except Exception as exc:
+            raise ValueError(f"no live actor named {name!r} ({exc})") from None
+        return ActorHandle(self, RayActorId(handle, key, streams), cls_name, methods, name,
+                           pid, max_pending)
+
+
+def _is_generator(cls: type, name: str) -> bool:
+    attr = inspect.getattr_static(cls, name, None)
+    if isinstance(attr, (staticmethod, classmethod)):
+        attr = attr.__func__
+    return inspect.isgeneratorfunction(attr) or inspect.isasyncgenfunction(attr)
+
+
+CLIENT = RayClient()
+
+
+def get_client() -> RayClient:
+    """This process's Ray client (a Ray-hosted actor installs it as its client)."""
+    return CLIENT

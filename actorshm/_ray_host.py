@@ -1,0 +1,325 @@
+"""The Ray actor that hosts one ``@actor`` instance on the Ray backend.
+
+Every actorshm actor on Ray is this one generic async Ray actor: it builds the user's
+instance in its ``__init__`` and runs each call with ``call`` (a sync method inline, or in
+a thread pool when ``max_concurrency > 1``; an async method on Ray's event loop) and
+each streaming call with ``stream``. Results travel as ``(True, value)``; an exception
+raised by the user's code travels as ``(False, encoded)`` (see ``encode_exception``), so
+the caller re-raises the same type instead of Ray's ``RayTaskError``.
+
+Array arguments arrive read-only (Ray's object store gives read-only zero-copy views of
+large arrays; small ones are made read-only here too), so code that writes into an
+argument expecting the caller to see it fails loudly instead of silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import pickle
+import threading
+from typing import Any
+
+from . import _client
+from ._errors import ActorDiedError
+from ._remote_errors import encode_exception
+
+__all__ = ["Host", "freeze_arrays", "simple", "pack"]
+
+_MAX_DEPTH = 4
+_SCALARS = (type(None), bool, int, float, complex)
+_SMALL = 64 << 10
+
+
+def simple(obj: Any, depth: int = 0) -> bool:
+    """Whether ``obj`` is small builtin data (scalars, short str/bytes, and lists, tuples
+    and dicts of them): then actorshm pickles it itself into one ``bytes``, which Ray
+    passes far more cheaply than a Python object it must serialize."""
+    t = type(obj)
+    if t in _SCALARS:
+        return True
+    if t is str or t is bytes:
+        return len(obj) <= _SMALL
+    if depth >= _MAX_DEPTH:
+        return False
+    if t is tuple or t is list:
+        return len(obj) <= 64 and all(simple(x, depth + 1) for x in obj)
+    if t is dict:
+        return len(obj) <= 64 and all(
+            type(k) is str and simple(v, depth + 1) for k, v in obj.items())
+    return False
+
+
+def pack(pair: tuple) -> Any:
+    """A reply ``(ok, value)``: one pickled ``bytes`` when it is simple, else as it is."""
+    return pickle.dumps(pair, protocol=5) if simple(pair[1]) else pair
+
+
+def freeze_arrays(obj: Any, depth: int = 0) -> None:
+    """Make numpy arrays in ``obj`` (lists, tuples, dicts, a few levels deep) read-only."""
+    if depth > _MAX_DEPTH:
+        return
+    flags = getattr(obj, "flags", None)
+    if flags is not None and hasattr(obj, "setflags") and hasattr(obj, "dtype"):
+        try:
+            obj.setflags(write=False)
+        except ValueError:
+            pass
+        return
+    if isinstance(obj, (list, tuple)):
+        for x in obj:
+            freeze_arrays(x, depth + 1)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            freeze_arrays(x, depth + 1)
+
+
+class _Turns:
+    """Start order of one caller's calls: Ray runs async actor tasks out of order."""
+
+    __slots__ = ("next", "skip", "waiters")
+
+    def __init__(self, first: int) -> None:
+        self.next = first
+        self.skip: set = set()
+        self.waiters: dict = {}
+
+    def advance(self) -> None:
+        self.next += 1
+        while self.next in self.skip:
+            self.skip.discard(self.next)
+            self.next += 1
+        w = self.waiters.pop(self.next, None)
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def consume(self, seq: int) -> None:
+        """``seq`` will never start (cancelled): let the calls after it go."""
+        if seq == self.next:
+            self.advance()
+        elif seq > self.next:
+            self.skip.add(seq)
+
+
+class Host:
+    """Wraps the user's class inside a Ray actor process (made remote by ``_ray``).
+
+    Ray runs async actor tasks in arrival order at best, so each call carries its
+    caller's id and a sequence number: calls from one caller start in the order they
+    were made, and at most ``max_concurrency`` run at once (an ``asyncio.Semaphore``).
+    """
+
+    def __init__(self, cls: type, args: tuple, kwargs: dict, max_concurrency: int,
+                 get_client: Any, meta: tuple) -> None:
+        _client.set_worker(get_client())  # calls made in here go through Ray
+        self._meta = meta
+        self._cls_name = cls.__qualname__
+        self._executor = None
+        if max_concurrency > 1:
+            from concurrent.futures import ThreadPoolExecutor
+            self._executor = ThreadPoolExecutor(max_concurrency,
+                                                thread_name_prefix=f"actorshm-{cls.__qualname__}")
+        from ._actor import public_methods
+        self._methods = public_methods(cls)
+        self._init_error = None
+        self._instance = None
+        self._max_concurrency = max_concurrency
+        self._sem = None
+        self._callers: dict[str, _Turns] = {}
+        self._cancelled: set = set()  # (caller, seq) cancelled before they arrived
+        self._requested: set = set()  # (caller, seq) whose cancel message arrived
+        self._cancel_lock = threading.Lock()
+        self._loop = None  # the actor's event loop, where every call runs
+        self._tasks: dict = {}  # (caller, seq) -> the task running that call
+        try:
+            import warnings
+
+            import ray
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ctx = ray.get_runtime_context()
+                self._restarted = bool(ctx.was_current_actor_reconstructed)
+        except Exception:  # pragma: no cover - outside Ray
+            self._restarted = False
+        # The user's __init__ runs on the actor's event loop, as on the local backend
+        # (it may start tasks there): on the first call, ``ready`` at spawn.
+        self._pending_init = (cls, args, kwargs)
+
+    def _build(self) -> None:
+        cls, args, kwargs = self._pending_init
+        self._pending_init = None
+        try:
+            freeze_arrays(args)
+            freeze_arrays(kwargs)
+            self._instance = cls(*args, **kwargs)
+        except BaseException as exc:  # raised by spawn in the caller
+            self._init_error = encode_exception(exc)
+            self._dead_reply = pack((False, encode_exception(ActorDiedError(
+                f"actor {self._cls_name} failed in __init__: {exc!r}"))))
+
+    async def ready(self) -> tuple:
+        """``(True, pid)`` once ``__init__`` returned, ``(False, encoded error)`` if it raised."""
+        self._loop = asyncio.get_running_loop()
+        if self._pending_init is not None:
+            self._build()
+        if self._init_error is not None:
+            return False, self._init_error
+        return True, os.getpid()
+
+    async def meta(self) -> tuple:
+        """``(class name, public methods, streaming methods, max_pending_calls)``."""
+        return self._meta
+
+    def _method(self, method: str):
+        if method not in self._methods:
+            raise AttributeError(f"actor {self._cls_name} has no public method {method!r}")
+        return getattr(self._instance, method)
+
+    async def cancel(self, caller: str, seqs: list) -> None:
+        """Cancel calls ``seqs`` of ``caller``: queued, one never runs; running, an
+        async method gets ``CancelledError`` at its ``await`` (a sync one finishes).
+
+        Runs in its own concurrency group (its own thread and loop), so a cancellation
+        is recorded even while a sync method blocks the actor's loop: the calls queued
+        behind it then see it before they start.
+        """
+        with self._cancel_lock:
+            self._requested.update((caller, seq) for seq in seqs)
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self._apply_cancel, caller, seqs)
+
+    def _apply_cancel(self, caller: str, seqs: list) -> None:
+        for seq in seqs:
+            task = self._tasks.get((caller, seq))
+            if task is not None:
+                task.cancel()
+                continue
+            st = self._turns(caller, seq)
+            if seq >= st.next:  # not arrived yet: it will not run
+                self._cancelled.add((caller, seq))
+                st.consume(seq)
+            with self._cancel_lock:
+                self._requested.discard((caller, seq))
+
+    def _turns(self, caller: str, seq: int) -> _Turns:
+        st = self._callers.get(caller)
+        if st is None:  # after a restart, numbering goes on from where the caller is
+            st = self._callers[caller] = _Turns(seq if self._restarted else 0)
+        return st
+
+    async def _take_turn(self, caller: str, seq: int) -> None:
+        st = self._turns(caller, seq)
+        if seq < st.next:  # arrived late (after a restart): run now
+            return
+        if seq != st.next:
+            fut = asyncio.get_running_loop().create_future()
+            st.waiters[seq] = fut
+            try:
+                await fut
+            except BaseException:
+                st.waiters.pop(seq, None)
+                st.consume(seq)
+                raise
+        st.advance()
+
+    async def call(self, req: tuple) -> tuple:
+        """Run ``req = (method, args, kwargs, caller, seq)``: ``(ok, result or error)``.
+
+        One argument, not five: Ray serializes each argument of a task on its own.
+        """
+        if type(req) is bytes:
+            req = pickle.loads(req)
+        method, args, kwargs, caller, seq = req
+        del req
+        key = (caller, seq)
+        if key in self._cancelled:
+            self._cancelled.discard(key)
+            return None, None
+        self._loop = asyncio.get_running_loop()
+        if self._pending_init is not None:
+            self._build()
+        if self._init_error is not None:
+            return self._dead_reply
+        self._tasks[key] = asyncio.current_task()
+        try:
+            await self._take_turn(caller, seq)
+            if self._sem is None:
+                self._sem = asyncio.Semaphore(self._max_concurrency)
+            async with self._sem:
+                if self._requested and key in self._requested:  # cancelled while queued
+                    with self._cancel_lock:
+                        self._requested.discard(key)
+                    return None, None
+                return pack(await self._run(method, args, kwargs))
+        except asyncio.CancelledError:
+            return None, None  # the caller has stopped waiting
+        finally:
+            del self._tasks[key]
+
+    async def _run(self, method: str, args: tuple, kwargs: dict) -> tuple:
+        try:
+            fn = self._method(method)
+            freeze_arrays(args)
+            freeze_arrays(kwargs)
+            if self._methods[method] or self._executor is None:
+                result = fn(*args, **kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
+            else:
+                result = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, lambda: fn(*args, **kwargs))
+        except SystemExit:
+            os._exit(0)
+        except Exception as exc:
+            return False, encode_exception(exc)
+        return True, result
+
+    async def stream(self, req: tuple):
+        """Run a generator or async-generator method, yielding ``(ok, item)`` pairs."""
+        if type(req) is bytes:
+            req = pickle.loads(req)
+        method, args, kwargs, caller, seq = req
+        del req
+        key = (caller, seq)
+        if key in self._cancelled:
+            self._cancelled.discard(key)
+            return
+        self._loop = asyncio.get_running_loop()
+        if self._pending_init is not None:
+            self._build()
+        if self._init_error is not None:
+            yield self._dead_reply
+            return
+        self._tasks[key] = asyncio.current_task()
+        try:
+            await self._take_turn(caller, seq)
+        except BaseException:
+            del self._tasks[key]
+            raise
+        try:
+            fn = self._method(method)
+            freeze_arrays(args)
+            freeze_arrays(kwargs)
+            gen = fn(*args, **kwargs)
+        except Exception as exc:
+            self._tasks.pop(key, None)
+            yield pack((False, encode_exception(exc)))
+            return
+        try:
+            if inspect.isasyncgen(gen):
+                async for item in gen:
+                    yield pack((True, item))
+            else:
+                for item in gen:
+                    yield pack((True, item))
+        except Exception as exc:
+            yield pack((False, encode_exception(exc)))
+        finally:
+            self._tasks.pop(key, None)
+            close = getattr(gen, "aclose", None)
+            if close is not None:
+                await close()
+            else:
+                gen.close()

@@ -1,0 +1,170 @@
+"""``Runtime(backend="ray")``: the runtime of the Ray backend.
+
+It starts (or connects to) Ray, is the innermost runtime while open, spawns through
+``_ray.CLIENT`` and kills what it spawned on close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from . import _client
+from ._actor import ActorHandle, ActorOptions
+from ._ray import CLIENT, RayActorId, import_ray, ray_env
+
+__all__ = ["RayRuntime"]
+
+
+def _user_paths() -> list[str]:
+    """The driver's import path minus the interpreter's own (as local actors get it)."""
+    import sys
+    skip = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    return [os.path.abspath(p or os.getcwd()) for p in sys.path
+            if os.path.isdir(p or ".") and not os.path.abspath(p or ".").startswith(skip)]
+
+
+_LOCAL_ONLY = {"start_method", "shm_budget", "shutdown_grace", "start_timeout", "gpus"}
+
+
+class RayRuntime:
+    """``Runtime(backend="ray")``: actors run as Ray actors, locally or on a cluster.
+
+    With no ``address``, starts a local Ray (on 127.0.0.1, no dashboard) and shuts it
+    down on close; with one, connects to that cluster and only disconnects on close. If
+    this process is already connected to Ray, that connection is used and kept.
+
+    Args:
+        address: a Ray cluster's address (``"auto"``, ``"ray://host:10001"``, ...), or
+            None for a local Ray.
+        **ray_init_options: passed to ``ray.init`` (for example ``num_cpus``,
+            ``object_store_memory``, ``runtime_env``).
+
+    Raises:
+        TypeError: an option of the local backend (``start_method``, ``shm_budget``,
+            ...), which has no meaning on Ray.
+    """
+
+    backend = "ray"
+    shares_memory = False
+
+    def __init__(self, address: str | None = None, **ray_init_options: Any) -> None:
+        local_only = sorted(set(ray_init_options) & _LOCAL_ONLY)
+        if local_only:
+            raise TypeError(f"{local_only}: options of the local backend; with "
+                            "backend='ray', other keywords go to ray.init()")
+        self.address = address
+        self.ray_init_options = ray_init_options
+        self._owns_ray = False
+        self._open = False
+        self._closing = False
+        self._spawned: list[ActorHandle] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> "RayRuntime":
+        """Connect to (or start) Ray and open the runtime; see ``Runtime.start``.
+
+        Raises:
+            RuntimeError: it is already open, or was closed.
+            ImportError: Ray is not installed.
+        """
+        if self._open:
+            raise RuntimeError("this Runtime is already open")
+        if self._closing:
+            raise RuntimeError("this Runtime was closed; open a new one")
+        if self.address is None:
+            ray_env()  # read when Ray is imported
+        ray = import_ray()
+        if not ray.is_initialized():
+            opts = dict(self.ray_init_options)
+            if self.address is None:
+                opts.setdefault("include_dashboard", False)
+                opts.setdefault("object_store_memory", 1 << 30)
+            opts.setdefault("log_to_driver", True)
+            if "job_config" not in opts:  # actors import user modules as the driver does
+                from ray.job_config import JobConfig
+                opts["job_config"] = JobConfig(code_search_path=_user_paths())
+            ray.init(address=self.address, **opts)
+            self._owns_ray = True
+        self.loop = asyncio.get_running_loop()
+        self._open = True
+        _client.runtime_opened(self)
+        return self
+
+    async def __aenter__(self) -> "RayRuntime":
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Kill every actor this runtime spawned; shut down (or disconnect from) Ray."""
+        if not self._open or self._closing:
+            return
+        self._closing = True
+        try:
+            ray = import_ray()
+            for h in self._spawned:
+                CLIENT._dead.add(h._actor_id.key)
+                try:
+                    ray.kill(h._actor_id.handle, no_restart=True)
+                except Exception:
+                    pass
+            self._spawned.clear()
+            if self._owns_ray:
+                ray.shutdown()
+        finally:
+            self._open = False
+            _client.runtime_closed(self)
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise RuntimeError("this Runtime is closed")
+
+    async def spawn(self, cls: type, options: ActorOptions, args: tuple,
+                    kwargs: dict) -> ActorHandle:
+        self._check_open()
+        h = await CLIENT.spawn(cls, options, args, kwargs)
+        self._spawned.append(h)
+        return h
+
+    def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
+             what: str = ""):
+        return CLIENT.call(actor_id, method, args, kwargs, what)
+
+    def actor_pid(self, actor_id: RayActorId, pid: int) -> int:
+        return self._pids.get(actor_id.key, pid)
+
+    def _watch_restart(self, actor_id: RayActorId, loop) -> None:
+        """After a death: if Ray restarts the actor (``max_restarts``), learn its new pid."""
+        if actor_id.key in self._dead or actor_id.key in self._watching:
+            return
+        self._watching.add(actor_id.key)
+
+        async def watch() -> None:
+            try:
+                ok, pid = await asyncio.wait_for(actor_id.handle.ready.remote(), 120)
+                if ok:
+                    self._pids[actor_id.key] = pid
+            except BaseException:  # not restarted (or Ray is gone): the pid stays
+                pass
+            finally:
+                self._watching.discard(actor_id.key)
+
+        self._watchers.add(loop.create_task(watch()))
+        for t in [t for t in self._watchers if t.done()]:
+            self._watchers.discard(t)
+
+    async def kill(self, actor_id: RayActorId) -> None:
+        await CLIENT.kill(actor_id)
+
+    async def get_actor(self, name: str) -> ActorHandle:
+        self._check_open()
+        return await CLIENT.get_actor(name)
+
+    def actors(self) -> list[dict]:
+        """A snapshot of the actors this runtime spawned."""
+        return [{"id": h._actor_id.key, "class": h._cls_name, "pid": h._pid,
+                 "alive": h._actor_id.key not in CLIENT._dead, "name": h._actor_name}
+                for h in self._spawned]

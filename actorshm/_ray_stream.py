@@ -1,0 +1,80 @@
+"""A streaming call on the Ray backend: an async iterator over a Ray streaming generator."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["RayStream"]
+
+
+class RayStream:
+    """What calling a generator method returns on Ray: ``async for item in stream``.
+
+    The actor runs at most ``STREAM_BUFFER`` items ahead (Ray's generator back-pressure).
+    Leaving the loop early (``break``, an exception, ``aclose()``, or dropping the
+    iterator) cancels the generator in the actor, whose ``finally`` blocks then run.
+    """
+
+    def __init__(self, gen: Any, what: str, translate: Callable, outcome: Callable,
+                 cancel: Callable) -> None:
+        self._gen = gen
+        self._what = what
+        self._translate = translate
+        self._outcome = outcome
+        self._cancel = cancel
+        self._done = False
+        self._callbacks: list = []
+
+    def __aiter__(self) -> "RayStream":
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            ref = await self._gen.__anext__()
+            value = await ref
+        except StopAsyncIteration:
+            self._finish()
+            raise
+        except Exception as exc:
+            self._finish()
+            raise self._translate(exc, self._what) from None
+        except BaseException:  # cancelled: stop the generator in the actor
+            await self.aclose()
+            raise
+        item, err = self._outcome(value, self._what)
+        if err is not None:
+            self._finish()
+            raise err
+        return item
+
+    async def aclose(self) -> None:
+        """Stop the generator in the actor (its ``finally`` blocks run)."""
+        if not self._done:
+            self._cancel(self._gen)
+            self._finish()
+
+    def add_done_callback(self, fn: Callable) -> None:
+        """Run ``fn(self)`` when the stream ends (used by ``max_pending_calls``)."""
+        if self._done:
+            fn(self)
+        else:
+            self._callbacks.append(fn)
+
+    def _finish(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+    def __await__(self):
+        raise TypeError(f"{self._what}() is a streaming method: iterate it with "
+                        "`async for item in handle.method(...)` instead of awaiting it")
+
+    def __del__(self) -> None:
+        if not self._done:
+            self._cancel(self._gen)
+            self._finish()

@@ -1,0 +1,105 @@
+"""Actor classes for the backend contract tests (tests/test_ray.py). Free of pytest."""
+
+import asyncio
+import os
+
+import numpy as np
+
+from actorshm import actor
+
+
+@actor
+class Streamer:
+    def __init__(self):
+        self.closed = []
+        self.produced = 0
+
+    async def count(self, n, delay=0.0):
+        try:
+            for i in range(n):
+                self.produced = i + 1
+                yield i
+                if delay:
+                    await asyncio.sleep(delay)
+        finally:
+            self.closed.append(n)
+
+    def sync_count(self, n):
+        for i in range(n):
+            yield i * i
+
+    async def fail_after(self, n):
+        for i in range(n):
+            yield i
+        raise KeyError("stream failed on purpose")
+
+    def arrays(self, n, size):
+        for i in range(n):
+            yield np.full(size, i, dtype=np.int32)
+
+    async def die_after(self, n):
+        for i in range(n):
+            yield i
+        await asyncio.sleep(0.05)
+        os._exit(3)
+        yield n  # never reached
+
+    def closed_(self):
+        return list(self.closed)
+
+    def produced_(self):
+        return self.produced
+
+    def ping(self):
+        return "pong"
+
+
+@actor
+class ArrayUser:
+    def total(self, arr):
+        return float(arr.sum())
+
+    def scale_in_place(self, arr, k):
+        arr *= k  # on Ray the argument is read-only: this raises ValueError
+        return True
+
+    def writable(self, arr):
+        return bool(arr.flags.writeable)
+
+    def make(self, n):
+        return np.arange(n, dtype=np.float64)
+
+    def node(self):
+        import ray
+        return ray.get_runtime_context().get_node_id()
+
+    def pid_(self):
+        return os.getpid()
+
+
+@actor(max_concurrency=2)
+class ThreadCanceller:
+    """A sync method in a thread cancels the call it made to another actor."""
+
+    def cancel_queued(self, counter):
+        first = counter.slow_record(1, 0.5)
+        second = counter.record(2)  # queued behind the first
+        assert second.cancel()
+        return first.result(timeout=10)
+
+
+@actor
+class Ticker:
+    """Starts a background task on its event loop in __init__ (as servers do)."""
+
+    def __init__(self):
+        self.ticks = 0
+        self.task = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self):
+        while True:
+            self.ticks += 1
+            await asyncio.sleep(0.01)
+
+    def ticks_(self):
+        return self.ticks

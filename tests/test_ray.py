@@ -1,0 +1,455 @@
+"""The API contract on both backends (local and Ray), and what is Ray's own.
+
+Contract tests take the ``backend`` fixture and run twice: on the local backend and on
+a local Ray started once for this module. Tests of behaviour that only shared memory
+gives (write-through of array arguments, block recycling) live in test_arrays.py and run
+on the local backend only: on Ray, arrays pass through Ray's object store as read-only
+copies (see docs/ray.md), which the Ray-only tests below pin down.
+"""
+
+import asyncio
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray binds 127.0.0.1
+
+import actorshm  # noqa: E402
+from actors import (Caller, Concurrent, Counter, CustomError, Faulty, Phoenix,  # noqa: E402
+                    PoolWorker, Probe, ThreadedCaller)
+from ray_actors import ArrayUser, Streamer, ThreadCanceller, Ticker  # noqa: E402
+
+ray = pytest.importorskip("ray", reason="the Ray backend tests need Ray: "
+                                        "pip install 'actorshm[ray]'")
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::ResourceWarning")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One small local Ray for the module (starting Ray takes seconds)."""
+    from ray.job_config import JobConfig
+    if not ray.is_initialized():  # actors import tests/*.py as the driver does
+        ray.init(include_dashboard=False, object_store_memory=256 << 20,
+                 log_to_driver=False, num_cpus=2,
+                 job_config=JobConfig(code_search_path=[os.path.dirname(__file__)]))
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes(ray_session, no_leaked_processes):
+    """Ray's own processes (started once for the module) are not a test's leak."""
+    yield
+
+
+@pytest.fixture(params=["local", "ray"])
+def backend(request):
+    return request.param
+
+
+@pytest.fixture
+async def art(backend):
+    """A runtime of the test's backend."""
+    opts = {"shutdown_grace": 1.0} if backend == "local" else {}
+    async with actorshm.Runtime(backend=backend, **opts) as runtime:
+        yield runtime
+
+
+def ray_only(backend, why):
+    if backend != "ray":
+        pytest.skip(why)
+
+
+# -- Runtime -------------------------------------------------------------------------
+async def test_current_runtime_is_the_open_runtime(art, backend):
+    assert actorshm.current_runtime() is art
+    assert isinstance(art, actorshm.Runtime) and art.backend == backend
+    assert set(actorshm.stats()) >= {"bytes_copied", "bytes_zero_copy", "pool_allocs",
+                                     "pool_reuses", "blocks_live"}
+
+
+def test_unknown_backend_and_local_options_on_ray_are_refused():
+    with pytest.raises(ValueError, match="backend"):
+        actorshm.Runtime(backend="dask")
+    with pytest.raises(TypeError, match="start_method"):
+        actorshm.Runtime(backend="ray", start_method="forkserver")
+
+
+def test_ray_backend_without_ray_says_how_to_install_it():
+    code = textwrap.dedent("""
+        import asyncio, sys
+        sys.modules["ray"] = None  # as if Ray were not installed
+        import actorshm
+        async def main():
+            await actorshm.Runtime(backend="ray").start()
+        try:
+            asyncio.run(main())
+        except ImportError as exc:
+            assert "actorshm[ray]" in str(exc), exc
+        else:
+            raise SystemExit("no ImportError")
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_importing_actorshm_imports_no_ray():
+    code = "import sys, actorshm; assert 'ray' not in sys.modules, 'ray imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# -- Actors --------------------------------------------------------------------------
+async def test_spawn_call_and_order(art):
+    c = await Counter.spawn(5)
+    assert await c.incr(2) == 7
+    futs = [c.record(i) for i in range(40)]  # sent now, in this order
+    assert await asyncio.gather(*futs) == list(range(40))
+    assert await c.get_log() == list(range(40))
+    assert c.pid == await c.pid_() != os.getpid()
+    assert Counter(1).incr() == 2  # the class still makes plain instances
+
+
+async def test_init_error_is_raised_by_spawn_with_its_type(art):
+    with pytest.raises(KeyError, match="init failed on purpose"):
+        await Faulty.spawn(fail=True)
+
+
+async def test_init_runs_on_the_actors_event_loop(art):
+    t = await Ticker.spawn()
+    for _ in range(100):
+        if await t.ticks_() > 3:
+            break
+        await asyncio.sleep(0.02)
+    assert await t.ticks_() > 3  # the task __init__ started keeps running
+
+
+async def test_unknown_method_raises_attribute_error_at_once(art):
+    c = await Counter.spawn()
+    with pytest.raises(AttributeError, match="no public method 'nope'"):
+        c.nope
+
+
+async def test_names_and_get_actor(art):
+    c = await Counter.options(name="ctr").spawn(10)
+    same = await actorshm.get_actor("ctr")
+    assert await same.incr() == 11 and same == c and same.name == "ctr"
+    with pytest.raises(ValueError, match="no live actor named 'ghost'"):
+        await actorshm.get_actor("ghost")
+    with pytest.raises(ValueError, match="already exists"):
+        await Counter.options(name="ctr").spawn(0)
+    assert await same.incr() == 12  # the first one is unaffected
+    await c.kill()
+    with pytest.raises(ValueError, match="no live actor named 'ctr'"):
+        await actorshm.get_actor("ctr")
+
+
+async def test_handles_pickle_and_work_inside_actors(art):
+    c = await Counter.options(name="shared").spawn(0)
+    again = pickle.loads(pickle.dumps(c))
+    assert await again.incr(1) == 1
+    caller = await Caller.spawn(c)
+    assert await caller.call_other(2) == 3           # handle given to __init__
+    assert await caller.call_handle(c, 3) == 6       # handle given to a call
+    assert await caller.by_name("shared", 4) == 10   # get_actor inside an actor
+    child, first = await caller.spawn_child(100)     # spawned inside an actor
+    assert first == 101 and await child.incr(1) == 102
+    assert await caller.make_handle_list() == [c]    # handles come back as results
+
+
+async def test_max_concurrency_lets_async_methods_interleave(art):
+    a = await Concurrent.spawn()
+    peaks = await asyncio.gather(*(a.work(0.2) for _ in range(4)))
+    assert max(peaks) > 1
+    one = await Counter.spawn()
+    t0 = time.monotonic()
+    await asyncio.gather(one.async_record(1, 0.2), one.async_record(2, 0.2))
+    assert time.monotonic() - t0 >= 0.39  # max_concurrency=1: one after the other
+    assert await one.get_log() == [1, 2]
+
+
+async def test_sync_method_in_a_thread_may_wait_for_another_actor(art):
+    c = await Counter.spawn(0)
+    t = await ThreadedCaller.spawn()
+    assert await t.call_and_wait(c, 5) == 5
+
+
+async def test_env_option_reaches_the_actor(art):
+    p = await Probe.options(env={"ACTORSHM_PROBE": "yes"}).spawn()
+    assert await p.env("ACTORSHM_PROBE") == "yes"
+
+
+# -- Errors --------------------------------------------------------------------------
+async def test_method_errors_keep_their_type_and_remote_traceback(art):
+    f = await Faulty.spawn()
+    with pytest.raises(ValueError, match="bad value") as info:
+        await f.value_error()
+    cause = info.value.__cause__
+    assert "value_error" in str(cause) and "Traceback" in str(cause)
+    with pytest.raises(CustomError):
+        await f.custom()
+    with pytest.raises(actorshm.RemoteError, match="Unpicklable"):
+        await f.unpicklable()
+    assert await f.ok() == "ok"
+
+
+async def test_unserializable_argument_is_a_type_error_before_sending(art):
+    import threading
+    c = await Counter.spawn()
+    with pytest.raises(TypeError):
+        c.echo(threading.Lock())
+    assert await c.incr() == 1
+
+
+async def test_kill_fails_pending_and_later_calls_promptly(art):
+    c = await Counter.spawn()
+    pending = c.slow_record(1, 30)
+    await asyncio.sleep(0.2)
+    t0 = time.monotonic()
+    await c.kill()
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(pending, 5)
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(c.incr(), 5)
+    assert time.monotonic() - t0 < 5
+
+
+async def test_a_crash_raises_actor_died(art):
+    f = await Faulty.spawn()
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(f.exit(3), 10)
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(f.ok(), 10)
+
+
+async def test_max_restarts_brings_the_actor_back(art):
+    p = await Phoenix.spawn("a")
+    assert (await p.hit())[:2] == ("a", 1)
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(p.crash(), 10)
+    for _ in range(100):  # calls made while it restarts may fail; then it answers
+        try:
+            tag, calls, _ = await asyncio.wait_for(p.hit(), 10)
+            break
+        except actorshm.ActorDiedError:
+            await asyncio.sleep(0.1)
+    assert (tag, calls) == ("a", 1)  # a fresh instance, built with the same arguments
+    assert [(await p.hit())[1] for _ in range(3)] == [2, 3, 4]
+    new_pid = (await p.hit())[2]
+    for _ in range(100):
+        if p.pid == new_pid:
+            break
+        await asyncio.sleep(0.05)
+    assert p.pid == new_pid  # the handle's pid follows the restart
+
+
+async def test_max_pending_calls_refuses_without_sending(art):
+    c = await Counter.options(max_pending_calls=2).spawn()
+    a, b = c.slow_record(1, 0.3), c.record(2)
+    with pytest.raises(actorshm.PendingCallsLimitError):
+        c.record(3)
+    assert await asyncio.gather(a, b) == [1, 2]
+    assert await c.record(4) == 4
+    assert await c.get_log() == [1, 2, 4]
+
+
+# -- Pools and groups -------------------------------------------------------------------
+async def test_actor_pool(art):
+    ws = [await PoolWorker.spawn(i) for i in range(2)]
+    pool = actorshm.ActorPool(ws)
+    out = [v async for v in pool.map(lambda h, v: h.work(v, 0.05), range(6))]
+    assert [v for _, v in out] == list(range(6)) and {t for t, _ in out} == {0, 1}
+    done = sorted([v async for _, v in pool.map_unordered(lambda h, v: h.work(v), range(4))])
+    assert done == [0, 1, 2, 3]
+    assert await pool.submit(lambda h, v: h.work(v), "x") in [(0, "x"), (1, "x")]
+    assert [(await w.counts())["peak"] for w in ws] == [1, 1]  # one call per actor
+
+
+async def test_actor_group(art):
+    g = await actorshm.ActorGroup.spawn(PoolWorker, 3)
+    tags = [t for t, _ in await g.work(0)]
+    arr = np.arange(1000.0)
+    assert await g.work(arr[:3].tolist()) == [(t, [0.0, 1.0, 2.0]) for t in tags]
+    slow = g.work("late", 0.4)
+    await asyncio.sleep(0.1)
+    await g[1].kill()
+    with pytest.raises(actorshm.ActorGroupError) as info:
+        await slow
+    assert info.value.failed == [1]
+    assert isinstance(info.value.exceptions[0], actorshm.ActorDiedError)
+
+
+# -- Cancellation and streaming (Ray only until the local backend has them) ---------
+async def test_cancel_stops_a_running_async_call_and_a_queued_one(art, backend):
+    ray_only(backend, "cancellation of calls comes to the local backend separately")
+    c = await Counter.spawn()
+    running = asyncio.ensure_future(c.async_record(1, 30))
+    queued = asyncio.ensure_future(c.record(2))
+    await asyncio.sleep(0.3)
+    running.cancel()
+    queued.cancel()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(c.slow_record(3, 1.0), 0.3)  # a sync call finishes there
+    assert await asyncio.wait_for(c.record(4), 10) == 4
+    assert await c.get_log() == [3, 4]
+
+
+async def test_a_call_made_in_a_thread_can_be_cancelled(art, backend):
+    ray_only(backend, "cancellation of calls comes to the local backend separately")
+    c = await Counter.spawn()
+    t = await ThreadCanceller.spawn()
+    assert await t.cancel_queued(c) == 1
+    assert await c.record(3) == 3
+    assert await c.get_log() == [1, 3]  # the cancelled call never ran
+
+
+async def test_streaming_methods(art, backend):
+    ray_only(backend, "streaming methods come to the local backend separately")
+    s = await Streamer.spawn()
+    assert [x async for x in s.count(5)] == [0, 1, 2, 3, 4]
+    async for x in s.count(3):  # the actor answers other calls while a stream is open
+        assert await asyncio.wait_for(s.ping(), 10) == "pong"
+    assert [x async for x in s.sync_count(4)] == [0, 1, 4, 9]
+    got = []
+    with pytest.raises(KeyError, match="stream failed on purpose"):
+        async for x in s.fail_after(3):
+            got.append(x)
+    assert got == [0, 1, 2]
+    arrays = [a async for a in s.arrays(3, 1000)]
+    assert [int(a[0]) for a in arrays] == [0, 1, 2]
+
+
+async def test_leaving_a_stream_early_stops_the_generator(art, backend):
+    ray_only(backend, "streaming methods come to the local backend separately")
+    s = await Streamer.spawn()
+    async for x in s.count(1000, 0.01):
+        if x == 2:
+            break
+    for _ in range(100):
+        if await s.closed_() == [1000]:
+            break
+        await asyncio.sleep(0.05)
+    assert await s.closed_() == [1000]  # its finally block ran
+    assert await s.produced_() < 1000
+    assert await s.ping() == "pong"
+
+
+async def test_a_stream_whose_actor_dies_raises_actor_died(art, backend):
+    ray_only(backend, "streaming methods come to the local backend separately")
+    s = await Streamer.spawn()
+    got = []
+    with pytest.raises(actorshm.ActorDiedError):
+        async for x in s.die_after(3):
+            got.append(x)
+    assert got == [0, 1, 2]
+
+
+async def test_cancelling_a_task_that_iterates_a_stream_stops_the_generator(art, backend):
+    ray_only(backend, "streaming methods come to the local backend separately")
+    s = await Streamer.spawn()
+
+    async def consume():
+        async for _ in s.count(1000, 0.01):
+            pass
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        if await s.closed_() == [1000]:
+            break
+        await asyncio.sleep(0.05)
+    assert await s.closed_() == [1000]
+
+
+async def test_stream_runs_a_bounded_number_of_items_ahead(art, backend):
+    ray_only(backend, "streaming methods come to the local backend separately")
+    s = await Streamer.spawn()
+    stream = s.count(1000)
+    assert await stream.__anext__() == 0
+    await asyncio.sleep(1.0)
+    assert await s.produced_() <= 40  # 16 ahead (and a little slack), not 1000
+    await stream.aclose()
+
+
+# -- Arrays on Ray ---------------------------------------------------------------------
+async def test_arrays_on_ray_are_read_only_copies(art, backend):
+    ray_only(backend, "the local backend shares arrays (test_arrays.py)")
+    a = await ArrayUser.spawn()
+    big = np.ones(1 << 20)
+    small = np.ones(10)
+    assert await a.total(big) == float(1 << 20)
+    assert await a.writable(big) is False and await a.writable(small) is False
+    with pytest.raises(ValueError, match="read-only"):
+        await a.scale_in_place(small, 2)
+    assert small[0] == 1
+    out = await a.make(1 << 18)
+    assert out[-1] == (1 << 18) - 1
+
+
+async def test_a_shared_array_on_ray_warns_that_writes_do_not_come_back(art, backend):
+    ray_only(backend, "on the local backend shared arrays are written through")
+    a = await ArrayUser.spawn()
+    arr = actorshm.zeros(1000)
+    with pytest.warns(RuntimeWarning, match="not seen by the caller"):
+        assert await a.total(arr) == 0.0
+
+
+# -- Ray only -------------------------------------------------------------------------
+def test_run_with_backend_ray(ray_session):
+    async def main():
+        assert actorshm.current_runtime().backend == "ray"
+        c = await Counter.spawn(1)
+        return await c.incr(1)
+    assert actorshm.run(main(), backend="ray") == 2
+
+
+CLUSTER_SCRIPT = textwrap.dedent("""
+    import os, sys
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    sys.path.insert(0, {tests!r})
+    import numpy as np
+    from ray.cluster_utils import Cluster
+    import actorshm
+    from ray_actors import ArrayUser
+    from actors import Caller, Counter
+
+    cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 2}})
+    cluster.add_node(num_cpus=2)
+
+    async def main():
+        # num_cpus=2 each, two CPUs per node: Ray must put them on different nodes.
+        a = await ArrayUser.options(num_cpus=2).spawn()
+        b = await ArrayUser.options(num_cpus=2).spawn()
+        nodes = {{await a.node(), await b.node()}}
+        assert len(nodes) == 2, nodes
+        arr = np.arange(1 << 18, dtype=np.float64)
+        assert await a.total(arr) == await b.total(arr) == float(arr.sum())
+        out = await b.make(1000)
+        assert await a.total(out) == float(out.sum())
+        c = await Counter.spawn(0)
+        caller = await Caller.spawn(c)
+        assert await caller.call_other(5) == 5
+        print("nodes", len(nodes))
+
+    try:
+        actorshm.run(main(), backend="ray", address=cluster.address, log_to_driver=False)
+    finally:
+        cluster.shutdown()
+""")
+
+
+def test_two_node_cluster_runs_actors_on_both_nodes(tmp_path):
+    script = tmp_path / "cluster.py"
+    script.write_text(CLUSTER_SCRIPT.format(tests=os.path.dirname(__file__)))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "nodes 2" in out.stdout
