@@ -24,6 +24,7 @@ from ._errors import (ActorDiedError, ActorError, ActorGroupError, PendingCallsL
                       ReentrantCallError, RemoteError, SharedMemoryError)
 from ._events import ActorEvent
 from ._group import ActorGroup
+from ._introspect import MemoryReport
 from ._pool import ActorPool
 from ._runtime import Runtime, current_runtime, get_actor, run
 from ._shm import empty, is_shared, share, stats, zeros
@@ -47,6 +48,7 @@ __all__ = [
     "ActorPool",
     "ActorGroup",
     "ActorEvent",
+    "MemoryReport",
     "empty",
     "zeros",
     "share",

@@ -73,6 +73,8 @@ class ActorRecord:
         self.restarts = 0
         self.failed_starts = 0  # restarts in a row whose process died while starting
         self.no_restart = False
+        self.probe = None  # the driver's end of its probe socket (``_introspect``)
+        self.oom_baseline = None  # its cgroup's OOM kill count when it started
 
     @property
     def label(self) -> str:
@@ -122,6 +124,9 @@ class ActorRecord:
             fwd.drain()
             fwd.close()
         self.pipes = []
+        if self.probe is not None:
+            self.probe.close()
+            self.probe = None
 
 
 def actor_env(rec: ActorRecord) -> dict:

@@ -143,6 +143,11 @@ _forward_notices = False
 _quarantine: list = []
 
 
+def live_blocks() -> tuple[list, set]:
+    """This process's live ``Block`` objects, and its own pools' tokens (any thread)."""
+    return [b for b in (r() for r in list(_blocks.values())) if b is not None], set(_own_tokens)
+
+
 def block_at(lo: int, hi: int, device: int | None = None) -> "Block | None":
     """The live block holding the bytes ``[lo, hi)`` at these addresses, or None: how
     memory reached some other way than through a block's arrays is recognised."""

@@ -20,7 +20,7 @@ import threading
 import weakref
 from typing import Any
 
-from . import _client, _events, _leases, _plugins, _services, _shm  # noqa: F401 (_plugins)
+from . import _client, _events, _introspect, _leases, _plugins, _services, _shm  # noqa: F401
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._backend import BackendChoice
 from ._errors import ActorDiedError
@@ -35,7 +35,7 @@ __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 logger = logging.getLogger("actorshm")
 
 
-class Runtime(_events.EventSource, BackendChoice, StreamingClient):
+class Runtime(_events.EventSource, _introspect.Inspectable, BackendChoice, StreamingClient):
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
 
     Where one ``async with`` block cannot hold the whole program (a notebook: each cell is
@@ -210,8 +210,7 @@ class Runtime(_events.EventSource, BackendChoice, StreamingClient):
         config = {"actor_id": rec.actor_id, "max_concurrency": rec.options.max_concurrency,
                   "shm_budget": self.shm_budget, "shutdown_grace": self.shutdown_grace}
         args, kwargs = rec.spawn_args
-        fut = rec.conn.call("__init_actor__", (rec.cls, args, kwargs, config), {},
-                            f"{rec.cls_name}.__init__")
+        fut = _introspect.call_init(rec, config, args, kwargs)  # (with its probe socket)
         try:
             pid = await asyncio.wait_for(fut, self.start_timeout)
         except asyncio.TimeoutError:
@@ -362,7 +361,8 @@ class Runtime(_events.EventSource, BackendChoice, StreamingClient):
 
     def _exited(self, rec: ActorRecord, code: int | None) -> None:
         rec.alive = False
-        why = rec.death or f"{rec.label} died: {describe_exit(code)}"
+        why = rec.death or f"{rec.label} died: {describe_exit(code)}" \
+            f"{_introspect.oom_note(rec, code)}"
         if self._closing and rec.death is None:
             why = f"{rec.label} was stopped because its runtime closed"
         rec.death = why

@@ -27,6 +27,7 @@ __all__ = ["CallStream", "StreamingClient", "Outflow", "run_stream", "chain",
            "reentrant_error", "DEFAULT_RUN_AHEAD"]
 
 DEFAULT_RUN_AHEAD = 16
+NO_META: dict = {}  # the meta of a call that carries none (read only)
 
 # The call this task or thread runs, as (the chain it carried, actor id, "Cls.method",
 # seq); a chain is ((actor id, "Cls.method", seq), ...), outermost first. Empty in the

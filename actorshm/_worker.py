@@ -26,12 +26,10 @@ from typing import Any
 
 from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._errors import ActorDiedError
+from ._introspect import STACK_SIGNAL, serve_probe
 from ._protocol import Connection
-from ._streams import Outflow, StreamingClient, chain, reentrant_error, run_stream
+from ._streams import NO_META, Outflow, StreamingClient, chain, reentrant_error, run_stream
 from ._util import coalesced_call, describe_exit, new_event_loop, set_parent_death_signal
-
-
-_NO_META: dict = {}
 
 
 class Worker(StreamingClient):
@@ -149,7 +147,7 @@ class Worker(StreamingClient):
 
     def _start(self, conn: Connection, cid: int, call: list) -> None:
         if len(call) == 3:
-            (method, args, kwargs), meta = call, _NO_META
+            (method, args, kwargs), meta = call, NO_META
         else:
             method, args, kwargs, meta = call
         call.clear()
@@ -280,8 +278,7 @@ class Worker(StreamingClient):
             self.running_calls.pop(key, None)
         self.running -= 1
         if blocked:
-            # A sync call held the event loop (over 2 ms): let it read what arrived
-            # meanwhile (a cancel of a call behind it) before the next call starts.
+            # A sync call held the loop over 2 ms: it reads cancels before the next starts.
             self.running += 1
             if not self.held:
                 self.held = True
@@ -357,6 +354,8 @@ class Worker(StreamingClient):
         self.max_concurrency = config["max_concurrency"]
         self.shutdown_grace = config.get("shutdown_grace", 2.0)
         _shm.set_budget(config.get("shm_budget"))
+        if config.get("probe") is not None:
+            serve_probe(config["probe"], self)
         from ._actor import public_methods
         self.methods = public_methods(cls)
         if self.max_concurrency > 1:
@@ -439,6 +438,7 @@ def main() -> None:
     """Run this actor process on the socket fd in ``sys.argv[1]``; exits the process."""
     set_parent_death_signal()
     faulthandler.enable()
+    faulthandler.register(STACK_SIGNAL, all_threads=True)  # rt.dump_stacks's fallback
     fd = int(sys.argv[1])
     extra = os.environ.pop("ACTORSHM_SYS_PATH", None)
     if extra:

@@ -233,3 +233,20 @@ def test_bad_input_to_the_cuda_api_is_a_clear_error():
         actorshm.cuda.zeros((2, -1))
     with pytest.raises(TypeError, match="object arrays"):
         actorshm.cuda.empty(3, object)
+
+
+async def test_memory_lists_gpu_blocks_with_their_holders(rt):
+    a = await GpuArrays.spawn()
+    x = actorshm.cuda.zeros(1 << 16, cupy.float32)
+    await a.keep(x)
+    report = await rt.memory()
+    gpu = [r for r in report.rows if r["device"].startswith("gpu:")]
+    label = rt.record(a.actor_id).label
+    assert len(gpu) == 1 and gpu[0]["owner"] == "driver"
+    assert gpu[0]["held_by"] == ["driver", label] and gpu[0]["size"] >= x.nbytes
+    assert report.processes["driver"]["cuda_slab_bytes_owned"] > 0
+    assert "GPU" in str(report)
+    await a.drop()
+    del x
+    await _settle()
+    assert not [r for r in (await rt.memory()).rows if r["device"].startswith("gpu:")]

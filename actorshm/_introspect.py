@@ -1,0 +1,489 @@
+"""Seeing inside a running runtime: every process's counters, who holds which shared
+block, every actor's stack, and why the kernel killed an actor.
+
+Each actor gets a second socket at start-up, its *probe*, answered by a daemon thread
+in the actor (``serve_probe``), not by its event loop: an actor stuck in a sync method
+still answers, as long as the Python code it runs lets go of the GIL now and then
+(sleeping, waiting on a lock or a queue, I/O, or plain Python bytecode: the interpreter
+switches threads every few milliseconds). Requests and answers are length-framed
+pickles tagged with a request id, so an answer that comes after its request timed out
+is recognised and dropped.
+
+``Inspectable`` is mixed into ``Runtime``: ``rt.stats()``, ``rt.memory()`` and
+``rt.dump_stacks()``. ``oom_note`` tells why a SIGKILLed actor died when the system
+shows it: the kernel log (``/dev/kmsg``, when readable) names the OOM killer's victim;
+otherwise the actor's memory cgroup counts its ``oom_kill`` events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import threading
+import traceback
+from typing import Any, TextIO
+
+from . import _leases, _shm
+from ._serialization import PassFd
+
+__all__ = ["Inspectable", "MemoryReport", "call_init", "serve_probe", "oom_note"]
+
+# Registered with ``faulthandler`` in every actor process: its stacks, written by the
+# signal handler itself, on its stderr (which the driver forwards, prefixed). The
+# fallback for an actor whose probe thread cannot run (C code holding the GIL).
+STACK_SIGNAL = signal.SIGRTMIN + 3
+_HEADER = struct.Struct("!QI")  # request id, payload length
+_ids = itertools.count(1)
+
+
+# -- in the actor ----------------------------------------------------------------------
+def serve_probe(fd: int, worker) -> None:
+    """Answer the driver's probe on socket ``fd`` from a daemon thread (in an actor).
+
+    Args:
+        fd: the actor's end of the probe socket.
+        worker: the actor process's ``_worker.Worker`` (its loop and connections).
+    """
+    answers = {"stats": _shm.stats,
+               "stacks": lambda: format_stacks(worker.loop),
+               "memory": lambda: held_blocks(worker.connections())}
+    threading.Thread(target=_probe_loop, args=(socket.socket(fileno=fd), answers),
+                     daemon=True, name="actorshm-probe").start()
+
+
+def _probe_loop(sock: socket.socket, answers: dict) -> None:
+    with sock:
+        while True:
+            try:
+                head = _recv_exact(sock, _HEADER.size)
+                if head is None:
+                    return  # the driver closed it: the actor is ending
+                rid, n = _HEADER.unpack(head)
+                what = pickle.loads(_recv_exact(sock, n) or b"")
+                try:
+                    answer = (True, answers[what]())
+                except Exception as exc:  # say what failed rather than go quiet
+                    answer = (False, f"{type(exc).__name__}: {exc}")
+                body = pickle.dumps(answer, protocol=5)
+                sock.sendall(_HEADER.pack(rid, len(body)) + body)
+            except OSError:
+                return
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def format_stacks(loop: asyncio.AbstractEventLoop | None = None) -> str:
+    """Every thread's Python stack in this process, and every pending asyncio task's
+    of ``loop`` (an ``async def`` method waits in a task, not on a thread), as text."""
+    me = threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        out.append(f"Thread {names.get(ident, ident)} (most recent call last):\n")
+        out.extend(traceback.format_stack(frame))
+    del frame
+    for task in _tasks(loop):
+        stack = _await_chain(task.get_coro())
+        if not stack or stack[0].f_code.co_name == "_amain":  # (the actor's own main)
+            continue
+        out.append(f"Task {task.get_name()} (most recent call last):\n")
+        out.extend(traceback.StackSummary.extract(
+            (f, f.f_lineno) for f in stack).format())
+    return "".join(out)
+
+
+def _await_chain(coro) -> list:
+    """The frames of a suspended coroutine and of what it awaits, outermost first
+    (``Task.get_stack`` gives the outermost only)."""
+    frames = []
+    while coro is not None and len(frames) < 200:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        frames.append(frame)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return frames
+
+
+def _tasks(loop) -> list:
+    if loop is None:
+        return []
+    try:
+        return list(asyncio.all_tasks(loop))
+    except RuntimeError:  # the loop's task set changed meanwhile: no tasks this time
+        return []
+
+
+def held_blocks(connections) -> dict:
+    """The shared blocks alive in this process: ``{"tokens": the pools' tokens, "blocks":
+    [(key, size, device, in_use)], "stats": stats()}``; ``in_use`` is false where only
+    our grants to peers on ``connections`` keep the block (we lent it and hold no
+    array on it ourselves)."""
+    granted: dict[tuple, int] = {}
+    for conn in connections:
+        for key in list(conn.ledger.grants):
+            granted[key] = granted.get(key, 0) + 1
+    live, tokens = _leases.live_blocks()
+    blocks = []
+    for block in live:
+        # References: ``live``, ``block`` here, getrefcount's argument, one per grant;
+        # any more are arrays (or their buffers) in this process.
+        in_use = sys.getrefcount(block) - 3 > granted.get(block.key, 0)
+        device = block.region.device
+        blocks.append((block.key, block.size,
+                       "host" if device is None else f"gpu:{device}", in_use))
+    live = block = None  # (no reference of ours outlives the scan)
+    return {"tokens": sorted(tokens), "blocks": blocks, "stats": _shm.stats()}
+
+
+# -- in the driver ---------------------------------------------------------------------
+class _Probe:
+    """The driver's end of one actor's probe socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()  # survives a timed-out request: the stream stays framed
+        self.lock: asyncio.Lock | None = None
+        self.ready = False  # its actor is initialized (its STACK_SIGNAL handler too)
+
+    async def ask(self, what: str, timeout: float) -> Any:
+        if self.lock is None:
+            self.lock = asyncio.Lock()
+        async with self.lock:
+            return await asyncio.wait_for(self._ask(what), timeout)
+
+    async def _ask(self, what: str) -> Any:
+        loop = asyncio.get_running_loop()
+        rid = next(_ids)
+        body = pickle.dumps(what)
+        await loop.sock_sendall(self.sock, _HEADER.pack(rid, len(body)) + body)
+        while True:
+            while True:
+                if len(self.buf) >= _HEADER.size:
+                    got, n = _HEADER.unpack_from(self.buf)
+                    if len(self.buf) >= _HEADER.size + n:
+                        payload = bytes(self.buf[_HEADER.size:_HEADER.size + n])
+                        del self.buf[:_HEADER.size + n]
+                        break
+                chunk = await loop.sock_recv(self.sock, 1 << 16)
+                if not chunk:
+                    raise ConnectionError("the actor closed its probe")
+                self.buf += chunk
+            if got == rid:  # (older ones answer requests that timed out)
+                ok, value = pickle.loads(payload)
+                if not ok:
+                    raise RuntimeError(value)
+                return value
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def call_init(rec, config: dict, args: tuple, kwargs: dict) -> asyncio.Future:
+    """Send a new actor process its ``__init_actor__`` call, with a fresh probe socket
+    (replacing the one of an earlier process of the same actor); its future.
+
+    Args:
+        rec: the actor's ``_launch.ActorRecord`` (its ``conn`` is open or buffering).
+        config: the actor's configuration (``probe`` is added here).
+        args, kwargs: for the actor class's ``__init__``.
+    """
+    if rec.probe is not None:
+        rec.probe.close()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.setblocking(False)
+    rec.probe = _Probe(ours)
+    config["probe"] = PassFd(theirs.fileno())
+    rec.oom_baseline = oom_kill_count(rec.pid)
+    fut = rec.conn.call("__init_actor__", (rec.cls, args, kwargs, config), {},
+                        f"{rec.cls_name}.__init__")
+    rec.conn.close_after_send([theirs.detach()])
+    probe = rec.probe
+    fut.add_done_callback(lambda f: setattr(probe, "ready", not f.cancelled()
+                                            and f.exception() is None))
+    return fut
+
+
+class MemoryReport:
+    """Who holds which shared block: ``Runtime.memory()``'s answer.
+
+    ``str(report)`` is a table; the data is in the attributes.
+
+    Attributes:
+        rows: one dict per live block: ``block`` (an id), ``device`` (``"host"`` or
+            ``"gpu:N"``), ``size`` (bytes), ``owner`` (the process whose pool it comes
+            from, or ``"?"`` when that process is gone), ``held_by`` (the processes
+            holding arrays on it: where it stays alive; an owner or relay that only
+            keeps it for a peer is not listed), largest first.
+        processes: per process (``"driver"`` or an actor's label): its pools' memory
+            (``arena_bytes_owned``, ``cuda_slab_bytes_owned``: free blocks included)
+            and live blocks (``blocks_live``).
+        unresponsive: labels of actors that did not answer in time.
+    """
+
+    def __init__(self, rows: list[dict], processes: dict[str, dict],
+                 unresponsive: list[str]) -> None:
+        self.rows = rows
+        self.processes = processes
+        self.unresponsive = unresponsive
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes in live blocks, all processes together."""
+        return sum(r["size"] for r in self.rows)
+
+    def __repr__(self) -> str:
+        return f"<MemoryReport: {len(self.rows)} live blocks, {self.total_bytes} bytes>"
+
+    def __str__(self) -> str:
+        head = ("block", "device", "size", "owner", "held by")
+        table = [head] + [(r["block"], r["device"], _human(r["size"]), r["owner"],
+                           ", ".join(r["held_by"]) or "-") for r in self.rows]
+        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+                 for row in table]
+        lines.append(f"{_count(len(self.rows), 'live block')}, {_human(self.total_bytes)}")
+        lines.append("pools (free blocks included):")
+        for label, p in self.processes.items():
+            gpu = p.get("cuda_slab_bytes_owned", 0)
+            lines.append(f"  {label}: {_human(p.get('arena_bytes_owned', 0))} host"
+                         + (f", {_human(gpu)} GPU" if gpu else "")
+                         + f", {_count(p.get('blocks_live', 0), 'block')} live")
+        for label in self.unresponsive:
+            lines.append(f"  {label}: did not answer")
+        return "\n".join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+class Inspectable:
+    """Mixed into ``Runtime``: counters, memory and stacks of every live actor."""
+
+    def _live(self) -> list:
+        return [r for r in self._actors.values()
+                if r.alive and getattr(r, "probe", None) is not None]
+
+    async def _ask_all(self, what: str, timeout: float) -> tuple[list, list]:
+        self._check_open()
+        recs = self._live()
+        answers = await asyncio.gather(*(r.probe.ask(what, timeout) for r in recs),
+                                       return_exceptions=True)
+        got = [(r, a) for r, a in zip(recs, answers) if not isinstance(a, BaseException)]
+        missed = [(r, a) for r, a in zip(recs, answers) if isinstance(a, BaseException)]
+        return got, missed
+
+    async def stats(self, timeout: float = 5.0) -> dict:
+        """The counters of the driver and of every live actor, and their sums.
+
+        ``actorshm.stats()`` gives the calling process's own counters; this asks every
+        actor too, through a thread of its own, so an actor busy in a sync method
+        answers as well.
+
+        Args:
+            timeout: seconds to wait for each actor's answer.
+
+        Returns:
+            ``{"driver": {...}, "actors": {actor_id: {...}}, "total": {...},
+            "unresponsive": [actor_id, ...]}``: each ``{...}`` is an ``actorshm.stats()``
+            dict, ``total`` sums the driver's and the actors' key by key; actors that
+            did not answer within ``timeout`` are listed in ``unresponsive``.
+
+        Raises:
+            RuntimeError: the runtime is not open.
+        """
+        got, missed = await self._ask_all("stats", timeout)
+        driver = _shm.stats()
+        total = dict(driver)
+        actors = {}
+        for rec, counters in got:
+            actors[rec.actor_id] = counters
+            for k, v in counters.items():
+                total[k] = total.get(k, 0) + v
+        return {"driver": driver, "actors": actors, "total": total,
+                "unresponsive": [r.actor_id for r, _ in missed]}
+
+    async def memory(self, timeout: float = 5.0) -> MemoryReport:
+        """Every live shared block: its owner, size, and the processes holding it.
+
+        The answer to "who is keeping my memory": ``print(await rt.memory())`` shows a
+        table; its ``rows`` hold the same as dicts (see ``MemoryReport``).
+
+        Args:
+            timeout: seconds to wait for each actor's answer.
+
+        Returns:
+            A ``MemoryReport``.
+
+        Raises:
+            RuntimeError: the runtime is not open.
+        """
+        got, missed = await self._ask_all("memory", timeout)
+        conns = [r.conn for r in self._actors.values() if r.conn is not None]
+        views = [("driver", held_blocks(conns))] + [(r.label, a) for r, a in got]
+        owners = {t: label for label, v in views for t in v["tokens"]}
+        rows: dict[tuple, dict] = {}
+        for label, view in views:
+            for key, size, device, in_use in view["blocks"]:
+                row = rows.get(key)
+                if row is None:
+                    row = rows[key] = {
+                        "block": f"{key[0] & 0xFFFFFF:06x}:{key[1]}+{key[2]}",
+                        "device": device, "size": size,
+                        "owner": owners.get(key[0], "?"), "held_by": []}
+                if in_use:
+                    row["held_by"].append(label)
+        keys = ("arena_bytes_owned", "cuda_slab_bytes_owned", "blocks_live")
+        procs = {label: {k: v["stats"].get(k, 0) for k in keys} for label, v in views}
+        return MemoryReport(sorted(rows.values(), key=lambda r: (-r["size"], r["block"])),
+                            procs, [r.label for r, _ in missed])
+
+    async def dump_stacks(self, timeout: float = 5.0, file: TextIO | None = None) -> str:
+        """Every live actor's Python stacks: its threads', and its pending async calls'.
+
+        Answered by a thread of each actor's own, so an actor stuck in a sync method
+        (a deadlock, an endless loop, a wait that never ends) shows where it is stuck.
+        One that holds the GIL in C code the whole time cannot answer in time: it is
+        listed as not answering, and ``faulthandler`` in it writes its threads' stacks
+        to its stderr (forwarded to the driver's, prefixed with the actor).
+
+        Args:
+            timeout: seconds to wait for each actor's answer.
+            file: where to print them, each line prefixed with its actor as its output
+                is (default ``sys.stderr``).
+
+        Returns:
+            The text printed.
+
+        Raises:
+            RuntimeError: the runtime is not open.
+        """
+        got, missed = await self._ask_all("stacks", timeout)
+        parts = []
+        for rec, text in got:
+            prefix = f"({rec.cls_name} pid={rec.pid}) "
+            parts.append("".join(prefix + ln + "\n" for ln in
+                                 [f"{rec.label}:"] + text.rstrip("\n").split("\n")))
+        for rec, exc in missed:
+            why = f"{exc!r}: see its stderr"
+            if isinstance(exc, asyncio.TimeoutError):
+                why = (f"no answer within {timeout} s (busy in C code holding the GIL?); "
+                       "its faulthandler dump follows on stderr")
+                if rec.probe is None or not rec.probe.ready:
+                    why = f"no answer within {timeout} s (still starting?)"
+                else:
+                    try:
+                        os.kill(rec.pid, STACK_SIGNAL)
+                    except ProcessLookupError:
+                        pass
+            parts.append(f"({rec.cls_name} pid={rec.pid}) {rec.label}: {why}\n")
+        text = "".join(parts)
+        print(text, end="", file=file if file is not None else sys.stderr, flush=True)
+        return text
+
+
+# -- why the kernel killed it ----------------------------------------------------------
+def memory_events_path(pid: int) -> str | None:
+    """The file that counts OOM kills in ``pid``'s memory cgroup (``memory.events`` on
+    cgroup v2, ``memory.oom_control`` on v1), or None where there is none."""
+    for proc in (f"/proc/{pid}/cgroup", "/proc/self/cgroup") if pid else ("/proc/self/cgroup",):
+        try:
+            with open(proc) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                cand = f"/sys/fs/cgroup/memory{path}/memory.oom_control"
+            elif controllers == "":
+                cand = f"/sys/fs/cgroup{path}/memory.events"
+            else:
+                continue
+            if os.path.exists(cand):
+                return cand
+    return None
+
+
+def oom_kill_count(pid: int) -> tuple[str, int] | None:
+    """``(path, oom_kill count)`` of ``pid``'s memory cgroup, or None."""
+    path = memory_events_path(pid)
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return path, int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def kernel_log() -> list[str]:
+    """The kernel log's lines where this process may read it (``/dev/kmsg``), or []."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return []
+    lines = []
+    try:
+        while True:
+            try:
+                rec = os.read(fd, 8192)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno == 32:  # EPIPE: records overwritten meanwhile; read on
+                    continue
+                break
+            if not rec:
+                break
+            lines.append(rec.decode(errors="replace").split(";", 1)[-1])
+    finally:
+        os.close(fd)
+    return lines
+
+
+def oom_note(rec, code: int | None) -> str:
+    """What to add to ``rec``'s death message when the OOM killer killed it: where the
+    kernel log shows it, or where its cgroup counted an OOM kill since it started."""
+    if code != -signal.SIGKILL or not rec.pid:
+        return ""
+    pid = rec.pid
+    for line in kernel_log():
+        if f"Killed process {pid} " in line or f",pid={pid}," in line:
+            return ("; the kernel's OOM killer killed it (out of memory: give it more "
+                    f"memory, or have it use less). Kernel log: {line.strip()}")
+    before = getattr(rec, "oom_baseline", None)
+    now = oom_kill_count(pid) if before is not None else None
+    if before is not None and now is not None and now[0] == before[0] and now[1] > before[1]:
+        return (f"; probably the kernel's OOM killer (out of memory): its memory cgroup "
+                f"counted {now[1] - before[1]} OOM kill(s) since it started ({now[0]}). "
+                "Give it more memory, or have it use less")
+    return ""
