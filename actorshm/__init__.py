@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from ._actor import ActorHandle, actor
 from ._errors import (ActorDiedError, ActorError, ActorGroupError, PendingCallsLimitError,
-                      RemoteError, SharedMemoryError)
+                      ReentrantCallError, RemoteError, SharedMemoryError)
 from ._events import ActorEvent
 from ._group import ActorGroup
 from ._introspect import MemoryReport
@@ -43,6 +43,7 @@ __all__ = [
     "RemoteError",
     "SharedMemoryError",
     "PendingCallsLimitError",
+    "ReentrantCallError",
     "ActorGroupError",
     "ActorPool",
     "ActorGroup",

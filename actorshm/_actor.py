@@ -97,8 +97,12 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                 "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 
 
-def public_methods(cls: type) -> dict[str, bool]:
-    """Public method names of ``cls`` -> whether each is a coroutine function."""
+STREAM = "stream"  # the kind of a generator method: its calls stream (``_streams``)
+
+
+def public_methods(cls: type) -> dict[str, bool | str]:
+    """Public method names of ``cls`` -> whether each is a coroutine function, or
+    ``STREAM`` for a generator (sync or async)."""
     out = {}
     for name in dir(cls):
         if name.startswith("_") or name in ("spawn", "options"):
@@ -106,8 +110,10 @@ def public_methods(cls: type) -> dict[str, bool]:
         attr = inspect.getattr_static(cls, name)
         if isinstance(attr, (staticmethod, classmethod)):
             attr = attr.__func__
-        if callable(attr):
-            out[name] = inspect.iscoroutinefunction(attr) or inspect.isasyncgenfunction(attr)
+        if inspect.isgeneratorfunction(attr) or inspect.isasyncgenfunction(attr):
+            out[name] = STREAM
+        elif callable(attr):
+            out[name] = inspect.iscoroutinefunction(attr)
     return out
 
 
@@ -188,12 +194,27 @@ def actor(cls: type | None = None, /, **options: Any):
 class ActorMethod:
     """One public method of an actor, bound to a handle: calling it sends the call."""
 
-    __slots__ = ("_handle", "_name", "_what")
+    __slots__ = ("_handle", "_name", "_what", "_run_ahead")
 
-    def __init__(self, handle: "ActorHandle", name: str) -> None:
+    def __init__(self, handle: "ActorHandle", name: str, run_ahead: int = 16) -> None:
         self._handle = handle
         self._name = name
         self._what = f"{handle._cls_name}.{name}"
+        self._run_ahead = run_ahead
+
+    def options(self, *, run_ahead: int) -> "ActorMethod":
+        """This method with call settings: ``handle.batches.options(run_ahead=4)(10)``.
+
+        Args:
+            run_ahead: for a streaming (generator) method, the most items the actor
+                may produce beyond those the caller has taken (default 16).
+
+        Raises:
+            ValueError: ``run_ahead`` is not an int >= 1.
+        """
+        if isinstance(run_ahead, bool) or not isinstance(run_ahead, int) or run_ahead < 1:
+            raise ValueError("run_ahead must be an int >= 1")
+        return ActorMethod(self._handle, self._name, run_ahead)
 
     def __call__(self, *args: Any, **kwargs: Any):
         """Send the call now; return an awaitable of its result.
@@ -204,6 +225,10 @@ class ActorMethod:
                 process are all unanswered (nothing is sent).
         """
         h = self._handle
+        if h._methods.get(self._name) == STREAM and hasattr(h._client, "stream"):
+            # an async iterator of its items (a client without ``stream`` streams in call)
+            return h._client.stream(h._actor_id, self._name, args, kwargs, self._what,
+                                    self._run_ahead)
         if h._max_pending > 0:
             return _limited_call(h, self._name, args, kwargs, self._what)
         return h._client.call(h._actor_id, self._name, args, kwargs, self._what)

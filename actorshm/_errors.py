@@ -14,6 +14,7 @@ __all__ = [
     "RemoteTraceback",
     "SharedMemoryError",
     "PendingCallsLimitError",
+    "ReentrantCallError",
     "ProtocolError",
     "ActorGroupError",
 ]
@@ -70,6 +71,13 @@ class PendingCallsLimitError(ActorError):
     """A call was refused because the actor's ``max_pending_calls`` were all unanswered.
 
     Nothing was sent. Await some of the calls in flight, or raise the limit.
+    """
+
+
+class ReentrantCallError(ActorError):
+    """A call would wait on itself: it arrived at an actor that runs one call at a time
+    (``max_concurrency=1``) while that call is waiting, through a chain of calls, for it
+    (A -> B -> A). Raised at once, naming the chain, instead of hanging.
     """
 
 

@@ -26,7 +26,7 @@ import struct
 import threading
 
 from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, MARK, MAX_FDS_PER_FRAME,
-                    MAX_FLAGS, MAX_FRAME, RECV_SIZE, RETIRE)
+                    MAX_FLAGS, MAX_FRAME, RECV_SIZE, LAST_KIND)
 
 logger = logging.getLogger("actorshm")
 
@@ -436,7 +436,7 @@ class FramedSocket:
                 plen, kind, flags, nfds, mark, cid = _unpack_header(data, pos)
                 # A few integer comparisons catch a header read from the middle of a
                 # frame (the stream lost its place): no marker, or fields out of range.
-                if mark != MARK or not CALL <= kind <= RETIRE or flags > MAX_FLAGS \
+                if mark != MARK or not CALL <= kind <= LAST_KIND or flags > MAX_FLAGS \
                         or plen > MAX_FRAME or nfds > MAX_FDS_PER_FRAME:
                     self._protocol_error(self._bad_header(data, pos))
                     return

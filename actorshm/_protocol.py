@@ -20,26 +20,29 @@ logged error.
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import pickle
 import socket
 from typing import Any, Protocol
 
-from . import _leases
+from . import _leases, _results
 from . import _remote_errors as remote_errors
 from . import _serialization as ser
 from ._errors import ActorDiedError, ProtocolError
+from ._control import CallControl
 from ._framing import FramedSocket, close_fd, run_callbacks
 from ._ledger import Ledger
-from ._wire import (CALL, ERROR, HAS_RELEASES, HEADER, HSIZE, LEN, RELEASE,  # noqa: F401
-                    RESULT, RETIRE)
+from ._wire import (CALL, CANCEL, CREDIT, ERROR, HAS_RELEASES, HEADER, HSIZE,  # noqa: F401
+                    ITEM, LEN, RELEASE, RESULT, RETIRE)
 
 __all__ = ["Connection", "Host"]
 
 logger = logging.getLogger("actorshm")
 _dumps = pickle.dumps
 _RLEN = LEN
+_CallFuture = _results.CallFuture
 
 
 class Host(Protocol):
@@ -56,6 +59,9 @@ class Host(Protocol):
     def connection_closed(self, conn: "Connection") -> None:
         """``conn`` closed (its calls have failed)."""
 
+    # Optional: ``cancel_call(conn, cid)``, the caller cancelled call ``cid``; and
+    # ``stream_credit(conn, cid, n)``, the caller of streaming call ``cid`` took n items.
+
 
 def _copy_exc(exc: BaseException) -> BaseException:
     """A fresh instance per waiter, so tracebacks do not pile up on one object."""
@@ -66,7 +72,7 @@ def _copy_exc(exc: BaseException) -> BaseException:
     return new
 
 
-class Connection(FramedSocket):
+class Connection(CallControl, FramedSocket):
     """One end of a socket pair, speaking actorshm frames, driven by the event loop.
 
     Args:
@@ -82,6 +88,9 @@ class Connection(FramedSocket):
         self.host = host
         self.pending: dict[int, asyncio.Future] = {}
         self.pending_meta: dict[int, str] = {}
+        self.held: collections.deque = collections.deque()  # calls held (``_hold``)
+        self.failed_types: set[type] = set()  # error types calls on it have failed with
+        self.streams: dict[int, Any] = {}  # streaming calls we made: cid -> its receiver
         self.ledger = Ledger()
         # (The lease engine's view of the ledger: see ``_leases.Channel``.)
         self.sent_regions = self.ledger.sent_regions
@@ -118,6 +127,18 @@ class Connection(FramedSocket):
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(_copy_exc(self.close_exc))
+                # One connection's end fails all its calls at once: an awaited one raises,
+                # one nobody awaits any more must not print "exception was never
+                # retrieved" (the caller has moved on, often after an earlier error).
+                fut.exception()
+        held, self.held = self.held, collections.deque()
+        for entry in held:
+            if not entry[0].done():
+                entry[0].set_exception(_copy_exc(self.close_exc))
+                entry[0].exception()
+        streams, self.streams = self.streams, {}
+        for st in streams.values():
+            st.wake()
         kept = self.ledger.settle(peer_gone)
         if kept:
             self.loop.call_later(0.5, self._warn_kept, kept)
@@ -133,20 +154,46 @@ class Connection(FramedSocket):
         run_callbacks(waiting, peer_gone)
 
     # -- sending ---------------------------------------------------------------
-    def call(self, method: str, args: tuple, kwargs: dict, what: str = "") -> asyncio.Future:
+    def call(self, method: str, args: tuple, kwargs: dict, what: str = "",
+             meta: dict | None = None, stream: Any = None) -> asyncio.Future:
         """Send a call now and return a future for its reply.
+
+        Cancelling the future cancels the call: its entry goes at once and the peer is
+        told (``CANCEL``), so a queued call never runs and a running one is cancelled.
+
+        Args:
+            meta: what rides with the call besides its arguments (the chain of actors
+                it was made from, a stream's run-ahead), or None.
+            stream: the receiver of a streaming call's items (``_streams.Inbox``).
 
         Raises (before anything is sent): ``TypeError`` when an argument cannot be
         serialized (an open file, an object over the frame limit, an unpicklable one);
         ``SharedMemoryError`` (a ``MemoryError``) when copying an array into shared
         memory runs out of budget.
         """
-        fut = self.loop.create_future()
+        fut = _CallFuture(loop=self.loop)
         if self.closed:
             fut.set_exception(_copy_exc(self.close_exc))
             return fut
+        entry = (fut, method, args, kwargs, what, meta, stream)
+        if self.held:  # behind a call waiting for a result it takes (``_results``)
+            self.held.append(entry)
+        else:
+            try:
+                self._send_call(*entry)
+            except _results.Unfinished as u:
+                self._hold(entry, u.fut)
+        return fut
+
+    def _send_call(self, fut, method, args, kwargs, what, meta, stream) -> None:
+        call = (method, args, kwargs) if meta is None else (method, args, kwargs, meta)
         try:
-            payload, fds, enc, flags = ser.encode((method, args, kwargs), self)
+            payload, fds, enc, flags = ser.encode(call, self)
+        except _results.Unfinished:
+            raise
+        except _results.DependencyFailed as dep:
+            fut.set_exception(_copy_exc(dep.exc))
+            return
         except MemoryError:  # out of shared memory while copying an array: as it is
             raise
         except (ser.Unsendable, ser.MessageTooBig) as exc:  # says what to do already
@@ -163,9 +210,13 @@ class Connection(FramedSocket):
         self.pending[cid] = fut
         if what:
             self.pending_meta[cid] = what
+        if stream is not None:
+            self.streams[cid] = stream
+            stream.conn, stream.cid = self, cid
         _leases.counters["calls_sent"] += 1
         self._send(CALL, flags, cid, payload, fds)
-        return fut
+        fut.conn, fut.cid = self, cid  # (cancelling it now cancels the call: ``cancel``)
+
 
     def reply(self, cid: int, value: Any, what: str = "") -> None:
         if self.closed:
@@ -177,8 +228,8 @@ class Connection(FramedSocket):
             return
         except Exception as exc:
             if inspect.isgenerator(value) or inspect.isasyncgen(value):
-                exc = TypeError(f"it is a generator; actorshm methods do not stream results "
-                                "yet: return a list instead")
+                exc = TypeError("it is a generator object; to stream, make the method "
+                                "itself a generator (a `def` or `async def` with `yield`)")
             err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}")
             err.__cause__ = exc
             self.reply_error(cid, err)
@@ -308,7 +359,7 @@ class Connection(FramedSocket):
             "recycled) for as long as it runs. See docs/shared-memory.md.", self.label, n)
 
     def _frame(self, kind: int, flags: int, cid: int, payload, fds) -> None:
-        if fds and kind != CALL and kind != RESULT:  # only calls and results carry fds
+        if fds and kind != CALL and kind != RESULT and kind != ITEM:  # only these carry fds
             for fd in fds:
                 close_fd(fd)
             self._protocol_error(f"a frame of kind {kind} carried {len(fds)} file descriptor(s)")
@@ -331,7 +382,7 @@ class Connection(FramedSocket):
             _leases.counters["calls_received"] += 1
             try:
                 call = list(ser.decode(payload, fds, self, flags))
-                method, args, kwargs = call if len(call) == 3 else (None, None, None)
+                method, args, kwargs = call[:3] if len(call) in (3, 4) else (None, None, None)
             except ProtocolError as exc:
                 self._protocol_error(str(exc))
                 return
@@ -347,7 +398,8 @@ class Connection(FramedSocket):
                 err.__cause__ = exc
                 self.reply_error(cid, err)
                 return
-            if len(call) != 3 or type(method) is not str or type(args) is not tuple \
+            if len(call) not in (3, 4) or (len(call) == 4 and type(call[3]) is not dict) \
+                    or type(method) is not str or type(args) is not tuple \
                     or type(kwargs) is not dict:
                 self._protocol_error("malformed call")
                 return
@@ -389,6 +441,11 @@ class Connection(FramedSocket):
                 exc = remote_errors.decode_exception(payload, what)
                 if not fut.done():
                     fut.set_exception(exc)
+                    if type(exc) in self.failed_types:  # one "never retrieved" per kind
+                        fut.exception()  # of error per connection, not one per call
+                    self.failed_types.add(type(exc))
+        elif kind == ITEM or kind == CANCEL or kind == CREDIT:
+            self._control_frame(kind, flags, cid, payload, fds)
         elif kind == RELEASE:
             self._apply_releases(payload)
         elif kind == RETIRE:

@@ -26,6 +26,7 @@ from ._backend import BackendChoice
 from ._errors import ActorDiedError
 from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, kill_all, start_process)
 from ._protocol import Connection
+from ._streams import StreamingClient
 from ._util import (check_run_args, coalesced_call, describe_exit, first_line,
                     install_event_loop_policy)
 
@@ -34,12 +35,11 @@ __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 logger = logging.getLogger("actorshm")
 
 
-class Runtime(_events.EventSource, _introspect.Inspectable, BackendChoice):
+class Runtime(_events.EventSource, _introspect.Inspectable, BackendChoice, StreamingClient):
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
 
-    Where one ``async with`` block cannot hold the whole program (a notebook: each cell
-    is its own block), open it with ``rt = await Runtime().start()`` and end it with
-    ``await rt.close()``.
+    Where one ``async with`` block cannot hold the whole program (a notebook: each cell is
+    its own block), open it with ``rt = await Runtime().start()``, end it with ``close()``.
 
     Args:
       backend: ``"local"`` (default) or ``"ray"``: Ray actors (``address``, ``ray.init`` options).
@@ -224,7 +224,7 @@ class Runtime(_events.EventSource, _introspect.Inspectable, BackendChoice):
         rec.pid = pid
 
     # -- calls -------------------------------------------------------------------
-    def call(self, actor_id: int, method: str, args: tuple, kwargs: dict, what: str = ""):
+    def call(self, actor_id: int, method: str, args: tuple, kwargs: dict, what: str = "", **kw):
         """Call ``method`` on actor ``actor_id``; what handles' methods do.
 
         Args:
@@ -232,7 +232,7 @@ class Runtime(_events.EventSource, _introspect.Inspectable, BackendChoice):
             method: the method's name.
             args: its positional arguments (numpy arrays travel in shared memory).
             kwargs: its keyword arguments.
-            what: how errors name the call (``"Counter.incr"``).
+            what: how errors name the call (``"Counter.incr"``); ``kw``: to ``Connection.call``.
 
         Returns:
             An asyncio future; from another thread, a ``concurrent.futures.Future``.
@@ -241,14 +241,14 @@ class Runtime(_events.EventSource, _introspect.Inspectable, BackendChoice):
             TypeError: an argument cannot be pickled (raised here, nothing is sent).
         """
         if threading.get_ident() != self._loop_thread:
-            return _client.call_from_thread(
-                self.loop, lambda: self.call(actor_id, method, args, kwargs, what))
+            return _client.call_from_thread(self.loop, lambda: self.call(
+                actor_id, method, args, kwargs, what, **kw))
         rec = self._actors.get(actor_id)
         if rec is None or rec.conn is None:
             fut = asyncio.get_running_loop().create_future()
             fut.set_exception(ActorDiedError(f"no actor with id {actor_id} in this runtime"))
             return fut
-        return rec.conn.call(method, args, kwargs, what)
+        return rec.conn.call(method, args, kwargs, what, **kw)
 
     def actor_pid(self, actor_id: int, pid: int) -> int:
         """The current pid of actor ``actor_id`` (it changes on a restart), or ``pid``

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import os
+from asyncio import Future as _Future
 import pickle
 import sys
 import threading
@@ -28,7 +29,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from . import _leases, _shm
+from . import _leases, _results, _shm
 from ._errors import ProtocolError
 from ._wire import ARENA, GPU_SLAB, HAS_BLOCKS, LEN, MAX_MESSAGE, PLAIN  # noqa: F401
 
@@ -205,6 +206,8 @@ class _Encoder(cloudpickle.Pickler):
         if t is PassFd:
             self.fds.append(obj.fd)
             return _rebuild_fd, (len(self.fds) - 1,)
+        if isinstance(obj, _Future):  # a call's result as an argument (``_results``)
+            return _results.reduce_future(obj)
         if t in _FILE_TYPES and obj is not sys.stdout and obj is not sys.stderr:
             _refuse_file(obj)
         if _reducers or _lazy_plugins:

@@ -37,6 +37,10 @@ HSIZE = HEADER.size
 
 # Frame kinds.
 CALL, RESULT, ERROR, RELEASE, RETIRE = 1, 2, 3, 4, 5
+# A cancelled call (caller to callee, no payload); an item of a streaming call (callee to
+# caller, a pickle like a result's); credit for more items (caller to callee: <I count).
+CANCEL, ITEM, CREDIT = 6, 7, 8
+LAST_KIND = CREDIT
 
 # Frame flags.
 HAS_BLOCKS = 1  # the payload starts with a block table (``_serialization``)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import faulthandler
 import inspect
 import json
@@ -20,16 +21,18 @@ import signal
 import socket
 import sys
 import threading
+from time import perf_counter as _clock
 from typing import Any
 
 from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._errors import ActorDiedError
 from ._introspect import STACK_SIGNAL, serve_probe
 from ._protocol import Connection
+from ._streams import NO_META, Outflow, StreamingClient, chain, reentrant_error, run_stream
 from ._util import coalesced_call, describe_exit, die_with, new_event_loop, set_parent_death_signal
 
 
-class Worker:
+class Worker(StreamingClient):
     """The host of every connection in an actor process, and its call client."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
@@ -47,26 +50,37 @@ class Worker:
         self.running = 0
         self.queue: collections.deque = collections.deque()
         self.executor = None
+        self.seq, self.current = 0, (-1, 0)  # calls started; the latest: (actor id, seq)
+        self.held = False  # a sync call just held the loop: calls wait a moment (_finished)
+        self.running_calls: dict[tuple, Any] = {}  # (conn, cid) -> its task, or None: sync
+        self.dropped: set[tuple] = set()  # sync calls cancelled while they ran
+        self.outflows: dict[tuple, Outflow] = {}  # (conn, cid) of streams -> their credit
         self.peers: dict[int, Connection] = {}
         self.driver = Connection(loop, self, socket.socket(fileno=fd), label="the driver")
 
     closing = property(lambda self: self._closing, doc="Whether the actor is stopping.")
 
     # -- client side (handles inside this actor) -------------------------------
-    def call(self, actor_id: int, method: str, args, kwargs, what: str = ""):
+    def call(self, actor_id: int, method: str, args, kwargs, what: str = "",
+             meta: dict | None = None, stream: Any = None):
         """Call ``method`` on actor ``actor_id`` over a direct connection (brokered by the
-        driver on first use); as ``Runtime.call``.
+        driver on first use); as ``Runtime.call``. The call carries the chain of calls
+        it was made from (``_streams.chain``).
 
         Raises:
             TypeError: an argument cannot be pickled (nothing is sent).
         """
         if threading.get_ident() != self.loop_thread:
-            return _client.call_from_thread(
-                self.loop, lambda: self.call(actor_id, method, args, kwargs, what))
+            ctx = contextvars.copy_context()
+            return _client.call_from_thread(self.loop, lambda: ctx.run(
+                self.call, actor_id, method, args, kwargs, what, meta, stream))
         conn = self.peers.get(actor_id)
         if conn is None:
             conn = self._connect(actor_id)
-        return conn.call(method, args, kwargs, what)
+        link = chain.get()
+        if link:  # (outer chain, actor id, "Cls.method", seq): the call this one is made in
+            meta = {**(meta or {}), "chain": (*link[0], link[1:])}
+        return conn.call(method, args, kwargs, what, meta, stream)
 
     def _connect(self, actor_id: int) -> Connection:
         conn = Connection(self.loop, self, label=f"actor {actor_id}")
@@ -119,13 +133,23 @@ class Worker:
         if self.instance is None:  # not initialized yet: calls wait for __init__
             self.queue.append((conn, cid, call))
             return
+        if len(call) == 4 and self.max_concurrency == 1 and self.running:
+            err = reentrant_error(call[3].get("chain", ()), self.current, self.cls_name,
+                                  f"{self.cls_name}.{method}")
+            if err is not None:
+                call.clear()
+                conn.reply_error(cid, err)
+                return
         if self.running < self.max_concurrency and not self.queue:
             self._start(conn, cid, call)
         else:
             self.queue.append((conn, cid, call))
 
     def _start(self, conn: Connection, cid: int, call: list) -> None:
-        method, args, kwargs = call
+        if len(call) == 3:
+            (method, args, kwargs), meta = call, NO_META
+        else:
+            method, args, kwargs, meta = call
         call.clear()
         if method not in self.methods:
             self.running += 1
@@ -135,16 +159,28 @@ class Worker:
             return
         what = f"{self.cls_name}.{method}"
         fn = getattr(self.instance, method)
-        if self.methods[method]:
-            self.running += 1
-            task = self.loop.create_task(self._run_async(conn, cid, fn, args, kwargs, what))
-            task.add_done_callback(self._finished)
+        self.seq += 1
+        self.current = (self.actor_id, self.seq)  # (with max_concurrency=1: the one running)
+        # Calls it makes carry the chain, this one last (tasks copy the context now).
+        token = chain.set((meta.get("chain", ()), self.actor_id, what, self.seq))
+        key = (conn, cid)
+        kind = self.methods[method]
+        self.running += 1
+        streams = kind == "stream" or "run_ahead" in meta
+        if streams or kind:
+            run = self._run_stream(conn, cid, fn, args, kwargs, what, meta) if streams \
+                else self._run_async(conn, cid, fn, args, kwargs, what)
+            task = self.running_calls[key] = self.loop.create_task(run)
+            chain.reset(token)
+            task.add_done_callback(lambda t: self._finished(key))
         elif self.max_concurrency > 1:
-            self.running += 1
-            fut = self.loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+            self.running_calls[key] = None
+            ctx = contextvars.copy_context()
+            chain.reset(token)
+            fut = self.loop.run_in_executor(self.executor, lambda: ctx.run(fn, *args, **kwargs))
             fut.add_done_callback(lambda f: self._sync_done(conn, cid, f, what))
         else:
-            self.running += 1
+            t0 = _clock()
             try:
                 result = fn(*args, **kwargs)
             except SystemExit as exc:
@@ -156,7 +192,9 @@ class Worker:
                 del args, kwargs
                 conn.reply(cid, result, what)
                 del result
-            self._finished(None)
+            finally:
+                chain.reset(token)
+            self._finished(None, blocked=_clock() - t0 > 0.002)
 
     async def _run_async(self, conn, cid, fn, args, kwargs, what) -> None:
         try:
@@ -167,12 +205,65 @@ class Worker:
         except SystemExit as exc:
             self._exit(exc)
             return
+        except asyncio.CancelledError:
+            return  # its caller cancelled it: nobody waits for a reply
         except BaseException as exc:
             conn.reply_error(cid, exc)
             return
         conn.reply(cid, result, what)
 
+    async def _run_stream(self, conn, cid, fn, args, kwargs, what, meta) -> None:
+        out = self.outflows[(conn, cid)] = Outflow(meta.get("run_ahead", 16))
+        try:
+            try:
+                gen = fn(*args, **kwargs)
+            except BaseException as exc:
+                if isinstance(exc, SystemExit):
+                    self._exit(exc)
+                else:
+                    conn.reply_error(cid, exc)
+                return
+            del args, kwargs
+            if inspect.isawaitable(gen):
+                gen = await gen
+            if not (inspect.isgenerator(gen) or inspect.isasyncgen(gen)):
+                conn.reply(cid, gen, what)  # not a generator: its result ends the stream
+                return
+            try:
+                await run_stream(conn, cid, gen, out, what,
+                                 self.executor if self.max_concurrency > 1 else None)
+            except SystemExit as exc:
+                self._exit(exc)
+        finally:
+            self.outflows.pop((conn, cid), None)
+
+    def stream_credit(self, conn: Connection, cid: int, n: int) -> None:
+        """The caller of streaming call ``cid`` took ``n`` more items (``Host``)."""
+        if (conn, cid) in self.outflows:
+            self.outflows[(conn, cid)].add(n)
+
+    def cancel_call(self, conn: Connection, cid: int) -> None:
+        """The caller cancelled call ``cid`` (``Host``): a queued call never runs, a running
+        async one (or stream) is cancelled, a running sync one's result is dropped."""
+        key = (conn, cid)
+        if key in self.running_calls:
+            task = self.running_calls[key]
+            if task is None:
+                self.dropped.add(key)
+            else:
+                task.cancel()
+            return
+        for i, (qconn, qcid, _call) in enumerate(self.queue):
+            if qconn is conn and qcid == cid:
+                del self.queue[i]
+                return
+
     def _sync_done(self, conn, cid, fut, what) -> None:
+        self.running_calls.pop((conn, cid), None)
+        if (conn, cid) in self.dropped:
+            self.dropped.discard((conn, cid))
+            self._finished(None)
+            return
         exc = fut.exception()
         if isinstance(exc, SystemExit):
             self._exit(exc)
@@ -182,10 +273,23 @@ class Worker:
             conn.reply(cid, fut.result(), what)
         self._finished(None)
 
-    def _finished(self, _task) -> None:
+    def _finished(self, key, blocked: bool = False) -> None:
+        if key is not None:
+            self.running_calls.pop(key, None)
         self.running -= 1
+        if blocked:
+            # A sync call held the loop over 2 ms: it reads cancels before the next starts.
+            self.running += 1
+            if not self.held:
+                self.held = True
+                self.loop.call_soon(self.loop.call_soon, self._release_hold)
+            return
         while self.queue and self.running < self.max_concurrency:
             self._start(*self.queue.popleft())
+
+    def _release_hold(self) -> None:
+        self.held = False
+        self._finished(None)
 
     def _exit(self, exc: SystemExit) -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -333,14 +437,10 @@ async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
 def main() -> None:
     """Run this actor process on the socket fd in ``sys.argv[1]``; exits the process."""
     driver = os.environ.pop("ACTORSHM_DRIVER_PID", None)
-    if driver:  # forked by a fork server, which may die first: watch the driver itself
-        die_with(int(driver))
-    else:
-        set_parent_death_signal()
+    die_with(int(driver)) if driver else set_parent_death_signal()  # (a fork server may die first)
     faulthandler.enable()
     faulthandler.register(STACK_SIGNAL, all_threads=True)  # rt.dump_stacks's fallback
-    fd = int(sys.argv[1])
-    os.set_inheritable(fd, False)  # a program the actor starts must not hold the driver's socket
+    os.set_inheritable(fd := int(sys.argv[1]), False)  # (not for programs it starts)
     extra = os.environ.pop("ACTORSHM_SYS_PATH", None)
     if extra:
         path = json.loads(extra)
@@ -356,7 +456,6 @@ def main() -> None:
         sys.stderr.flush()
     # Skip interpreter teardown: it can only run user __del__s against closed sockets.
     os._exit(code)
-
 
 
 def forked_child_main(server_sock, rfd, wfd, env, cwd, fds) -> None:

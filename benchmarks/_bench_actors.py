@@ -47,6 +47,28 @@ class SoakWorker:
 
 
 @actor
+class Streamer:
+    """Items by stream and by individual calls, for the streaming benchmark."""
+
+    def item(self, i):
+        return i
+
+    def items(self, n):
+        yield from range(n)
+
+    def array(self, nbytes):
+        a = actorshm.empty(nbytes, "u1")
+        a[0] = 1
+        return a
+
+    def arrays(self, n, nbytes):
+        for _ in range(n):
+            a = actorshm.empty(nbytes, "u1")
+            a[0] = 1
+            yield a
+
+
+@actor
 class ReadSink:
     """For the Ray backend, where arguments arrive read-only: reads one element."""
 

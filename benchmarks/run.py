@@ -611,6 +611,12 @@ async def run(args, data: dict | None = None) -> str:
                   ["call", "median ms", "p99 ms", "vs one actor"],
                   [[k, _ms(statistics.median(v)), _ms(_pct(v, 0.99)),
                     f"{statistics.median(v) / one:.2f}x"] for k, v in bc.items()])
+        from benchmarks.streaming import rows as stream_rows, streaming
+        st = await streaming(quick)
+        data["streaming"] = st
+        table.add("Streaming method vs the same items by individual calls (one awaited "
+                  "at a time)", ["items", "streamed items/s", "individual calls items/s",
+                                 "streaming speed-up"], stream_rows(st))
 
         try:
             import torch  # noqa: F401

@@ -34,8 +34,8 @@ def test_quick_benchmarks_run(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     report = out_file.read_text()
     for section in ("Trivial call round trip", "Pipelined calls", "numpy argument",
-                    "Recycling loop", "Actor start-up", "Broadcast: one shared 64 MiB array",
-                    "ActorGroup.spawn"):
+                    "Recycling loop", "Streaming method", "Actor start-up",
+                    "Broadcast: one shared 64 MiB array", "ActorGroup.spawn"):
         assert section in report
     assert "not measured" in report  # peers skipped in quick mode say so
     if importlib.util.find_spec("torch") is not None:  # torch rows, in the same run

@@ -115,8 +115,9 @@ async def test_unserializable_result_is_type_error(rt):
     with pytest.raises(TypeError, match="cannot be sent back"):
         await f.bad_result()
     assert await f.ok() == "ok"
-    with pytest.raises(TypeError, match="do not stream results yet: return a list"):
+    with pytest.raises(TypeError, match="is a streaming method: iterate it with `async for"):
         await f.stream(3)
+    assert [x async for x in f.stream(3)] == [0, 1, 2]
     assert await f.ok() == "ok"
 
 

@@ -1,0 +1,101 @@
+"""Call control on a connection: cancels, streaming items and their credit, and calls
+held until a result they take as an argument is in (``_results``).
+
+``CallControl`` is a part of ``_protocol.Connection`` (its base class), kept here so that
+each module stays one idea: it uses the connection's ``pending`` calls, ``streams``,
+``held`` calls, ``ledger`` and ``_send``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from . import _results
+from . import _serialization as ser
+from ._errors import ProtocolError
+from ._wire import CANCEL, CREDIT, ITEM, LEN
+
+__all__ = ["CallControl"]
+
+_RLEN = LEN
+
+
+class CallControl:
+    """Cancels, stream items and credit, held calls: see the module's docstring."""
+
+    def _hold(self, entry: tuple, waits_for: asyncio.Future) -> None:
+        """Hold ``entry``'s call, and the calls after it, until ``waits_for`` is done."""
+        if not self.held:
+            self.held.append(entry)
+        waits_for.add_done_callback(self._send_held)
+
+    def _send_held(self, _fut=None) -> None:
+        while self.held and not self.closed:
+            entry = self.held[0]
+            if not entry[0].done():  # (a held call cancelled meanwhile is dropped)
+                try:
+                    self._send_call(*entry)
+                except _results.Unfinished as u:
+                    u.fut.add_done_callback(self._send_held)
+                    return
+                except Exception as exc:
+                    entry[0].set_exception(exc)
+            self.held.popleft()
+
+    def cancel(self, cid: int) -> None:
+        """Forget call ``cid`` (its reply, if any, is dropped) and tell the peer."""
+        self.streams.pop(cid, None)
+        if self.pending.pop(cid, None) is None:
+            return
+        self.pending_meta.pop(cid, None)
+        if not self.closed:
+            self._send(CANCEL, 0, cid, b"", ())
+
+    def send_credit(self, cid: int, n: int) -> None:
+        """Let the peer send ``n`` more items of streaming call ``cid``."""
+        if not self.closed and cid in self.pending:
+            self._send(CREDIT, 0, cid, _RLEN.pack(n), ())
+
+    def send_item(self, cid: int, value: Any, what: str = "") -> None:
+        """Send one item of streaming call ``cid`` (as a result is sent).
+
+        Raises:
+            TypeError: the item cannot be serialized.
+        """
+        if self.closed:
+            return
+        try:
+            payload, fds, enc, flags = ser.encode(value, self)
+        except MemoryError:  # out of shared memory: as it is
+            raise
+        except Exception as exc:
+            raise TypeError(f"an item of {what or 'the stream'} cannot be sent: {exc}") \
+                from exc
+        self.ledger.commit(enc, self)
+        self._send(ITEM, flags, cid, payload, fds)
+
+    def _control_frame(self, kind: int, flags: int, cid: int, payload, fds) -> None:
+        """Receive a ``ITEM``, ``CANCEL`` or ``CREDIT`` frame."""
+        if kind == ITEM:
+            st = self.streams.get(cid)
+            try:
+                value = ser.decode(payload, fds, self, flags)  # (decoded even if dropped:
+            except ProtocolError as exc:  # leases come back)
+                self._protocol_error(str(exc))
+                return
+            except Exception as exc:
+                if st is not None:
+                    st.fail(TypeError(f"an item of {st.what} could not be deserialized "
+                                      f"here: {type(exc).__name__}: {exc}"))
+                return
+            if st is not None:
+                st.push(value)
+        elif kind == CANCEL:
+            cancel = getattr(self.host, "cancel_call", None)
+            if cancel is not None:
+                cancel(self, cid)
+        elif kind == CREDIT:
+            credit = getattr(self.host, "stream_credit", None)
+            if credit is not None and len(payload) == 4:
+                credit(self, cid, _RLEN.unpack_from(payload)[0])

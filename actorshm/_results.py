@@ -1,0 +1,74 @@
+"""Results as arguments: a call's awaitable passed to another call (Ray's ObjectRef).
+
+An unfinished call's future found while pickling a call's arguments (at any depth)
+stops the pickling (``Unfinished``); the connection then holds that call, and every
+later call on it (per-caller order holds), until the future is done, and sends them
+again: a finished call's future pickles as its result. A call whose awaited result
+failed fails with that error. Any other asyncio future is refused with a ``TypeError``
+that says to await it first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+__all__ = ["CallFuture", "reduce_future", "Unfinished", "DependencyFailed"]
+
+
+class CallFuture(asyncio.Future):
+    """The awaitable of a call: an asyncio future that may be passed as an argument,
+    and whose ``cancel()`` also cancels the call where it was sent."""
+
+    conn: Any = None  # set once the call is sent: its connection and call id
+    cid = 0
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        if self.conn is not None:
+            self.conn.cancel(self.cid)
+        return True
+
+
+class Unfinished(Exception):
+    """Pickling met the future of a call that has not finished yet."""
+
+    def __init__(self, fut: asyncio.Future) -> None:
+        super().__init__("a call's result is not ready yet")
+        self.fut = fut
+
+
+class DependencyFailed(Exception):
+    """Pickling met the future of a call that failed (or was cancelled)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+def _identity(x):
+    return x
+
+
+def reduce_future(fut: asyncio.Future):
+    """How an encoder pickles an asyncio future: a finished call's as its result.
+
+    Raises:
+        Unfinished: the future is a call's that has not finished.
+        DependencyFailed: it is a call's that failed or was cancelled.
+        TypeError: it is not a call's future.
+    """
+    if not isinstance(fut, CallFuture):
+        raise TypeError("an asyncio Future cannot be passed to an actor: await it first "
+                        "and pass its result (only the awaitable of an actor call may be "
+                        "passed unfinished)")
+    if not fut.done():
+        raise Unfinished(fut)
+    if fut.cancelled():
+        raise DependencyFailed(asyncio.CancelledError("a call given as an argument was "
+                                                      "cancelled"))
+    exc = fut.exception()
+    if exc is not None:
+        raise DependencyFailed(exc)
+    return _identity, (fut.result(),)

@@ -1,0 +1,134 @@
+"""Actor classes for the tests of calls users control (cancellation, streams, chains).
+
+Kept free of pytest so actor processes import it fast.
+"""
+
+import asyncio
+import os
+import time
+
+import actorshm
+from actorshm import actor
+
+
+@actor
+class Worker:
+    def __init__(self):
+        self.log = []
+
+    def work(self, t):
+        time.sleep(t)
+        self.log.append(("work", t))
+        return t
+
+    async def awork(self, t):
+        try:
+            await asyncio.sleep(t)
+        except asyncio.CancelledError:
+            self.log.append("cancelled")
+            raise
+        self.log.append(("awork", t))
+        return t
+
+    def record(self, x):
+        self.log.append(x)
+        return x
+
+    def get_log(self):
+        return list(self.log)
+
+    def count(self, n):
+        try:
+            for i in range(n):
+                self.log.append(("made", i))
+                yield i
+        finally:
+            self.log.append("count-finally")
+
+    async def acount(self, n, delay=0.0):
+        try:
+            for i in range(n):
+                await asyncio.sleep(delay)
+                self.log.append(("made", i))
+                yield i
+        finally:
+            self.log.append("acount-finally")
+
+    def fails_after(self, n):
+        yield from range(n)
+        raise ValueError(f"failed after {n}")
+
+    def dies_after(self, n):
+        yield from range(n)
+        time.sleep(0.05)
+        os._exit(3)
+
+    def arrays(self, n, nbytes):
+        for i in range(n):
+            a = actorshm.empty(nbytes, "uint8")
+            a[0] = i % 256
+            yield a
+
+    def fails_nonstream(self):
+        raise ValueError("no")
+
+    def stats(self):
+        return actorshm.stats()
+
+    def made(self):
+        return sum(1 for e in self.log if isinstance(e, tuple) and e[0] == "made")
+
+
+@actor
+class Relay:
+    """Calls other actors from inside an actor."""
+
+    async def timeout_on(self, target, t, limit):
+        try:
+            await asyncio.wait_for(target.awork(t), limit)
+        except asyncio.TimeoutError:
+            return "timed out"
+        return "finished"
+
+    async def forward(self, target, t):
+        return await target.awork(t)
+
+    async def total(self, target, n):
+        return sum([x async for x in target.acount(n)])
+
+    async def first(self, target, n):
+        async for x in target.count(n):
+            return x
+
+    async def call_back(self, other):
+        return await other.ping()
+
+    async def ping_via(self, other):
+        return await other.call_back(self_handle[0])
+
+    async def pass_along(self, source, sink):
+        return await sink.record(source.work(0.2))
+
+    async def fire_and_return(self, other):
+        self.bg = asyncio.ensure_future(other.call_back_later(self_handle[0], 0.1))
+        return "sent"
+
+    async def call_back_later(self, other, delay):
+        await asyncio.sleep(delay)
+        self.result = await other.ping()
+
+    def last(self):
+        return getattr(self, "result", None)
+
+    async def hold(self, t):
+        await asyncio.sleep(t)
+        return "held"
+
+    def set_self(self, h):
+        self_handle[0] = h
+
+    def ping(self):
+        return "pong"
+
+
+self_handle = [None]

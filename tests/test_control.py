@@ -1,0 +1,309 @@
+"""Calls users control: cancellation that reaches the actor, streaming methods,
+re-entrant chains refused at once, and no "never retrieved" noise."""
+
+import asyncio
+import gc
+import time
+
+import numpy as np
+import pytest
+
+import actorshm
+from call_actors import Relay, Worker
+
+
+def _pending(rt, h):
+    return rt._actors[h.actor_id].conn.pending
+
+
+# -- cancellation -------------------------------------------------------------------
+async def test_cancelled_async_call_is_cancelled_in_the_actor(rt):
+    w = await Worker.spawn()
+    t0 = time.monotonic()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(w.awork(30), 0.2)
+    assert time.monotonic() - t0 < 5  # the caller's await ends at once, not after 30 s
+    # the actor was told: its method got CancelledError, and the next call runs now
+    assert await asyncio.wait_for(w.get_log(), 5) == ["cancelled"]
+    assert _pending(rt, w) == {}
+
+
+async def test_asyncio_timeout_and_task_cancel_reach_the_actor(rt):
+    w = await Worker.spawn()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.1):
+            await w.awork(30)
+    fut = asyncio.ensure_future(w.awork(30))
+    await asyncio.sleep(0.1)
+    fut.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await fut
+    assert await asyncio.wait_for(w.get_log(), 5) == ["cancelled", "cancelled"]
+
+
+async def test_queued_call_never_runs_once_cancelled(rt):
+    w = await Worker.spawn()
+    busy = w.work(0.5)
+    queued = w.record("queued")
+    await asyncio.sleep(0.05)
+    queued.cancel()
+    assert await busy == 0.5
+    assert await w.record("next") == "next"
+    assert await w.get_log() == [("work", 0.5), "next"]
+
+
+async def test_running_sync_call_finishes_and_its_result_is_dropped(rt):
+    w = await Worker.spawn()
+    t0 = time.monotonic()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(w.work(1.5), 0.1)
+    assert time.monotonic() - t0 < 1.2
+    assert _pending(rt, w) == {}
+    assert await w.record("after") == "after"  # the actor is healthy
+    assert await w.get_log() == [("work", 1.5), "after"]
+
+
+async def test_timed_out_calls_leave_no_pending_entries(rt):
+    w = await Worker.spawn()
+    for _ in range(50):
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(w.awork(60), 0.001)
+    await asyncio.sleep(0)
+    assert _pending(rt, w) == {}
+    assert await asyncio.wait_for(w.record(1), 5) == 1
+
+
+async def test_cancel_frees_a_pending_calls_slot(rt):
+    w = await Worker.options(max_pending_calls=1).spawn()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(w.awork(30), 0.1)
+    assert await asyncio.wait_for(w.record(2), 5) == 2
+
+
+async def test_cancellation_inside_actors_and_cascading(rt):
+    w = await Worker.spawn()
+    r = await Relay.spawn()
+    # a time-out inside an actor reaches the actor it called
+    assert await r.timeout_on(w, 30, 0.1) == "timed out"
+    assert await asyncio.wait_for(w.get_log(), 5) == ["cancelled"]
+    # cancelling the outer call cancels the call it is waiting on
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(r.forward(w, 30), 0.2)
+    assert await asyncio.wait_for(w.get_log(), 5) == ["cancelled", "cancelled"]
+
+
+# -- streaming methods --------------------------------------------------------------
+async def test_sync_and_async_generators_stream(rt):
+    w = await Worker.spawn()
+    assert [x async for x in w.count(5)] == [0, 1, 2, 3, 4]
+    assert [x async for x in w.acount(3)] == [0, 1, 2]
+    assert [x async for x in w.count(0)] == []
+    assert await w.record("ok") == "ok"
+
+
+async def test_items_arrive_as_yielded(rt):
+    w = await Worker.spawn()
+    t0 = time.monotonic()
+    async for x in w.acount(3, 1.0):
+        first = time.monotonic() - t0
+        break
+    assert x == 0 and first < 2.5  # not after the whole 3 s
+
+
+async def test_bounded_run_ahead_with_a_slow_consumer(rt):
+    w = await Worker.options(max_concurrency=2).spawn()
+    s = w.acount.options(run_ahead=4)(1000)
+    assert await s.__anext__() == 0
+    await asyncio.sleep(0.5)
+    made = await w.made()
+    assert 5 <= made <= 6  # the item taken, 4 ahead, one waiting at its yield
+    n = 1 + len([x async for x in s])
+    assert n == 1000
+    with pytest.raises(ValueError, match="run_ahead"):
+        w.acount.options(run_ahead=0)
+
+
+async def test_default_run_ahead_is_16(rt):
+    w = await Worker.options(max_concurrency=2).spawn()
+    s = w.acount(1000)
+    assert await s.__anext__() == 0
+    await asyncio.sleep(0.5)
+    assert 17 <= await w.made() <= 18
+    await s.aclose()
+
+
+@pytest.mark.parametrize("how", ["break", "aclose", "exception"])
+async def test_leaving_early_runs_the_generators_finally(rt, how):
+    w = await Worker.spawn()
+    if how == "break":
+        async for x in w.count(1000):
+            if x == 2:
+                break
+    elif how == "aclose":
+        s = w.count(1000)
+        await s.__anext__()
+        await s.aclose()
+    else:
+        with pytest.raises(KeyError):
+            async for x in w.acount(1000):
+                raise KeyError(x)
+    log = await asyncio.wait_for(w.get_log(), 5)  # the actor is free again
+    assert log[-1] in ("count-finally", "acount-finally")
+    assert sum(1 for e in log if isinstance(e, tuple)) < 100
+
+
+async def test_error_mid_stream_after_its_items(rt):
+    w = await Worker.spawn()
+    got = []
+    with pytest.raises(ValueError, match="failed after 3"):
+        async for x in w.fails_after(3):
+            got.append(x)
+    assert got == [0, 1, 2]
+    assert await w.record("ok") == "ok"
+
+
+async def test_death_mid_stream_raises_actor_died(rt):
+    w = await Worker.spawn()
+    got = []
+    with pytest.raises(actorshm.ActorDiedError):
+        async for x in w.dies_after(2):
+            got.append(x)
+    assert got == [0, 1]
+
+
+async def test_stream_of_arrays_by_reference_blocks_recycled(rt):
+    w = await Worker.spawn()
+    before = await w.stats()
+    n = 0
+    async for a in w.arrays(64, 1 << 20):
+        assert actorshm.is_shared(a) and a[0] == n % 256
+        n += 1
+        del a
+    after = await w.stats()
+    assert n == 64
+    assert after["bytes_copied"] == before["bytes_copied"]
+    assert after["pool_reuses"] - before["pool_reuses"] >= 32  # blocks came back
+
+
+async def test_streams_inside_actors(rt):
+    w = await Worker.spawn()
+    r = await Relay.spawn()
+    assert await r.total(w, 10) == 45
+    assert await r.first(w, 1000) == 0
+    log = await asyncio.wait_for(w.get_log(), 5)
+    assert log[-1] == "count-finally"
+
+
+async def test_awaiting_a_stream_says_to_iterate(rt):
+    w = await Worker.spawn()
+    with pytest.raises(TypeError, match="async for"):
+        await w.count(3)
+    assert await w.record(1) == 1
+
+
+# -- re-entrant chains --------------------------------------------------------------
+async def test_reentrant_chain_raises_at_once(rt):
+    a = await Relay.spawn()
+    b = await Relay.spawn()
+    await a.set_self(a)
+    t0 = time.monotonic()
+    with pytest.raises(actorshm.ReentrantCallError, match=r"Relay.ping_via .*Relay.call_back"):
+        await asyncio.wait_for(a.ping_via(b), 10)
+    assert time.monotonic() - t0 < 1.0
+    assert await a.ping() == "pong"  # both stay usable
+    assert await b.call_back(a) == "pong"
+
+
+# -- no noise -------------------------------------------------------------------------
+async def test_many_calls_failing_at_once_print_nothing(rt, capfd, caplog):
+    w = await Worker.spawn()
+    futs = [w.work(0.2) for _ in range(50)]
+    await asyncio.sleep(0.05)
+    await w.kill()
+    del futs
+    gc.collect()
+    await asyncio.sleep(0.1)
+    gc.collect()
+    assert "never retrieved" not in caplog.text
+    assert "never retrieved" not in capfd.readouterr().err
+
+
+# -- results as arguments -------------------------------------------------------------
+async def test_unfinished_call_as_argument_is_resolved_in_order(rt):
+    w = await Worker.spawn()
+    other = await Worker.spawn()
+    slow = w.work(0.3)
+    first = other.record({"nested": [slow, (slow,)]})
+    then = other.record("after")  # made later: runs later on `other`, though ready now
+    assert await first == {"nested": [0.3, (0.3,)]}
+    assert await then == "after"
+    assert await other.get_log() == [{"nested": [0.3, (0.3,)]}, "after"]
+    # a finished call's awaitable passes as its result too
+    assert await other.record(slow) == 0.3
+
+
+async def test_failed_call_as_argument_fails_the_call(rt):
+    w = await Worker.spawn()
+    other = await Worker.spawn()
+    bad = w.fails_nonstream()
+    with pytest.raises(ValueError, match="no"):
+        await other.record(bad)
+    assert await other.get_log() == []
+
+
+async def test_plain_future_as_argument_says_await_it_first(rt):
+    w = await Worker.spawn()
+    fut = asyncio.get_running_loop().create_future()
+    with pytest.raises(TypeError, match="await it first"):
+        w.record(fut)
+    fut.cancel()
+
+
+async def test_call_results_as_arguments_inside_actors(rt):
+    w = await Worker.spawn()
+    other = await Worker.spawn()
+    r = await Relay.spawn()
+    assert await r.pass_along(w, other) == 0.2
+
+
+async def test_calls_failing_alike_print_one_message_not_one_each(rt, caplog):
+    w = await Worker.spawn()
+    futs = [w.fails_nonstream() for _ in range(30)]
+    await asyncio.wait(futs)
+    del futs
+    gc.collect()
+    assert caplog.text.count("never retrieved") <= 1
+
+
+async def test_call_back_into_an_actor_busy_with_another_call_waits(rt):
+    # A's earlier call made the call to B without waiting for it: no deadlock, no error
+    a = await Relay.spawn()
+    b = await Relay.spawn()
+    await a.set_self(a)
+    assert await a.fire_and_return(b) == "sent"
+    assert await a.hold(0.3) == "held"  # B's call back to A arrives meanwhile and waits
+    assert await asyncio.wait_for(b.last(), 5) == "pong"
+
+
+async def test_cancelling_the_task_that_awaits_a_call(rt):
+    w = await Worker.spawn()
+
+    async def go():
+        return await w.awork(30)
+
+    t = asyncio.create_task(go())
+    await asyncio.sleep(0.2)
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    assert await asyncio.wait_for(w.get_log(), 5) == ["cancelled"]
+
+
+async def test_cancelled_sync_call_in_a_thread_pool_actor_is_dropped(rt):
+    w = await Worker.options(max_concurrency=2).spawn()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(w.work(0.5), 0.05)
+    assert await asyncio.wait_for(w.record("meanwhile"), 5) == "meanwhile"
+    await asyncio.sleep(0.8)
+    assert await w.get_log() == ["meanwhile", ("work", 0.5)]
+    assert _pending(rt, w) == {}
