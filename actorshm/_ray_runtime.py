@@ -134,27 +134,7 @@ class RayRuntime:
         return CLIENT.call(actor_id, method, args, kwargs, what)
 
     def actor_pid(self, actor_id: RayActorId, pid: int) -> int:
-        return self._pids.get(actor_id.key, pid)
-
-    def _watch_restart(self, actor_id: RayActorId, loop) -> None:
-        """After a death: if Ray restarts the actor (``max_restarts``), learn its new pid."""
-        if actor_id.key in self._dead or actor_id.key in self._watching:
-            return
-        self._watching.add(actor_id.key)
-
-        async def watch() -> None:
-            try:
-                ok, pid = await asyncio.wait_for(actor_id.handle.ready.remote(), 120)
-                if ok:
-                    self._pids[actor_id.key] = pid
-            except BaseException:  # not restarted (or Ray is gone): the pid stays
-                pass
-            finally:
-                self._watching.discard(actor_id.key)
-
-        self._watchers.add(loop.create_task(watch()))
-        for t in [t for t in self._watchers if t.done()]:
-            self._watchers.discard(t)
+        return CLIENT.actor_pid(actor_id, pid)
 
     async def kill(self, actor_id: RayActorId) -> None:
         await CLIENT.kill(actor_id)
