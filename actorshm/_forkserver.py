@@ -67,7 +67,7 @@ def main() -> None:
     import cloudpickle  # noqa: F401
     import numpy  # noqa: F401
 
-    from . import _worker  # (and everything an actor process needs)
+    from . import _actor_process  # (and everything an actor process needs)
     try:
         import uvloop  # noqa: F401
     except ImportError:
@@ -109,7 +109,7 @@ def main() -> None:
             env = dict(env, ACTORSHM_DRIVER_PID=str(os.getppid()))
             pid = os.fork()
             if pid == 0:
-                _worker.forked_child_main(sock, rfd, wfd, env, cwd, fds)
+                _actor_process.forked_child_main(sock, rfd, wfd, env, cwd, fds)
             for fd in fds:
                 os.close(fd)
             children.add(pid)

@@ -3,7 +3,7 @@
 An actor process starts one of two ways (``Runtime(start_method=...)``): ``"spawn"`` runs
 a fresh interpreter with ``worker_command()``; ``"forkserver"`` asks a warm fork server
 (``_forkserver``, started on first use by ``ForkServerClient``) to fork one. Either way
-the child gets one end of a socket pair and runs ``actorshm._worker``; its stdout and
+the child gets one end of a socket pair and runs ``actorshm._actor_process``; its stdout and
 stderr come back through pipes that ``OutputForwarder`` copies to the driver's, each
 line prefixed with the actor. ``GpuSlots`` hands out the GPUs ``num_gpus`` actors get.
 """
@@ -37,7 +37,7 @@ def _bootstrap(module: str) -> str:
             f"import actorshm.{module} as m; sys.path.remove({_PKG_PARENT!r}); m.main()")
 
 
-_WORKER_CMD = _bootstrap("_worker")
+_WORKER_CMD = _bootstrap("_actor_process")
 
 
 def worker_command(fd: int) -> list[str]:

@@ -12,7 +12,6 @@ itself dies (``PR_SET_PDEATHSIG``) and exit on socket EOF.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 import socket
@@ -27,15 +26,15 @@ from ._errors import ActorDiedError
 from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, kill_all, start_process)
 from ._protocol import Connection
 from ._streams import StreamingClient
-from ._util import (check_run_args, coalesced_call, describe_exit, first_line,
-                    install_event_loop_policy)
+from ._supervise import Supervisor
+from ._util import check_run_args, coalesced_call, install_event_loop_policy
 
 __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 
-logger = logging.getLogger("actorshm")
 
 
-class Runtime(_events.EventSource, _introspect.Inspectable, BackendChoice, StreamingClient):
+class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendChoice,
+              StreamingClient):
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
 
     Where one ``async with`` block cannot hold the whole program (a notebook: each cell is
@@ -317,115 +316,6 @@ class Runtime(_events.EventSource, _introspect.Inspectable, BackendChoice, Strea
         """Answer a service call from an actor process (``Host``): connect it to a peer,
         spawn, kill or find an actor for it, or report the driver's stats."""
         _services.serve(self, conn, cid, call)
-
-    def connection_eof(self, conn: Connection) -> None:
-        """An actor's connection broke (``Host``): close it once its process is gone."""
-        rec = self._actors.get(conn.peer_id)
-        if rec is not None and rec.conn is conn and rec.alive:
-            # The process is exiting; give its pidfd a moment to tell us how.
-            self.loop.create_task(self._await_exit_then_close(rec))
-        elif rec is not None and rec.conn is conn and rec.death:
-            conn.close(ActorDiedError(rec.death))  # (read to its end after the death)
-        else:
-            conn.close()
-
-    async def _await_exit_then_close(self, rec: ActorRecord) -> None:
-        try:
-            await asyncio.wait_for(rec.exited.wait(), 0.3)
-        except asyncio.TimeoutError:
-            if rec.conn is not None:
-                rec.conn.close(ActorDiedError(f"{rec.label} closed its connection"))
-            try:
-                os.kill(rec.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def connection_closed(self, conn: Connection) -> None:
-        """An actor's connection closed (``Host``)."""
-        rec = self._actors.get(conn.peer_id)
-        if rec is not None and rec.conn is conn and rec.alive and not self._closing:
-            # The connection broke (protocol error): the actor is unusable.
-            try:
-                os.kill(rec.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    # -- death and shutdown ------------------------------------------------------
-    def _on_exit(self, rec: ActorRecord) -> None:
-        rec.unwatch_exit(self.loop)
-        if rec.popen is not None:
-            self._exited(rec, rec.popen.wait())
-        else:  # a forked child: its exit code comes from the fork server
-            self.loop.create_task(self._forkserver.exit_code(rec.pid)).add_done_callback(
-                lambda f: f.cancelled() or self._exited(rec, f.result()))
-
-    def _exited(self, rec: ActorRecord, code: int | None) -> None:
-        rec.alive = False
-        why = rec.death or f"{rec.label} died: {describe_exit(code)}" \
-            f"{_introspect.oom_note(rec, code)}"
-        if self._closing and rec.death is None:
-            why = f"{rec.label} was stopped because its runtime closed"
-        rec.death = why
-        self._gpus.release(rec)
-        for fwd in rec.pipes:
-            fwd.drain()
-        if rec.conn is not None:
-            rec.conn.drain()  # what it wrote before it died: replies, releases, notices
-            rec.conn.close(ActorDiedError(why))
-        rec.exited.set()
-        limit = rec.options.max_restarts
-        restart = (not self._closing and not rec.no_restart
-                   and (limit == -1 or rec.restarts < limit))
-        _events.emit(self, "died", rec, why, will_restart=restart)
-        if restart:
-            # Calls made from now on wait in a fresh connection for the new process;
-            # the ones that were pending have failed (at-most-once, as in Ray).
-            rec.restarts += 1
-            rec.conn = Connection(self.loop, self, label=rec.label)
-            rec.conn.peer_id = rec.actor_id
-            self.loop.create_task(self._restart(rec, why))
-
-    async def _restart(self, rec: ActorRecord, why: str) -> None:
-        conn = rec.conn  # this attempt's; a death during start-up makes the next one's
-        if rec.failed_starts:  # back off while new processes keep dying as they start
-            await asyncio.sleep(min(5.0, 0.05 * 2 ** rec.failed_starts))
-        if self._closing or rec.no_restart:  # closed or killed meanwhile
-            if rec.conn is conn and conn is not None:
-                conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
-            return
-        try:
-            if rec.options.num_gpus:
-                rec.gpus = self._gpus.take(rec.options.num_gpus, rec.cls_name)
-            rec.death = None
-            await self._start_process(rec)
-            rec.failed_starts = 0
-            if rec.no_restart:  # killed while it was starting
-                rec.death = f"{rec.label} was killed by actorshm kill()"
-                os.kill(rec.pid, signal.SIGKILL)
-                return
-            logger.warning("actorshm: restarted %s (restart %d of %s) after: %s", rec.label,
-                           rec.restarts, rec.options.max_restarts, first_line(why))
-            _events.emit(self, "restarted", rec, why)
-        except BaseException as exc:
-            if rec.conn is not conn:
-                # The new process died while starting; the next restart is on its way.
-                rec.failed_starts += 1
-                logger.warning("actorshm: restart %d of %s of %s failed while starting: %s",
-                               rec.restarts - 1, rec.options.max_restarts, rec.label,
-                               first_line(str(exc)))
-                return
-            rec.death = (f"{rec.label} could not be restarted: {first_line(str(exc))} "
-                         f"(after: {first_line(why)})")
-            if rec.conn is not None:
-                rec.conn.close(ActorDiedError(rec.death))
-            if rec.alive:
-                await rec.stop(0.5)
-
-    def _reap(self, rec: ActorRecord) -> None:
-        rec.close_process(self.loop)
-        rec.alive = False
-        if rec.conn is not None and not rec.conn.closed:
-            rec.conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
 
     def _check_open(self) -> None:
         if not self._open or self._closing:

@@ -1,9 +1,8 @@
 """The actor process: its event loop, its one actor instance, and its connections.
 
-Started by the driver (``_launch``) with one end of a socket pair inherited as fd FD:
-as ``python -c <bootstrap> FD`` (the bootstrap imports the driver's own copy of
-actorshm and calls ``main``), or forked by the fork server (``forked_child_main``). The first call on it is ``__init_actor__``; then calls run one at a time
-in arrival order (``max_concurrency=1``), or up to ``max_concurrency`` at once, sync
+The process starts in ``_actor_process`` (spawned or forked), which runs a ``Worker``
+on the socket the driver gave it. The first call on it is ``__init_actor__``; then calls
+run one at a time in arrival order (``max_concurrency=1``), or up to ``max_concurrency`` at once, sync
 methods then running in a thread pool so the event loop never stalls. Calls to other
 actors go over direct connections that the driver brokers once per pair.
 """
@@ -13,23 +12,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
-import faulthandler
 import inspect
-import json
 import os
-import signal
 import socket
-import sys
 import threading
 from time import perf_counter as _clock
 from typing import Any
 
 from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from ._errors import ActorDiedError
-from ._introspect import STACK_SIGNAL, serve_probe
+from ._introspect import serve_probe
 from ._protocol import Connection
 from ._streams import NO_META, Outflow, StreamingClient, chain, reentrant_error, run_stream
-from ._util import coalesced_call, describe_exit, die_with, new_event_loop, set_parent_death_signal
+from ._util import describe_exit
 
 
 class Worker(StreamingClient):
@@ -392,109 +387,3 @@ class Worker(StreamingClient):
                 self.stopped.set_result(None)
         elif conn.peer_id is not None and self.peers.get(conn.peer_id) is conn:
             del self.peers[conn.peer_id]
-
-
-async def _amain(fd: int) -> int:
-    loop = asyncio.get_running_loop()
-    worker = Worker(loop, fd)
-    _client.set_worker(worker)
-    _leases.set_release_hook(coalesced_call(loop, _leases.dispatch_releases))
-    _leases.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks
-    try:
-        await worker.stopped
-        await _wait_for_gpu_leases(worker, worker.shutdown_grace / 2)
-    finally:
-        worker._closing = True
-        # What came back goes out before we do. Peers may live on, holding blocks we
-        # passed them: closing keeps those, and our forward notices for them stand, so
-        # their owners keep them too. (Closing the peers may let go of more: the
-        # driver's connection goes last.)
-        for c in [*worker.peers.values(), worker.driver]:
-            _leases.dispatch_releases()
-            c.send_owed()
-            c.close(peer_gone=False)
-        if worker.executor is not None:
-            worker.executor.shutdown(wait=False, cancel_futures=True)
-    return worker.exit_code
-
-
-async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
-    """Before a stopping actor exits, let peers give back the GPU blocks it lent them.
-
-    CUDA frees a process's device memory when the process exits, whoever still has it
-    open (unlike host memory, which lives on while mapped): a peer still holding one of
-    our GPU arrays would then read freed memory. So wait, a bounded time, and say so if
-    some are still out.
-    """
-    held = await worker.grants_out(lambda g: g.block.region.device is not None, timeout, 0.01)
-    if held:
-        print(f"actorshm: actor {worker.cls_name} exits while peers still hold {held} "
-              "of its GPU blocks; those arrays are invalid from now on (CUDA frees a "
-              "process's device memory when it exits). Drop GPU arrays an actor sent "
-              "you before stopping it.", file=sys.stderr, flush=True)
-
-
-def main() -> None:
-    """Run this actor process on the socket fd in ``sys.argv[1]``; exits the process."""
-    driver = os.environ.pop("ACTORSHM_DRIVER_PID", None)
-    die_with(int(driver)) if driver else set_parent_death_signal()  # (a fork server may die first)
-    faulthandler.enable()
-    faulthandler.register(STACK_SIGNAL, all_threads=True)  # rt.dump_stacks's fallback
-    os.set_inheritable(fd := int(sys.argv[1]), False)  # (not for programs it starts)
-    extra = os.environ.pop("ACTORSHM_SYS_PATH", None)
-    if extra:
-        path = json.loads(extra)
-        sys.path[:] = path + [p for p in sys.path if p not in path]
-    if not driver and os.getppid() == 1:  # the driver died before we got here
-        os._exit(1)
-    loop = new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
-        code = loop.run_until_complete(_amain(fd))
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    # Skip interpreter teardown: it can only run user __del__s against closed sockets.
-    os._exit(code)
-
-
-def forked_child_main(server_sock, rfd, wfd, env, cwd, fds) -> None:
-    """Become an actor process: the fork server's child, right after ``fork``.
-
-    Drops the server's sockets and signal set-up, takes the driver's environment and
-    working directory, puts the pipes it was given on stdout and stderr, and runs
-    ``main`` on the actor's socket. Never returns.
-
-    Args:
-        server_sock: the fork server's socket to the driver (closed here).
-        rfd, wfd: the server's signal wake-up pipe (closed here).
-        env, cwd: the environment and working directory the driver asked for.
-        fds: the actor's socket, and its stdout and stderr pipe ends.
-    """
-    try:
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        server_sock.close()
-        os.close(rfd)
-        os.close(wfd)
-        conn_fd, out_fd, err_fd = fds
-        os.dup2(out_fd, 1)
-        os.dup2(err_fd, 2)
-        os.close(out_fd)
-        os.close(err_fd)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.close(devnull)
-        os.environ.clear()
-        os.environ.update(env)
-        os.chdir(cwd)
-        sys.stdout.reconfigure(line_buffering=True)
-        sys.stderr.reconfigure(line_buffering=True)
-        sys.argv = ["actorshm-worker", str(conn_fd)]
-        main()
-    finally:
-        os._exit(1)
-
-
-if __name__ == "__main__":
-    main()
