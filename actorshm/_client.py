@@ -75,27 +75,45 @@ def call_from_thread(loop, make_call):
     Returns a ``concurrent.futures.Future`` that a thread can block on with
     ``.result()``: a sync method running in an actor's thread pool
     (``max_concurrency > 1``) can call other actors and wait for their answers.
+    Cancelling it cancels the call, as cancelling the asyncio future does: cancelled
+    before the loop got to it, the call is never made.
     """
     import concurrent.futures
 
     cf: concurrent.futures.Future = concurrent.futures.Future()
 
     def go() -> None:
+        if cf.cancelled():
+            return
         try:
             fut = make_call()
         except BaseException as exc:
-            cf.set_exception(exc)
+            try:
+                cf.set_exception(exc)
+            except concurrent.futures.InvalidStateError:  # the thread cancelled it
+                pass
             return
 
         def done(f) -> None:
-            if f.cancelled():
-                cf.cancel()
-            elif f.exception() is not None:
-                cf.set_exception(f.exception())
-            else:
-                cf.set_result(f.result())
+            try:
+                if f.cancelled():
+                    cf.cancel()
+                elif f.exception() is not None:
+                    cf.set_exception(f.exception())
+                else:
+                    cf.set_result(f.result())
+            except concurrent.futures.InvalidStateError:  # the thread cancelled it
+                pass
+
+        def cancelled(c) -> None:  # in the thread that cancelled ``cf``
+            if c.cancelled() and not fut.done():
+                try:
+                    loop.call_soon_threadsafe(fut.cancel)
+                except RuntimeError:  # the loop is closed: so is the call
+                    pass
 
         fut.add_done_callback(done)
+        cf.add_done_callback(cancelled)
 
     loop.call_soon_threadsafe(go)
     return cf

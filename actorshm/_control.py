@@ -43,14 +43,29 @@ class CallControl:
                     entry[0].set_exception(exc)
             self.held.popleft()
 
+    _cancels_corked = False
+
     def cancel(self, cid: int) -> None:
-        """Forget call ``cid`` (its reply, if any, is dropped) and tell the peer."""
+        """Forget call ``cid`` (its reply, if any, is dropped) and tell the peer.
+
+        The cancels made in one turn of the event loop go out in one write, after it:
+        cancelling a running call and the call queued behind it, the peer reads both
+        before the first has stopped, so the queued one never starts.
+        """
         self.streams.pop(cid, None)
         if self.pending.pop(cid, None) is None:
             return
         self.pending_meta.pop(cid, None)
         if not self.closed:
+            if not self._cancels_corked:
+                self._cancels_corked = True
+                self.cork()
+                self.loop.call_soon(self._uncork_cancels)
             self._send(CANCEL, 0, cid, b"", ())
+
+    def _uncork_cancels(self) -> None:
+        self._cancels_corked = False
+        self.uncork()
 
     def send_credit(self, cid: int, n: int) -> None:
         """Let the peer send ``n`` more items of streaming call ``cid``."""

@@ -23,7 +23,7 @@ from typing import Any
 
 from ._errors import ReentrantCallError
 
-__all__ = ["CallStream", "StreamingClient", "Outflow", "run_stream", "chain",
+__all__ = ["CallStream", "StreamingClient", "Outflow", "StreamSlot", "run_stream", "chain",
            "reentrant_error", "DEFAULT_RUN_AHEAD"]
 
 DEFAULT_RUN_AHEAD = 16
@@ -35,27 +35,49 @@ NO_META: dict = {}  # the meta of a call that carries none (read only)
 chain: contextvars.ContextVar[tuple] = contextvars.ContextVar("actorshm_chain", default=())
 
 
-def reentrant_error(calls: tuple, running: tuple, cls_name: str, what: str):
-    """The error for a call that would wait on itself, or None when it would not.
+def reentrant_error(calls: tuple, worker: Any, what: str):
+    """The error for a call that would wait forever for a slot of ``worker``'s actor, or
+    None when it would not.
+
+    It would when every slot is held by a call that waits, through a chain of calls, for
+    this call or for a call queued behind them: then no slot frees until one of those
+    calls runs, and none of them runs until a slot frees. (A call in a chain is taken to
+    wait for the calls it made: it may await them at any time.) With
+    ``max_concurrency=1``: the call the actor runs is in this call's chain (A -> B -> A).
 
     Args:
         calls: the chain the call carries (``chain``'s value where it was made):
             ``(actor id, "Cls.method", seq)`` per call, outermost first.
-        running: ``(actor id, seq)`` of the call the receiving actor is running (it runs
-            one call at a time).
-        cls_name: the receiving actor's class name.
+        worker: the receiving actor's worker: its ``actor_id``, ``max_concurrency``,
+            ``holding`` (the calls in its slots -> their seqs) and ``queue``.
         what: the call (``"Cls.method"``).
     """
-    keys = [(c[0], c[2]) for c in calls]
-    if running not in keys:
-        return None
-    loop = calls[keys.index(running):]
+    me = worker.actor_id
+    held = set(worker.holding.values())
+    mine = [c for c in calls if c[0] == me and c[2] in held]
+    if not mine or len(held) < worker.max_concurrency:
+        return None  # not waited for by a call here, or a slot frees without it
+    waiting = {c[2] for c in mine}
+    for entry in worker.queue:  # the calls already queued, and whom they keep waiting
+        if len(waiting) == len(held):
+            break
+        call = entry[2]
+        if entry[0] is not None and len(call) == 4:
+            waiting.update(c[2] for c in call[3].get("chain", ()) if c[0] == me)
+    if not held <= waiting:
+        return None  # a call in a slot waits for nothing queued here: it will end
+    loop = calls[calls.index(mine[0]):]
     names = " -> ".join(f"{w} (actor {a})" for a, w, _seq in loop)
+    name, n = worker.cls_name, worker.max_concurrency
+    why = (f"Actor {name} runs one call at a time (max_concurrency=1) and its running call "
+           f"is waiting for this one. Give {name} max_concurrency > 1 with async methods, "
+           "or do not call back into an actor from a call it is waiting for.") if n == 1 \
+        else (f"All {n} slots of actor {name} (max_concurrency={n}) are held by calls "
+              "waiting, through chains of calls, for this call or for calls queued behind "
+              f"them. Raise {name}'s max_concurrency, or do not call back into an actor "
+              "from calls it is waiting for.")
     return ReentrantCallError(
-        f"re-entrant call would deadlock: {names} -> {what} (actor {running[0]}). Actor "
-        f"{cls_name} runs one call at a time (max_concurrency=1) and its running call is "
-        f"waiting for this one. Give {cls_name} max_concurrency > 1 with async methods, "
-        "or do not call back into an actor from a call it is waiting for.")
+        f"re-entrant call would deadlock: {names} -> {what} (actor {me}). {why}")
 
 
 class Inbox:
@@ -194,6 +216,7 @@ class Outflow:
     def __init__(self, run_ahead: int) -> None:
         self.credit = max(1, run_ahead)
         self._waiter: asyncio.Future | None = None
+        self.slot: StreamSlot | None = None  # its hold on an actor slot
 
     def add(self, n: int) -> None:
         self.credit += n
@@ -208,14 +231,107 @@ class Outflow:
         self.credit -= 1
 
 
+class StreamSlot:
+    """A streaming call's hold on one of its actor's ``max_concurrency`` slots.
+
+    The generator holds the slot while it makes an item; it lets go while it waits at a
+    ``yield`` (for the consumer's credit, or behind calls that wait for the slot), so
+    other calls run between its items; it queues for a slot again, behind them, before
+    it makes the next item. Stopped by its caller, it takes a slot ahead of the calls
+    waiting (``reclaim``) to run its ``finally`` blocks in.
+
+    Args:
+        worker: the actor's worker (``running``, ``max_concurrency``, ``queue``,
+            ``holding``, ``running_calls``, ``_finished``).
+        key: the call's ``(conn, cid)``.
+        seq: the call's number in the actor (its place in chains of calls).
+    """
+
+    __slots__ = ("worker", "key", "seq", "held", "entry", "waiter")
+
+    def __init__(self, worker: Any, key: tuple, seq: int) -> None:
+        self.worker, self.key, self.seq = worker, key, seq
+        self.held = True  # it starts in the slot the call was started in
+        self.entry: tuple | None = None  # its place in the worker's queue, while queued
+        self.waiter: asyncio.Future | None = None
+
+    def wanted(self) -> bool:
+        """Whether calls wait for a slot."""
+        return bool(self.worker.queue)
+
+    def release(self) -> None:
+        """Let go of the slot: the next call waiting for one starts."""
+        if self.held:
+            self.held = False
+            self.worker.holding.pop(self.key, None)
+            self.worker._finished(None)
+
+    async def acquire(self) -> None:
+        """Take a slot again, behind the calls already waiting for one."""
+        w = self.worker
+        if not self.held and self.entry is None:
+            if w.running < w.max_concurrency and not w.queue:
+                self._take()
+                return
+            self.entry = (None, self, None)
+            w.queue.append(self.entry)
+        while not self.held:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+    def reclaim(self) -> None:
+        """The call is being stopped: take a slot at once if one is free, else be the
+        first to get one, so that its ``finally`` runs before the calls queued."""
+        w = self.worker
+        if self.held:
+            return
+        if self.entry is not None:
+            w.queue.remove(self.entry)
+            self.entry = None
+        if w.running < w.max_concurrency:
+            self._take()
+        else:
+            self.entry = (None, self, None)
+            w.queue.appendleft(self.entry)
+
+    def grant(self) -> None:
+        """The worker gives this stream the slot it queued for."""
+        self.entry = None
+        self._take()
+
+    def _take(self) -> None:
+        self.worker.running += 1
+        self.held = True
+        self.worker.holding[self.key] = self.seq
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def done(self) -> None:
+        """The stream's call ended: its slot, if it holds one, goes to the next call."""
+        w = self.worker
+        if self.entry is not None:
+            w.queue.remove(self.entry)
+            self.entry = None
+        if self.held:
+            self.held = False
+            w._finished(self.key)
+        else:
+            w.running_calls.pop(self.key, None)
+
+
 _DONE = object()
 
 
 async def run_stream(conn: Any, cid: int, gen: Any, out: Outflow, what: str,
-                     executor: Any = None) -> None:
+                     executor: Any = None, slot: StreamSlot | None = None) -> None:
     """Send the items of generator ``gen`` as streaming call ``cid``'s, then its end.
 
     A sync generator runs on the event loop's thread, or in ``executor`` when given.
+    With ``slot``, the generator lets go of its actor slot while it waits at a ``yield``
+    (for credit, or because calls wait for the slot) and takes one again to go on.
     Cancelled (the caller left the loop), it closes the generator: its ``finally`` runs.
     """
     loop = asyncio.get_running_loop()
@@ -238,12 +354,25 @@ async def run_stream(conn: Any, cid: int, gen: Any, out: Outflow, what: str,
                 item = next(gen, _DONE)
                 if item is _DONE:
                     break
+            if slot is not None and (out.credit <= 0 or slot.wanted()):
+                slot.release()  # parked at its yield: other calls run meanwhile
+                await out.take()
+                conn.send_item(cid, item, what)
+                del item
+                conn.flush_now()
+                await slot.acquire()
+                continue
             await out.take()
             conn.send_item(cid, item, what)
             del item
             if not is_async and executor is None:
                 conn.flush_now()  # out before the generator holds the event loop again
     except asyncio.CancelledError:
+        if slot is not None:
+            try:
+                await slot.acquire()  # (``reclaim`` put it first in line)
+            except asyncio.CancelledError:  # stopped again: close it as it is
+                pass
         await _close(gen, is_async, step)
         return
     except BaseException as exc:

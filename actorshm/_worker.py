@@ -23,7 +23,8 @@ from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GP
 from ._errors import ActorDiedError
 from ._introspect import serve_probe
 from ._protocol import Connection
-from ._streams import NO_META, Outflow, StreamingClient, chain, reentrant_error, run_stream
+from ._streams import (NO_META, Outflow, StreamingClient, StreamSlot, chain, reentrant_error,
+                       run_stream)
 from ._util import describe_exit
 
 
@@ -45,7 +46,8 @@ class Worker(StreamingClient):
         self.running = 0
         self.queue: collections.deque = collections.deque()
         self.executor = None
-        self.seq, self.current = 0, (-1, 0)  # calls started; the latest: (actor id, seq)
+        self.seq = 0  # calls started
+        self.holding: dict[tuple, int] = {}  # (conn, cid) of calls in a slot -> their seq
         self.held = False  # a sync call just held the loop: calls wait a moment (_finished)
         self.running_calls: dict[tuple, Any] = {}  # (conn, cid) -> its task, or None: sync
         self.dropped: set[tuple] = set()  # sync calls cancelled while they ran
@@ -128,9 +130,9 @@ class Worker(StreamingClient):
         if self.instance is None:  # not initialized yet: calls wait for __init__
             self.queue.append((conn, cid, call))
             return
-        if len(call) == 4 and self.max_concurrency == 1 and self.running:
-            err = reentrant_error(call[3].get("chain", ()), self.current, self.cls_name,
-                                  f"{self.cls_name}.{method}")
+        if len(call) == 4 and (self.running >= self.max_concurrency or self.queue) \
+                and "chain" in call[3]:
+            err = reentrant_error(call[3]["chain"], self, f"{self.cls_name}.{method}")
             if err is not None:
                 call.clear()
                 conn.reply_error(cid, err)
@@ -155,17 +157,21 @@ class Worker(StreamingClient):
         what = f"{self.cls_name}.{method}"
         fn = getattr(self.instance, method)
         self.seq += 1
-        self.current = (self.actor_id, self.seq)  # (with max_concurrency=1: the one running)
         # Calls it makes carry the chain, this one last (tasks copy the context now).
         token = chain.set((meta.get("chain", ()), self.actor_id, what, self.seq))
         key = (conn, cid)
         kind = self.methods[method]
         self.running += 1
-        streams = kind == "stream" or "run_ahead" in meta
-        if streams or kind:
-            run = self._run_stream(conn, cid, fn, args, kwargs, what, meta) if streams \
-                else self._run_async(conn, cid, fn, args, kwargs, what)
-            task = self.running_calls[key] = self.loop.create_task(run)
+        self.holding[key] = self.seq
+        if kind == "stream" or "run_ahead" in meta:
+            slot = StreamSlot(self, key, self.seq)
+            task = self.running_calls[key] = self.loop.create_task(
+                self._run_stream(conn, cid, fn, args, kwargs, what, meta, slot))
+            chain.reset(token)
+            task.add_done_callback(lambda t: slot.done())
+        elif kind:
+            task = self.running_calls[key] = self.loop.create_task(
+                self._run_async(conn, cid, fn, args, kwargs, what))
             chain.reset(token)
             task.add_done_callback(lambda t: self._finished(key))
         elif self.max_concurrency > 1:
@@ -189,7 +195,7 @@ class Worker(StreamingClient):
                 del result
             finally:
                 chain.reset(token)
-            self._finished(None, blocked=_clock() - t0 > 0.002)
+            self._finished(key, blocked=_clock() - t0 > 0.002)
 
     async def _run_async(self, conn, cid, fn, args, kwargs, what) -> None:
         try:
@@ -207,8 +213,9 @@ class Worker(StreamingClient):
             return
         conn.reply(cid, result, what)
 
-    async def _run_stream(self, conn, cid, fn, args, kwargs, what, meta) -> None:
+    async def _run_stream(self, conn, cid, fn, args, kwargs, what, meta, slot) -> None:
         out = self.outflows[(conn, cid)] = Outflow(meta.get("run_ahead", 16))
+        out.slot = slot
         try:
             try:
                 gen = fn(*args, **kwargs)
@@ -226,7 +233,7 @@ class Worker(StreamingClient):
                 return
             try:
                 await run_stream(conn, cid, gen, out, what,
-                                 self.executor if self.max_concurrency > 1 else None)
+                                 self.executor if self.max_concurrency > 1 else None, slot)
             except SystemExit as exc:
                 self._exit(exc)
         finally:
@@ -245,8 +252,11 @@ class Worker(StreamingClient):
             task = self.running_calls[key]
             if task is None:
                 self.dropped.add(key)
-            else:
-                task.cancel()
+                return
+            out = self.outflows.get(key)
+            if out is not None:  # a stream: it closes its generator ahead of queued calls
+                out.slot.reclaim()
+            task.cancel()
             return
         for i, (qconn, qcid, _call) in enumerate(self.queue):
             if qconn is conn and qcid == cid:
@@ -254,10 +264,10 @@ class Worker(StreamingClient):
                 return
 
     def _sync_done(self, conn, cid, fut, what) -> None:
-        self.running_calls.pop((conn, cid), None)
-        if (conn, cid) in self.dropped:
-            self.dropped.discard((conn, cid))
-            self._finished(None)
+        key = (conn, cid)
+        if key in self.dropped:
+            self.dropped.discard(key)
+            self._finished(key)
             return
         exc = fut.exception()
         if isinstance(exc, SystemExit):
@@ -266,11 +276,13 @@ class Worker(StreamingClient):
             conn.reply_error(cid, exc)
         else:
             conn.reply(cid, fut.result(), what)
-        self._finished(None)
+        self._finished(key)
 
     def _finished(self, key, blocked: bool = False) -> None:
+        """A call left its slot (``key``: ``(conn, cid)``, or None): start the next."""
         if key is not None:
             self.running_calls.pop(key, None)
+            self.holding.pop(key, None)
         self.running -= 1
         if blocked:
             # A sync call held the loop over 2 ms: it reads cancels before the next starts.
@@ -280,7 +292,11 @@ class Worker(StreamingClient):
                 self.loop.call_soon(self.loop.call_soon, self._release_hold)
             return
         while self.queue and self.running < self.max_concurrency:
-            self._start(*self.queue.popleft())
+            entry = self.queue.popleft()
+            if entry[0] is None:  # a stream waiting to take its next item
+                entry[1].grant()
+            else:
+                self._start(*entry)
 
     def _release_hold(self) -> None:
         self.held = False
@@ -381,7 +397,10 @@ class Worker(StreamingClient):
                                       f"{describe_exit(None)}"))
 
     def connection_closed(self, conn: Connection) -> None:
-        """A connection closed (``Host``): the driver's ends the actor."""
+        """A connection closed (``Host``): the driver's ends the actor; a peer's stops
+        the streams it was taking (nobody is left to give them credit)."""
+        for key in [k for k in self.outflows if k[0] is conn]:
+            self.cancel_call(conn, key[1])
         if conn is self.driver:
             if not self.stopped.done():
                 self.stopped.set_result(None)

@@ -103,8 +103,13 @@ class Relay:
     async def call_back(self, other):
         return await other.ping()
 
-    async def ping_via(self, other):
+    async def ping_via(self, other, delay=0.0):
+        await asyncio.sleep(delay)  # (two calls started together both hold a slot)
         return await other.call_back(self_handle[0])
+
+    async def hold_stream(self, target, n):
+        async for _ in target.acount(n):
+            await asyncio.sleep(3600)  # takes one item and waits
 
     async def pass_along(self, source, sink):
         return await sink.record(source.work(0.2))

@@ -16,6 +16,16 @@ def _pending(rt, h):
     return rt._actors[h.actor_id].conn.pending
 
 
+async def _last_log_entry(w, want=("count-finally", "acount-finally"), limit=5.0):
+    """The last entry of ``w``'s log once it is one of ``want`` (or after ``limit`` s)."""
+    deadline = time.monotonic() + limit
+    while True:
+        last = (await asyncio.wait_for(w.get_log(), limit) or [None])[-1]
+        if last in want or time.monotonic() > deadline:
+            return last
+        await asyncio.sleep(0.02)
+
+
 # -- cancellation -------------------------------------------------------------------
 async def test_cancelled_async_call_is_cancelled_in_the_actor(rt):
     w = await Worker.spawn()
@@ -147,9 +157,10 @@ async def test_leaving_early_runs_the_generators_finally(rt, how):
         with pytest.raises(KeyError):
             async for x in w.acount(1000):
                 raise KeyError(x)
-    log = await asyncio.wait_for(w.get_log(), 5)  # the actor is free again
-    assert log[-1] in ("count-finally", "acount-finally")
-    assert sum(1 for e in log if isinstance(e, tuple)) < 100
+    # (a dropped iterator's cancel goes out at the event loop's next turn: a call made
+    # at once may run before the generator's finally)
+    assert await _last_log_entry(w) in ("count-finally", "acount-finally")
+    assert sum(1 for e in await w.get_log() if isinstance(e, tuple)) < 100
 
 
 async def test_error_mid_stream_after_its_items(rt):
@@ -189,9 +200,56 @@ async def test_streams_inside_actors(rt):
     w = await Worker.spawn()
     r = await Relay.spawn()
     assert await r.total(w, 10) == 45
-    assert await r.first(w, 1000) == 0
-    log = await asyncio.wait_for(w.get_log(), 5)
-    assert log[-1] == "count-finally"
+    assert await r.first(w, 1000) == 0  # returns from inside its `async for`
+    assert await _last_log_entry(w) == "count-finally"  # the generator was closed
+
+
+async def test_a_stream_waiting_for_credit_leaves_the_actor_free(rt):
+    w = await Worker.spawn()  # max_concurrency=1: one slot
+    s = w.count.options(run_ahead=2)(1000)
+    assert await s.__anext__() == 0
+    # the generator waits at its yield for credit, out of the slot: other calls run
+    assert await asyncio.wait_for(w.record("meanwhile"), 10) == "meanwhile"
+    assert 3 <= await w.made() <= 4  # still bounded
+    assert [x async for x in s][:3] == [1, 2, 3]
+    log = await w.get_log()
+    assert log[-1] == "count-finally" and "meanwhile" in log
+
+
+async def test_calls_run_between_a_streams_items(rt):
+    w = await Worker.spawn()
+    got = []
+    async for x in w.acount(20, 0.02):
+        if x == 0:  # waits behind the item being made, not behind the whole stream
+            assert await asyncio.wait_for(w.record("mid"), 10) == "mid"
+        got.append(x)
+    assert got == list(range(20))
+    log = await w.get_log()
+    assert log.index("mid") < log.index(("made", 17)) < log.index("acount-finally")
+
+
+async def test_aclose_runs_the_finally_before_the_next_call(rt):
+    w = await Worker.spawn()
+    s = w.acount(1000)
+    await s.__anext__()
+    await asyncio.sleep(0.2)  # the generator waits at its yield, out of the slot
+    await s.aclose()
+    # the cancel went out first: the generator took a slot ahead of this call to close
+    assert (await asyncio.wait_for(w.get_log(), 10))[-1] == "acount-finally"
+
+
+async def test_a_stream_is_stopped_when_its_consumer_actor_dies(rt):
+    w = await Worker.spawn()
+    r = await Relay.spawn()
+    fut = r.hold_stream(w, 1000)
+    for _ in range(100):
+        if await w.made() >= 17:  # 16 ahead of the item taken: waiting for credit
+            break
+        await asyncio.sleep(0.02)
+    await r.kill()
+    with pytest.raises(actorshm.ActorDiedError):
+        await fut
+    assert await _last_log_entry(w) == "acount-finally"
 
 
 async def test_awaiting_a_stream_says_to_iterate(rt):
@@ -212,6 +270,34 @@ async def test_reentrant_chain_raises_at_once(rt):
     assert time.monotonic() - t0 < 1.0
     assert await a.ping() == "pong"  # both stay usable
     assert await b.call_back(a) == "pong"
+
+
+async def test_reentrant_chain_through_every_slot_raises(rt):
+    # A runs two calls at once; both wait for B, whose calls back to A would wait for a
+    # slot of A: the second one to arrive finds every slot held by a call waiting on it
+    a = await Relay.options(max_concurrency=2).spawn()
+    b = await Relay.options(max_concurrency=2).spawn()
+    await a.set_self(a)
+    t0 = time.monotonic()
+    out = await asyncio.wait_for(asyncio.gather(
+        a.ping_via(b, 0.2), a.ping_via(b, 0.2), return_exceptions=True), 10)
+    assert time.monotonic() - t0 < 5
+    errors = [e for e in out if isinstance(e, actorshm.ReentrantCallError)]
+    assert len(errors) == 1 and out.count("pong") == 1, out
+    assert "max_concurrency=2" in str(errors[0])
+    assert await a.ping() == "pong"
+
+
+async def test_call_back_into_a_full_actor_whose_other_call_ends_waits(rt):
+    # one slot of A waits for B's call back, the other runs a call that ends by itself:
+    # no deadlock, so no error; the call back runs once that slot frees
+    a = await Relay.options(max_concurrency=2).spawn()
+    b = await Relay.spawn()
+    await a.set_self(a)
+    held = a.hold(0.5)
+    await asyncio.sleep(0.1)
+    assert await asyncio.wait_for(a.ping_via(b, 0.2), 10) == "pong"
+    assert await held == "held"
 
 
 # -- no noise -------------------------------------------------------------------------

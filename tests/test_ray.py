@@ -285,9 +285,8 @@ async def test_actor_group(art):
     assert isinstance(info.value.exceptions[0], actorshm.ActorDiedError)
 
 
-# -- Cancellation and streaming: Ray only until these cases pass on local (issue 14) ---
-async def test_cancel_stops_a_running_async_call_and_a_queued_one(art, backend):
-    ray_only(backend, "local cancellation is tested in test_control.py; this Ray-written case still hangs on local (issue 14)")
+# -- Cancellation and streaming --------------------------------------------------------
+async def test_cancel_stops_a_running_async_call_and_a_queued_one(art):
     c = await Counter.spawn()
     running = asyncio.ensure_future(c.async_record(1, 30))
     queued = asyncio.ensure_future(c.record(2))
@@ -300,8 +299,7 @@ async def test_cancel_stops_a_running_async_call_and_a_queued_one(art, backend):
     assert await c.get_log() == [3, 4]
 
 
-async def test_a_call_made_in_a_thread_can_be_cancelled(art, backend):
-    ray_only(backend, "local cancellation is tested in test_control.py; this Ray-written case still hangs on local (issue 14)")
+async def test_a_call_made_in_a_thread_can_be_cancelled(art):
     c = await Counter.spawn()
     t = await ThreadCanceller.spawn()
     assert await t.cancel_queued(c) == 1
@@ -309,8 +307,7 @@ async def test_a_call_made_in_a_thread_can_be_cancelled(art, backend):
     assert await c.get_log() == [1, 3]  # the cancelled call never ran
 
 
-async def test_streaming_methods(art, backend):
-    ray_only(backend, "local streams are tested in test_control.py; on local a stream holds the actor's only slot (issue 14)")
+async def test_streaming_methods(art):
     s = await Streamer.spawn()
     assert [x async for x in s.count(5)] == [0, 1, 2, 3, 4]
     async for x in s.count(3):  # the actor answers other calls while a stream is open
@@ -325,8 +322,7 @@ async def test_streaming_methods(art, backend):
     assert [int(a[0]) for a in arrays] == [0, 1, 2]
 
 
-async def test_leaving_a_stream_early_stops_the_generator(art, backend):
-    ray_only(backend, "local streams are tested in test_control.py; on local a stream holds the actor's only slot (issue 14)")
+async def test_leaving_a_stream_early_stops_the_generator(art):
     s = await Streamer.spawn()
     async for x in s.count(1000, 0.01):
         if x == 2:
@@ -340,8 +336,7 @@ async def test_leaving_a_stream_early_stops_the_generator(art, backend):
     assert await s.ping() == "pong"
 
 
-async def test_a_stream_whose_actor_dies_raises_actor_died(art, backend):
-    ray_only(backend, "local streams are tested in test_control.py; on local a stream holds the actor's only slot (issue 14)")
+async def test_a_stream_whose_actor_dies_raises_actor_died(art):
     s = await Streamer.spawn()
     got = []
     with pytest.raises(actorshm.ActorDiedError):
@@ -350,8 +345,7 @@ async def test_a_stream_whose_actor_dies_raises_actor_died(art, backend):
     assert got == [0, 1, 2]
 
 
-async def test_cancelling_a_task_that_iterates_a_stream_stops_the_generator(art, backend):
-    ray_only(backend, "local streams are tested in test_control.py; on local a stream holds the actor's only slot (issue 14)")
+async def test_cancelling_a_task_that_iterates_a_stream_stops_the_generator(art):
     s = await Streamer.spawn()
 
     async def consume():
@@ -369,8 +363,7 @@ async def test_cancelling_a_task_that_iterates_a_stream_stops_the_generator(art,
     assert await s.closed_() == [1000]
 
 
-async def test_stream_runs_a_bounded_number_of_items_ahead(art, backend):
-    ray_only(backend, "local streams are tested in test_control.py; on local a stream holds the actor's only slot (issue 14)")
+async def test_stream_runs_a_bounded_number_of_items_ahead(art):
     s = await Streamer.spawn()
     stream = s.count(1000)
     assert await stream.__anext__() == 0
