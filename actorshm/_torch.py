@@ -20,6 +20,8 @@ by torch itself (by value).
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -30,6 +32,17 @@ __all__ = ["storage_block", "tensor_over"]
 _Parameter = torch.nn.Parameter
 _DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
+# Storage base address -> the live block holding that storage: the tensors this module
+# made (``tensor_over``) and those looked up once. Sending the same weights every step,
+# or a fresh ``actorshm.torch.empty`` tensor, then costs one dict lookup, however many
+# blocks are live (``_leases.block_at`` scans them all).
+_known: "weakref.WeakValueDictionary[int, _leases.Block]" = weakref.WeakValueDictionary()
+
+
+def _covers(block, lo: int, hi: int) -> bool:
+    base = block.region.addr + block.offset
+    return base <= lo and hi <= base + block.size
+
 
 def storage_block(t: torch.Tensor):
     """The host block holding ``t``'s whole storage, or None."""
@@ -38,13 +51,23 @@ def storage_block(t: torch.Tensor):
     if n == 0 or t.device.type != "cpu":
         return None
     lo = st.data_ptr()
-    return _leases.block_at(lo, lo + n)
+    block = _known.get(lo)
+    # A live block's memory is never reused, so a hit that still covers the storage is it.
+    if block is not None and block.region.addr and _covers(block, lo, lo + n):
+        return block
+    block = _leases.block_at(lo, lo + n)
+    if block is not None:
+        _known[lo] = block
+    return block
 
 
-def tensor_over(buf: np.ndarray, dtype: torch.dtype, size, stride, offset: int):
-    """A tensor viewing the bytes of the uint8 array ``buf`` (which it keeps alive)."""
-    storage = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
-    return torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+def tensor_over(buf: np.ndarray, dtype: torch.dtype, size, stride, offset: int, block=None):
+    """A tensor viewing the bytes of the uint8 array ``buf`` (which it keeps alive);
+    ``block``, the host block ``buf`` lies in, makes the tensor's later sends cheap."""
+    t8 = torch.from_numpy(buf)
+    if block is not None:
+        _known[t8.data_ptr()] = block
+    return torch.empty(0, dtype=dtype).set_(t8.untyped_storage(), offset, size, stride)
 
 
 def _reduce_tensor(enc, t: torch.Tensor):
@@ -86,7 +109,8 @@ def _reduce_tensor(enc, t: torch.Tensor):
 
 def _rebuild_tensor(row, start, n, dtype, size, stride, offset, parameter, requires_grad):
     block = _serialization.leased_block(row)
-    t = tensor_over(np.asarray(block)[start:start + n], _DTYPES[dtype], size, stride, offset)
+    t = tensor_over(np.asarray(block)[start:start + n], _DTYPES[dtype], size, stride, offset,
+                    block)
     if parameter:
         return _Parameter(t, requires_grad=requires_grad)
     if requires_grad:

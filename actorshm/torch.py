@@ -60,7 +60,8 @@ def empty(*size, dtype=None, device="cpu"):
     for s in reversed(size):
         stride.append(acc)
         acc *= max(s, 1)
-    return _torch.tensor_over(buf, dtype, size, tuple(reversed(stride)), 0)
+    return _torch.tensor_over(buf, dtype, size, tuple(reversed(stride)), 0,
+                              _shm.find_block(buf))
 
 
 def zeros(*size, dtype=None, device="cpu"):
