@@ -14,8 +14,10 @@ travels, those numpy lacks (``bfloat16``, the float8 kinds) included. An
 tensor that is part of an autograd graph (a non-leaf that requires grad) is refused:
 its graph cannot travel.
 
-Tensors on other devices (CUDA, MPS) and other layouts (sparse, quantized) are pickled
-by torch itself (by value).
+CUDA tensors go through ``_torch_cuda`` (actorshm's GPU pool, CUDA IPC), which needs
+CuPy; it registers itself here (``set_cuda_path``) and ``_plugins`` sets how to load it.
+Without CuPy, and for tensors on other devices (MPS) or of other layouts (sparse,
+quantized), torch pickles the tensor itself (by value).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from . import _leases, _serialization, _shm
 
-__all__ = ["storage_block", "tensor_over"]
+__all__ = ["storage_block", "tensor_over", "finish", "set_cuda_path"]
 
 _Parameter = torch.nn.Parameter
 _DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
@@ -70,16 +72,59 @@ def tensor_over(buf: np.ndarray, dtype: torch.dtype, size, stride, offset: int, 
     return torch.empty(0, dtype=dtype).set_(t8.untyped_storage(), offset, size, stride)
 
 
-def _reduce_tensor(enc, t: torch.Tensor):
-    kind = type(t)
-    if kind is not torch.Tensor and kind is not _Parameter:
-        return NotImplemented  # another subclass: torch pickles it
+_cuda_reducer = None  # ``_torch_cuda.reduce_cuda_tensor`` once that module is loaded
+_cuda_loader = None  # imports ``_torch_cuda`` (set by ``_plugins``; it needs CuPy)
+
+
+def set_cuda_path(*, reducer=None, loader=None) -> None:
+    """Register how CUDA tensors travel (``reducer(enc, tensor)``), or how to load the
+    module that registers it (``loader()``, tried once, on the first CUDA tensor sent)."""
+    global _cuda_reducer, _cuda_loader
+    if reducer is not None:
+        _cuda_reducer = reducer
+    if loader is not None:
+        _cuda_loader = loader
+
+
+def _cuda_path():
+    global _cuda_loader
+    if _cuda_reducer is None and _cuda_loader is not None:
+        load, _cuda_loader = _cuda_loader, None
+        try:
+            load()
+        except ImportError:  # no CuPy: torch pickles CUDA tensors (by value)
+            pass
+    return _cuda_reducer
+
+
+def check_sendable(t: torch.Tensor) -> None:
+    """Refuse a tensor that is part of an autograd graph (before anything is sent)."""
     if t.requires_grad and not t.is_leaf:
         raise TypeError(
             "a tensor that requires grad and is not a leaf (it is part of an autograd "
             "graph) cannot be sent: send `t.detach()` (or a leaf, e.g. a Parameter)")
-    if t.device.type != "cpu" or t.layout is not torch.strided or t.is_quantized:
+
+
+def finish(t: torch.Tensor, parameter: bool, requires_grad: bool):
+    """The received tensor ``t`` as the sender had it: a Parameter, requiring grad."""
+    if parameter:
+        return _Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _reduce_tensor(enc, t: torch.Tensor):
+    kind = type(t)
+    if kind is not torch.Tensor and kind is not _Parameter:
+        return NotImplemented  # another subclass: torch pickles it
+    check_sendable(t)
+    if t.layout is not torch.strided or t.is_quantized:
         return NotImplemented
+    dev = t.device.type
+    if dev != "cpu":
+        reducer = _cuda_path() if dev == "cuda" else None
+        return NotImplemented if reducer is None else reducer(enc, t)
     st = t.untyped_storage()
     n = st.nbytes()
     if n == 0:
@@ -111,11 +156,7 @@ def _rebuild_tensor(row, start, n, dtype, size, stride, offset, parameter, requi
     block = _serialization.leased_block(row)
     t = tensor_over(np.asarray(block)[start:start + n], _DTYPES[dtype], size, stride, offset,
                     block)
-    if parameter:
-        return _Parameter(t, requires_grad=requires_grad)
-    if requires_grad:
-        t.requires_grad_(True)
-    return t
+    return finish(t, parameter, requires_grad)
 
 
 _serialization.register_reducer(torch.Tensor, _reduce_tensor)

@@ -2,6 +2,7 @@
 
 import asyncio
 import gc
+import importlib.util
 import subprocess
 import sys
 import time
@@ -175,8 +176,13 @@ async def test_num_cpus_sets_torch_threads(rt):
 
 
 def test_bad_input_errors():
-    with pytest.raises(ValueError, match="only 'cpu'"):
+    with pytest.raises(ValueError, match="must be 'cpu' or 'cuda'"):
         at.empty(3, device="meta")
+    with pytest.raises(ValueError, match="CPU or CUDA tensors"):
+        at.share(torch.zeros(3, device="meta"))
+    if importlib.util.find_spec("cupy") is None:  # the GPU pool is CuPy's
+        with pytest.raises(ImportError, match=r"needs CuPy.*actorshm\[cuda\]"):
+            at.empty(3, device="cuda")
     with pytest.raises(ValueError, match="ints >= 0"):
         at.empty(-1)
     with pytest.raises(TypeError, match="nn.Module"):
