@@ -26,8 +26,8 @@ if not actorshm.cuda.available():
 import cupy  # noqa: E402
 
 import actorshm.torch as at  # noqa: E402
-from actorshm import _cuda, _torch_cuda  # noqa: E402
-from torch_cuda_actors import SIMULATED, TorchGpu, sync  # noqa: E402
+from actorshm import _cuda  # noqa: E402
+from torch_cuda_actors import SIMULATED, TorchGpu  # noqa: E402
 
 if SIMULATED:
     import simtorchcuda
@@ -185,23 +185,18 @@ async def test_parameter_and_requires_grad_on_the_gpu(rt):
 
 @real_gpu_only
 async def test_ordering_after_the_senders_stream(rt):
+    # the receiver sees every write the sender queued before the call, on torch's
+    # current stream: the default one, or a side stream the sender made current
     a = await TorchGpu.spawn()
-    t = at.zeros(1 << 24, device="cuda")
+    t = at.zeros(1 << 24, dtype=torch.float64, device="cuda")
     for _ in range(20):
-        t += 1  # queued on torch's current stream
-    info = await a.echo(t)
-    sync()
-    assert total(info) == 20.0 * (1 << 24)
+        t += 1
+    assert await a.total(t) == 20.0 * (1 << 24)
     side = torch.cuda.Stream()
-    with torch.cuda.stream(side):  # the sender's current stream is a side stream
-        u = at.zeros(1 << 24, device="cuda")
+    with torch.cuda.stream(side):
+        u = at.zeros(1 << 24, dtype=torch.float64, device="cuda")
         u += 7
-        await a.fill(u[:1], 7.0)
-    sync()
-    assert total(u) == 7.0 * (1 << 24)
-
-
-@real_gpu_only
-def test_reducer_routes_plain_cuda_tensors_to_the_gpu_path():
-    from actorshm import _torch
-    assert _torch._cuda_path() is _torch_cuda.reduce_cuda_tensor
+        assert await a.total(u) == 7.0 * (1 << 24)
+    x = torch.ones(1 << 24, dtype=torch.float64, device="cuda")  # copied on the device
+    x *= 3
+    assert await a.total(x) == 3.0 * (1 << 24)

@@ -35,6 +35,9 @@ class TorchGpu:
     def kind(self, t):
         return type(t).__name__, t.requires_grad, t.device.type
 
+    def total(self, t):
+        return float(t.sum())
+
     def echo(self, t):
         return t
 
