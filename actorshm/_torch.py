@@ -137,7 +137,9 @@ def _reduce_tensor(enc, t: torch.Tensor):
             st = t.untyped_storage()
             n = st.nbytes()
         copy = _shm.empty(n, np.uint8)
-        torch.from_numpy(copy).copy_(torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,)))
+        # numpy's memcpy, not torch's copy_: torch splits a copy over its intra-op
+        # threads, which on a busy machine took 10 ms for 1 MiB instead of 50 µs.
+        np.copyto(copy, torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,)).numpy())
         block = _shm.find_block(copy)
         counters["bytes_copied"] += n
         counters["arrays_copied"] += 1
