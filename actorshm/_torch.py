@@ -22,8 +22,6 @@ quantized), torch pickles the tensor itself (by value).
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import torch
 
@@ -34,11 +32,22 @@ __all__ = ["storage_block", "tensor_over", "finish", "set_cuda_path"]
 _Parameter = torch.nn.Parameter
 _DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
-# Storage base address -> the live block holding that storage: the tensors this module
-# made (``tensor_over``) and those looked up once. Sending the same weights every step,
-# or a fresh ``actorshm.torch.empty`` tensor, then costs one dict lookup, however many
-# blocks are live (``_leases.block_at`` scans them all).
-_known: "weakref.WeakValueDictionary[int, _leases.Block]" = weakref.WeakValueDictionary()
+# Storage base address -> the lease (a weak reference) of the block holding that
+# storage: the tensors this module made (``tensor_over``) and those looked up once.
+# Sending the same weights every step, or a fresh ``actorshm.torch.empty`` tensor, then
+# costs one dict lookup, however many blocks are live (``_leases.block_at`` scans them).
+_known: dict = {}
+
+
+def remember(known: dict, ptr: int, block) -> None:
+    """Note in ``known`` that the storage at ``ptr`` lies in ``block`` (dead entries are
+    dropped each time the map reaches a power of two from 1024 on)."""
+    known[ptr] = block.lease
+    n = len(known)
+    if n >= 1024 and not n & (n - 1):
+        for k, ref in list(known.items()):
+            if ref() is None:
+                known.pop(k, None)
 
 
 def _covers(block, lo: int, hi: int) -> bool:
@@ -50,26 +59,33 @@ def storage_block(t: torch.Tensor):
     """The host block holding ``t``'s whole storage, or None."""
     st = t.untyped_storage()
     n = st.nbytes()
-    if n == 0 or t.device.type != "cpu":
+    if n == 0 or not t.is_cpu:
         return None
     lo = st.data_ptr()
-    block = _known.get(lo)
+    ref = _known.get(lo)
+    block = ref() if ref is not None else None
     # A live block's memory is never reused, so a hit that still covers the storage is it.
     if block is not None and block.region.addr and _covers(block, lo, lo + n):
         return block
     block = _leases.block_at(lo, lo + n)
     if block is not None:
-        _known[lo] = block
+        remember(_known, lo, block)
     return block
 
 
 def tensor_over(buf: np.ndarray, dtype: torch.dtype, size, stride, offset: int, block=None):
     """A tensor viewing the bytes of the uint8 array ``buf`` (which it keeps alive);
     ``block``, the host block ``buf`` lies in, makes the tensor's later sends cheap."""
-    t8 = torch.from_numpy(buf)
+    # Two torch calls at most: each costs microseconds in a process that just woke up.
+    try:
+        t = torch.frombuffer(buf, dtype=dtype)
+    except ValueError:  # a byte count that is not a multiple of the item size
+        t = torch.empty(0, dtype=dtype).set_(torch.from_numpy(buf).untyped_storage())
     if block is not None:
-        _known[t8.data_ptr()] = block
-    return torch.empty(0, dtype=dtype).set_(t8.untyped_storage(), offset, size, stride)
+        remember(_known, t.data_ptr(), block)
+    if offset or len(size) != 1 or stride[0] != 1 or t.shape[0] != size[0]:
+        t.set_(t.untyped_storage(), offset, size, stride)
+    return t
 
 
 _cuda_reducer = None  # ``_torch_cuda.reduce_cuda_tensor`` once that module is loaded

@@ -29,7 +29,6 @@ everything else runs on the simulated GPU of the tests (tests/simgpu).
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import cupy
 import torch
@@ -39,8 +38,9 @@ from . import _cuda, _leases, _serialization, _torch
 __all__ = ["empty", "storage_block", "reduce_cuda_tensor", "as_tensor", "current_device"]
 
 _stats = _leases.counters
-# Storage base address -> the live GPU block holding that storage (as ``_torch._known``).
-_known: "weakref.WeakValueDictionary[int, _cuda.GpuBlock]" = weakref.WeakValueDictionary()
+# Storage base address -> the lease of the GPU block holding that storage (as
+# ``_torch._known``).
+_known: dict = {}
 
 
 def as_tensor(arr, dtype: torch.dtype, size, stride, offset: int):
@@ -91,7 +91,7 @@ def empty(size: tuple, dtype: torch.dtype, device: int | None):
     with cupy.cuda.Device(dev):
         arr = _cuda.empty((max(n, 1),), "u1")
     t = as_tensor(arr, dtype, size, _contiguous_strides(size), 0)
-    _known[arr.data.ptr] = _cuda.find_block(arr)
+    _torch.remember(_known, arr.data.ptr, _cuda.find_block(arr))
     return t
 
 
@@ -105,13 +105,14 @@ def storage_block(t):
     lo, n, dev = _span(t)
     if n == 0:
         return None
-    block = _known.get(lo)
+    ref = _known.get(lo)
+    block = ref() if ref is not None else None
     if block is not None and block.region.ptr and block.region.device == dev and \
             block.ptr <= lo and lo + n <= block.ptr + block.size:
         return block
     block = _cuda.block_at(lo, lo + n, dev)
     if block is not None:
-        _known[lo] = block
+        _torch.remember(_known, lo, block)
     return block
 
 
@@ -160,7 +161,7 @@ def _rebuild_cuda_tensor(row, start, n, dtype, size, stride, offset, parameter,
     with cupy.cuda.Device(block.region.device):
         arr = block.array((n,), "u1", start)
         t = as_tensor(arr, _torch._DTYPES[dtype], size, stride, offset)
-    _known[arr.data.ptr] = block
+    _torch.remember(_known, arr.data.ptr, block)
     return _torch.finish(t, parameter, requires_grad)
 
 
