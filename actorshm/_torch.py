@@ -61,7 +61,10 @@ def storage_block(t: torch.Tensor):
     n = st.nbytes()
     if n == 0 or not t.is_cpu:
         return None
-    lo = st.data_ptr()
+    return _block_of(st.data_ptr(), n)
+
+
+def _block_of(lo: int, n: int):
     ref = _known.get(lo)
     block = ref() if ref is not None else None
     # A live block's memory is never reused, so a hit that still covers the storage is it.
@@ -137,16 +140,15 @@ def _reduce_tensor(enc, t: torch.Tensor):
     check_sendable(t)
     if t.layout is not torch.strided or t.is_quantized:
         return NotImplemented
-    dev = t.device.type
-    if dev != "cpu":
-        reducer = _cuda_path() if dev == "cuda" else None
+    if not t.is_cpu:
+        reducer = _cuda_path() if t.is_cuda else None
         return NotImplemented if reducer is None else reducer(enc, t)
     st = t.untyped_storage()
     n = st.nbytes()
     if n == 0:
         return NotImplemented
     counters = _leases.counters
-    block = storage_block(t)
+    block = _block_of(st.data_ptr(), n)
     if block is None:
         if n > 2 * t.numel() * t.element_size() + 4096:
             t = t.detach().clone()  # a small view of a large storage: copy the view only
