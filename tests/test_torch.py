@@ -211,3 +211,14 @@ def test_shared_tensor_lookup_does_not_scan_every_live_block():
     elapsed = time.perf_counter() - t0
     assert elapsed < 1.0, f"300 lookups with 20000 live blocks took {elapsed:.2f} s"
     del keep
+
+
+def test_storage_address_map_drops_dead_blocks():
+    # The address -> block map must not keep an entry for every storage ever seen.
+    from actorshm import _shm, _torch
+    known: dict = {}
+    for i in range(5000):
+        a = actorshm.empty(8)
+        _torch.remember(known, (1 << 40) + 64 * i, _shm.find_block(a))
+        del a  # the block dies here
+    assert len(known) < 2100
