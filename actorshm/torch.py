@@ -1,7 +1,8 @@
 """PyTorch tensors in shared memory: ``actorshm.torch.empty/zeros/share/is_shared/share_module``.
 
 Every ``torch.Tensor`` in the arguments or result of a call travels like a numpy array:
-by reference when its storage lies in actorshm shared memory, copied into it once
+by reference when its storage lies in actorshm shared memory (or, for CUDA tensors, in
+actorshm's GPU pool: ``device="cuda"``, which needs CuPy), copied into it once
 otherwise; see docs/torch.md. Importing ``actorshm`` never imports this module or torch;
 this module needs torch (``pip install 'actorshm[torch]'``).
 """
