@@ -55,7 +55,7 @@ def test_torch_cuda_tests_pass_on_a_simulated_gpu():
     assert proc.returncode == 0, out
     summary = out.strip().splitlines()[-1]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 14, summary
+    assert passed and int(passed.group(1)) >= 8, summary
     assert "failed" not in summary, summary
     # only the tests that need torch's real CUDA tensors skip
     skips = [ln for ln in out.splitlines() if ln.startswith("SKIPPED")]
