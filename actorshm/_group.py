@@ -32,8 +32,11 @@ class ActorGroup:
     Arrays: a shared array (``actorshm.empty``/``zeros``/``share``) goes to every member
     by reference, nothing copied. An ordinary ndarray given as an argument, or inside a
     list, tuple or dict argument, is copied into shared memory once for the whole group
-    and then passed by reference to all; arrays deeper in other objects are copied once
-    per member, as for single calls.
+    and then passed by reference to all. On the local backend the call is encoded once
+    for every member (``_multicast``), so arrays deeper in other objects are copied once
+    too; where it goes one call per member (a member with ``max_pending_calls``, a
+    streaming method, a call made from another thread, an unfinished call's result as
+    an argument), they are copied once per member, as for single calls.
 
     ``len(group)``, ``group[i]`` and iteration give the handles; ``group[a:b]`` is a
     group of those members.

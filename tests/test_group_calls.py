@@ -134,3 +134,15 @@ async def test_cancelling_a_group_call_cancels_every_members_call(rt):
         await asyncio.sleep(0.05)
     assert await idle()
     assert await _until(lambda: all(not _ledger(rt, h).grants for h in g))
+
+
+async def test_an_actor_passes_a_block_it_received_on_to_its_group(rt):
+    caller, g = await asyncio.gather(PoolWorker.spawn(9), ActorGroup.spawn(PoolWorker, 3))
+    tags = [t for t, _ in await g.work(0)]
+    a = actorshm.zeros(1 << 14)
+    live = actorshm.stats()["blocks_live"]
+    direct, _ = await caller.broadcast(g, a)  # the driver's block, relayed by `caller`
+    assert [t for t, _ in direct] == tags
+    assert all(np.shares_memory(x, a) for _, x in direct)
+    del direct, a
+    assert await _until(lambda: actorshm.stats()["blocks_live"] < live)
