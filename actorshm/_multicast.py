@@ -74,13 +74,16 @@ def call_many(conns: list, method: str, args: tuple, kwargs: dict, what: list,
     """
     call = (method, args, kwargs) if meta is None else (method, args, kwargs, meta)
     counters = _leases.counters
-    before = {k: counters[k] for k in _COUNTED}
+    before = [counters[k] for k in _COUNTED]
     try:
         payload, fds, enc, flags = ser.encode(call, _NO_PEER)
         frames = _Frames(payload, fds, enc, flags)
     except Exception:  # the per-connection path raises it, or holds the call
-        for k, v in before.items():
-            counters[k] = v
+        frames = None
+    # What the one encoding counted (arrays copied, sent by reference), for one member.
+    moved = {k: counters[k] - b for k, b in zip(_COUNTED, before)}
+    if frames is None:
+        _count(moved, -1)
         return None
     futs: list[asyncio.Future] = []
     sent = 0
@@ -96,11 +99,18 @@ def call_many(conns: list, method: str, args: tuple, kwargs: dict, what: list,
             fut = asyncio.get_running_loop().create_future()
             fut.set_exception(exc)
         futs.append(fut)
-    if sent > 1:  # the other members got the arrays by reference (those copied too)
+    if sent == 0:  # (each connection encoded its own call, and counted it)
+        _count(moved, -1)
+    elif sent > 1:  # the other members got the arrays by reference (those copied too)
         for k, copied in _ZERO_COPY:
-            counters[k] += (counters[k] - before[k] + counters[copied] - before[copied]) \
-                * (sent - 1)
+            counters[k] += (moved[k] + moved[copied]) * (sent - 1)
     return futs
+
+
+def _count(moved: dict, sign: int) -> None:
+    counters = _leases.counters
+    for k, n in moved.items():
+        counters[k] += sign * n
 
 
 class _Frames:

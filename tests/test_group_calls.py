@@ -115,6 +115,19 @@ async def test_a_call_held_on_one_member_keeps_its_order_there(rt):
 async def test_an_unfinished_result_as_argument_goes_to_every_member(rt):
     g, other = await asyncio.gather(ActorGroup.spawn(Counter, 3), Counter.spawn(0))
     assert await g.echo(other.slow_record(5, 0.2)) == [5, 5, 5]
+    a = actorshm.zeros(1000)
+    counted = []
+    for group_call in (True, False):
+        before = actorshm.stats()["bytes_zero_copy"]
+        slow = other.slow_record(6, 0.2)
+        if group_call:  # one call per member, each held until `slow` is done
+            out = await g.echo((a, slow))
+        else:
+            out = await asyncio.gather(*(h.echo((a, slow)) for h in g))
+        assert [x[1] for x in out] == [6, 6, 6] and np.shares_memory(out[2][0], a)
+        counted.append(actorshm.stats()["bytes_zero_copy"] - before)
+    # counted as its member calls count: nothing more for the encoding it gave up
+    assert counted[0] == counted[1]
 
 
 async def test_cancelling_a_group_call_cancels_every_members_call(rt):
