@@ -20,10 +20,10 @@ import weakref
 from typing import Any
 
 from . import _client, _events, _introspect, _leases, _plugins, _services, _shm  # noqa: F401
+from . import _multicast
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._backend import BackendChoice
 from ._errors import ActorDiedError
-from . import _multicast
 from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, kill_all, start_process)
 from ._protocol import Connection
 from ._streams import StreamingClient
@@ -254,6 +254,11 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                    what: list):
         """Call ``method`` on every actor of ``actor_ids``, encoded once for all
         (``_multicast.call_many``); what ``ActorGroup`` calls do.
+
+        Args:
+            actor_ids: the actors, as their handles name them (distinct).
+            method, args, kwargs: the call, the same for every actor.
+            what: how errors name each actor's call (``"Worker.step"``), one per actor.
 
         Returns:
             One future per actor, in order; or None (nothing sent): make one ``call``
