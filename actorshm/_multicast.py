@@ -61,7 +61,9 @@ def call_many(conns: list, method: str, args: tuple, kwargs: dict, what: list,
 
     Args:
         conns: the connections (one per actor; distinct).
-        method, args, kwargs: the call, the same for all.
+        method: the method's name.
+        args: its positional arguments, the same for all.
+        kwargs: its keyword arguments, the same for all.
         what: how errors name each call (``"Cls.method"``), one per connection.
         meta: what rides with every call (the chain of calls it is made in), or None.
 

@@ -221,8 +221,10 @@ class Connection(CallControl, FramedSocket):
         """Send a call encoded for several connections at once (``_multicast``).
 
         Args:
-            parts, fds, flags: its frame's payload, fds and flags for this connection.
+            parts: its frame's payload for this connection (buffers, back to back).
+            fds: the fds that go with it.
             lease: what ``Ledger.commit`` records for it here (grants, new regions).
+            flags: its frame flags.
             what: how errors name the call.
 
         Returns:

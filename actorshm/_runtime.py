@@ -257,7 +257,9 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
 
         Args:
             actor_ids: the actors, as their handles name them (distinct).
-            method, args, kwargs: the call, the same for every actor.
+            method: the method's name.
+            args: its positional arguments, the same for every actor.
+            kwargs: its keyword arguments, the same for every actor.
             what: how errors name each actor's call (``"Worker.step"``), one per actor.
 
         Returns:
