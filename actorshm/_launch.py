@@ -154,6 +154,10 @@ class ActorRecord:
             fwd.drain()
             fwd.close()
         self.pipes = []
+        self.close_probe()
+
+    def close_probe(self) -> None:
+        """Close the driver's end of the probe socket (the process is gone)."""
         if self.probe is not None:
             self.probe.close()
             self.probe = None

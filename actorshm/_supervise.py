@@ -76,6 +76,7 @@ class Supervisor:
             why = f"{rec.label} was stopped because its runtime closed"
         rec.death = why
         self._gpus.release(rec)
+        rec.close_probe()  # (a restart gets a fresh one)
         for fwd in rec.pipes:
             fwd.drain()
         if rec.conn is not None:
