@@ -76,6 +76,7 @@ class ActorRecord:
         self._no_restart = False
         self.probe = None  # the driver's end of its probe socket (``_introspect``)
         self.oom_baseline = None  # its cgroup's OOM kill count when it started
+        self.handles = 0  # the driver's handles on it that are alive (``track_handle``)
 
     @property
     def no_restart(self) -> bool:
