@@ -45,8 +45,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
       start_method: ``"spawn"`` (default: a fresh interpreter per actor) or
         ``"forkserver"`` (a warm, single-threaded server process forks each actor:
         much faster start-up, same isolation from the driver's threads).
-      shm_budget: bytes of shared memory each process may own (default: half the RAM,
-        or ``ACTORSHM_SHM_BUDGET``).
+      shm_budget: bytes of shared memory the driver and its actors may own together
+        (default: half the RAM, or ``ACTORSHM_SHM_BUDGET``).
       shutdown_grace: seconds an actor gets to stop before SIGTERM, then SIGKILL.
       start_timeout: seconds an actor may take to start and run ``__init__``.
       gpus: the GPUs that ``num_gpus`` actors may get, as ``CUDA_VISIBLE_DEVICES``
@@ -104,7 +104,10 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self._loop_thread = threading.get_ident()
         if self.start_method == "forkserver":  # (its server starts on the first fork)
             self._forkserver = ForkServerClient(self.loop, self.start_timeout)
-        _shm.set_budget(self.shm_budget, id(self)), _shm.pool()
+        _shm.set_budget(self.shm_budget, id(self))
+        if _shm.pool().shared is None:  # the first runtime of this process
+            _shm.shared_budget()
+            _shm.watch_for_room(self.loop)
         _leases.set_release_hook(coalesced_call(self.loop, _leases.dispatch_releases))
         self._open = True
         _client.runtime_opened(self)
@@ -209,7 +212,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             rec.conn = Connection(self.loop, self, parent, label=rec.label)
             rec.conn.peer_id = rec.actor_id
         config = {"actor_id": rec.actor_id, "max_concurrency": rec.options.max_concurrency,
-                  "shm_budget": self.shm_budget, "shutdown_grace": self.shutdown_grace}
+                  "shm_budget": self.shm_budget, "shutdown_grace": self.shutdown_grace,
+                  "shm_ledger": rec.take_budget_slot()}
         args, kwargs = rec.take_spawn_args()
         fut = _introspect.call_init(rec, config, args, kwargs)  # (with its probe socket)
         try:

@@ -144,6 +144,7 @@ class Supervisor:
         rec.death = why
         self._gpus.release(rec)
         rec.close_probe()  # (a restart gets a fresh one)
+        rec.free_budget_slot()
         for fwd in rec.pipes:
             fwd.drain()
         if rec.conn is not None:
