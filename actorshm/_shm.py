@@ -395,8 +395,8 @@ def _sync_shared() -> None:
         _pool.chunk_size = chunk_size_for(_pool.budget, CHUNK_SIZE, LARGE, PAGE)
 
 
-ROOM_POLL = 0.05  # seconds between looks for another process asking for room
-ROOM_WAIT = 0.3  # seconds a process short of the shared budget waits for room
+ROOM_POLL = 0.1  # seconds between looks for another process asking for room
+ROOM_WAIT = 0.35  # seconds a process short of the shared budget waits for room
 
 
 def watch_for_room(loop, shared: SharedBudget | None = None) -> None:
