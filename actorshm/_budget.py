@@ -1,8 +1,31 @@
-"""How much shared memory a process may own by default, and its fd limit."""
+"""How much shared memory may be owned: the default budget, the fd limit, and the one
+budget a driver and the actors it starts share.
+
+``SharedBudget`` is a small memfd that the driver makes when a runtime opens and hands
+to each actor it starts (with ``__init_actor__``). It holds the budget and one *slot*
+per process: its pid, a label and its *charge*, the bytes of arenas its pool owns. A
+pool charges its slot when it makes an arena and refunds it when it closes one, so the
+shared page is touched per arena (64 MiB chunk or a large block's own), never per
+array. Updates take an ``fcntl`` lock on the memfd (between processes) and a thread
+lock (within one). The driver gives each actor process a slot and zeroes it once that
+process has exited: its arenas are gone then, save those a peer still maps (counted no
+more: the approximation this makes).
+"""
 
 from __future__ import annotations
 
+import fcntl
+import mmap
 import os
+import threading
+
+from ._util import fmt_bytes
+
+__all__ = ["default_budget", "fd_limit", "SharedBudget", "chunk_size_for"]
+
+_HEAD = 8  # int64s: magic, budget, pressure, (unused)
+_SLOT = 8  # int64s per slot: pid, charge, then a 48-byte label
+_MAGIC = 0x4143_5453_484D_4244  # "ACTSHMBD"
 
 
 def default_budget() -> int:
@@ -21,3 +44,186 @@ def fd_limit() -> int:
     """This process's soft limit on open file descriptors."""
     import resource
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def chunk_size_for(budget: int, largest: int, smallest: int, page: int) -> int:
+    """The chunk arena size under a runtime budget: ``largest``, or a sixteenth of a
+    small budget (at least ``smallest``), so that many processes each carving small
+    blocks do not use up a small budget with mostly empty chunks."""
+    size = max(smallest, min(largest, budget // 16))
+    return (size + page - 1) // page * page
+
+
+class SharedBudget:
+    """The budget of a driver and its actors together, in a memfd they all map.
+
+    Args:
+        fd: the memfd (the driver's own from ``create``, or as an actor received it).
+        slots: how many processes it has room for (the driver's choice).
+    """
+
+    SLOTS = 1024
+
+    def __init__(self, fd: int, slots: int = SLOTS) -> None:
+        self.fd = fd
+        self.slots = slots
+        self._mm = mmap.mmap(fd, (_HEAD + slots * _SLOT) * 8)
+        self._q = memoryview(self._mm).cast("q")
+        self._lock = threading.Lock()
+        self._free: list[int] = []  # the driver's: slots not in use
+        self.pressure_seen = 0
+
+    @classmethod
+    def create(cls, budget: int) -> "SharedBudget":
+        """A new ledger (in the driver) with ``budget``; slot 0 is this process's."""
+        fd = os.memfd_create("actorshm-budget", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, (_HEAD + cls.SLOTS * _SLOT) * 8)
+            self = cls(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._q[0] = _MAGIC
+        self._q[1] = int(budget)
+        self._free = list(range(cls.SLOTS - 1, 0, -1))
+        self.label(0, os.getpid(), "driver")
+        return self
+
+    def close(self) -> None:
+        """Unmap it and close its fd (this process no longer charges it)."""
+        self._q.release()
+        self._mm.close()
+        os.close(self.fd)
+        self.fd = -1
+
+    # -- under the lock --------------------------------------------------------------
+    def _locked(self):
+        return _Locked(self)
+
+    @property
+    def budget(self) -> int:
+        """The bytes all processes together may own."""
+        return self._q[1]
+
+    @budget.setter
+    def budget(self, value: int) -> None:
+        self._q[1] = int(value)
+
+    def total(self) -> int:
+        """Bytes charged, all slots together."""
+        return sum(self._q[_HEAD + 1::_SLOT])
+
+    def charge(self, slot: int, size: int) -> int:
+        """Charge ``size`` bytes to ``slot`` if the budget has room.
+
+        Returns:
+            0 once charged, else by how many bytes the budget is short (nothing charged).
+        """
+        with self._locked():
+            short = self.total() + size - self.budget
+            if short > 0:
+                return short
+            self._q[_HEAD + slot * _SLOT + 1] += size
+            return 0
+
+    def refund(self, slot: int, size: int) -> None:
+        """Give ``size`` bytes charged to ``slot`` back (an arena closed)."""
+        with self._locked():
+            i = _HEAD + slot * _SLOT + 1
+            self._q[i] = max(0, self._q[i] - size)
+
+    def attach(self, slot: int, charge: int) -> None:
+        """Take ``slot`` for this process (an actor, as it starts), charging what its
+        pool already owns."""
+        with self._locked():
+            base = _HEAD + slot * _SLOT
+            self._q[base] = os.getpid()
+            self._q[base + 1] += charge
+
+    def ask_for_room(self) -> None:
+        """Tell every process that the budget is short: each gives back its idle arenas
+        the next time it allocates (``pressure``)."""
+        with self._locked():
+            self._q[2] += 1
+
+    def pressure(self) -> bool:
+        """Whether room was asked for since this process last looked."""
+        now = self._q[2]
+        if now == self.pressure_seen:
+            return False
+        self.pressure_seen = now
+        return True
+
+    # -- the driver's slots ----------------------------------------------------------
+    def take_slot(self, label: str) -> int | None:
+        """A free slot for a new actor process named ``label``, or None when all are
+        in use (that process then has its own budget only)."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self.label(slot, 0, label)
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        """The process of ``slot`` has exited: zero it and make it free."""
+        with self._locked():
+            base = _HEAD + slot * _SLOT
+            self._q[base:base + _SLOT] = memoryview(bytes(_SLOT * 8)).cast("q")
+        self._free.append(slot)
+
+    def label(self, slot: int, pid: int, label: str) -> None:
+        with self._locked():
+            base = _HEAD + slot * _SLOT
+            self._q[base] = pid
+            raw = label.encode()[:(_SLOT - 2) * 8].ljust((_SLOT - 2) * 8, b"\0")
+            self._q[base + 2:base + _SLOT] = memoryview(raw).cast("q")
+
+    def users(self) -> list[tuple[str, int, int]]:
+        """``(label, pid, bytes)`` of every slot charged, largest first."""
+        out = []
+        with self._locked():
+            for slot in range(self.slots):
+                base = _HEAD + slot * _SLOT
+                if self._q[base + 1]:
+                    raw = bytes(self._q[base + 2:base + _SLOT].cast("B"))
+                    out.append((raw.rstrip(b"\0").decode(errors="replace"),
+                                self._q[base], self._q[base + 1]))
+        return sorted(out, key=lambda u: -u[2])
+
+    def over_budget_message(self, size: int) -> str:
+        """The error text when ``size`` more bytes do not fit: the budget, who uses how
+        much, and the fix."""
+        users = self.users()
+        used = sum(u[2] for u in users)
+        who = ", ".join(f"{label or 'pid'} (pid {pid}) {fmt_bytes(n)}"
+                        for label, pid, n in users[:8])
+        if len(users) > 8:
+            who += f", and {len(users) - 8} more"
+        return (f"actorshm: cannot allocate {fmt_bytes(size)} of shared memory: the "
+                f"runtime's budget is {fmt_bytes(self.budget)} for the driver and its actors "
+                f"together, and {fmt_bytes(used)} is in use ({who or 'none'}). Drop arrays "
+                "you no longer need, or raise the budget with actorshm.Runtime(shm_budget=...) "
+                "(or ACTORSHM_SHM_BUDGET=bytes).")
+
+
+class _Locked:
+    """The thread lock, then the ``fcntl`` lock on the memfd (between processes)."""
+
+    __slots__ = ("b",)
+
+    def __init__(self, b: SharedBudget) -> None:
+        self.b = b
+
+    def __enter__(self) -> None:
+        self.b._lock.acquire()
+        try:
+            fcntl.lockf(self.b.fd, fcntl.LOCK_EX)
+        except BaseException:
+            self.b._lock.release()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            fcntl.lockf(self.b.fd, fcntl.LOCK_UN)
+        finally:
+            self.b._lock.release()

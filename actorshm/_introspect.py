@@ -161,12 +161,19 @@ class _Probe:
         self.buf = bytearray()  # survives a timed-out request: the stream stays framed
         self.lock: asyncio.Lock | None = None
         self.ready = False  # its actor is initialized (its STACK_SIGNAL handler too)
+        self.closed = False
 
     async def ask(self, what: str, timeout: float) -> Any:
         if self.lock is None:
             self.lock = asyncio.Lock()
         async with self.lock:
-            return await asyncio.wait_for(self._ask(what), timeout)
+            try:
+                if self.closed:
+                    raise ConnectionError("the actor's probe is closed (it died)")
+                return await asyncio.wait_for(self._ask(what), timeout)
+            finally:
+                if self.closed:  # closed while we asked: the socket goes now
+                    self.sock.close()
 
     async def _ask(self, what: str) -> Any:
         loop = asyncio.get_running_loop()
@@ -192,7 +199,11 @@ class _Probe:
                 return value
 
     def close(self) -> None:
-        self.sock.close()
+        """Close the driver's end (its actor died); a request under way closes it when
+        it ends, so no socket is closed under the loop's watch."""
+        self.closed = True
+        if self.lock is None or not self.lock.locked():
+            self.sock.close()
 
 
 def call_init(rec, config: dict, args: tuple, kwargs: dict) -> asyncio.Future:

@@ -19,9 +19,10 @@ import socket
 import subprocess
 import sys
 
-from . import _forkserver, _leases
+from . import _forkserver, _leases, _shm
 from ._output import OutputForwarder  # noqa: F401  (re-exported)
 from ._errors import ActorDiedError
+from ._serialization import PassFd
 
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,6 +77,8 @@ class ActorRecord:
         self._no_restart = False
         self.probe = None  # the driver's end of its probe socket (``_introspect``)
         self.oom_baseline = None  # its cgroup's OOM kill count when it started
+        self.handles = 0  # the driver's handles on it that are alive (``track_handle``)
+        self.budget_slot: tuple | None = None  # (SharedBudget, slot) its process charges
 
     @property
     def no_restart(self) -> bool:
@@ -154,6 +157,32 @@ class ActorRecord:
             fwd.drain()
             fwd.close()
         self.pipes = []
+        self.close_probe()
+        self.free_budget_slot()
+
+    def take_budget_slot(self) -> tuple | None:
+        """A slot in the runtime's shared budget for the process about to start, as
+        ``(fd, slot)`` for its ``__init_actor__`` (None when all are taken: it keeps a
+        budget of its own)."""
+        self.free_budget_slot()
+        shared = _shm.shared_budget()
+        slot = shared.take_slot(f"{self.cls_name}(id={self.actor_id})")
+        if slot is None:
+            return None
+        self.budget_slot = (shared, slot)
+        return (PassFd(shared.fd), slot)
+
+    def free_budget_slot(self) -> None:
+        """Its process exited: its arenas are gone (save what peers still map), and so
+        is its charge to the shared budget."""
+        if self.budget_slot is not None:
+            shared, slot = self.budget_slot
+            self.budget_slot = None
+            if shared.fd >= 0:  # (not closed with its last runtime)
+                shared.free_slot(slot)
+
+    def close_probe(self) -> None:
+        """Close the driver's end of the probe socket (the process is gone)."""
         if self.probe is not None:
             self.probe.close()
             self.probe = None

@@ -46,8 +46,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
       start_method: ``"spawn"`` (default: a fresh interpreter per actor) or
         ``"forkserver"`` (a warm, single-threaded server process forks each actor:
         much faster start-up, same isolation from the driver's threads).
-      shm_budget: bytes of shared memory each process may own (default: half the RAM,
-        or ``ACTORSHM_SHM_BUDGET``).
+      shm_budget: bytes of shared memory the driver and its actors may own together
+        (default: half the RAM, or ``ACTORSHM_SHM_BUDGET``).
       shutdown_grace: seconds an actor gets to stop before SIGTERM, then SIGKILL.
       start_timeout: seconds an actor may take to start and run ``__init__``.
       gpus: the GPUs that ``num_gpus`` actors may get, as ``CUDA_VISIBLE_DEVICES``
@@ -105,7 +105,10 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self._loop_thread = threading.get_ident()
         if self.start_method == "forkserver":  # (its server starts on the first fork)
             self._forkserver = ForkServerClient(self.loop, self.start_timeout)
-        _shm.set_budget(self.shm_budget, id(self)), _shm.pool()
+        _shm.set_budget(self.shm_budget, id(self))
+        if _shm.pool().shared is None:  # the first runtime of this process
+            _shm.shared_budget()
+            _shm.watch_for_room(self.loop)
         _leases.set_release_hook(coalesced_call(self.loop, _leases.dispatch_releases))
         self._open = True
         _client.runtime_opened(self)
@@ -138,7 +141,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 raise
         finally:
             kill_all(self._actors)
-            for r in self._actors.values():
+            for r in list(self._actors.values()):
                 self._reap(r)
             if self._forkserver is not None:
                 self._forkserver.stop()
@@ -194,9 +197,11 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             self._gpus.release(rec)
             await rec.stop(0.5)
             self._reap(rec)
+            self._maybe_forget(rec)
             raise
-        return ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods, options.name,
-                           rec.pid, options.max_pending_calls)
+        return self.track_handle(ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods,
+                                             options.name, rec.pid,
+                                             options.max_pending_calls), rec)
 
     async def _start_process(self, rec: ActorRecord) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -208,7 +213,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             rec.conn = Connection(self.loop, self, parent, label=rec.label)
             rec.conn.peer_id = rec.actor_id
         config = {"actor_id": rec.actor_id, "max_concurrency": rec.options.max_concurrency,
-                  "shm_budget": self.shm_budget, "shutdown_grace": self.shutdown_grace}
+                  "shm_budget": self.shm_budget, "shutdown_grace": self.shutdown_grace,
+                  "shm_ledger": rec.take_budget_slot()}
         args, kwargs = rec.take_spawn_args()
         fut = _introspect.call_init(rec, config, args, kwargs)  # (with its probe socket)
         try:
@@ -246,7 +252,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         rec = self._actors.get(actor_id)
         if rec is None or rec.conn is None:
             fut = asyncio.get_running_loop().create_future()
-            fut.set_exception(ActorDiedError(f"no actor with id {actor_id} in this runtime"))
+            fut.set_exception(ActorDiedError(self.death_of(actor_id)))
             return fut
         return rec.conn.call(method, args, kwargs, what, **kw)
 
@@ -281,7 +287,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         """The current pid of actor ``actor_id`` (it changes on a restart), or ``pid``
         if this runtime does not know the actor."""
         rec = self._actors.get(actor_id)
-        return rec.pid if rec is not None else pid
+        gone = self.forgotten(actor_id) if rec is None else None
+        return rec.pid if rec is not None else gone["pid"] if gone else pid
 
     async def kill(self, actor_id: int) -> None:
         """Kill actor ``actor_id`` at once (SIGKILL, no restart); return once it is gone.
@@ -298,6 +305,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             if rec.conn is not None and not rec.conn.closed:  # calls waiting for a restart
                 rec.death = f"{rec.label} was killed by actorshm kill()"
                 rec.conn.close(ActorDiedError(rec.death))
+            self._maybe_forget(rec)
             return
         rec.death = f"{rec.label} was killed by actorshm kill()"
         if rec.conn is not None and not rec.conn.closed:
@@ -327,17 +335,21 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         if rec is None or not rec.has_future:
             raise ValueError(f"no live actor named {name!r}; named actors are made with "
                              "Cls.options(name=...).spawn()")
-        return ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods, name, rec.pid,
-                           rec.options.max_pending_calls)
+        return self.track_handle(ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods,
+                                             name, rec.pid, rec.options.max_pending_calls),
+                                 rec)
 
     def record(self, actor_id: int) -> ActorRecord | None:
         """The driver's record of actor ``actor_id`` (``_launch.ActorRecord``), or None."""
         return self._actors.get(actor_id)
 
     def actors(self) -> list[dict]:
-        """A snapshot of the actors this runtime started."""
-        return [{"id": r.actor_id, "class": r.cls_name, "pid": r.pid, "alive": r.alive,
+        """A snapshot of the actors this runtime started, by id: the live ones, and the
+        latest dead ones (a thousand of those whose handles are gone)."""
+        rows = [{"id": r.actor_id, "class": r.cls_name, "pid": r.pid, "alive": r.alive,
                  "name": r.options.name, "death": r.death} for r in self._actors.values()]
+        rows += [dict(g) for g in (self._gone or {}).values()]
+        return sorted(rows, key=lambda r: r["id"])
 
     # -- services for actor processes --------------------------------------------
     def handle_call(self, conn: Connection, cid: int, call: list) -> None:

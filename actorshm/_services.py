@@ -32,9 +32,7 @@ def serve(runtime, conn, cid: int, call: list) -> None:
             (target,) = args
             rec = runtime.record(target)
             if rec is None or not rec.alive or rec.conn is None or rec.conn.closed:
-                why = rec.death if rec is not None and rec.death else \
-                    f"actor {target} is not running"
-                raise ActorDiedError(why)
+                raise ActorDiedError(runtime.death_of(target))
             a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             fa, fb = a.detach(), b.detach()
             rec.conn.call("__accept_peer__", (PassFd(fb), conn.peer_id), {}) \

@@ -7,25 +7,26 @@ process owns a pool; small blocks are carved from 64 MiB chunk arenas, and block
 arena's fd crosses to a peer once (over SCM_RIGHTS, see ``_framing``) and is mapped
 once there; after that a block travels as ``(arena, offset, size)``. Leases, recycling
 and retirement are ``_leases``'s, the same for every kind of region; ``Pool`` is shared
-with the GPU plug-in (``_cuda.GpuPool``).
+with the GPU plug-in (``_cuda.GpuPool``). In a runtime, the host pools of the driver and
+of its actors share one budget (``_budget.SharedBudget``); the arenas themselves and
+their blocks are ``_arena``'s.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import ctypes
-import errno
-import fcntl
 import mmap
-import os
 import secrets
 import threading
-from typing import Any
+import time
 
 import numpy as np
 
 from . import _leases
-from ._budget import default_budget, fd_limit  # noqa: F401  (re-exported)
+from ._arena import (Arena, HostBlock, array_from_block, find_block,  # noqa: F401
+                     is_shared, map_fd, nbytes_of, new_arena)  # (re-exported)
+from ._budget import SharedBudget, chunk_size_for, default_budget, fd_limit  # noqa: F401
 from ._errors import SharedMemoryError
 from ._leases import Block, Region, counters
 from ._util import fmt_bytes
@@ -38,92 +39,6 @@ CHUNK_SIZE = 64 << 20  # arena size for small blocks
 LARGE = 4 << 20  # blocks of this size or more get an arena of their own
 MIN_BLOCK = 256
 ALIGN = 64
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-def map_fd(fd: int, size: int) -> int:
-    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    if addr in (None, _MAP_FAILED):
-        err = ctypes.get_errno()
-        raise SharedMemoryError(f"actorshm: mmap of a {fmt_bytes(size)} arena failed: "
-                                f"{os.strerror(err)}")
-    return addr
-
-
-class Arena(Region):
-    """One memfd file mapped into this process."""
-
-    __slots__ = ("fd", "addr")
-
-    def __init__(self, key: tuple, fd: int, size: int, addr: int, owned: bool,
-                 dedicated: bool) -> None:
-        super().__init__(key, size, owned, dedicated)
-        self.fd = fd
-        self.addr = addr
-
-    def block(self, offset: int, size: int, pool: "Pool | None") -> "HostBlock":
-        return HostBlock(self, offset, size, pool)
-
-    def close(self) -> None:
-        if self.addr:
-            _libc.munmap(self.addr, self.size)
-            self.addr = 0
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = -1
-
-
-class HostBlock(Block):
-    """A host block: the ``base`` of every numpy array that views it."""
-
-    __slots__ = ("__array_interface__",)
-
-    def __init__(self, arena: Arena, offset: int, size: int, pool: "Pool | None") -> None:
-        super().__init__(arena, offset, size, pool)
-        self.__array_interface__ = {
-            "shape": (size,), "typestr": "|u1", "data": (arena.addr + offset, False),
-            "version": 3,
-        }
-
-
-def find_block(arr: np.ndarray) -> "HostBlock | None":
-    """The shared block an array views, or None.
-
-    Found through the array's ``base`` chain; an array whose memory another object
-    owns (``np.frombuffer(w.data)``, ``torch.from_numpy(w).numpy()``) by its address.
-    """
-    base = arr
-    while isinstance(base, np.ndarray):
-        base = base.base
-    if type(base) is HostBlock:
-        return base
-    if base is None or arr.size == 0:
-        return None  # memory the array owns: not shared
-    lo, hi = _byte_bounds(arr)
-    return _leases.block_at(lo, hi)
-
-
-try:
-    from numpy.lib.array_utils import byte_bounds as _byte_bounds
-except ImportError:  # numpy < 2
-    _byte_bounds = np.byte_bounds
-
-
-def is_shared(arr: Any) -> bool:
-    """Whether ``arr`` (or the array it is a view of) lives in actorshm shared memory."""
-    if isinstance(arr, np.ndarray):
-        return find_block(arr) is not None
-    return False
-
 
 def size_class(n: int) -> int:
     """Round a request up to its size class: four classes per power of two."""
@@ -193,13 +108,30 @@ class Pool:
             "actorshm.Runtime(shm_budget=...) (or ACTORSHM_SHM_BUDGET=bytes)."
         )
 
+    def _charge(self, size: int) -> int:
+        """Take ``size`` bytes of the budget for a new region: 0 once taken, else by how
+        many bytes it is short (``HostPool`` also charges the runtime's shared budget)."""
+        return max(0, self.reserved + size - self.budget)
+
+    def _refund(self, size: int) -> None:
+        """Give back what ``_charge`` took (a region closed)."""
+
+    def _wait_for_room(self, size: int) -> bool:
+        """Short of budget with no idle region left here: whether room came (charged)."""
+        return False
+
     def _new_region(self, size: int, dedicated: bool) -> Region:
-        if self.reserved + size > self.budget:
-            self._retire_free(self.reserved + size - self.budget)
-        if self.reserved + size > self.budget:
-            raise self._over_budget(size)
+        short = self._charge(size)
+        if short:
+            self._retire_free(short)
+            if self._charge(size) and not self._wait_for_room(size):
+                raise self._over_budget(size)
         index = self._next_index
-        region = self._make_region((self.token, index), size, dedicated)
+        try:
+            region = self._make_region((self.token, index), size, dedicated)
+        except BaseException:
+            self._refund(size)
+            raise
         self._next_index += 1
         self.regions[index] = region
         _leases.register_region(region)
@@ -243,6 +175,7 @@ class Pool:
         self._in_use.pop(region.key[1], None)
         _leases.unregister_region(region)
         self.reserved -= region.size
+        self._refund(region.size)
         region.close()
         _leases.region_retired(region)  # (allocation may run in any thread)
 
@@ -310,52 +243,68 @@ class Pool:
         self.free.clear()
         self._in_use.clear()
         self._chunk = None
+        self._refund(self.reserved)
         self.reserved = 0
 
 
 class HostPool(Pool):
-    """This process's shared memory on the host: memfd arenas."""
+    """This process's shared memory on the host: memfd arenas.
+
+    In a runtime, its arenas are also charged to the budget the driver and its actors
+    share (``shared``, this process's ``slot`` in it; see ``_budget.SharedBudget``).
+    """
+
+    shared: SharedBudget | None = None
+    slot = 0
+    _short_shared = False  # the last ``_charge`` fell short of the shared budget
 
     def _make_region(self, key: tuple, size: int, dedicated: bool) -> Arena:
-        try:
-            fd = os.memfd_create("actorshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        except OSError as exc:
-            if exc.errno not in (errno.EMFILE, errno.ENFILE):
-                raise
-            self._retire_free(self.reserved + 1)  # idle arenas hold fds: close them
-            try:
-                fd = os.memfd_create("actorshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-            except OSError as exc2:
-                if exc2.errno not in (errno.EMFILE, errno.ENFILE):
-                    raise
-                raise SharedMemoryError(
-                    f"actorshm: cannot allocate {fmt_bytes(size)} of shared memory: this "
-                    f"process is out of file descriptors ({exc2.strerror}; "
-                    f"{len(self.regions)} arenas are in use, one fd each). Drop arrays you "
-                    "no longer need, use fewer larger arrays, or raise the limit "
-                    "(ulimit -n).") from None
-        try:
-            os.ftruncate(fd, size)
-            try:
-                # Reserve the pages now, so that running out is an error here and
-                # never a SIGBUS on first touch (torch.multiprocessing's "Bus error").
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise SharedMemoryError(
-                        f"actorshm: the machine has no room for {fmt_bytes(size)} more of "
-                        f"shared memory ({exc.strerror}); {fmt_bytes(self.reserved)} is in use "
-                        "by this process. Free memory, or use smaller arrays."
-                    ) from None
-                raise
-            # Peers cannot shrink the file under our feet (which would be a SIGBUS).
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
-                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            addr = map_fd(fd, size)
-        except BaseException:
-            os.close(fd)
-            raise
-        return Arena(key, fd, size, addr, owned=True, dedicated=dedicated)
+        return new_arena(key, size, dedicated, self)
+
+    def free_idle(self) -> None:
+        """Give back every idle arena (their fds too)."""
+        self._retire_free(self.reserved + 1)
+
+    def _charge(self, size: int) -> int:
+        short = super()._charge(size)
+        shared = self.shared
+        self._short_shared = False
+        if short or shared is None:
+            return short
+        short = shared.charge(self.slot, size)
+        self._short_shared = bool(short)
+        return short
+
+    def _refund(self, size: int) -> None:
+        if self.shared is not None and size:
+            self.shared.refund(self.slot, size)
+
+    def join(self, shared: SharedBudget | None, slot: int = 0) -> None:
+        """Charge this pool's arenas to ``shared`` (slot ``slot``) from now on; None
+        leaves it (what it owns is charged to this process's budget only)."""
+        if self.shared is not None and shared is None:
+            self.shared.refund(self.slot, self.reserved)
+        elif shared is not None:
+            shared.attach(slot, self.reserved)
+            self.chunk_size = chunk_size_for(shared.budget, CHUNK_SIZE, LARGE, PAGE)
+        self.shared, self.slot = shared, slot
+
+    def _wait_for_room(self, size: int) -> bool:
+        """Short of the shared budget: ask the runtime's other processes for their idle
+        arenas (each looks every ``ROOM_POLL`` seconds) and wait a little for them."""
+        if not self._short_shared:
+            return False
+        self.shared.ask_for_room()
+        for _ in range(int(ROOM_WAIT / 0.01)):
+            time.sleep(0.01)
+            if not self._charge(size):
+                return True
+        return False
+
+    def _over_budget(self, size: int) -> SharedMemoryError:
+        if self._short_shared:
+            return SharedMemoryError(self.shared.over_budget_message(size))
+        return super()._over_budget(size)
 
     def report(self, out: dict) -> None:
         super().report(out)
@@ -400,6 +349,7 @@ def set_budget(budget: int | None, owner: int = 0) -> None:
     if budget:
         _budgets[owner] = int(budget)
         pool().budget = int(budget)
+        _sync_shared()
 
 
 def release_budget(owner: int, trim: bool = False) -> None:
@@ -412,30 +362,66 @@ def release_budget(owner: int, trim: bool = False) -> None:
     """
     if _budgets.pop(owner, None) is not None and _pool is not None:
         _pool.budget = list(_budgets.values())[-1] if _budgets else default_budget()
+        _sync_shared()
     if trim and _pool is not None:
         _pool.trim()
+    global _shared
+    if trim and _shared is not None:  # the last runtime closed: so does its budget
+        _pool.join(None)
+        _shared.close()
+        _shared = None
 
 
-def array_from_block(view: HostBlock, shape, dtype, offset: int = 0, strides=None,
-                    order: str = "C") -> np.ndarray:
-    base = np.asarray(view)
-    return np.ndarray(shape, dtype, buffer=base, offset=offset, strides=strides, order=order)
+# The budget this driver and its actors share, while a runtime is open (``Runtime``).
+_shared: SharedBudget | None = None
 
 
-def nbytes_of(shape, dtype) -> tuple[tuple, np.dtype, int]:
-    if isinstance(shape, (int, np.integer)):
-        shape = (int(shape),)
-    shape = tuple(int(s) for s in shape)
-    dtype = np.dtype(dtype)
-    if dtype.hasobject:
-        raise TypeError("actorshm: object arrays cannot live in shared memory; "
-                        "use a numeric or structured dtype")
-    n = dtype.itemsize
-    for s in shape:
-        if s < 0:
-            raise ValueError(f"negative dimensions are not allowed: {shape}")
-        n *= s
-    return shape, dtype, n
+def shared_budget() -> SharedBudget:
+    """The budget this driver process and its actors share: made when the first
+    runtime opens (its budget is this process's), closed when the last one closes."""
+    global _shared
+    if _shared is None:
+        p = pool()
+        _shared = SharedBudget.create(p.budget)
+        p.join(_shared, 0)
+    return _shared
+
+
+def _sync_shared() -> None:
+    """The driver's budget changed: so does the one it shares with its actors."""
+    if _shared is not None and _pool is not None and _pool.shared is _shared \
+            and _pool.slot == 0:
+        _shared.budget = _pool.budget
+        _pool.chunk_size = chunk_size_for(_pool.budget, CHUNK_SIZE, LARGE, PAGE)
+
+
+ROOM_POLL = 0.1  # seconds between looks for another process asking for room
+ROOM_WAIT = 0.35  # seconds a process short of the shared budget waits for room
+
+
+def watch_for_room(loop, shared: SharedBudget | None = None) -> None:
+    """Give idle arenas back, on ``loop``, whenever another process of the runtime runs
+    short of the shared budget; ends when this process leaves it."""
+    p = pool()
+    shared = shared or p.shared
+    if shared is None or p.shared is not shared or loop.is_closed():
+        return
+    if shared.pressure():
+        p.trim()
+    loop.call_later(ROOM_POLL, watch_for_room, loop, shared)
+
+
+def join_budget(ticket: tuple | None) -> None:
+    """In an actor: charge this process's arenas to its runtime's shared budget.
+
+    Args:
+        ticket: ``(fd, slot)`` from the driver (the memfd received, the slot it gave
+            this process), or None to keep a budget of its own.
+    """
+    if ticket is not None:
+        fd, slot = ticket
+        pool().join(SharedBudget(fd), slot)
+        watch_for_room(asyncio.get_event_loop())
 
 
 def empty(shape, dtype=float, order: str = "C") -> np.ndarray:

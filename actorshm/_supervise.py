@@ -5,14 +5,22 @@ together: its pending calls fail with ``ActorDiedError`` naming the exit code or
 (and an OOM kill where the kernel says so), a ``died`` event goes out, and an actor with
 restarts left is started again behind a fresh connection, so that calls made meanwhile
 wait for the new process (at-most-once, as in Ray). Start-ups that keep dying back off.
+
+An actor dead for good (killed, out of restarts, or never started) whose driver handles
+are all gone (``track_handle``: a finalizer per handle the runtime makes) is forgotten:
+its record goes, and a one-line summary (id, class, pid, name, why it died) stays for
+``rt.actors()`` and for calls through handles the driver did not count (one an actor
+passed back, one in an event), the latest ``DEAD_KEPT`` of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import signal
+import weakref
 
 from . import _events, _introspect
 from ._errors import ActorDiedError
@@ -22,10 +30,69 @@ from ._util import describe_exit, first_line
 
 logger = logging.getLogger("actorshm")
 
+DEAD_KEPT = 1000  # summaries of forgotten dead actors a runtime keeps (``actors()``)
+
 
 class Supervisor:
     """Death, restart and connection-loss handling for ``Runtime`` (which provides
-    ``loop``, ``_actors``, ``_closing``, ``_gpus``, ``_forkserver`` and ``_start_process``)."""
+    ``loop``, ``_actors``, ``_names``, ``_closing``, ``_gpus``, ``_forkserver`` and
+    ``_start_process``)."""
+
+    _gone: "collections.OrderedDict[int, dict] | None" = None  # forgotten: id -> summary
+    _handles_gone: "collections.deque | None" = None  # ids whose handle died (any thread)
+
+    # -- forgetting the dead -----------------------------------------------------
+    def track_handle(self, handle, rec: ActorRecord):
+        """Count ``handle`` (made by this runtime, for ``rec``) until it is collected.
+
+        Returns:
+            The handle.
+        """
+        if self._handles_gone is None:
+            self._handles_gone = collections.deque()
+        rec.handles += 1
+        fin = weakref.finalize(handle, _handle_gone, weakref.ref(self), rec.actor_id)
+        fin.atexit = False
+        return handle
+
+    def _sweep_handles(self) -> None:
+        """Count the handles collected since (on the loop: a finalizer only queues)."""
+        gone = self._handles_gone
+        while gone:
+            rec = self._actors.get(gone.popleft())
+            if rec is not None:
+                rec.handles -= 1
+                self._maybe_forget(rec)
+
+    def _maybe_forget(self, rec: ActorRecord) -> None:
+        """Forget ``rec`` if it is dead for good, reaped, and no handle of ours is left."""
+        if rec.handles > 0 or rec.alive or rec.has_future or rec.pidfd >= 0 \
+                or self._closing or self._actors.get(rec.actor_id) is not rec:
+            return
+        rec.close_process(self.loop)  # (its pipes and probe, should any be left)
+        del self._actors[rec.actor_id]
+        name = rec.options.name
+        if name is not None and self._names.get(name) == rec.actor_id:
+            del self._names[name]
+        if self._gone is None:
+            self._gone = collections.OrderedDict()
+        self._gone[rec.actor_id] = {"id": rec.actor_id, "class": rec.cls_name,
+                                    "pid": rec.pid, "alive": False, "name": name,
+                                    "death": rec.death}
+        while len(self._gone) > DEAD_KEPT:
+            self._gone.popitem(last=False)
+
+    def forgotten(self, actor_id: int) -> dict | None:
+        """The summary of forgotten dead actor ``actor_id`` (as ``actors()`` lists it),
+        or None."""
+        return self._gone.get(actor_id) if self._gone else None
+
+    def death_of(self, actor_id: int) -> str:
+        """Why actor ``actor_id`` cannot be called: its death, or that it is unknown."""
+        rec = self._actors.get(actor_id)
+        gone = self.forgotten(actor_id)
+        why = rec.death if rec is not None else gone["death"] if gone else None
+        return why or f"no running actor with id {actor_id} in this runtime"
 
     def connection_eof(self, conn: Connection) -> None:
         """An actor's connection broke (``Host``): close it once its process is gone."""
@@ -76,6 +143,8 @@ class Supervisor:
             why = f"{rec.label} was stopped because its runtime closed"
         rec.death = why
         self._gpus.release(rec)
+        rec.close_probe()  # (a restart gets a fresh one)
+        rec.free_budget_slot()
         for fwd in rec.pipes:
             fwd.drain()
         if rec.conn is not None:
@@ -86,7 +155,9 @@ class Supervisor:
         restart = (not self._closing and not rec.no_restart
                    and (limit == -1 or rec.restarts < limit))
         _events.emit(self, "died", rec, why, will_restart=restart)
-        if restart:
+        if not restart:
+            self._maybe_forget(rec)
+        else:
             # Calls made from now on wait in a fresh connection for the new process;
             # the ones that were pending have failed (at-most-once, as in Ray).
             rec.restarts += 1
@@ -129,9 +200,25 @@ class Supervisor:
                 rec.conn.close(ActorDiedError(rec.death))
             if rec.alive:
                 await rec.stop(0.5)
+            self._maybe_forget(rec)
 
     def _reap(self, rec: ActorRecord) -> None:
         rec.close_process(self.loop)
         rec.alive = False
         if rec.conn is not None and not rec.conn.closed:
             rec.conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
+
+
+def _handle_gone(rt_ref, actor_id: int) -> None:
+    """A handle's finalizer (any thread, any moment): queue its actor for a count on
+    the loop, never touching the runtime's dicts here."""
+    rt = rt_ref()
+    if rt is None:
+        return
+    rt._handles_gone.append(actor_id)
+    loop = rt.loop
+    if loop is not None and not loop.is_closed():
+        try:
+            loop.call_soon_threadsafe(rt._sweep_handles)
+        except RuntimeError:  # the loop closed meanwhile
+            pass

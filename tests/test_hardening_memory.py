@@ -26,7 +26,6 @@ async def test_runtime_budget_ends_with_the_runtime():
 
 async def test_freed_small_blocks_make_room_for_a_large_one():
     pool = _shm.pool()
-    pool.budget = pool.reserved + (256 << 20)
     old = pool.budget
     pool.budget = pool.reserved + (256 << 20)
     try:
@@ -123,3 +122,79 @@ async def test_quarantined_blocks_go_home_once_no_process_can_hold_them(rt):
         await asyncio.sleep(0.02)
     gc.collect()
     assert actorshm.stats()["blocks_live"] == live0 - 1
+
+
+async def test_records_of_actors_dead_for_good_go_with_their_handles(rt):
+    import asyncio
+    import signal
+    from actors import Counter, Phoenix
+    keep = await Counter.options(name="kept").spawn()
+    await keep.kill()  # dead for good, but a handle is left: its record stays
+    for i in range(3):
+        c = await Counter.options(name="c").spawn(0)
+        assert await c.incr() == 1
+        await c.kill()
+        p = await Phoenix.options(max_restarts=1).spawn("x")
+        os.kill(p.pid, signal.SIGKILL)  # restarts once...
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if rt.record(p.actor_id).alive and rt.record(p.actor_id).restarts:
+                break
+        os.kill(p.pid, signal.SIGKILL)  # ...then dies for good
+        await rt.record(p.actor_id).exited.wait()
+        r = await Phoenix.options(max_restarts=-1).spawn("y")  # its handle goes: alive
+        del c, p, r
+        gc.collect()
+        await asyncio.sleep(0.05)
+    # Left: the live actors (their handles went, but they run) and "kept" (a handle).
+    assert len(rt._actors) == 4 and all(r.alive for r in rt._actors.values()
+                                        if r.actor_id != keep.actor_id)
+    assert rt.record(keep.actor_id) is not None
+    with pytest.raises(actorshm.ActorDiedError, match="killed by actorshm kill"):
+        await keep.incr()
+    rows = rt.actors()
+    assert len(rows) == 1 + 3 * 3 and [r["id"] for r in rows] == sorted(r["id"] for r in rows)
+    gone = [r for r in rows if r["class"] == "Counter" and r["name"] == "c"]
+    assert len(gone) == 3 and all("killed by actorshm kill" in r["death"] for r in gone)
+    assert sum(r["alive"] for r in rows) == 3  # the restartable ones live on
+    with pytest.raises(ValueError, match="no live actor"):
+        await actorshm.get_actor("c")
+    await Counter.options(name="c").spawn()  # the name is free
+
+
+@actorshm.actor
+class Holder:
+    def __init__(self):
+        self.kept = []
+
+    def take(self, n):
+        self.kept.append(actorshm.empty(n, np.uint8))
+        return len(self.kept)
+
+    def drop(self):
+        self.kept.clear()
+        gc.collect()
+
+
+async def test_one_budget_for_the_driver_and_its_actors_together():
+    mib = 1 << 20
+    async with actorshm.Runtime(shm_budget=64 * mib, shutdown_grace=1.0):
+        a, b, c = [await Holder.spawn() for _ in range(3)]
+        await a.take(24 * mib)
+        await b.take(24 * mib)
+        with pytest.raises(actorshm.SharedMemoryError) as info:
+            await c.take(24 * mib)  # each process alone is far below 64 MiB
+        msg = str(info.value)
+        assert "the runtime's budget is 64.0 MiB for the driver and its actors" in msg
+        assert "48.0 MiB is in use" in msg
+        assert f"Holder(id={a.actor_id}) (pid {a.pid}) 24.0 MiB" in msg
+        assert "shm_budget=" in msg and "ACTORSHM_SHM_BUDGET" in msg
+        with pytest.raises(actorshm.SharedMemoryError, match="runtime's budget"):
+            actorshm.empty(24 * mib, np.uint8)  # the driver shares it too
+        await a.drop()  # its arena is idle in its pool: given back when c asks
+        assert await c.take(24 * mib) == 1
+        await b.kill()  # a dead actor's memory is no longer charged
+        x = actorshm.empty(24 * mib, np.uint8)
+        del x
+    a = actorshm.empty(100 * mib, np.uint8)  # the runtime (and its budget) closed
+    del a

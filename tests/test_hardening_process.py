@@ -134,3 +134,31 @@ async def test_progress_output_reaches_the_driver(rt, capfd):
         seen.append(capfd.readouterr().out)
         return "step 2" in "".join(seen)
     await _poll(arrived)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_kills_and_restarts_leave_the_drivers_fds_flat(rt):
+    """Each actor's sockets (its connection and its probe), pipes and pidfd close when
+    it dies: killed, crashed for good, or restarted."""
+    from actors import Counter, Phoenix
+    p = await Phoenix.options(max_restarts=-1).spawn("x")
+    c = await Counter.spawn()  # the first of each kind warms up what stays
+    await c.kill()
+    await asyncio.sleep(0.1)
+    before = _fds()
+    for _ in range(4):
+        old = p.pid
+        os.kill(old, signal.SIGKILL)  # it restarts
+        await _poll(lambda: p.pid != old and rt.record(p.actor_id).alive)
+        await p.hit()
+        c = await Counter.spawn()
+        await c.incr()
+        await c.kill()  # dead for good
+        c = await Counter.spawn()
+        os.kill(c.pid, signal.SIGKILL)  # dies, no restart
+        await _poll(lambda: not rt.record(c.actor_id).alive)
+    await rt.stats()  # the probes answer
+    await _poll(lambda: _fds() <= before, timeout=5)

@@ -1,0 +1,185 @@
+"""A memfd arena (the host's kind of region), its blocks, and arrays on them.
+
+``new_arena`` makes the memfd behind one of a pool's arenas (``_shm.HostPool``); a peer
+maps one it received with ``map_fd``. The pages are reserved at once
+(``posix_fallocate``) so that running out is an error and never a SIGBUS on first touch,
+and the file is sealed against shrinking, so no peer can make the owner's mapping fault.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+
+from . import _leases
+from ._errors import SharedMemoryError
+from ._leases import Block, Region
+from ._util import fmt_bytes
+
+__all__ = ["Arena", "HostBlock", "find_block", "is_shared", "map_fd", "new_arena",
+           "array_from_block", "nbytes_of"]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_fd(fd: int, size: int) -> int:
+    """Map ``size`` bytes of memfd ``fd`` shared and writable; its address."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise SharedMemoryError(f"actorshm: mmap of a {fmt_bytes(size)} arena failed: "
+                                f"{os.strerror(err)}")
+    return addr
+
+
+class Arena(Region):
+    """One memfd file mapped into this process."""
+
+    __slots__ = ("fd", "addr")
+
+    def __init__(self, key: tuple, fd: int, size: int, addr: int, owned: bool,
+                 dedicated: bool) -> None:
+        super().__init__(key, size, owned, dedicated)
+        self.fd = fd
+        self.addr = addr
+
+    def block(self, offset: int, size: int, pool) -> "HostBlock":
+        return HostBlock(self, offset, size, pool)
+
+    def close(self) -> None:
+        if self.addr:
+            _libc.munmap(self.addr, self.size)
+            self.addr = 0
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+
+
+class HostBlock(Block):
+    """A host block: the ``base`` of every numpy array that views it."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, arena: Arena, offset: int, size: int, pool) -> None:
+        super().__init__(arena, offset, size, pool)
+        self.__array_interface__ = {
+            "shape": (size,), "typestr": "|u1", "data": (arena.addr + offset, False),
+            "version": 3,
+        }
+
+
+
+def find_block(arr: np.ndarray) -> "HostBlock | None":
+    """The shared block an array views, or None.
+
+    Found through the array's ``base`` chain; an array whose memory another object
+    owns (``np.frombuffer(w.data)``, ``torch.from_numpy(w).numpy()``) by its address.
+    """
+    base = arr
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if type(base) is HostBlock:
+        return base
+    if base is None or arr.size == 0:
+        return None  # memory the array owns: not shared
+    lo, hi = _byte_bounds(arr)
+    return _leases.block_at(lo, hi)
+
+
+try:
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # numpy < 2
+    _byte_bounds = np.byte_bounds
+
+
+def is_shared(arr: Any) -> bool:
+    """Whether ``arr`` (or the array it is a view of) lives in actorshm shared memory."""
+    if isinstance(arr, np.ndarray):
+        return find_block(arr) is not None
+    return False
+
+
+def array_from_block(view: HostBlock, shape, dtype, offset: int = 0, strides=None,
+                    order: str = "C") -> np.ndarray:
+    base = np.asarray(view)
+    return np.ndarray(shape, dtype, buffer=base, offset=offset, strides=strides, order=order)
+
+
+def nbytes_of(shape, dtype) -> tuple[tuple, np.dtype, int]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    shape = tuple(int(s) for s in shape)
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise TypeError("actorshm: object arrays cannot live in shared memory; "
+                        "use a numeric or structured dtype")
+    n = dtype.itemsize
+    for s in shape:
+        if s < 0:
+            raise ValueError(f"negative dimensions are not allowed: {shape}")
+        n *= s
+    return shape, dtype, n
+
+
+def new_arena(key: tuple, size: int, dedicated: bool, pool) -> Arena:
+    """A new owned arena of ``size`` bytes for ``pool`` (a ``_shm.HostPool``).
+
+    Raises:
+        SharedMemoryError: out of fds (after ``pool.free_idle()``), or the machine has
+            no room for the pages.
+    """
+    try:
+        fd = os.memfd_create("actorshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        pool.free_idle()  # idle arenas hold fds: close them
+        try:
+            fd = os.memfd_create("actorshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc2:
+            if exc2.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            raise SharedMemoryError(
+                f"actorshm: cannot allocate {fmt_bytes(size)} of shared memory: this "
+                f"process is out of file descriptors ({exc2.strerror}; "
+                f"{len(pool.regions)} arenas are in use, one fd each). Drop arrays you "
+                "no longer need, use fewer larger arrays, or raise the limit "
+                "(ulimit -n).") from None
+    try:
+        os.ftruncate(fd, size)
+        try:
+            # Reserve the pages now, so that running out is an error here and
+            # never a SIGBUS on first touch (torch.multiprocessing's "Bus error").
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise SharedMemoryError(
+                    f"actorshm: the machine has no room for {fmt_bytes(size)} more of "
+                    f"shared memory ({exc.strerror}); {fmt_bytes(pool.reserved)} is in use "
+                    "by this process. Free memory, or use smaller arrays."
+                ) from None
+            raise
+        # Peers cannot shrink the file under our feet (which would be a SIGBUS).
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        addr = map_fd(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return Arena(key, fd, size, addr, owned=True, dedicated=dedicated)
+
