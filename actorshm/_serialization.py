@@ -8,7 +8,11 @@ plus what opens the region the first time it crosses this connection (an arena's
 riding along as SCM_RIGHTS; a GPU slab's IPC handle). The array itself keeps its shape,
 dtype, strides and offset inside the block, so views travel as views and nothing is
 copied. An array that is not yet in shared memory is first copied into this process's
-pool (once per send; counted in ``bytes_copied``).
+pool (once per send; counted in ``bytes_copied``), except a small one: an ordinary array
+of up to ``INLINE_MAX`` bytes travels inside the pickle itself (pickle protocol 5,
+in band), up to ``INLINE_BUDGET`` bytes of them per message. It is a copy either way, and
+a shared block would cost more than the bytes it carries; the receiver gets a writable
+copy all the same, and the copy still counts in ``bytes_copied``.
 
 The table is pickled ahead of the user's objects (frame flag ``HAS_BLOCKS``), and the
 receiver adopts every block in it before it unpickles anything of the user's. So a user
@@ -167,6 +171,8 @@ class _Encoder(cloudpickle.Pickler):
         self.grants: list = []  # the Block of each row
         self.new_regions: list = []  # regions introduced on the connection by this message
         self.waits: dict = {}  # ``before_send``: fn -> the items it waits for
+        self.inlined = 0  # bytes of small ordinary arrays pickled in band so far
+        self.n_inlined = 0  # and how many (counted as copies once the message is made)
 
     def before_send(self, fn, item) -> None:
         """Call ``fn(items)`` once, before the message leaves, with every ``item`` given
@@ -196,9 +202,16 @@ class _Encoder(cloudpickle.Pickler):
 
     def reducer_override(self, obj):
         t = type(obj)
-        if obj is _rebuild_array:  # ours, importable: plain pickling by name is enough
+        if obj is _rebuild_array or obj is _rebuild_inline:  # ours, importable by name
             return NotImplemented
         if t is _ndarray or (isinstance(obj, _ndarray)):
+            if t is _ndarray and obj.base is None:  # owns its memory: an ordinary array
+                n = obj.nbytes
+                if 0 < n <= INLINE_MAX and self.inlined + n <= INLINE_BUDGET \
+                        and not obj.dtype.hasobject:
+                    self.inlined += n
+                    self.n_inlined += 1
+                    return _inline_array(obj)
             r = _reduce_array(self, obj)
             if r is not None:
                 return r
@@ -224,6 +237,12 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     view = _shm.find_block(a)
     stats = _leases.counters
     if view is None:
+        n = a.nbytes
+        if n <= INLINE_MAX and enc.inlined + n <= INLINE_BUDGET and \
+                (type(a) is _ndarray or type(a) is _memmap):
+            enc.inlined += n
+            enc.n_inlined += 1
+            return _inline_array(a)
         a = _shm.copy_to_shared(a)
         view = _shm.find_block(a)
         stats["bytes_copied"] += a.nbytes
@@ -239,6 +258,32 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     dt = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
     return _rebuild_array, (row, data - view.region.addr - view.offset, a.shape, dt,
                             a.strides, sub)
+
+
+# Ordinary arrays up to this size travel in band (a copy inside the pickle), up to this
+# many bytes of them per message; bigger ones, and the rest, are copied into shared memory.
+INLINE_MAX = 16 << 10
+INLINE_BUDGET = 1 << 20
+_PickleBuffer = pickle.PickleBuffer
+
+
+def _inline_array(a: np.ndarray):
+    """The reduce value of a small ordinary array, its bytes in band: a writable copy
+    on the other side, with the same shape, dtype, strides and memory order."""
+    fl = a.flags
+    if fl.c_contiguous and fl.writeable:  # the common case
+        return _rebuild_inline, (_PickleBuffer(a), a.dtype, a.shape)
+    if not (fl.c_contiguous or fl.f_contiguous):
+        b = np.empty_like(a, order="K")  # keeps the axis order of a permuted view
+        np.copyto(b, a, casting="no")
+        a = b
+    elif not fl.writeable:
+        a = a.copy(order="K")  # (a read-only buffer would arrive as read-only bytes)
+    return _rebuild_inline, (_PickleBuffer(a.ravel(order="K")), a.dtype, a.shape, a.strides)
+
+
+def _rebuild_inline(buf, dtype, shape, strides=None):
+    return np.ndarray(shape, dtype, buffer=buf, strides=strides)
 
 
 def lease_host_block(enc: _Encoder, block) -> int:
@@ -404,6 +449,10 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     enc.dump(obj)
     if f.tell() > MAX_MESSAGE:
         _too_big(f.tell())  # before anything is committed: no lease is taken
+    if enc.n_inlined:
+        counters = _leases.counters
+        counters["bytes_copied"] += enc.inlined
+        counters["arrays_copied"] += enc.n_inlined
     if not enc.table:
         return f.getvalue(), enc.fds, enc, 0
     for fn, items in enc.waits.items():
