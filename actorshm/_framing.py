@@ -194,6 +194,29 @@ class FramedSocket:
                 self._burst_flush = True
                 self._flush()
 
+    def write_direct(self, kind: int, flags: int, cid: int, payload: bytes) -> bool:
+        """Write a small frame without fds straight to the socket, when nothing is queued
+        and the writer is idle (the common call); False when it cannot go that way (then
+        the caller queues it with ``write_frame``)."""
+        if self._out or self._burst or self._corked or self._writing or self._holds \
+                or self.sock is None or self.closed or len(payload) >= 65536:
+            return False
+        frame = _pack_header(len(payload), kind, flags, 0, MARK, cid) + payload
+        # As ``write_frame``: frames made in the rest of this loop iteration go together.
+        self._burst = self._burst_flush = True
+        self.loop.call_soon(self._end_burst)
+        try:
+            sent = self.sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:  # EPIPE / ECONNRESET: the peer is gone
+            self._broken()
+            return True
+        if sent < len(frame):
+            self._out.append(OutItem(memoryview(frame)[sent:]))
+            self._wait_writable()
+        return True
+
     def queue_whole(self, frame: bytes) -> None:
         """Queue a whole, ready-made frame (header included) behind the others."""
         self._out.append(OutItem(frame))
@@ -278,6 +301,27 @@ class FramedSocket:
             self._flush()
 
     def _flush(self) -> None:
+        out = self._out
+        if len(out) == 1 and not self._holds:  # the common case: one frame, nothing with it
+            item = out[0]
+            if item.fds is None and item.close_fds is None and item.callbacks is None:
+                try:
+                    sent = self.sock.send(item.data)
+                except (BlockingIOError, InterruptedError):
+                    self._wait_writable()
+                    return
+                except OSError:  # EPIPE / ECONNRESET: the peer is gone
+                    self._broken()
+                    return
+                if sent < len(item.data):
+                    item.data = memoryview(item.data)[sent:]
+                    self._wait_writable()
+                    return
+                out.clear()
+                if self._writing:
+                    self._writing = False
+                    self.loop.remove_writer(self.fd)
+                return
         written: list = []  # callbacks of frames written, run once the queue is consistent
         try:
             self._write_out(written)

@@ -35,12 +35,15 @@ from ._control import CallControl
 from ._framing import FramedSocket, close_fd, run_callbacks
 from ._ledger import Ledger
 from ._wire import (CALL, CANCEL, CREDIT, ERROR, HAS_RELEASES, HEADER, HSIZE,  # noqa: F401
-                    ITEM, LEN, RELEASE, RESULT, RETIRE)
+                    ITEM, LEN, PLAIN, RELEASE, RESULT, RETIRE)
 
 __all__ = ["Connection", "Host"]
 
 logger = logging.getLogger("actorshm")
 _dumps = pickle.dumps
+_loads = pickle.loads
+_plain_call = ser.encode_plain_call
+_counters = _leases.counters
 _RLEN = LEN
 _CallFuture = _results.CallFuture
 
@@ -175,6 +178,21 @@ class Connection(CallControl, FramedSocket):
         if self.closed:
             fut.set_exception(_copy_exc(self.close_exc))
             return fut
+        if meta is None and stream is None and not self.held:
+            # The common call, builtin scalars only: one short path to the socket.
+            data = _plain_call(method, args, kwargs)
+            if data is not None:
+                cid = self._next_id
+                self._next_id = cid + 1
+                self.pending[cid] = fut
+                if what:
+                    self.pending_meta[cid] = what
+                _counters["calls_sent"] += 1
+                if _leases.pending_releases or self._releases or self._forwards or \
+                        not self.write_direct(CALL, PLAIN, cid, data):
+                    self._send(CALL, PLAIN, cid, data, ())
+                fut.conn, fut.cid = self, cid
+                return fut
         entry = (fut, method, args, kwargs, what, meta, stream)
         if self.held:  # behind a call waiting for a result it takes (``_results``)
             self.held.append(entry)
@@ -359,6 +377,23 @@ class Connection(CallControl, FramedSocket):
             "recycled) for as long as it runs. See docs/shared-memory.md.", self.label, n)
 
     def _frame(self, kind: int, flags: int, cid: int, payload, fds) -> None:
+        if kind == RESULT and flags == PLAIN and not fds:
+            # The common reply (builtin scalars, nothing riding ahead): straight to its call.
+            fut = self.pending.pop(cid, None)
+            if fut is not None:
+                what = self.pending_meta.pop(cid, "")
+                try:
+                    value = _loads(payload)
+                except Exception as exc:
+                    if not fut.done():
+                        err = TypeError(f"the result of {what or 'the call'} could not be "
+                                        f"deserialized here: {type(exc).__name__}: {exc}")
+                        err.__cause__ = exc
+                        fut.set_exception(err)
+                    return
+                if not fut.done():
+                    fut.set_result(value)
+                return
         if fds and kind != CALL and kind != RESULT and kind != ITEM:  # only these carry fds
             for fd in fds:
                 close_fd(fd)

@@ -37,7 +37,7 @@ from . import _leases, _results, _shm
 from ._errors import ProtocolError
 from ._wire import ARENA, GPU_SLAB, HAS_BLOCKS, LEN, MAX_MESSAGE, PLAIN  # noqa: F401
 
-__all__ = ["encode", "decode", "Unsendable", "MessageTooBig", "PassFd",
+__all__ = ["encode", "encode_plain_call", "decode", "Unsendable", "MessageTooBig", "PassFd",
            "register_reducer", "register_region_kind", "register_lazy_plugin",
            "leased_block", "lease_host_block", "ARENA", "GPU_SLAB"]
 
@@ -417,10 +417,27 @@ def _simple(obj: Any) -> bool:
     if t in _SIMPLE:
         return True
     if t is tuple or t is list:
-        return all(type(x) in _SIMPLE for x in obj)
+        for x in obj:
+            if type(x) not in _SIMPLE:
+                return False
+        return True
     if t is dict:
-        return all(type(v) in _SIMPLE and type(k) is str for k, v in obj.items())
+        for k, v in obj.items():
+            if type(v) not in _SIMPLE or type(k) is not str:
+                return False
+        return True
     return False
+
+
+def encode_plain_call(method: str, args: tuple, kwargs: dict) -> bytes | None:
+    """The payload of a call whose arguments are all builtin scalars (frame flag
+    ``PLAIN``: no cloudpickle, no block table, no decoding context), or None for any
+    other call (``encode`` makes that one)."""
+    if _simple(args) and _simple(kwargs):
+        data = _dumps((method, args, kwargs), 5)
+        if len(data) <= MAX_MESSAGE:
+            return data
+    return None
 
 
 _TLEN = LEN
