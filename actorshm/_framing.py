@@ -194,15 +194,25 @@ class FramedSocket:
                 self._burst_flush = True
                 self._flush()
 
-    def write_direct(self, kind: int, flags: int, cid: int, payload: bytes) -> bool:
-        """Write a small frame without fds straight to the socket, when nothing is queued
-        and the writer is idle (the common call); False when it cannot go that way (then
-        the caller queues it with ``write_frame``)."""
-        if self._out or self._burst or self._corked or self._writing or self._holds \
-                or self.sock is None or self.closed or len(payload) >= 65536:
+    def write_small(self, kind: int, flags: int, cid: int, payload: bytes) -> bool:
+        """Queue a small frame without fds, and write it at once when the writer is idle:
+        ``write_frame`` with less work per frame, for the common call and reply. False
+        when it cannot go that way (frames held back, no socket yet, a big payload): then
+        the caller queues it with ``write_frame``."""
+        if len(payload) >= 65536 or self.sock is None or self._holds:
             return False
         frame = _pack_header(len(payload), kind, flags, 0, MARK, cid) + payload
-        # As ``write_frame``: frames made in the rest of this loop iteration go together.
+        if self._corked or self._writing:
+            self._out.append(OutItem(frame))
+            return True
+        if self._burst:  # as in ``write_frame``: the rest of a burst goes together
+            self._out.append(OutItem(frame))
+            if not self._burst_flush:
+                self._burst_flush = True
+                self.loop.call_soon(self._end_burst)
+            return True
+        if self._out:
+            return False
         self._burst = self._burst_flush = True
         self.loop.call_soon(self._end_burst)
         try:
@@ -364,21 +374,25 @@ class FramedSocket:
             for item in out[: len(bufs)]:
                 item.fds = None
             short = sent < nbytes
-            while sent and out:
-                item = out[0]
+            done = 0  # the items written whole, dropped from the queue at once
+            while sent and done < len(out):
+                item = out[done]
                 n = len(item.data)
                 if sent >= n:
                     sent -= n
-                    out.pop(0)
-                    for h in self._holds:
-                        h.pos -= 1
-                    for fd in item.close_fds or ():
-                        close_fd(fd)
+                    done += 1
+                    if item.close_fds:
+                        for fd in item.close_fds:
+                            close_fd(fd)
                     if item.callbacks:
                         written.extend(item.callbacks)
                 else:
                     item.data = memoryview(item.data)[sent:]
                     sent = 0
+            if done:
+                del out[:done]
+                for h in self._holds:
+                    h.pos -= done
             if short:
                 self._wait_writable()
                 return

@@ -189,7 +189,7 @@ class Connection(CallControl, FramedSocket):
                     self.pending_meta[cid] = what
                 _counters["calls_sent"] += 1
                 if _leases.pending_releases or self._releases or self._forwards or \
-                        not self.write_direct(CALL, PLAIN, cid, data):
+                        not self.write_small(CALL, PLAIN, cid, data):
                     self._send(CALL, PLAIN, cid, data, ())
                 fut.conn, fut.cid = self, cid
                 return fut
@@ -252,6 +252,10 @@ class Connection(CallControl, FramedSocket):
             err.__cause__ = exc
             self.reply_error(cid, err)
             return
+        if flags == PLAIN and not (_leases.pending_releases or self._releases or
+                                   self._forwards) and self.write_small(RESULT, PLAIN, cid,
+                                                                        payload):
+            return  # the common reply: builtin scalars, nothing to ride ahead of it
         self.ledger.commit(enc, self)
         try:
             self._send(RESULT, flags, cid, payload, fds)
