@@ -329,7 +329,13 @@ class Connection(CallControl, FramedSocket):
     def _send(self, kind: int, flags: int, cid: int, payload, fds, close_fds=None) -> None:
         """Queue one frame (``kind`` 0: none, just the pending releases) and write."""
         if _leases.pending_releases:
-            _leases.dispatch_releases()
+            # What this queues on this connection rides on this very frame (below): no
+            # separate release frame is scheduled for it.
+            was, self._release_scheduled = self._release_scheduled, True
+            try:
+                _leases.dispatch_releases()
+            finally:
+                self._release_scheduled = was
         parts = payload if type(payload) is list else [payload]
         if self._releases or self._forwards:
             if self._forwards:

@@ -161,9 +161,10 @@ class PassFd:
         self.fd = fd
 
 
-class _Encoder(cloudpickle.Pickler):
-    def __init__(self, file, conn) -> None:
-        super().__init__(file, protocol=5)
+class _Encoding:
+    """What an encoder keeps of the message it pickles: its blocks, fds and waits."""
+
+    def _start(self, conn) -> None:
         self.conn = conn
         self.fds: list[int] = []
         self.table: list[tuple] = []  # the blocks this message leases, in order
@@ -200,6 +201,15 @@ class _Encoder(cloudpickle.Pickler):
         self.grants.append(view)
         return row
 
+
+class _Encoder(_Encoding, cloudpickle.Pickler):
+    """Any message: cloudpickle (classes and functions of ``__main__`` travel by value),
+    with arrays, fds and plug-in types reduced here."""
+
+    def __init__(self, file, conn) -> None:
+        cloudpickle.Pickler.__init__(self, file, protocol=5)
+        self._start(conn)
+
     def reducer_override(self, obj):
         t = type(obj)
         if obj is _rebuild_array or obj is _rebuild_inline:  # ours, importable by name
@@ -228,6 +238,28 @@ class _Encoder(cloudpickle.Pickler):
             if r is not None:
                 return r(self, obj)
         return super().reducer_override(obj)
+
+
+class _ArrayEncoder(_Encoding, pickle.Pickler):
+    """A message of builtin scalars and plain numpy arrays only (``_scalars_and_arrays``):
+    the C pickler does it all but the arrays, with no cloudpickle work per message."""
+
+    def __init__(self, file, conn) -> None:
+        pickle.Pickler.__init__(self, file, 5)
+        self._start(conn)
+
+    def reducer_override(self, obj):
+        if type(obj) is _ndarray:
+            if obj.base is None:  # owns its memory: an ordinary array
+                n = obj.nbytes
+                if 0 < n <= INLINE_MAX and self.inlined + n <= INLINE_BUDGET:
+                    self.inlined += n
+                    self.n_inlined += 1
+                    return _inline_array(obj)
+            r = _reduce_array(self, obj)
+            if r is not None:
+                return r
+        return NotImplemented
 
 
 def _reduce_array(enc: _Encoder, a: np.ndarray):
@@ -429,6 +461,28 @@ def _simple(obj: Any) -> bool:
     return False
 
 
+def _scalars_and_arrays(obj: Any) -> bool:
+    """Builtin scalars and numpy arrays of plain dtypes, alone or in a flat tuple, list
+    or dict (str keys): the C pickler and ``_ArrayEncoder`` do them right."""
+    t = type(obj)
+    if t in _SIMPLE or (t is _ndarray and not obj.dtype.hasobject):
+        return True
+    if t is tuple or t is list:
+        items = obj
+    elif t is dict:
+        for k in obj:
+            if type(k) is not str:
+                return False
+        items = obj.values()
+    else:
+        return False
+    for x in items:
+        tx = type(x)
+        if tx not in _SIMPLE and (tx is not _ndarray or x.dtype.hasobject):
+            return False
+    return True
+
+
 def encode_plain_call(method: str, args: tuple, kwargs: dict) -> bytes | None:
     """The payload of a call whose arguments are all builtin scalars (frame flag
     ``PLAIN``: no cloudpickle, no block table, no decoding context), or None for any
@@ -454,15 +508,17 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     # and the receiver needs no decoding context for them (``PLAIN``).
     if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is str:  # a call
         plain = _simple(obj[1]) and _simple(obj[2])
+        flat = plain or (_scalars_and_arrays(obj[1]) and _scalars_and_arrays(obj[2]))
     else:
         plain = _simple(obj)
+        flat = plain or _scalars_and_arrays(obj)
     if plain:
         data = _dumps(obj, 5)
         if len(data) > MAX_MESSAGE:
             _too_big(len(data))
         return data, _NO_FDS, None, PLAIN
     f = io.BytesIO()
-    enc = _Encoder(f, conn)
+    enc = (_ArrayEncoder if flat else _Encoder)(f, conn)
     enc.dump(obj)
     if f.tell() > MAX_MESSAGE:
         _too_big(f.tell())  # before anything is committed: no lease is taken
