@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from . import _leases, _results
 from . import _remote_errors as remote_errors
+from ._remote_errors import copy_exc, result_undecodable
 from . import _serialization as ser
 from ._errors import ActorDiedError, ProtocolError
 from ._control import CallControl
@@ -64,15 +65,6 @@ class Host(Protocol):
 
     # Optional: ``cancel_call(conn, cid)``, the caller cancelled call ``cid``; and
     # ``stream_credit(conn, cid, n)``, the caller of streaming call ``cid`` took n items.
-
-
-def _copy_exc(exc: BaseException) -> BaseException:
-    """A fresh instance per waiter, so tracebacks do not pile up on one object."""
-    try:
-        new = type(exc)(*exc.args)
-    except Exception:
-        return exc
-    return new
 
 
 class Connection(CallControl, FramedSocket):
@@ -129,7 +121,7 @@ class Connection(CallControl, FramedSocket):
         self.pending_meta.clear()
         for fut in pending.values():
             if not fut.done():
-                fut.set_exception(_copy_exc(self.close_exc))
+                fut.set_exception(copy_exc(self.close_exc))
                 # One connection's end fails all its calls at once: an awaited one raises,
                 # one nobody awaits any more must not print "exception was never
                 # retrieved" (the caller has moved on, often after an earlier error).
@@ -137,7 +129,7 @@ class Connection(CallControl, FramedSocket):
         held, self.held = self.held, collections.deque()
         for entry in held:
             if not entry[0].done():
-                entry[0].set_exception(_copy_exc(self.close_exc))
+                entry[0].set_exception(copy_exc(self.close_exc))
                 entry[0].exception()
         streams, self.streams = self.streams, {}
         for st in streams.values():
@@ -176,7 +168,7 @@ class Connection(CallControl, FramedSocket):
         """
         fut = _CallFuture(loop=self.loop)
         if self.closed:
-            fut.set_exception(_copy_exc(self.close_exc))
+            fut.set_exception(copy_exc(self.close_exc))
             return fut
         if meta is None and stream is None and not self.held:
             # The common call, builtin scalars only: one short path to the socket.
@@ -210,7 +202,7 @@ class Connection(CallControl, FramedSocket):
         except _results.Unfinished:
             raise
         except _results.DependencyFailed as dep:
-            fut.set_exception(_copy_exc(dep.exc))
+            fut.set_exception(copy_exc(dep.exc))
             return
         except MemoryError:  # out of shared memory while copying an array: as it is
             raise
@@ -395,11 +387,7 @@ class Connection(CallControl, FramedSocket):
                 try:
                     value = _loads(payload)
                 except Exception as exc:
-                    if not fut.done():
-                        err = TypeError(f"the result of {what or 'the call'} could not be "
-                                        f"deserialized here: {type(exc).__name__}: {exc}")
-                        err.__cause__ = exc
-                        fut.set_exception(err)
+                    result_undecodable(fut, what, exc)
                     return
                 if not fut.done():
                     fut.set_result(value)
@@ -471,14 +459,10 @@ class Connection(CallControl, FramedSocket):
                 except ProtocolError as exc:
                     self._protocol_error(str(exc))
                     if not fut.done():  # popped above: closing did not fail it
-                        fut.set_exception(_copy_exc(self.close_exc))
+                        fut.set_exception(copy_exc(self.close_exc))
                     return
                 except Exception as exc:
-                    if not fut.done():
-                        err = TypeError(f"the result of {what or 'the call'} could not be "
-                                        f"deserialized here: {type(exc).__name__}: {exc}")
-                        err.__cause__ = exc
-                        fut.set_exception(err)
+                    result_undecodable(fut, what, exc)
                     return
                 if not fut.done():
                     fut.set_result(value)
