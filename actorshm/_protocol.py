@@ -34,6 +34,7 @@ from . import _serialization as ser
 from ._errors import ActorDiedError, ProtocolError
 from ._control import CallControl
 from ._framing import FramedSocket, close_fd, run_callbacks
+from ._lease_traffic import LeaseTraffic
 from ._ledger import Ledger
 from ._wire import (CALL, CANCEL, CREDIT, ERROR, HAS_RELEASES, HEADER, HSIZE,  # noqa: F401
                     ITEM, LEN, PLAIN, RELEASE, RESULT, RETIRE)
@@ -67,7 +68,7 @@ class Host(Protocol):
     # ``stream_credit(conn, cid, n)``, the caller of streaming call ``cid`` took n items.
 
 
-class Connection(CallControl, FramedSocket):
+class Connection(CallControl, LeaseTraffic, FramedSocket):
     """One end of a socket pair, speaking actorshm frames, driven by the event loop.
 
     Args:
@@ -227,6 +228,35 @@ class Connection(CallControl, FramedSocket):
         self._send(CALL, flags, cid, payload, fds)
         fut.conn, fut.cid = self, cid  # (cancelling it now cancels the call: ``cancel``)
 
+    def send_encoded(self, parts, fds, lease, flags: int, what: str = ""):
+        """Send a call encoded for several connections at once (``_multicast``).
+
+        Args:
+            parts: its frame's payload for this connection (buffers, back to back).
+            fds: the fds that go with it.
+            lease: what ``Ledger.commit`` records for it here (grants, new regions).
+            flags: its frame flags.
+            what: how errors name the call.
+
+        Returns:
+            Its future, as ``call`` returns; or None when this connection cannot take a
+            call encoded elsewhere now (it is closed, or holds calls back behind an
+            unfinished result): make that call with ``call``.
+        """
+        if self.closed or self.held:
+            return None
+        fut = _CallFuture(loop=self.loop)
+        cid = self._next_id
+        self._next_id = cid + 1
+        self.ledger.commit(lease, self)
+        self.pending[cid] = fut
+        if what:
+            self.pending_meta[cid] = what
+        _leases.counters["calls_sent"] += 1
+        self._send(CALL, flags, cid, parts, fds)
+        fut.conn, fut.cid = self, cid
+        return fut
+
 
     def reply(self, cid: int, value: Any, what: str = "") -> None:
         if self.closed:
@@ -272,52 +302,6 @@ class Connection(CallControl, FramedSocket):
                              self.label)
             self._send(ERROR, 0, cid, remote_errors.encode_failure(exc, err), ())
 
-    def queue_release(self, key: tuple, n: int) -> None:
-        """Give ``n`` grants of block ``key`` back to the peer (batched, sent soon)."""
-        if self.closed:
-            return
-        self._releases[key] = self._releases.get(key, 0) + n
-        if not self._release_scheduled:
-            self._release_scheduled = True
-            self.loop.call_soon(self._send_releases)
-
-    def _send_releases(self) -> None:
-        self._release_scheduled = False
-        if (self._releases or self._forwards) and not self.closed:
-            self._send(0, 0, 0, b"", ())
-
-    def send_owed(self) -> None:
-        """Send pending releases and withdrawals now, as far as the socket takes them."""
-        self._send_releases()
-        self.flush_now()
-
-    def send_forward(self, key: tuple, n: int):
-        """Tell the peer we passed on (n=1), or got back (n=-1), a block it leased us.
-
-        A notice that we passed a block on is written at once (even while this
-        connection is corked, and ahead of frames held back by ``hold``). If the socket
-        cannot take it yet, the queued notice is returned: the frame that passes the
-        block on must wait for it (``hold``, ``after_item``), since should we die right
-        after passing the block on, the peer must know it may still be in use downstream.
-        """
-        if self.closed:
-            return None
-        self._forwards[key] = self._forwards.get(key, 0) + n
-        if n < 0:
-            if not self._release_scheduled:
-                self._release_scheduled = True
-                self.loop.call_soon(self._send_releases)
-            return None
-        notice = _dumps(([], list(self._forwards.items())), 5)
-        self._forwards.clear()
-        return self.write_urgent(HEADER.pack(len(notice), RELEASE, 0, 0, 0) + notice)
-
-    def send_retire(self, key: tuple) -> None:
-        """Tell the peer we will send no more blocks of region ``key``."""
-        if not self.closed:
-            payload = pickle.dumps(key, protocol=5)
-            self._send(RETIRE, 0, 0, payload, ())
-
     def _send(self, kind: int, flags: int, cid: int, payload, fds, close_fds=None) -> None:
         """Queue one frame (``kind`` 0: none, just the pending releases) and write."""
         if _leases.pending_releases:
@@ -348,35 +332,12 @@ class Connection(CallControl, FramedSocket):
     def _on_eof(self) -> None:
         self.host.connection_eof(self)
 
-    def _apply_releases(self, payload) -> bool:
-        """Leases the peer gave back, and its forward notices (``_leases.forwarded``)."""
-        try:
-            items = pickle.loads(payload)
-            if type(items) is tuple:
-                items, forwards = items
-                self.ledger.apply(items, forwards)
-            else:
-                self.ledger.apply(items)
-        except Exception as exc:
-            self._protocol_error(f"bad release frame: {exc!r}")
-            return False
-        _leases.counters["releases_received"] += 1
-        return True
-
     def _protocol_error(self, why: str) -> None:
         logger.error("actorshm: protocol error on %s: %s; closing that connection",
                      self.label, why)
         self.close(ActorDiedError(
             f"the connection to {self.label} was closed after a protocol error: {why}"),
             peer_gone=False)
-
-    def _warn_kept(self, n: int) -> None:
-        if self.host.closing:
-            return  # everything stops: nobody is left to use them
-        logger.warning(
-            "actorshm: %s ended while processes it passed %d shared block(s) of this "
-            "process's to may still use them; this process keeps those blocks (not "
-            "recycled) for as long as it runs. See docs/shared-memory.md.", self.label, n)
 
     def _frame(self, kind: int, flags: int, cid: int, payload, fds) -> None:
         if kind == RESULT and flags == PLAIN and not fds:

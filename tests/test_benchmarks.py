@@ -36,7 +36,8 @@ def test_quick_benchmarks_run(tmp_path):
     for section in ("Trivial call round trip", "Pipelined calls", "numpy argument",
                     "Recycling loop", "Streaming method", "Actor start-up",
                     "Broadcast: one shared 64 MiB array", "ActorGroup.spawn",
-                    "1,000 small ordinary arrays", "Goals of the call path"):
+                    "1,000 small ordinary arrays", "Goals of the call path",
+                    "the driver's own work to send a group call"):
         assert section in report
     # every goal is reported as a ratio from this run (or says it was not measured)
     goals = report.split("Goals of the call path")[1].split("###")[0]
@@ -49,6 +50,9 @@ def test_quick_benchmarks_run(tmp_path):
     assert "not measured" in report  # peers skipped in quick mode say so
     if importlib.util.find_spec("torch") is not None:  # torch rows, in the same run
         assert "torch tensor argument" in report and "Recycling loop, 64 MiB torch" in report
+        # the goal, as ratios to a trivial call, at the quick run's small size
+        assert "Shared tensor argument vs a trivial call: 1 MiB " in report
+        assert "(goal: within 1.5x at every size: " in report
     assert "pins every process to CPU 0 (" in report  # the affinity in effect
     # behaviour, not speed: the recycling loop copies nothing and maps nothing new
     line = [ln for ln in report.splitlines() if ln.startswith("| ") and "|" in ln]
