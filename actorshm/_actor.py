@@ -194,13 +194,15 @@ def actor(cls: type | None = None, /, **options: Any):
 class ActorMethod:
     """One public method of an actor, bound to a handle: calling it sends the call."""
 
-    __slots__ = ("_handle", "_name", "_what", "_run_ahead")
+    __slots__ = ("_handle", "_name", "_what", "_run_ahead", "_plain")
 
     def __init__(self, handle: "ActorHandle", name: str, run_ahead: int = 16) -> None:
         self._handle = handle
         self._name = name
         self._what = f"{handle._cls_name}.{name}"
         self._run_ahead = run_ahead
+        # The common call: not streamed, no pending-calls limit (decided once, here).
+        self._plain = handle._methods.get(name) != STREAM and handle._max_pending <= 0
 
     def options(self, *, run_ahead: int) -> "ActorMethod":
         """This method with call settings: ``handle.batches.options(run_ahead=4)(10)``.
@@ -225,6 +227,8 @@ class ActorMethod:
                 process are all unanswered (nothing is sent).
         """
         h = self._handle
+        if self._plain:
+            return h._client.call(h._actor_id, self._name, args, kwargs, self._what)
         if h._methods.get(self._name) == STREAM and hasattr(h._client, "stream"):
             # an async iterator of its items (a client without ``stream`` streams in call)
             return h._client.stream(h._actor_id, self._name, args, kwargs, self._what,
@@ -267,6 +271,9 @@ class ActorHandle:
                 f"actor {self._cls_name} has no public method {name!r}; its methods are "
                 f"{sorted(self._methods)}")
         m = self._bound[name] = ActorMethod(self, name)
+        # Found by ordinary attribute lookup from now on: ``__getattr__`` runs only after
+        # that lookup failed, which costs an AttributeError per call.
+        self.__dict__[name] = m
         return m
 
     def __dir__(self):

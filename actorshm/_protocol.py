@@ -29,18 +29,23 @@ from typing import Any, Protocol
 
 from . import _leases, _results
 from . import _remote_errors as remote_errors
+from ._remote_errors import copy_exc, result_undecodable
 from . import _serialization as ser
 from ._errors import ActorDiedError, ProtocolError
 from ._control import CallControl
 from ._framing import FramedSocket, close_fd, run_callbacks
+from ._lease_traffic import LeaseTraffic
 from ._ledger import Ledger
 from ._wire import (CALL, CANCEL, CREDIT, ERROR, HAS_RELEASES, HEADER, HSIZE,  # noqa: F401
-                    ITEM, LEN, RELEASE, RESULT, RETIRE)
+                    ITEM, LEN, PLAIN, RELEASE, RESULT, RETIRE)
 
 __all__ = ["Connection", "Host"]
 
 logger = logging.getLogger("actorshm")
 _dumps = pickle.dumps
+_loads = pickle.loads
+_plain_call = ser.encode_plain_call
+_counters = _leases.counters
 _RLEN = LEN
 _CallFuture = _results.CallFuture
 
@@ -63,16 +68,7 @@ class Host(Protocol):
     # ``stream_credit(conn, cid, n)``, the caller of streaming call ``cid`` took n items.
 
 
-def _copy_exc(exc: BaseException) -> BaseException:
-    """A fresh instance per waiter, so tracebacks do not pile up on one object."""
-    try:
-        new = type(exc)(*exc.args)
-    except Exception:
-        return exc
-    return new
-
-
-class Connection(CallControl, FramedSocket):
+class Connection(CallControl, LeaseTraffic, FramedSocket):
     """One end of a socket pair, speaking actorshm frames, driven by the event loop.
 
     Args:
@@ -126,7 +122,7 @@ class Connection(CallControl, FramedSocket):
         self.pending_meta.clear()
         for fut in pending.values():
             if not fut.done():
-                fut.set_exception(_copy_exc(self.close_exc))
+                fut.set_exception(copy_exc(self.close_exc))
                 # One connection's end fails all its calls at once: an awaited one raises,
                 # one nobody awaits any more must not print "exception was never
                 # retrieved" (the caller has moved on, often after an earlier error).
@@ -134,7 +130,7 @@ class Connection(CallControl, FramedSocket):
         held, self.held = self.held, collections.deque()
         for entry in held:
             if not entry[0].done():
-                entry[0].set_exception(_copy_exc(self.close_exc))
+                entry[0].set_exception(copy_exc(self.close_exc))
                 entry[0].exception()
         streams, self.streams = self.streams, {}
         for st in streams.values():
@@ -173,8 +169,23 @@ class Connection(CallControl, FramedSocket):
         """
         fut = _CallFuture(loop=self.loop)
         if self.closed:
-            fut.set_exception(_copy_exc(self.close_exc))
+            fut.set_exception(copy_exc(self.close_exc))
             return fut
+        if meta is None and stream is None and not self.held:
+            # The common call, builtin scalars only: one short path to the socket.
+            data = _plain_call(method, args, kwargs)
+            if data is not None:
+                cid = self._next_id
+                self._next_id = cid + 1
+                self.pending[cid] = fut
+                if what:
+                    self.pending_meta[cid] = what
+                _counters["calls_sent"] += 1
+                if _leases.pending_releases or self._releases or self._forwards or \
+                        not self.write_small(CALL, PLAIN, cid, data):
+                    self._send(CALL, PLAIN, cid, data, ())
+                fut.conn, fut.cid = self, cid
+                return fut
         entry = (fut, method, args, kwargs, what, meta, stream)
         if self.held:  # behind a call waiting for a result it takes (``_results``)
             self.held.append(entry)
@@ -192,7 +203,7 @@ class Connection(CallControl, FramedSocket):
         except _results.Unfinished:
             raise
         except _results.DependencyFailed as dep:
-            fut.set_exception(_copy_exc(dep.exc))
+            fut.set_exception(copy_exc(dep.exc))
             return
         except MemoryError:  # out of shared memory while copying an array: as it is
             raise
@@ -263,6 +274,10 @@ class Connection(CallControl, FramedSocket):
             err.__cause__ = exc
             self.reply_error(cid, err)
             return
+        if flags == PLAIN and not (_leases.pending_releases or self._releases or
+                                   self._forwards) and self.write_small(RESULT, PLAIN, cid,
+                                                                        payload):
+            return  # the common reply: builtin scalars, nothing to ride ahead of it
         self.ledger.commit(enc, self)
         try:
             self._send(RESULT, flags, cid, payload, fds)
@@ -287,56 +302,16 @@ class Connection(CallControl, FramedSocket):
                              self.label)
             self._send(ERROR, 0, cid, remote_errors.encode_failure(exc, err), ())
 
-    def queue_release(self, key: tuple, n: int) -> None:
-        """Give ``n`` grants of block ``key`` back to the peer (batched, sent soon)."""
-        if self.closed:
-            return
-        self._releases[key] = self._releases.get(key, 0) + n
-        if not self._release_scheduled:
-            self._release_scheduled = True
-            self.loop.call_soon(self._send_releases)
-
-    def _send_releases(self) -> None:
-        self._release_scheduled = False
-        if (self._releases or self._forwards) and not self.closed:
-            self._send(0, 0, 0, b"", ())
-
-    def send_owed(self) -> None:
-        """Send pending releases and withdrawals now, as far as the socket takes them."""
-        self._send_releases()
-        self.flush_now()
-
-    def send_forward(self, key: tuple, n: int):
-        """Tell the peer we passed on (n=1), or got back (n=-1), a block it leased us.
-
-        A notice that we passed a block on is written at once (even while this
-        connection is corked, and ahead of frames held back by ``hold``). If the socket
-        cannot take it yet, the queued notice is returned: the frame that passes the
-        block on must wait for it (``hold``, ``after_item``), since should we die right
-        after passing the block on, the peer must know it may still be in use downstream.
-        """
-        if self.closed:
-            return None
-        self._forwards[key] = self._forwards.get(key, 0) + n
-        if n < 0:
-            if not self._release_scheduled:
-                self._release_scheduled = True
-                self.loop.call_soon(self._send_releases)
-            return None
-        notice = _dumps(([], list(self._forwards.items())), 5)
-        self._forwards.clear()
-        return self.write_urgent(HEADER.pack(len(notice), RELEASE, 0, 0, 0) + notice)
-
-    def send_retire(self, key: tuple) -> None:
-        """Tell the peer we will send no more blocks of region ``key``."""
-        if not self.closed:
-            payload = pickle.dumps(key, protocol=5)
-            self._send(RETIRE, 0, 0, payload, ())
-
     def _send(self, kind: int, flags: int, cid: int, payload, fds, close_fds=None) -> None:
         """Queue one frame (``kind`` 0: none, just the pending releases) and write."""
         if _leases.pending_releases:
-            _leases.dispatch_releases()
+            # What this queues on this connection rides on this very frame (below): no
+            # separate release frame is scheduled for it.
+            was, self._release_scheduled = self._release_scheduled, True
+            try:
+                _leases.dispatch_releases()
+            finally:
+                self._release_scheduled = was
         parts = payload if type(payload) is list else [payload]
         if self._releases or self._forwards:
             if self._forwards:
@@ -357,21 +332,6 @@ class Connection(CallControl, FramedSocket):
     def _on_eof(self) -> None:
         self.host.connection_eof(self)
 
-    def _apply_releases(self, payload) -> bool:
-        """Leases the peer gave back, and its forward notices (``_leases.forwarded``)."""
-        try:
-            items = pickle.loads(payload)
-            if type(items) is tuple:
-                items, forwards = items
-                self.ledger.apply(items, forwards)
-            else:
-                self.ledger.apply(items)
-        except Exception as exc:
-            self._protocol_error(f"bad release frame: {exc!r}")
-            return False
-        _leases.counters["releases_received"] += 1
-        return True
-
     def _protocol_error(self, why: str) -> None:
         logger.error("actorshm: protocol error on %s: %s; closing that connection",
                      self.label, why)
@@ -379,15 +339,20 @@ class Connection(CallControl, FramedSocket):
             f"the connection to {self.label} was closed after a protocol error: {why}"),
             peer_gone=False)
 
-    def _warn_kept(self, n: int) -> None:
-        if self.host.closing:
-            return  # everything stops: nobody is left to use them
-        logger.warning(
-            "actorshm: %s ended while processes it passed %d shared block(s) of this "
-            "process's to may still use them; this process keeps those blocks (not "
-            "recycled) for as long as it runs. See docs/shared-memory.md.", self.label, n)
-
     def _frame(self, kind: int, flags: int, cid: int, payload, fds) -> None:
+        if kind == RESULT and flags == PLAIN and not fds:
+            # The common reply (builtin scalars, nothing riding ahead): straight to its call.
+            fut = self.pending.pop(cid, None)
+            if fut is not None:
+                what = self.pending_meta.pop(cid, "")
+                try:
+                    value = _loads(payload)
+                except Exception as exc:
+                    result_undecodable(fut, what, exc)
+                    return
+                if not fut.done():
+                    fut.set_result(value)
+                return
         if fds and kind != CALL and kind != RESULT and kind != ITEM:  # only these carry fds
             for fd in fds:
                 close_fd(fd)
@@ -455,14 +420,10 @@ class Connection(CallControl, FramedSocket):
                 except ProtocolError as exc:
                     self._protocol_error(str(exc))
                     if not fut.done():  # popped above: closing did not fail it
-                        fut.set_exception(_copy_exc(self.close_exc))
+                        fut.set_exception(copy_exc(self.close_exc))
                     return
                 except Exception as exc:
-                    if not fut.done():
-                        err = TypeError(f"the result of {what or 'the call'} could not be "
-                                        f"deserialized here: {type(exc).__name__}: {exc}")
-                        err.__cause__ = exc
-                        fut.set_exception(err)
+                    result_undecodable(fut, what, exc)
                     return
                 if not fut.done():
                     fut.set_result(value)

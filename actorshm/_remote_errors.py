@@ -90,3 +90,21 @@ def decode_exception(payload: bytes, where: str = "") -> BaseException:
         except Exception:
             pass
     return exc
+
+
+def copy_exc(exc: BaseException) -> BaseException:
+    """A fresh instance per waiter, so tracebacks do not pile up on one object."""
+    try:
+        new = type(exc)(*exc.args)
+    except Exception:
+        return exc
+    return new
+
+
+def result_undecodable(fut, what: str, exc: Exception) -> None:
+    """Fail call future ``fut`` (unless done): its result could not be unpickled here."""
+    if not fut.done():
+        err = TypeError(f"the result of {what or 'the call'} could not be deserialized "
+                        f"here: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        fut.set_exception(err)

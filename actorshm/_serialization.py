@@ -8,7 +8,11 @@ plus what opens the region the first time it crosses this connection (an arena's
 riding along as SCM_RIGHTS; a GPU slab's IPC handle). The array itself keeps its shape,
 dtype, strides and offset inside the block, so views travel as views and nothing is
 copied. An array that is not yet in shared memory is first copied into this process's
-pool (once per send; counted in ``bytes_copied``).
+pool (once per send; counted in ``bytes_copied``), except a small one: an ordinary array
+of up to ``INLINE_MAX`` bytes travels inside the pickle itself (pickle protocol 5,
+in band), up to ``INLINE_BUDGET`` bytes of them per message. It is a copy either way, and
+a shared block would cost more than the bytes it carries; the receiver gets a writable
+copy all the same, and the copy still counts in ``bytes_copied``.
 
 The table is pickled ahead of the user's objects (frame flag ``HAS_BLOCKS``), and the
 receiver adopts every block in it before it unpickles anything of the user's. So a user
@@ -33,98 +37,13 @@ from . import _leases, _results, _shm
 from ._errors import ProtocolError
 from ._wire import ARENA, GPU_SLAB, HAS_BLOCKS, LEN, MAX_MESSAGE, PLAIN  # noqa: F401
 
-__all__ = ["encode", "decode", "Unsendable", "MessageTooBig", "PassFd",
+__all__ = ["encode", "encode_plain_call", "decode", "Unsendable", "MessageTooBig", "PassFd",
            "register_reducer", "register_region_kind", "register_lazy_plugin",
            "leased_block", "lease_host_block", "ARENA", "GPU_SLAB"]
 
-# -- plug-in registries ---------------------------------------------------------------
-# The base layers know numpy and host memory only. A plug-in (CuPy: ``_cuda``; torch)
-# registers, when it is imported, how its objects travel (a reducer per type) and how
-# the receiver opens its kind of region (an opener per region kind). A plug-in that
-# should load as soon as its library is in use registers a loader by module name
-# (``register_lazy_plugin``), from a layer above this one.
-
-
-# Exact type -> reducer; a subclass of a registered type is found through its MRO and
-# remembered.
-_reducers: dict[type, Any] = {}
-_not_reduced: set[type] = set()  # types seen with no registered base
-# Module name -> loader, called once when that module is first seen imported.
-_lazy_plugins: dict[str, Any] = {}
-_OPENERS: dict[int, Any] = {}
-
-
-def register_reducer(cls: type, reducer) -> None:
-    """Send instances of ``cls`` (and its subclasses) with ``reducer``.
-
-    ``reducer(enc, obj)`` returns a pickle reduce value ``(callable, args)``, or
-    ``NotImplemented`` to let cloudpickle pickle ``obj`` by value. To send memory out of
-    band, it calls ``enc.lease(block, kind, intro)``, which returns the block's row in the
-    message's block table, and returns a rebuild function (importable by name) whose
-    arguments include that row; on the receiving side the rebuild function gets the block
-    with ``leased_block(row)``. Work the receiver must see before it reads the memory
-    (a GPU stream) is waited for with ``enc.before_send(fn, item)``.
-
-    Args:
-        cls: the type, exactly as the plug-in's library defines it.
-        reducer: called as ``reducer(enc, obj)`` for every such object in a message.
-
-    Raises:
-        TypeError: ``cls`` is not a type, or ``reducer`` is not callable.
-    """
-    if not isinstance(cls, type) or not callable(reducer):
-        raise TypeError("register_reducer(cls, reducer) needs a type and a callable")
-    _reducers[cls] = reducer
-    _not_reduced.clear()
-
-
-def register_region_kind(kind: int, opener) -> None:
-    """Open regions of ``kind`` with ``opener`` when a peer introduces one.
-
-    Args:
-        kind: the region kind, as written in block tables (``ARENA``, ``GPU_SLAB``, ...).
-        opener: called as ``opener(ctx, region key, size, intro)`` with what the peer sent
-            to open it (``intro``: an fd index, an IPC handle); returns an
-            ``actorshm._leases.Region``. It raises ``ProtocolError`` for a malformed
-            introduction (the connection closes), anything else when the region cannot
-            be opened here (that block's call fails).
-    """
-    _OPENERS[kind] = opener
-
-
-def register_lazy_plugin(module: str, loader) -> None:
-    """Call ``loader()`` once, the first time a message is encoded while ``module`` is
-    imported (the loader imports the plug-in, which registers its reducers).
-
-    Args:
-        module: a top-level module name, e.g. ``"cupy"``.
-        loader: a callable with no arguments.
-    """
-    _lazy_plugins[module] = loader
-
-
-def _load_plugins() -> None:
-    mods = sys.modules
-    for name in [n for n in _lazy_plugins if n in mods]:
-        _lazy_plugins[name]()
-        del _lazy_plugins[name]  # (a loader that failed is tried again next time)
-
-
-def _plugin_reducer(t: type):
-    """The reducer registered for ``t`` or a base class of it, or None."""
-    if _lazy_plugins:
-        _load_plugins()
-    r = _reducers.get(t)
-    if r is not None or t in _not_reduced:
-        return r
-    for base in t.__mro__[1:]:
-        r = _reducers.get(base)
-        if r is not None:
-            _reducers[t] = r
-            return r
-    if len(_not_reduced) < 4096:
-        _not_reduced.add(t)
-    return None
+from ._registry import (_OPENERS, _lazy_plugins, _not_reduced, _plugin_reducer,  # noqa: F401
+                        _reducers, register_lazy_plugin, register_reducer,
+                        register_region_kind)
 
 _ndarray = np.ndarray
 _memmap = np.memmap
@@ -157,9 +76,10 @@ class PassFd:
         self.fd = fd
 
 
-class _Encoder(cloudpickle.Pickler):
-    def __init__(self, file, conn) -> None:
-        super().__init__(file, protocol=5)
+class _Encoding:
+    """What an encoder keeps of the message it pickles: its blocks, fds and waits."""
+
+    def _start(self, conn) -> None:
         self.conn = conn
         self.fds: list[int] = []
         self.table: list[tuple] = []  # the blocks this message leases, in order
@@ -167,6 +87,8 @@ class _Encoder(cloudpickle.Pickler):
         self.grants: list = []  # the Block of each row
         self.new_regions: list = []  # regions introduced on the connection by this message
         self.waits: dict = {}  # ``before_send``: fn -> the items it waits for
+        self.inlined = 0  # bytes of small ordinary arrays pickled in band so far
+        self.n_inlined = 0  # and how many (counted as copies once the message is made)
 
     def before_send(self, fn, item) -> None:
         """Call ``fn(items)`` once, before the message leaves, with every ``item`` given
@@ -194,11 +116,27 @@ class _Encoder(cloudpickle.Pickler):
         self.grants.append(view)
         return row
 
+
+class _Encoder(_Encoding, cloudpickle.Pickler):
+    """Any message: cloudpickle (classes and functions of ``__main__`` travel by value),
+    with arrays, fds and plug-in types reduced here."""
+
+    def __init__(self, file, conn) -> None:
+        cloudpickle.Pickler.__init__(self, file, protocol=5)
+        self._start(conn)
+
     def reducer_override(self, obj):
         t = type(obj)
-        if obj is _rebuild_array:  # ours, importable: plain pickling by name is enough
+        if obj is _rebuild_array or obj is _rebuild_inline:  # ours, importable by name
             return NotImplemented
         if t is _ndarray or (isinstance(obj, _ndarray)):
+            if t is _ndarray and obj.base is None:  # owns its memory: an ordinary array
+                n = obj.nbytes
+                if 0 < n <= INLINE_MAX and self.inlined + n <= INLINE_BUDGET \
+                        and not obj.dtype.hasobject:
+                    self.inlined += n
+                    self.n_inlined += 1
+                    return _inline_array(obj)
             r = _reduce_array(self, obj)
             if r is not None:
                 return r
@@ -217,6 +155,28 @@ class _Encoder(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
+class _ArrayEncoder(_Encoding, pickle.Pickler):
+    """A message of builtin scalars and plain numpy arrays only (``_scalars_and_arrays``):
+    the C pickler does it all but the arrays, with no cloudpickle work per message."""
+
+    def __init__(self, file, conn) -> None:
+        pickle.Pickler.__init__(self, file, 5)
+        self._start(conn)
+
+    def reducer_override(self, obj):
+        if type(obj) is _ndarray:
+            if obj.base is None:  # owns its memory: an ordinary array
+                n = obj.nbytes
+                if 0 < n <= INLINE_MAX and self.inlined + n <= INLINE_BUDGET:
+                    self.inlined += n
+                    self.n_inlined += 1
+                    return _inline_array(obj)
+            r = _reduce_array(self, obj)
+            if r is not None:
+                return r
+        return NotImplemented
+
+
 def _reduce_array(enc: _Encoder, a: np.ndarray):
     dtype = a.dtype
     if dtype.hasobject or a.size == 0:
@@ -224,6 +184,12 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     view = _shm.find_block(a)
     stats = _leases.counters
     if view is None:
+        n = a.nbytes
+        if n <= INLINE_MAX and enc.inlined + n <= INLINE_BUDGET and \
+                (type(a) is _ndarray or type(a) is _memmap):
+            enc.inlined += n
+            enc.n_inlined += 1
+            return _inline_array(a)
         a = _shm.copy_to_shared(a)
         view = _shm.find_block(a)
         stats["bytes_copied"] += a.nbytes
@@ -239,6 +205,32 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     dt = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
     return _rebuild_array, (row, data - view.region.addr - view.offset, a.shape, dt,
                             a.strides, sub)
+
+
+# Ordinary arrays up to this size travel in band (a copy inside the pickle), up to this
+# many bytes of them per message; bigger ones, and the rest, are copied into shared memory.
+INLINE_MAX = 16 << 10
+INLINE_BUDGET = 1 << 20
+_PickleBuffer = pickle.PickleBuffer
+
+
+def _inline_array(a: np.ndarray):
+    """The reduce value of a small ordinary array, its bytes in band: a writable copy
+    on the other side, with the same shape, dtype, strides and memory order."""
+    fl = a.flags
+    if fl.c_contiguous and fl.writeable:  # the common case
+        return _rebuild_inline, (_PickleBuffer(a), a.dtype, a.shape)
+    if not (fl.c_contiguous or fl.f_contiguous):
+        b = np.empty_like(a, order="K")  # keeps the axis order of a permuted view
+        np.copyto(b, a, casting="no")
+        a = b
+    elif not fl.writeable:
+        a = a.copy(order="K")  # (a read-only buffer would arrive as read-only bytes)
+    return _rebuild_inline, (_PickleBuffer(a.ravel(order="K")), a.dtype, a.shape, a.strides)
+
+
+def _rebuild_inline(buf, dtype, shape, strides=None):
+    return np.ndarray(shape, dtype, buffer=buf, strides=strides)
 
 
 def lease_host_block(enc: _Encoder, block) -> int:
@@ -372,10 +364,49 @@ def _simple(obj: Any) -> bool:
     if t in _SIMPLE:
         return True
     if t is tuple or t is list:
-        return all(type(x) in _SIMPLE for x in obj)
+        for x in obj:
+            if type(x) not in _SIMPLE:
+                return False
+        return True
     if t is dict:
-        return all(type(v) in _SIMPLE and type(k) is str for k, v in obj.items())
+        for k, v in obj.items():
+            if type(v) not in _SIMPLE or type(k) is not str:
+                return False
+        return True
     return False
+
+
+def _scalars_and_arrays(obj: Any) -> bool:
+    """Builtin scalars and numpy arrays of plain dtypes, alone or in a flat tuple, list
+    or dict (str keys): the C pickler and ``_ArrayEncoder`` do them right."""
+    t = type(obj)
+    if t in _SIMPLE or (t is _ndarray and not obj.dtype.hasobject):
+        return True
+    if t is tuple or t is list:
+        items = obj
+    elif t is dict:
+        for k in obj:
+            if type(k) is not str:
+                return False
+        items = obj.values()
+    else:
+        return False
+    for x in items:
+        tx = type(x)
+        if tx not in _SIMPLE and (tx is not _ndarray or x.dtype.hasobject):
+            return False
+    return True
+
+
+def encode_plain_call(method: str, args: tuple, kwargs: dict) -> bytes | None:
+    """The payload of a call whose arguments are all builtin scalars (frame flag
+    ``PLAIN``: no cloudpickle, no block table, no decoding context), or None for any
+    other call (``encode`` makes that one)."""
+    if _simple(args) and _simple(kwargs):
+        data = _dumps((method, args, kwargs), 5)
+        if len(data) <= MAX_MESSAGE:
+            return data
+    return None
 
 
 _TLEN = LEN
@@ -392,18 +423,24 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     # and the receiver needs no decoding context for them (``PLAIN``).
     if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is str:  # a call
         plain = _simple(obj[1]) and _simple(obj[2])
+        flat = plain or (_scalars_and_arrays(obj[1]) and _scalars_and_arrays(obj[2]))
     else:
         plain = _simple(obj)
+        flat = plain or _scalars_and_arrays(obj)
     if plain:
         data = _dumps(obj, 5)
         if len(data) > MAX_MESSAGE:
             _too_big(len(data))
         return data, _NO_FDS, None, PLAIN
     f = io.BytesIO()
-    enc = _Encoder(f, conn)
+    enc = (_ArrayEncoder if flat else _Encoder)(f, conn)
     enc.dump(obj)
     if f.tell() > MAX_MESSAGE:
         _too_big(f.tell())  # before anything is committed: no lease is taken
+    if enc.n_inlined:
+        counters = _leases.counters
+        counters["bytes_copied"] += enc.inlined
+        counters["arrays_copied"] += enc.n_inlined
     if not enc.table:
         return f.getvalue(), enc.fds, enc, 0
     for fn, items in enc.waits.items():

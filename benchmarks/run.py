@@ -124,16 +124,15 @@ class Contenders:
             except ImportError:
                 self.skipped.append("ray not installed: Ray contenders skipped "
                                     "(pip install -e '.[bench]')")
-            try:
-                import torch  # noqa: F401
-                self.torch = _start_torch()
-            except ImportError:
-                self.torch = None
-                self.skipped.append("torch not installed: torch.multiprocessing "
-                                    "contenders skipped (pip install -e '.[bench]')")
         else:
+            self.skipped.append("--quick: Ray not measured")
+        try:  # (in --quick too: the goals compare with it)
+            import torch  # noqa: F401
+            self.torch = _start_torch()
+        except ImportError:
             self.torch = None
-            self.skipped.append("--quick: Ray and torch.multiprocessing not measured")
+            self.skipped.append("torch not installed: torch.multiprocessing "
+                                "contenders skipped (pip install -e '.[bench]')")
 
     def close(self) -> None:
         self.uv_proc.kill()
@@ -272,6 +271,62 @@ async def pipelined(c: Contenders, rounds: int, n: int = 100, batches: int = 20)
             rates["Ray actor (await)"].append(n * max(1, batches // 4) /
                                               (time.perf_counter() - t))
     return rates
+
+
+async def small_arrays(c: Contenders, rounds: int, n: int = 1000) -> dict[str, list[float]]:
+    """Seconds per round trip of a list of ``n`` small ordinary arrays (``np.ones(10)``):
+    as an actorshm call's argument, and pickled through a ``multiprocessing.Pipe``."""
+    small = [np.ones(10) for _ in range(n)]
+    pc = time.perf_counter
+
+    async def actorshm_call():
+        t = pc()
+        await c.sink.noop(small)
+        return pc() - t
+
+    async def pickle_rt():
+        t = pc()
+        c.pipe.send(small)
+        c.pipe.recv()
+        return pc() - t
+    fns = {"actorshm call": actorshm_call, "pickle round trip (multiprocessing.Pipe)": pickle_rt}
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        await fn()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            for _ in range(5):
+                samples[k].append(await fn())
+    return samples
+
+
+def goals(rt: dict, pl: dict, arr: dict, small: dict, recycle: tuple) -> list[list[str]]:
+    """The targets of the call path, each as a ratio measured in this run, and whether
+    it is met. ``recycle``: (actorshm transport, torch transport or None) in seconds."""
+    med = statistics.median
+    trivial, floor = med(rt["actorshm"]), med(rt["asyncio+uvloop socket pair (floor)"])
+    rows = [["trivial call vs the uvloop socket-pair floor", "<= 1.20x", trivial / floor,
+             trivial / floor <= 1.2]]
+    tq = rt.get("torch.multiprocessing SimpleQueue")
+    rows.append(["trivial call vs torch.multiprocessing SimpleQueue round trip", "< 1.00x",
+                 trivial / med(tq) if tq else None, tq is not None and trivial < med(tq)])
+    prate = med(pl["actorshm"]) / med(pl["asyncio+uvloop socket pair (floor)"])
+    rows.append(["pipelined calls (100 in flight), rate vs the floor's", ">= 0.70x", prate,
+                 prate >= 0.7])
+    shared = arr["actorshm, shared argument"]
+    worst = max(shared, key=lambda size: shared[size])
+    rows.append([f"call with a shared array (worst size: {_size(worst)}) vs a trivial call",
+                 "<= 1.30x", shared[worst] / trivial, shared[worst] / trivial <= 1.3])
+    r = med(small["actorshm call"]) / med(small["pickle round trip (multiprocessing.Pipe)"])
+    rows.append(["call carrying 1,000 `np.ones(10)` vs a pickle round trip of the list",
+                 "<= 1.20x", r, r <= 1.2])
+    ours, torch_t = recycle
+    rows.append(["64 MiB recycling loop, transport vs torch's buffer-return pattern",
+                 "<= 0.10x", ours / torch_t if torch_t else None,
+                 bool(torch_t) and ours / torch_t <= 0.1])
+    return [[g, target, "not measured" if v is None else f"{v:.2f}x",
+             "not measured" if v is None else ("met" if ok else "**not met**")]
+            for g, target, v, ok in rows]
 
 
 async def array_sizes(c: Contenders, sizes: list[int], rounds: int):
@@ -522,17 +577,29 @@ async def run(args, data: dict | None = None) -> str:
             table.notes.append(
                 f"Trivial call: Ray (ray.get) takes "
                 f"{statistics.median(rt['Ray actor (ray.get)']) / trivial:.0f}x actorshm's time.")
+        sm = await small_arrays(c, rounds=3 if quick else 8)
+        data["small_arrays"] = {k: statistics.median(v) for k, v in sm.items()}
+        small_ref = statistics.median(sm["pickle round trip (multiprocessing.Pipe)"])
+        table.add("A call carrying a list of 1,000 small ordinary arrays (`np.ones(10)`)",
+                  ["contender", "median ms", "vs pickle round trip"],
+                  [[k, _ms(statistics.median(v)), f"{statistics.median(v) / small_ref:.2f}x"]
+                   for k, v in sm.items()])
         per, refill, copied, allocs = await recycling(64 * MiB, 10 if quick else 40)
         rows = [["actorshm", _ms(per), _ms(refill), _ms(max(per - refill, 0)), f"{copied:.0f}",
                  f"{allocs:.2f}"]]
+        torch_transport = None
         if c.torch is not None:  # pragma: no cover
-            tper = torch_recycling(64 * MiB, 40)
-            rows.append(["torch.multiprocessing queues, buffer-return pattern", _ms(tper), _ms(refill), _ms(max(tper - refill, 0)), "0",
-                         "0"])
+            tper = torch_recycling(64 * MiB, 10 if quick else 40)
+            torch_transport = max(tper - refill, 0)
+            rows.append(["torch.multiprocessing queues, buffer-return pattern", _ms(tper),
+                         _ms(refill), _ms(torch_transport), "0", "0"])
         table.add("Recycling loop, 64 MiB batches (producer fills, consumer touches, "
                   "buffer goes home)",
                   ["contender", "ms per batch", "refill alone ms", "transport ms",
                    "bytes copied/batch", "new blocks/batch"], rows)
+        table.add("Goals of the call path (ratios from this run)",
+                  ["goal", "target", "measured", ""],
+                  goals(rt, pl, arr, sm, (max(per - refill, 0), torch_transport)))
         if c.ray is not None:  # pragma: no cover
             from benchmarks import ray_backend
             res = await ray_backend.measure(quick)

@@ -66,7 +66,7 @@ async def test_layouts_round_trip_zero_copy(rt, name, make):
 
 async def test_ordinary_arrays_copied_once_and_counted(rt):
     a = await Arrays.spawn()
-    x = np.arange(1000, dtype=np.float64)
+    x = np.arange(4096, dtype=np.float64)  # over INLINE_MAX: copied into shared memory
     before = actorshm.stats()
     back = await a.echo(x)
     after = actorshm.stats()
@@ -76,6 +76,51 @@ async def test_ordinary_arrays_copied_once_and_counted(rt):
     t = np.arange(24.0).reshape(2, 3, 4).transpose(2, 0, 1)[:, :, ::2]
     bt = await a.echo(t)
     assert np.array_equal(bt, t)
+
+
+async def test_small_ordinary_arrays_travel_in_band(rt):
+    from actorshm._serialization import INLINE_BUDGET, INLINE_MAX
+    a = await Arrays.spawn()
+    small = [np.arange(10.0) + i for i in range(200)]
+    before, s0 = actorshm.stats(), await a.stats()
+    back = await a.echo(small)
+    after, s1 = actorshm.stats(), await a.stats()
+    assert all(np.array_equal(b, x) for b, x in zip(back, small))
+    # a copy, as before, and counted as one; but no shared block is used for it
+    assert after["bytes_copied"] - before["bytes_copied"] == 200 * 80
+    assert after["arrays_copied"] - before["arrays_copied"] == 200
+    assert after["pool_allocs"] == before["pool_allocs"]
+    assert s1["pool_allocs"] == s0["pool_allocs"]
+    assert not any(actorshm.is_shared(b) for b in back)
+    # the actor gets a writable copy, with the layout it was sent with, in call order
+    for make in (lambda: np.arange(12.0).reshape(3, 4),
+                 lambda: np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+                 lambda: np.arange(24.0).reshape(2, 3, 4).transpose(2, 0, 1)[:, :, ::2],
+                 lambda: np.arange(20, dtype=">i4")[::-3],
+                 lambda: np.zeros(3, [("x", "<f4"), ("s", "S3")])):
+        x = make()
+        shape, dtype, strides, c, f, shared, writeable = await a.info(x)
+        assert (shape, dtype) == (x.shape, str(x.dtype)) and writeable and not shared
+        # memory order and axis order kept (the gaps of a strided view dropped)
+        assert list(np.argsort(strides)) == list(np.argsort(np.abs(x.strides)))
+    ro = np.arange(5.0)
+    ro.flags.writeable = False
+    assert (await a.info(ro))[6]  # a read-only array arrives writable, as a copy does
+    y = np.zeros(10)
+    assert await a.write_slice(y, 0, 10, 1.0) and not y.any()  # the actor wrote a copy
+    # calls carrying in-band arrays stay in call order with those carrying shared ones
+    futs = []
+    for i in range(20):
+        arr = np.full(10, float(i)) if i % 2 else actorshm.empty(10)
+        arr[...] = i
+        futs += [a.keep(arr), a.sum_kept()]
+    assert (await asyncio.gather(*futs))[1::2] == [10.0 * i for i in range(20)]
+    # over the per-array size, or past the per-message budget: shared memory as before
+    big = np.ones(INLINE_MAX // 8 + 1)
+    assert (await a.info(big))[5]
+    many = [np.ones(INLINE_MAX // 8) for _ in range(INLINE_BUDGET // INLINE_MAX + 2)]
+    out = await a.echo(many)
+    assert sum(actorshm.is_shared(b) for b in out) == 2
 
 
 async def test_object_arrays_and_nested_containers(rt):
@@ -94,7 +139,7 @@ async def test_object_arrays_and_nested_containers(rt):
     b = Batch(x=actorshm.zeros(4), y=np.arange(3), step=7)
     ob = await a.echo(b)
     assert type(ob) is Batch and ob.step == 7
-    assert np.shares_memory(ob.x, b.x) and actorshm.is_shared(ob.y)
+    assert np.shares_memory(ob.x, b.x) and np.array_equal(ob.y, b.y)  # y: a copy
     h = await a.echo(Holder(x))
     assert np.shares_memory(h.arr, x)
 

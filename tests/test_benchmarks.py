@@ -36,8 +36,17 @@ def test_quick_benchmarks_run(tmp_path):
     for section in ("Trivial call round trip", "Pipelined calls", "numpy argument",
                     "Recycling loop", "Streaming method", "Actor start-up",
                     "Broadcast: one shared 64 MiB array", "ActorGroup.spawn",
+                    "1,000 small ordinary arrays", "Goals of the call path",
                     "the driver's own work to send a group call"):
         assert section in report
+    # every goal is reported as a ratio from this run (or says it was not measured)
+    goals = report.split("Goals of the call path")[1].split("###")[0]
+    rows = [ln for ln in goals.splitlines() if ln.startswith("| ") and "target" not in ln]
+    assert len(rows) == 6, goals
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2].endswith("x") or cells[2] == "not measured", row
+        assert cells[3] in ("met", "**not met**", "not measured"), row
     assert "not measured" in report  # peers skipped in quick mode say so
     if importlib.util.find_spec("torch") is not None:  # torch rows, in the same run
         assert "torch tensor argument" in report and "Recycling loop, 64 MiB torch" in report

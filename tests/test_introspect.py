@@ -51,7 +51,7 @@ async def test_stats_gives_each_actor_and_the_sum(rt):
     a, b = await Probed.spawn(), await Probed.spawn()
     for _ in range(3):
         await a.ping()
-    await b.keep(np.ones(1000))  # an ordinary array: copied once into shared memory
+    await b.keep(np.ones(4096))  # an ordinary array over INLINE_MAX: copied into shm
     st = await rt.stats()
     assert set(st) == {"driver", "actors", "total", "unresponsive"}
     assert set(st["actors"]) == {a.actor_id, b.actor_id} and st["unresponsive"] == []

@@ -1,0 +1,122 @@
+"""Reading frames: what the socket has, parsed into whole frames (``FrameReader``).
+
+A part of ``_framing.FramedSocket`` (its base class), kept here so that each module
+stays one idea: it uses the socket, the receive buffer, the fds received and the
+cork of the framed socket, and hands each whole frame to ``_frame``.
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+
+from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, LAST_KIND, MARK, MAX_FDS_PER_FRAME,
+                    MAX_FLAGS, MAX_FRAME)
+
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))  # received fds never leak to exec
+_unpack_header = HEADER.unpack_from
+
+
+class FrameReader:
+    """Reads frames for ``FramedSocket``: see the module's docstring."""
+
+    @staticmethod
+    def _bad_header(data, pos: int) -> str:
+        plen, kind, flags, nfds, mark, cid = _unpack_header(data, pos)
+        what = "no frame marker" if mark != MARK else \
+            f"kind {kind}, flags {flags:#x}, {plen} bytes, {nfds} fds"
+        return (f"bad frame header ({what}): the stream lost its place, as after a "
+                "truncated frame")
+
+    def _fds_owned(self, data, pos: int, n: int) -> bool:
+        """Whether the fds received and not yet taken belong to the frame cut off at
+        ``pos`` (the writer sends a frame's fds with a sendmsg that starts with its
+        header, so they come with the read that has its first byte); if not, a
+        protocol error."""
+        if n - pos >= HSIZE:
+            if HEADER.unpack_from(data, pos)[3] == len(self._fds):
+                return True
+        elif n > pos:
+            return True  # its header is not whole yet: checked once it is
+        self._protocol_error(f"{len(self._fds)} file descriptor(s) came with no frame "
+                             "that announced them")
+        return False
+
+    def drain(self) -> None:
+        """Read and handle what the peer wrote before it went away (its process exited)."""
+        while not self.closed and self.sock is not None and not self._eof:
+            if not self._on_readable():
+                return
+
+    def _on_readable(self) -> bool:
+        """Read what the socket has and handle every whole frame; False when it had none."""
+        try:
+            nread, anc, flags, _ = self.sock.recvmsg_into(self._rviews, ANC_SIZE,
+                                                             _CLOEXEC)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:  # ECONNRESET: the peer died with data unread; same as EOF
+            self._broken()
+            return False
+        for level, kind, cdata in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
+                self._fds.extend(fds)
+        if flags & _MSG_CTRUNC:
+            self._protocol_error("file descriptors were truncated")
+            return False
+        if not nread:
+            self._broken()
+            return False
+        # The common case: this read holds whole frames only, parsed straight out of the
+        # receive buffer (each payload a view that ``_frame`` decodes at once). A frame
+        # cut off at the end of a read is kept in ``_inbuf``, and the frames that span
+        # reads are copied out of it.
+        view = self._rview
+        buf = self._inbuf
+        if buf:
+            buf += view[:nread]
+            data = buf
+            n = len(buf)
+        else:
+            data = view
+            n = nread
+        pos = 0
+        self._corked += 1  # replies made while dispatching go out together, afterwards
+        try:
+            while n - pos >= HSIZE:
+                plen, kind, flags, nfds, mark, cid = _unpack_header(data, pos)
+                # A few integer comparisons catch a header read from the middle of a
+                # frame (the stream lost its place): no marker, or fields out of range.
+                if mark != MARK or not CALL <= kind <= LAST_KIND or flags > MAX_FLAGS \
+                        or plen > MAX_FRAME or nfds > MAX_FDS_PER_FRAME:
+                    self._protocol_error(self._bad_header(data, pos))
+                    return
+                start = pos + HSIZE
+                end = start + plen
+                if end > n:
+                    break
+                if nfds:
+                    if nfds > len(self._fds):
+                        self._protocol_error("a frame announced fds it did not carry")
+                        return
+                    fds = self._fds[:nfds]
+                    del self._fds[:nfds]
+                else:
+                    fds = ()
+                pos = end
+                self._frame(kind, flags, cid, data[start:end], fds)
+                if self.closed:
+                    return
+            if self._fds and not self._fds_owned(data, pos, n):
+                return
+        finally:
+            if not self.closed:
+                if buf:
+                    del buf[:pos]
+                elif pos < n:
+                    buf += view[pos:n]
+                self.uncork()
+        return True

@@ -1,0 +1,99 @@
+"""Plug-in registries: how a plug-in's objects travel and how its regions open.
+
+The base layers know numpy and host memory only; ``_serialization`` asks these
+registries for everything else (re-exported there, where plug-ins find them).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+# -- plug-in registries ---------------------------------------------------------------
+# The base layers know numpy and host memory only. A plug-in (CuPy: ``_cuda``; torch)
+# registers, when it is imported, how its objects travel (a reducer per type) and how
+# the receiver opens its kind of region (an opener per region kind). A plug-in that
+# should load as soon as its library is in use registers a loader by module name
+# (``register_lazy_plugin``), from a layer above this one.
+
+
+# Exact type -> reducer; a subclass of a registered type is found through its MRO and
+# remembered.
+_reducers: dict[type, Any] = {}
+_not_reduced: set[type] = set()  # types seen with no registered base
+# Module name -> loader, called once when that module is first seen imported.
+_lazy_plugins: dict[str, Any] = {}
+_OPENERS: dict[int, Any] = {}
+
+
+def register_reducer(cls: type, reducer) -> None:
+    """Send instances of ``cls`` (and its subclasses) with ``reducer``.
+
+    ``reducer(enc, obj)`` returns a pickle reduce value ``(callable, args)``, or
+    ``NotImplemented`` to let cloudpickle pickle ``obj`` by value. To send memory out of
+    band, it calls ``enc.lease(block, kind, intro)``, which returns the block's row in the
+    message's block table, and returns a rebuild function (importable by name) whose
+    arguments include that row; on the receiving side the rebuild function gets the block
+    with ``leased_block(row)``. Work the receiver must see before it reads the memory
+    (a GPU stream) is waited for with ``enc.before_send(fn, item)``.
+
+    Args:
+        cls: the type, exactly as the plug-in's library defines it.
+        reducer: called as ``reducer(enc, obj)`` for every such object in a message.
+
+    Raises:
+        TypeError: ``cls`` is not a type, or ``reducer`` is not callable.
+    """
+    if not isinstance(cls, type) or not callable(reducer):
+        raise TypeError("register_reducer(cls, reducer) needs a type and a callable")
+    _reducers[cls] = reducer
+    _not_reduced.clear()
+
+
+def register_region_kind(kind: int, opener) -> None:
+    """Open regions of ``kind`` with ``opener`` when a peer introduces one.
+
+    Args:
+        kind: the region kind, as written in block tables (``ARENA``, ``GPU_SLAB``, ...).
+        opener: called as ``opener(ctx, region key, size, intro)`` with what the peer sent
+            to open it (``intro``: an fd index, an IPC handle); returns an
+            ``actorshm._leases.Region``. It raises ``ProtocolError`` for a malformed
+            introduction (the connection closes), anything else when the region cannot
+            be opened here (that block's call fails).
+    """
+    _OPENERS[kind] = opener
+
+
+def register_lazy_plugin(module: str, loader) -> None:
+    """Call ``loader()`` once, the first time a message is encoded while ``module`` is
+    imported (the loader imports the plug-in, which registers its reducers).
+
+    Args:
+        module: a top-level module name, e.g. ``"cupy"``.
+        loader: a callable with no arguments.
+    """
+    _lazy_plugins[module] = loader
+
+
+def _load_plugins() -> None:
+    mods = sys.modules
+    for name in [n for n in _lazy_plugins if n in mods]:
+        _lazy_plugins[name]()
+        del _lazy_plugins[name]  # (a loader that failed is tried again next time)
+
+
+def _plugin_reducer(t: type):
+    """The reducer registered for ``t`` or a base class of it, or None."""
+    if _lazy_plugins:
+        _load_plugins()
+    r = _reducers.get(t)
+    if r is not None or t in _not_reduced:
+        return r
+    for base in t.__mro__[1:]:
+        r = _reducers.get(base)
+        if r is not None:
+            _reducers[t] = r
+            return r
+    if len(_not_reduced) < 4096:
+        _not_reduced.add(t)
+    return None
