@@ -21,7 +21,7 @@ import pickle
 import threading
 from typing import Any
 
-from . import _client
+from . import _client, _introspect, _shm
 from ._errors import ActorDiedError
 from ._remote_errors import encode_exception
 
@@ -132,6 +132,7 @@ class Host:
         self._cancel_lock = threading.Lock()
         self._loop = None  # the actor's event loop, where every call runs
         self._tasks: dict = {}  # (caller, seq) -> the task running that call
+        self._calls = 0  # calls received (``rt.stats()``)
         try:
             import warnings
 
@@ -170,6 +171,26 @@ class Host:
     async def meta(self) -> tuple:
         """``(class name, public methods, streaming methods, max_pending_calls)``."""
         return self._meta
+
+    async def watch(self) -> None:
+        """Never returns: the runtime that spawned the actor keeps this call pending, and
+        Ray failing it tells that runtime of the process's death (lifecycle events)."""
+        await asyncio.get_running_loop().create_future()
+
+    async def probe(self, what: str) -> Any:
+        """Answer the driver's ``rt.stats()`` (``"stats"``), ``rt.memory()``
+        (``"memory"``) and ``rt.dump_stacks()`` (``"stacks"``) for this process.
+
+        Runs in the ``control`` concurrency group (its own thread and event loop), so
+        an actor busy in a sync method answers too.
+        """
+        if what == "stats":
+            out = _shm.stats()
+            out["calls_received"] = self._calls
+            return out
+        if what == "memory":
+            return _introspect.held_blocks(())
+        return _introspect.format_stacks(self._loop, skip=("watch",))
 
     def _method(self, method: str):
         if method not in self._methods:
@@ -233,6 +254,7 @@ class Host:
             req = pickle.loads(req)
         method, args, kwargs, caller, seq = req
         del req
+        self._calls += 1
         key = (caller, seq)
         if key in self._cancelled:
             self._cancelled.discard(key)
@@ -282,6 +304,7 @@ class Host:
             req = pickle.loads(req)
         method, args, kwargs, caller, seq = req
         del req
+        self._calls += 1
         key = (caller, seq)
         if key in self._cancelled:
             self._cancelled.discard(key)
