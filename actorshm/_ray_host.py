@@ -141,8 +141,10 @@ class Host:
                 warnings.simplefilter("ignore")
                 ctx = ray.get_runtime_context()
                 self._restarted = bool(ctx.was_current_actor_reconstructed)
+            self._ctx = ctx
         except Exception:  # pragma: no cover - outside Ray
             self._restarted = False
+            self._ctx = None
         # The user's __init__ runs on the actor's event loop, as on the local backend
         # (it may start tasks there): on the first call, ``ready`` at spawn.
         self._pending_init = (cls, args, kwargs)
@@ -245,15 +247,39 @@ class Host:
                 raise
         st.advance()
 
+    async def task_name(self) -> str | None:
+        """This task's Ray task name: whether ``call0``/``call1`` can read theirs."""
+        return self._ctx.get_task_name() if self._ctx is not None else None
+
+    async def call0(self) -> Any:
+        """Run a call without arguments named ``method:caller:seq`` (its Ray task name,
+        read before the first ``await``): a Ray task with no argument at all is Ray's
+        cheapest, about a quarter faster than one carrying a small ``bytes``."""
+        method, caller, seq = self._ctx.get_task_name().split(":")
+        return await self._call(method, (), {}, caller, int(seq))
+
+    async def call1(self, payload: Any) -> Any:
+        """Run a call named ``method:caller:seq`` with ``payload = (args, kwargs)``
+        (pickled into one ``bytes`` by the caller when they are simple)."""
+        method, caller, seq = self._ctx.get_task_name().split(":")
+        args, kwargs = pickle.loads(payload) if type(payload) is bytes else payload
+        del payload
+        return await self._call(method, args, kwargs, caller, int(seq))
+
     async def call(self, req: tuple) -> tuple:
         """Run ``req = (method, args, kwargs, caller, seq)``: ``(ok, result or error)``.
 
         One argument, not five: Ray serializes each argument of a task on its own.
+        (Used where Ray's task names cannot carry the call's identity.)
         """
         if type(req) is bytes:
             req = pickle.loads(req)
         method, args, kwargs, caller, seq = req
         del req
+        return await self._call(method, args, kwargs, caller, seq)
+
+    async def _call(self, method: str, args: tuple, kwargs: dict, caller: str,
+                    seq: int) -> Any:
         self._calls += 1
         key = (caller, seq)
         if key in self._cancelled:
@@ -266,7 +292,11 @@ class Host:
             return self._dead_reply
         self._tasks[key] = asyncio.current_task()
         try:
-            await self._take_turn(caller, seq)
+            st = self._callers.get(caller)
+            if st is not None and seq == st.next:  # its turn already (the usual case)
+                st.advance()
+            else:
+                await self._take_turn(caller, seq)
             if self._sem is None:
                 self._sem = asyncio.Semaphore(self._max_concurrency)
             async with self._sem:
@@ -283,8 +313,10 @@ class Host:
     async def _run(self, method: str, args: tuple, kwargs: dict) -> tuple:
         try:
             fn = self._method(method)
-            freeze_arrays(args)
-            freeze_arrays(kwargs)
+            if args:
+                freeze_arrays(args)
+            if kwargs:
+                freeze_arrays(kwargs)
             if self._methods[method] or self._executor is None:
                 result = fn(*args, **kwargs)
                 if inspect.isawaitable(result):

@@ -475,6 +475,19 @@ async def test_a_shared_array_on_ray_warns_that_writes_do_not_come_back(art, bac
 
 
 # -- Ray only -------------------------------------------------------------------------
+async def test_calls_carry_their_identity_in_rays_task_name(art, backend):
+    ray_only(backend, "Ray's task names")
+    c = await Counter.spawn(0)
+    assert c._actor_id.named  # this Ray gives tasks their names: no argument for it
+    first = [c.record(i) for i in range(5)]
+    c._actor_id.named = False  # as on a Ray whose tasks cannot read their names
+    second = [c.record(i) for i in range(5, 10)]
+    assert await asyncio.gather(*first, *second) == list(range(10))
+    assert await c.get_log() == list(range(10))  # one order across both ways of calling
+    c._actor_id.named = True
+    assert await c.echo({"k": [1, 2.5, "x"]}) == {"k": [1, 2.5, "x"]}
+
+
 def test_run_with_backend_ray(ray_session):
     async def main():
         assert actorshm.current_runtime().backend == "ray"
