@@ -1,8 +1,8 @@
 """Lifecycle events on the Ray backend: the runtime watches each actor it spawned.
 
 Each actor that ``RayRuntime`` spawns gets a watcher: a task in the driver that keeps a
-call pending on the actor's host (``Host.watch``, which never returns). Ray fails that
-call when the actor's process dies: with ``ActorUnavailableError`` while it restarts the
+call pending on the actor's host (``Host.watch_death``, which never returns). Ray fails
+that call when the actor's process dies: with ``ActorUnavailableError`` while it restarts the
 actor (``max_restarts``), with ``ActorDiedError`` once the actor is gone for good. The
 watcher then reports ``"died"`` (``_events.emit``), waits for the new process where one
 comes (``Host.ready`` answers with its pid), reports ``"restarted"`` and watches again.
@@ -56,7 +56,7 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
     host, key = rec.actor_id.handle, rec.actor_id.key
     while True:
         try:
-            await host.watch.remote()
+            await host.watch_death.remote()
             return  # (it never returns)
         except Exception as exc:
             death = exc

@@ -174,7 +174,7 @@ class Host:
         """``(class name, public methods, streaming methods, max_pending_calls)``."""
         return self._meta
 
-    async def watch(self) -> None:
+    async def watch_death(self) -> None:
         """Never returns: the runtime that spawned the actor keeps this call pending, and
         Ray failing it tells that runtime of the process's death (lifecycle events)."""
         await asyncio.get_running_loop().create_future()
@@ -192,7 +192,7 @@ class Host:
             return out
         if what == "memory":
             return _introspect.held_blocks(())
-        return _introspect.format_stacks(self._loop, skip=("watch",))
+        return _introspect.format_stacks(self._loop, skip=("watch_death",))
 
     def _method(self, method: str):
         if method not in self._methods:
