@@ -137,6 +137,7 @@ class RayClient:
         self._watching: set = set()
         self._watchers: set = set()
         self._names_ok: bool | None = None  # see _names_work
+        self._spawn_listeners: list = []
 
     # -- calls -------------------------------------------------------------------
     def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
@@ -350,8 +351,16 @@ class RayClient:
             ray.kill(handle, no_restart=True)
             raise decode_exception(payload, f"{cls.__qualname__}.__init__")
         aid = RayActorId(handle, handle._actor_id.hex(), streams, named)
-        return ActorHandle(self, aid, cls.__qualname__, methods, options.name, payload,
-                           options.max_pending_calls)
+        h = ActorHandle(self, aid, cls.__qualname__, methods, options.name, payload,
+                        options.max_pending_calls)
+        for fn in self._spawn_listeners:
+            fn(h, options)
+        return h
+
+    def on_spawn(self, fn) -> None:
+        """Call ``fn(handle, options)`` for each actor this process spawns (a host
+        passes its children on to the runtime that watches it: lifecycle events)."""
+        self._spawn_listeners.append(fn)
 
     async def get_actor(self, name: str) -> ActorHandle:
         ray = import_ray()

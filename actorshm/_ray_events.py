@@ -47,8 +47,27 @@ def describe(exc: BaseException) -> str:
 
 
 def watch(runtime: Any, handle: ActorHandle, options: Any, client: Any) -> asyncio.Task:
-    """Start watching ``handle``'s actor for ``runtime``'s lifecycle events."""
-    return runtime.loop.create_task(_watch(runtime, _Record(handle, options), client))
+    """Start watching ``handle``'s actor, and the actors it spawns, for ``runtime``'s
+    lifecycle events (``runtime.adopt(handle, options)`` is told of each of those)."""
+    return runtime.loop.create_task(_watch_all(runtime, _Record(handle, options), client))
+
+
+async def _watch_all(runtime: Any, rec: _Record, client: Any) -> None:
+    await asyncio.gather(_watch(runtime, rec, client),
+                         _children(runtime, rec.actor_id.handle))
+
+
+async def _children(runtime: Any, host: Any) -> None:
+    """Learn of the actors this actor spawns (``Host.next_children``), to watch them."""
+    while True:
+        try:
+            children = await host.next_children.remote()
+        except Exception:  # the actor died: its watcher reports it
+            return
+        for handle, options in children:
+            if runtime._closing:
+                return
+            runtime.adopt(handle, options)
 
 
 async def _watch(runtime: Any, rec: _Record, client: Any) -> None:

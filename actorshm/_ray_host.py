@@ -112,7 +112,11 @@ class Host:
 
     def __init__(self, cls: type, args: tuple, kwargs: dict, max_concurrency: int,
                  get_client: Any, meta: tuple) -> None:
-        _client.set_worker(get_client())  # calls made in here go through Ray
+        client = get_client()
+        _client.set_worker(client)  # calls made in here go through Ray
+        self._children: list = []  # (handle, options) spawned here, for ``next_children``
+        self._children_added: asyncio.Event | None = None
+        client.on_spawn(self._child_spawned)
         self._meta = meta
         self._cls_name = cls.__qualname__
         self._executor = None
@@ -179,6 +183,22 @@ class Host:
         Ray failing it tells that runtime of the process's death (lifecycle events)."""
         await asyncio.get_running_loop().create_future()
 
+    def _child_spawned(self, handle: Any, options: Any) -> None:
+        self._children.append((handle, options))
+        if self._children_added is not None:
+            self._loop.call_soon_threadsafe(self._children_added.set)
+
+    async def next_children(self) -> list:
+        """The actors spawned in this actor since the last call, once there are any:
+        the runtime keeps this call pending to watch them too (lifecycle events)."""
+        if self._children_added is None:
+            self._children_added = asyncio.Event()
+        while not self._children:
+            self._children_added.clear()
+            await self._children_added.wait()
+        out, self._children = self._children, []
+        return out
+
     async def probe(self, what: str) -> Any:
         """Answer the driver's ``rt.stats()`` (``"stats"``), ``rt.memory()``
         (``"memory"``) and ``rt.dump_stacks()`` (``"stacks"``) for this process.
@@ -192,7 +212,7 @@ class Host:
             return out
         if what == "memory":
             return _introspect.held_blocks(())
-        return _introspect.format_stacks(self._loop, skip=("watch_death",))
+        return _introspect.format_stacks(self._loop, skip=("watch_death", "next_children"))
 
     def _method(self, method: str):
         if method not in self._methods:

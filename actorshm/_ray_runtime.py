@@ -133,10 +133,15 @@ class RayRuntime(_events.EventSource, RayInspectable):
                     kwargs: dict) -> ActorHandle:
         self._check_open()
         h = await CLIENT.spawn(cls, options, args, kwargs)
+        self.adopt(h, options)
+        return h
+
+    def adopt(self, h: ActorHandle, options: ActorOptions) -> None:
+        """Own ``h``'s actor (spawned here, or inside one of this runtime's actors):
+        watch it for lifecycle events, list it, kill it on close."""
         self._spawned.append(h)
         self._watchers = [t for t in self._watchers if not t.done()]
         self._watchers.append(_ray_events.watch(self, h, options, CLIENT))
-        return h
 
     def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
              what: str = ""):

@@ -287,6 +287,15 @@ async def test_events_report_a_death_without_a_call_and_kill(art, backend):
     await stream.aclose()
 
 
+async def test_events_report_actors_spawned_inside_actors(art):
+    stream = art.events()
+    caller = await Caller.spawn(None)
+    child, _ = await caller.spawn_child(0)  # (on Ray the runtime learns of it shortly)
+    os.kill(child.pid, signal.SIGKILL)
+    ev = await next_event(stream)
+    assert ev.kind == "died" and ev.actor_id == child.actor_id and ev.cls_name == "Counter"
+
+
 async def test_events_report_a_restart_and_its_handle_works(art):
     stream = art.events()
     p = await Phoenix.spawn("t")  # max_restarts=1
