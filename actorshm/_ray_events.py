@@ -57,12 +57,21 @@ async def _watch_all(runtime: Any, rec: _Record, client: Any) -> None:
                          _children(runtime, rec.actor_id.handle))
 
 
+def _unavailable() -> type | tuple:
+    """Ray's error for a call on an actor it is restarting (``()`` on a Ray that has none)."""
+    import ray.exceptions as rex
+    return getattr(rex, "ActorUnavailableError", ())
+
+
 async def _children(runtime: Any, host: Any) -> None:
     """Learn of the actors this actor spawns (``Host.next_children``), to watch them."""
     while True:
         try:
             children = await host.next_children.remote()
-        except Exception:  # the actor died: its watcher reports it
+        except _unavailable():  # restarting: ask its next process (Ray queues the call)
+            await asyncio.sleep(0.1)
+            continue
+        except Exception:  # the actor is gone: its watcher reports it
             return
         for handle, options in children:
             if runtime._closing:
@@ -71,8 +80,8 @@ async def _children(runtime: Any, host: Any) -> None:
 
 
 async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
-    import ray.exceptions as rex
     host, key = rec.actor_id.handle, rec.actor_id.key
+    unavailable, limit = _unavailable(), rec.options.max_restarts
     while True:
         try:
             await host.watch_death.remote()
@@ -82,14 +91,17 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
         if runtime._closing:
             return
         killed = key in client._dead
-        again = isinstance(death, rex.ActorUnavailableError) and not killed
+        if unavailable:  # Ray says whether it restarts the actor
+            again = isinstance(death, unavailable) and not killed
+        else:
+            again = not killed and (limit == -1 or rec.restarts < limit)
         reason = "kill()" if killed else describe(death)
         _events.emit(runtime, "died", rec, reason, will_restart=again)
         if not again:
             runtime._gone.add(key)
             return
         try:  # queued by Ray until the restarted process runs
-            ok, pid = await asyncio.wait_for(_ready(host, rex), RESTART_WAIT)
+            ok, pid = await asyncio.wait_for(_ready(host, unavailable), RESTART_WAIT)
         except Exception as exc:  # the restart failed (or never came)
             if not runtime._closing:
                 runtime._gone.add(key)
@@ -106,11 +118,11 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
         _events.emit(runtime, "restarted", rec, reason)
 
 
-async def _ready(host: Any, rex: Any) -> tuple:
+async def _ready(host: Any, unavailable: type | tuple) -> tuple:
     """``Host.ready`` of the restarted actor; a call that still reached the old process
     (Ray had not yet seen its death) is retried."""
     while True:
         try:
             return await host.ready.remote()
-        except rex.ActorUnavailableError:
+        except unavailable:
             await asyncio.sleep(0.1)
