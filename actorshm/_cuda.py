@@ -181,6 +181,20 @@ def find_block(arr) -> GpuBlock | None:
     return _by_ptr.get(arr.data.mem.ptr)
 
 
+def block_at(lo: int, hi: int, device: int) -> GpuBlock | None:
+    """The live GPU block in this process holding the device bytes ``[lo, hi)`` on
+    ``device``, or None: how memory reached other than through a CuPy array of a block
+    (a torch tensor's storage) is recognised. A block's base is one dict lookup; an
+    address inside a block scans this process's live GPU blocks."""
+    b = _by_ptr.get(lo)
+    if b is not None and b.region.device == device and hi <= b.ptr + b.size:
+        return b
+    for b in list(_by_ptr.values()):
+        if b.region.device == device and b.ptr <= lo and hi <= b.ptr + b.size and b.region.ptr:
+            return b
+    return None
+
+
 def empty(shape, dtype=float, order="C"):
     """A new CuPy array in a block of this process's pool on the current device.
 
@@ -301,8 +315,14 @@ def reduce_cupy(enc, a):
         _stats["cuda_bytes_zero_copy"] += a.nbytes
         _stats["cuda_arrays_zero_copy"] += 1
     enc.before_send(wait_for_senders_work, view.region.device)
-    row = enc.lease(view, GPU_SLAB, _slab_intro)
+    row = lease_block(enc, view)
     return _rebuild, (row, a.data.ptr - view.ptr, a.shape, a.dtype.str, a.strides)
+
+
+def lease_block(enc, block: GpuBlock) -> int:
+    """Lease GPU ``block`` in the message ``enc`` is encoding; returns its table row (for
+    plug-ins sending objects that live in the GPU pool, e.g. torch CUDA tensors)."""
+    return enc.lease(block, GPU_SLAB, _slab_intro)
 
 
 def _slab_intro(enc, slab: Slab) -> tuple:

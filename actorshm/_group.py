@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from . import _shm
-from ._actor import ActorHandle, _Spawner
+from ._actor import STREAM, ActorHandle, _Spawner
 from ._errors import ActorGroupError
 from ._pool import check_handles
 
@@ -32,8 +32,11 @@ class ActorGroup:
     Arrays: a shared array (``actorshm.empty``/``zeros``/``share``) goes to every member
     by reference, nothing copied. An ordinary ndarray given as an argument, or inside a
     list, tuple or dict argument, is copied into shared memory once for the whole group
-    and then passed by reference to all; arrays deeper in other objects are copied once
-    per member, as for single calls.
+    and then passed by reference to all. On the local backend the call is encoded once
+    for every member (``_multicast``), so arrays deeper in other objects are copied once
+    too; where it goes one call per member (a member with ``max_pending_calls``, a
+    streaming method, a call made from another thread, an unfinished call's result as
+    an argument), they are copied once per member, as for single calls.
 
     ``len(group)``, ``group[i]`` and iteration give the handles; ``group[a:b]`` is a
     group of those members.
@@ -151,11 +154,20 @@ class ActorGroup:
 class GroupMethod:
     """One method of every member of a group: calling it sends the call to all."""
 
-    __slots__ = ("_handles", "_name")
+    __slots__ = ("_handles", "_name", "_send", "_ids", "_whats")
 
     def __init__(self, handles: tuple, name: str) -> None:
         self._handles = handles
         self._name = name
+        # Encoded once for all members (``call_group``: the local runtime and actor
+        # processes; on Ray each member's call goes on its own), unless a member is
+        # called in a way of its own (a stream, a ``max_pending_calls`` limit).
+        client = handles[0]._client
+        self._send = getattr(client, "call_group", None) if len(handles) > 1 and all(
+            h._client is client and h._max_pending <= 0 and h._methods.get(name) != STREAM
+            for h in handles) else None
+        self._ids = [h._actor_id for h in handles]
+        self._whats = [f"{h._cls_name}.{name}" for h in handles]
 
     def __repr__(self) -> str:
         return f"<group method {self._name} of {len(self._handles)} actors>"
@@ -172,7 +184,12 @@ class GroupMethod:
         if len(self._handles) > 1 and getattr(self._handles[0]._client, "shares_memory", True):
             args, kwargs = _share_once((args, kwargs))  # not on Ray: it copies arguments
         loop = asyncio.get_running_loop()
-        futs: list[asyncio.Future] = []
+        futs = None if self._send is None else self._send(self._ids, self._name, args,
+                                                           kwargs, self._whats)
+        if futs is not None:
+            del args, kwargs
+            return _gather(loop, futs, self._handles, self._name)
+        futs = []
         for i, h in enumerate(self._handles):
             try:
                 futs.append(getattr(h, self._name)(*args, **kwargs))

@@ -1,6 +1,7 @@
 """Plug-ins that load on first use, registered by the clients (driver and actor).
 
-A plug-in module (``_cuda`` for CuPy) imports its library and registers itself with
+A plug-in module (``_cuda`` for CuPy, ``_torch`` for torch, ``_torch_cuda`` for torch's
+CUDA tensors) imports its library and registers itself with
 ``_serialization`` when it is imported: a reducer for its array type, an opener for its
 kind of region. The base layers never import a plug-in; this module, imported by the
 local runtime and by the actor process, makes sure each loads when first needed:
@@ -26,7 +27,12 @@ def _load_cuda() -> None:
 
 
 def _load_torch() -> None:
-    from . import _torch  # noqa: F401  (registers itself)
+    from . import _torch  # (registers itself)
+    _torch.set_cuda_path(loader=_load_torch_cuda)
+
+
+def _load_torch_cuda() -> None:
+    from . import _torch_cuda  # noqa: F401  (registers itself; needs CuPy)
 
 
 def _open_gpu_slab(ctx, key: tuple, size: int, intro):

@@ -217,6 +217,35 @@ class Connection(CallControl, FramedSocket):
         self._send(CALL, flags, cid, payload, fds)
         fut.conn, fut.cid = self, cid  # (cancelling it now cancels the call: ``cancel``)
 
+    def send_encoded(self, parts, fds, lease, flags: int, what: str = ""):
+        """Send a call encoded for several connections at once (``_multicast``).
+
+        Args:
+            parts: its frame's payload for this connection (buffers, back to back).
+            fds: the fds that go with it.
+            lease: what ``Ledger.commit`` records for it here (grants, new regions).
+            flags: its frame flags.
+            what: how errors name the call.
+
+        Returns:
+            Its future, as ``call`` returns; or None when this connection cannot take a
+            call encoded elsewhere now (it is closed, or holds calls back behind an
+            unfinished result): make that call with ``call``.
+        """
+        if self.closed or self.held:
+            return None
+        fut = _CallFuture(loop=self.loop)
+        cid = self._next_id
+        self._next_id = cid + 1
+        self.ledger.commit(lease, self)
+        self.pending[cid] = fut
+        if what:
+            self.pending_meta[cid] = what
+        _leases.counters["calls_sent"] += 1
+        self._send(CALL, flags, cid, parts, fds)
+        fut.conn, fut.cid = self, cid
+        return fut
+
 
     def reply(self, cid: int, value: Any, what: str = "") -> None:
         if self.closed:

@@ -20,6 +20,7 @@ import weakref
 from typing import Any
 
 from . import _client, _events, _introspect, _leases, _plugins, _services, _shm  # noqa: F401
+from . import _multicast
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._backend import BackendChoice
 from ._errors import ActorDiedError
@@ -248,6 +249,33 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             fut.set_exception(ActorDiedError(f"no actor with id {actor_id} in this runtime"))
             return fut
         return rec.conn.call(method, args, kwargs, what, **kw)
+
+    def call_group(self, actor_ids: list, method: str, args: tuple, kwargs: dict,
+                   what: list):
+        """Call ``method`` on every actor of ``actor_ids``, encoded once for all
+        (``_multicast.call_many``); what ``ActorGroup`` calls do.
+
+        Args:
+            actor_ids: the actors, as their handles name them (distinct).
+            method: the method's name.
+            args: its positional arguments, the same for every actor.
+            kwargs: its keyword arguments, the same for every actor.
+            what: how errors name each actor's call (``"Worker.step"``), one per actor.
+
+        Returns:
+            One future per actor, in order; or None (nothing sent): make one ``call``
+            per actor instead (from another thread, or a call that cannot be encoded
+            once for all).
+        """
+        if threading.get_ident() != self._loop_thread:
+            return None
+        conns = []
+        for actor_id in actor_ids:
+            rec = self._actors.get(actor_id)
+            if rec is None or rec.conn is None:
+                return None  # (each call then fails as a single call would)
+            conns.append(rec.conn)
+        return _multicast.call_many(conns, method, args, kwargs, what)
 
     def actor_pid(self, actor_id: int, pid: int) -> int:
         """The current pid of actor ``actor_id`` (it changes on a restart), or ``pid``

@@ -14,8 +14,10 @@ travels, those numpy lacks (``bfloat16``, the float8 kinds) included. An
 tensor that is part of an autograd graph (a non-leaf that requires grad) is refused:
 its graph cannot travel.
 
-Tensors on other devices (CUDA, MPS) and other layouts (sparse, quantized) are pickled
-by torch itself (by value).
+CUDA tensors go through ``_torch_cuda`` (actorshm's GPU pool, CUDA IPC), which needs
+CuPy; it registers itself here (``set_cuda_path``) and ``_plugins`` sets how to load it.
+Without CuPy, and for tensors on other devices (MPS) or of other layouts (sparse,
+quantized), torch pickles the tensor itself (by value).
 """
 
 from __future__ import annotations
@@ -25,51 +27,137 @@ import torch
 
 from . import _leases, _serialization, _shm
 
-__all__ = ["storage_block", "tensor_over"]
+__all__ = ["storage_block", "tensor_over", "finish", "set_cuda_path"]
 
 _Parameter = torch.nn.Parameter
 _DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+# Storage base address -> the lease (a weak reference) of the block holding that
+# storage: the tensors this module made (``tensor_over``) and those looked up once.
+# Sending the same weights every step, or a fresh ``actorshm.torch.empty`` tensor, then
+# costs one dict lookup, however many blocks are live (``_leases.block_at`` scans them).
+_known: dict = {}
+
+
+def remember(known: dict, ptr: int, block) -> None:
+    """Note in ``known`` that the storage at ``ptr`` lies in ``block`` (dead entries are
+    dropped each time the map reaches a power of two from 1024 on)."""
+    known[ptr] = block.lease
+    n = len(known)
+    if n >= 1024 and not n & (n - 1):
+        for k, ref in list(known.items()):
+            if ref() is None:
+                known.pop(k, None)
+
+
+def _covers(block, lo: int, hi: int) -> bool:
+    base = block.region.addr + block.offset
+    return base <= lo and hi <= base + block.size
 
 
 def storage_block(t: torch.Tensor):
     """The host block holding ``t``'s whole storage, or None."""
     st = t.untyped_storage()
     n = st.nbytes()
-    if n == 0 or t.device.type != "cpu":
+    if n == 0 or not t.is_cpu:
         return None
-    lo = st.data_ptr()
-    return _leases.block_at(lo, lo + n)
+    return _block_of(st.data_ptr(), n)
 
 
-def tensor_over(buf: np.ndarray, dtype: torch.dtype, size, stride, offset: int):
-    """A tensor viewing the bytes of the uint8 array ``buf`` (which it keeps alive)."""
-    storage = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
-    return torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+def _block_of(lo: int, n: int):
+    ref = _known.get(lo)
+    block = ref() if ref is not None else None
+    # A live block's memory is never reused, so a hit that still covers the storage is it.
+    if block is not None and block.region.addr and _covers(block, lo, lo + n):
+        return block
+    block = _leases.block_at(lo, lo + n)
+    if block is not None:
+        remember(_known, lo, block)
+    return block
+
+
+def tensor_over(buf: np.ndarray, dtype: torch.dtype, size, stride, offset: int, block=None):
+    """A tensor viewing the bytes of the uint8 array ``buf`` (which it keeps alive);
+    ``block``, the host block ``buf`` lies in, makes the tensor's later sends cheap."""
+    # Two torch calls at most: each costs microseconds in a process that just woke up.
+    try:
+        t = torch.frombuffer(buf, dtype=dtype)
+    except ValueError:  # a byte count that is not a multiple of the item size
+        t = torch.empty(0, dtype=dtype).set_(torch.from_numpy(buf).untyped_storage())
+    if block is not None:
+        remember(_known, t.data_ptr(), block)
+    if offset or len(size) != 1 or stride[0] != 1 or t.shape[0] != size[0]:
+        t.set_(t.untyped_storage(), offset, size, stride)
+    return t
+
+
+_cuda_reducer = None  # ``_torch_cuda.reduce_cuda_tensor`` once that module is loaded
+_cuda_loader = None  # imports ``_torch_cuda`` (set by ``_plugins``; it needs CuPy)
+
+
+def set_cuda_path(*, reducer=None, loader=None) -> None:
+    """Register how CUDA tensors travel (``reducer(enc, tensor)``), or how to load the
+    module that registers it (``loader()``, tried once, on the first CUDA tensor sent)."""
+    global _cuda_reducer, _cuda_loader
+    if reducer is not None:
+        _cuda_reducer = reducer
+    if loader is not None:
+        _cuda_loader = loader
+
+
+def _cuda_path():
+    global _cuda_loader
+    if _cuda_reducer is None and _cuda_loader is not None:
+        load, _cuda_loader = _cuda_loader, None
+        try:
+            load()
+        except ImportError:  # no CuPy: torch pickles CUDA tensors (by value)
+            pass
+    return _cuda_reducer
+
+
+def check_sendable(t: torch.Tensor) -> None:
+    """Refuse a tensor that is part of an autograd graph (before anything is sent)."""
+    if t.requires_grad and not t.is_leaf:
+        raise TypeError(
+            "a tensor that requires grad and is not a leaf (it is part of an autograd "
+            "graph) cannot be sent: send `t.detach()` (or a leaf, e.g. a Parameter)")
+
+
+def finish(t: torch.Tensor, parameter: bool, requires_grad: bool):
+    """The received tensor ``t`` as the sender had it: a Parameter, requiring grad."""
+    if parameter:
+        return _Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
 
 
 def _reduce_tensor(enc, t: torch.Tensor):
     kind = type(t)
     if kind is not torch.Tensor and kind is not _Parameter:
         return NotImplemented  # another subclass: torch pickles it
-    if t.requires_grad and not t.is_leaf:
-        raise TypeError(
-            "a tensor that requires grad and is not a leaf (it is part of an autograd "
-            "graph) cannot be sent: send `t.detach()` (or a leaf, e.g. a Parameter)")
-    if t.device.type != "cpu" or t.layout is not torch.strided or t.is_quantized:
+    check_sendable(t)
+    if t.layout is not torch.strided or t.is_quantized:
         return NotImplemented
+    if not t.is_cpu:
+        reducer = _cuda_path() if t.is_cuda else None
+        return NotImplemented if reducer is None else reducer(enc, t)
     st = t.untyped_storage()
     n = st.nbytes()
     if n == 0:
         return NotImplemented
     counters = _leases.counters
-    block = storage_block(t)
+    block = _block_of(st.data_ptr(), n)
     if block is None:
         if n > 2 * t.numel() * t.element_size() + 4096:
             t = t.detach().clone()  # a small view of a large storage: copy the view only
             st = t.untyped_storage()
             n = st.nbytes()
         copy = _shm.empty(n, np.uint8)
-        torch.from_numpy(copy).copy_(torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,)))
+        # numpy's memcpy, not torch's copy_: torch splits a copy over its intra-op
+        # threads, which on a busy machine took 10 ms for 1 MiB instead of 50 µs.
+        np.copyto(copy, torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,)).numpy())
         block = _shm.find_block(copy)
         counters["bytes_copied"] += n
         counters["arrays_copied"] += 1
@@ -86,12 +174,9 @@ def _reduce_tensor(enc, t: torch.Tensor):
 
 def _rebuild_tensor(row, start, n, dtype, size, stride, offset, parameter, requires_grad):
     block = _serialization.leased_block(row)
-    t = tensor_over(np.asarray(block)[start:start + n], _DTYPES[dtype], size, stride, offset)
-    if parameter:
-        return _Parameter(t, requires_grad=requires_grad)
-    if requires_grad:
-        t.requires_grad_(True)
-    return t
+    t = tensor_over(np.asarray(block)[start:start + n], _DTYPES[dtype], size, stride, offset,
+                    block)
+    return finish(t, parameter, requires_grad)
 
 
 _serialization.register_reducer(torch.Tensor, _reduce_tensor)

@@ -20,6 +20,7 @@ from time import perf_counter as _clock
 from typing import Any
 
 from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
+from . import _multicast
 from ._errors import ActorDiedError
 from ._introspect import serve_probe
 from ._protocol import Connection
@@ -76,6 +77,19 @@ class Worker(StreamingClient):
         if link:  # (outer chain, actor id, "Cls.method", seq): the call this one is made in
             meta = {**(meta or {}), "chain": (*link[0], link[1:])}
         return conn.call(method, args, kwargs, what, meta, stream)
+
+    def call_group(self, actor_ids: list, method: str, args: tuple, kwargs: dict,
+                   what: list):
+        """As ``Runtime.call_group``: one call to every actor, encoded once for all."""
+        if threading.get_ident() != self.loop_thread:
+            return None
+        conns = []
+        for actor_id in actor_ids:
+            conn = self.peers.get(actor_id)
+            conns.append(conn if conn is not None else self._connect(actor_id))
+        link = chain.get()
+        meta = {"chain": (*link[0], link[1:])} if link else None
+        return _multicast.call_many(conns, method, args, kwargs, what, meta)
 
     def _connect(self, actor_id: int) -> Connection:
         conn = Connection(self.loop, self, label=f"actor {actor_id}")

@@ -1,7 +1,8 @@
 """PyTorch tensors in shared memory: ``actorshm.torch.empty/zeros/share/is_shared/share_module``.
 
 Every ``torch.Tensor`` in the arguments or result of a call travels like a numpy array:
-by reference when its storage lies in actorshm shared memory, copied into it once
+by reference when its storage lies in actorshm shared memory (or, for CUDA tensors, in
+actorshm's GPU pool: ``device="cuda"``, which needs CuPy), copied into it once
 otherwise; see docs/torch.md. Importing ``actorshm`` never imports this module or torch;
 this module needs torch (``pip install 'actorshm[torch]'``).
 """
@@ -28,29 +29,45 @@ def _size(size) -> tuple:
     return tuple(size)
 
 
+def _cuda_plugin(what: str):
+    """The CUDA half of the torch plug-in (it needs CuPy for the GPU pool)."""
+    try:
+        from . import _torch_cuda
+    except ImportError as exc:
+        raise ImportError(
+            f"actorshm.torch.{what} on a CUDA device needs CuPy (actorshm's GPU pool): "
+            "pip install 'actorshm[cuda]'") from exc
+    return _torch_cuda
+
+
 def empty(*size, dtype=None, device="cpu"):
     """A new tensor in shared memory owned by this process (contents undefined).
 
     It travels to actors without a copy, writable on both sides, and its memory comes
-    back to this process's pool once every process has dropped it.
+    back to this process's pool once every process has dropped it. On a CUDA device it
+    lies in actorshm's GPU pool and travels as a CUDA IPC reference (see docs/torch.md).
 
     Args:
         *size: the dimensions, as ints or one tuple (``empty(2, 3)``, ``empty((2, 3))``).
         dtype: any torch dtype (default: ``torch.get_default_dtype()``).
-        device: ``"cpu"`` (host shared memory).
+        device: ``"cpu"`` (host shared memory, the default), or ``"cuda"`` /
+            ``"cuda:N"`` / a ``torch.device`` (the GPU pool; needs CuPy).
 
     Raises:
-        ValueError: a negative size, or a device other than the CPU.
-        SharedMemoryError: over the shared-memory budget, as ``actorshm.empty``.
+        ValueError: a negative size, or a device other than the CPU or CUDA.
+        ImportError: a CUDA device without CuPy installed.
+        SharedMemoryError: over the shared-memory budget, as ``actorshm.empty``, or no
+            room on the GPU.
     """
     size = _size(size)
     dtype = dtype or _t.get_default_dtype()
     dev = _t.device(device)
+    if dev.type == "cuda":
+        return _cuda_plugin("empty").empty(size, dtype, dev.index)
     if dev.type != "cpu":
         raise ValueError(
-            f"actorshm.torch.empty(device={device!r}): only 'cpu' is supported; CUDA "
-            "tensors travel by reference through the CuPy pool (actorshm.cuda) only, "
-            "see docs/torch.md")
+            f"actorshm.torch.empty(device={device!r}): the device must be 'cpu' or "
+            "'cuda' (actorshm's shared memory is host memory or its CUDA GPU pool)")
     itemsize = _t.empty(0, dtype=dtype).element_size()
     n = itemsize
     for s in size:
@@ -60,7 +77,8 @@ def empty(*size, dtype=None, device="cpu"):
     for s in reversed(size):
         stride.append(acc)
         acc *= max(s, 1)
-    return _torch.tensor_over(buf, dtype, size, tuple(reversed(stride)), 0)
+    return _torch.tensor_over(buf, dtype, size, tuple(reversed(stride)), 0,
+                              _shm.find_block(buf))
 
 
 def zeros(*size, dtype=None, device="cpu"):
@@ -80,26 +98,35 @@ def is_shared(tensor) -> bool:
     """
     if not isinstance(tensor, _t.Tensor):
         raise TypeError(f"is_shared takes a torch.Tensor, not {type(tensor).__name__}")
+    if tensor.device.type == "cuda":
+        try:
+            from . import _torch_cuda
+        except ImportError:  # no CuPy: no GPU pool, nothing on the GPU is shared
+            return False
+        return _torch_cuda.storage_block(tensor) is not None
     return _torch.storage_block(tensor) is not None
 
 
 def share(tensor):
     """``tensor`` itself if it is already shared, else a shared copy of it (same dtype,
-    shape and values; a contiguous layout).
+    shape, device and values; a contiguous layout). A CUDA tensor's copy lies in the
+    GPU pool on the same device.
 
     Args:
-        tensor: a CPU ``torch.Tensor``.
+        tensor: a ``torch.Tensor`` on the CPU or a CUDA device.
 
     Raises:
         TypeError: not a tensor.
-        ValueError: not on the CPU.
+        ValueError: on another device (e.g. MPS).
+        ImportError: a CUDA tensor without CuPy installed.
         SharedMemoryError: over budget, as ``empty``.
     """
     if is_shared(tensor):
         return tensor
-    if tensor.device.type != "cpu":
-        raise ValueError("actorshm.torch.share takes CPU tensors; move it with .cpu()")
-    out = empty(*tensor.shape, dtype=tensor.dtype)
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"actorshm.torch.share takes CPU or CUDA tensors, not "
+                         f"{tensor.device.type!r} ones; move it with .cpu()")
+    out = empty(*tensor.shape, dtype=tensor.dtype, device=tensor.device)
     with _t.no_grad():
         out.copy_(tensor)
     return out
@@ -114,14 +141,16 @@ def share_module(module):
     objects (their ``.data`` moves), so optimizers made before keep working.
 
     Args:
-        module: a ``torch.nn.Module`` on the CPU.
+        module: a ``torch.nn.Module`` on the CPU or a CUDA device (its CUDA tensors
+            move into the GPU pool).
 
     Returns:
         ``module``.
 
     Raises:
         TypeError: not a module.
-        ValueError: a parameter or buffer not on the CPU.
+        ValueError: a parameter or buffer on another device (e.g. MPS).
+        ImportError: CUDA parameters without CuPy installed.
         SharedMemoryError: over budget.
     """
     if not isinstance(module, _t.nn.Module):

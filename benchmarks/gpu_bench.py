@@ -10,7 +10,10 @@ Rows, each the median of interleaved samples:
   host -> device in the receiver (what a CPU-only transport, or Ray's default object store
   path for GPU tensors, amounts to);
 - the recycled steady state of a producer -> consumer GPU batch stream through the
-  driver, with the slabs allocated and bytes copied per batch after warm-up.
+  driver, with the slabs allocated and bytes copied per batch after warm-up;
+- where torch sees the GPU: the same large argument as a torch CUDA tensor from
+  ``actorshm.torch.empty(device="cuda")`` (CUDA IPC), and as an ordinary torch CUDA
+  tensor (copied once on the device into the pool).
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ class GpuSink:
         x[:1] = 1  # a kernel on the received memory, then wait for it
         cupy.cuda.get_current_stream().synchronize()
         return x.shape
+
+    def touch_torch(self, t):
+        import torch
+        t[:1] = 1
+        torch.cuda.synchronize()
+        return tuple(t.shape)
 
     def touch_host(self, h):
         d = cupy.asarray(h)  # host -> device in the receiver
@@ -116,6 +125,7 @@ async def main(argv=None) -> dict:
     new_slabs = (s1["cuda_pool_allocs"] - s0["cuda_pool_allocs"]) / n
     copied = (s1["cuda_bytes_copied"] - s0["cuda_bytes_copied"]) / n
 
+    torch_rows = await _torch_rows(sink, big, rounds, _ms(trivial))
     rows = [
         ("trivial call", _ms(trivial), 1.0),
         (f"{_fmt_bytes(big)} CuPy argument via CUDA IPC", _ms(ipc), _ms(ipc) / _ms(trivial)),
@@ -123,7 +133,7 @@ async def main(argv=None) -> dict:
          _ms(staged) / _ms(trivial)),
         (f"{_fmt_bytes(batch)} GPU batch, producer -> consumer, recycled", per_batch * 1e3,
          per_batch * 1e3 / _ms(trivial)),
-    ]
+    ] + torch_rows
     print("| what | median ms | x trivial call |\n| --- | --- | --- |")
     for what, ms, ratio in rows:
         print(f"| {what} | {ms:.3f} | {ratio:.1f} |")
@@ -132,6 +142,34 @@ async def main(argv=None) -> dict:
           "copied")
     return {"ipc_ms": _ms(ipc), "staged_ms": _ms(staged), "new_slabs_per_batch": new_slabs,
             "bytes_copied_per_batch": copied}
+
+
+async def _torch_rows(sink, big: int, rounds: int, trivial_ms: float) -> list:
+    """Rows for torch CUDA tensor arguments, where torch sees a GPU (else none)."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        print("torch sees no GPU: torch CUDA tensor rows skipped")
+        return []
+    import actorshm.torch as at
+    shared = at.zeros(big, dtype=torch.uint8, device="cuda")
+    ordinary = torch.zeros(big, dtype=torch.uint8, device="cuda")
+    await sink.touch_torch(shared)
+    await sink.touch_torch(ordinary)
+    ipc, copied = [], []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        await sink.touch_torch(shared)
+        ipc.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        await sink.touch_torch(ordinary)
+        copied.append(time.perf_counter() - t)
+    return [(f"{_fmt_bytes(big)} torch CUDA tensor (actorshm.torch) via CUDA IPC", _ms(ipc),
+             _ms(ipc) / trivial_ms),
+            (f"{_fmt_bytes(big)} ordinary torch CUDA tensor (copied once on the device)",
+             _ms(copied), _ms(copied) / trivial_ms)]
 
 
 if __name__ == "__main__":

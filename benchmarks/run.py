@@ -391,78 +391,6 @@ def torch_recycling(batch: int, n: int):  # pragma: no cover - needs torch
     return per
 
 
-async def torch_tensors(c: Contenders, size: int, rounds: int, recycle_n: int):
-    """Torch rows: a ``size`` tensor argument per contender (median seconds per call), and
-    the 64 MiB recycling loop with tensors (seconds per batch, bytes copied and new
-    blocks per batch)."""
-    import torch
-
-    import actorshm.torch as at
-    from benchmarks._torch_actors import TensorProducer
-    shared = at.empty(size, dtype=torch.uint8)
-    shared[::4096] = 1
-    ordinary = torch.ones(size, dtype=torch.uint8)
-    fns = {}
-
-    async def shm_shared():
-        t = time.perf_counter()
-        await c.sink.touch(shared)
-        return time.perf_counter() - t
-
-    async def shm_ordinary():
-        t = time.perf_counter()
-        await c.sink.touch(ordinary)
-        return time.perf_counter() - t
-    fns["actorshm, shared tensor"] = shm_shared
-    fns["actorshm, ordinary tensor (copied once)"] = shm_ordinary
-    if c.torch is not None:  # pragma: no cover - not in --quick
-        mp_shared = torch.ones(size, dtype=torch.uint8).share_memory_()
-
-        async def tmp_queue():
-            t = time.perf_counter()
-            c.torch["q_in"].put(mp_shared)
-            c.torch["q_out"].get()
-            return time.perf_counter() - t
-        fns["torch.multiprocessing queue, shared tensor"] = tmp_queue
-    if c.ray is not None:  # pragma: no cover - needs ray
-        ray, h = c.ray["ray"], c.ray["h"]
-
-        async def ray_arg():
-            t = time.perf_counter()
-            ray.get(h.touch.remote(ordinary))
-            return time.perf_counter() - t
-        fns["Ray, tensor argument"] = ray_arg
-    samples = {k: [] for k in fns}
-    for fn in fns.values():
-        await fn()
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            for _ in range(10 if k == "actorshm, shared tensor" else 2):
-                samples[k].append(await fn())
-    args = {k: statistics.median(v) for k, v in samples.items()}
-    del shared, ordinary
-    prod = await TensorProducer.spawn(64 * MiB)
-    for i in range(3):
-        b = await prod.batch(i)
-        await c.sink.touch(b)
-        del b
-    await asyncio.sleep(0.05)
-    p0, c0, d0 = await prod.stats(), await c.sink.stats(), actorshm.stats()
-    t = time.perf_counter()
-    for i in range(recycle_n):
-        b = await prod.batch(i)
-        await c.sink.touch(b)
-        del b
-    per = (time.perf_counter() - t) / recycle_n
-    await asyncio.sleep(0.05)
-    p1, c1, d1 = await prod.stats(), await c.sink.stats(), actorshm.stats()
-    pairs = ((p0, p1), (c0, c1), (d0, d1))
-    copied = sum(b["bytes_copied"] - a["bytes_copied"] for a, b in pairs) / recycle_n
-    allocs = sum(b["pool_allocs"] - a["pool_allocs"] for a, b in pairs) / recycle_n
-    await prod.kill()
-    return args, (per, copied, allocs)
-
-
 def ray_startup(count: int):  # pragma: no cover - needs ray
     import ray
 
@@ -488,25 +416,33 @@ async def startup(method: str, count: int) -> float:
         return time.perf_counter() - t
 
 
-async def broadcast(size: int, n: int, rounds: int) -> dict[str, list[float]]:
-    """Seconds per call with one shared array: to one actor, and to a group of ``n``."""
+async def broadcast(size: int, n: int, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds per call with one shared array: to one actor, to a group of ``n`` (one
+    call encoded once for all), and to the same ``n`` one call each (``asyncio.gather``);
+    with the driver's CPU seconds per call (``time.process_time``), which the other
+    processes' noise moves less than the wall clock."""
     group = await actorshm.ActorGroup.spawn(Sink, n)
     one = group[0]
     a = actorshm.empty(size, np.uint8)
     a[::4096] = 1
-    fns = {"one actor": lambda: one.touch(a), f"group of {n}": lambda: group.touch(a)}
+    fns = {"one actor": lambda: one.touch(a), f"group of {n}": lambda: group.touch(a),
+           f"{n} calls, one each (asyncio.gather)":
+               lambda: asyncio.gather(*(h.touch(a) for h in group))}
     samples: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         await fn()
     for _ in range(rounds):
         for k, fn in fns.items():
+            c = time.process_time()
             for _ in range(10):
                 t = time.perf_counter()
                 await fn()
                 samples[k].append(time.perf_counter() - t)
+            cpu[k].append((time.process_time() - c) / 10)
     del a
     await group.kill()
-    return samples
+    return {"wall": samples, "cpu": cpu}
 
 
 # -- report ------------------------------------------------------------------------
@@ -605,12 +541,18 @@ async def run(args, data: dict | None = None) -> str:
                       ray_backend.HEADER, ray_backend.rows(res))
         size, n = (64 * MiB, 4) if quick else (512 * MiB, 8)
         bc = await broadcast(size, n, rounds=3 if quick else 10)
-        one = statistics.median(bc["one actor"])
+        one = statistics.median(bc["wall"]["one actor"])
         table.add(f"Broadcast: one shared {_size(size)} array to a group of {n} actors "
                   "(`await group.touch(a)`)",
-                  ["call", "median ms", "p99 ms", "vs one actor"],
+                  ["call", "median ms", "p99 ms", "vs one actor", "driver CPU µs/call"],
                   [[k, _ms(statistics.median(v)), _ms(_pct(v, 0.99)),
-                    f"{statistics.median(v) / one:.2f}x"] for k, v in bc.items()])
+                    f"{statistics.median(v) / one:.2f}x",
+                    _us(statistics.mean(bc["cpu"][k]))] for k, v in bc["wall"].items()])
+        from benchmarks.group_send import send_cost
+        sc = await send_cost(n, rounds=50 if quick else 200)
+        table.add(f"Broadcast: the driver's own work to send a group call, per member "
+                  f"({n} connections, no process woken)",
+                  ["call", "median µs per member"], [[k, f"{v:.1f}"] for k, v in sc.items()])
         from benchmarks.streaming import rows as stream_rows, streaming
         st = await streaming(quick)
         data["streaming"] = st
@@ -618,28 +560,8 @@ async def run(args, data: dict | None = None) -> str:
                   "at a time)", ["items", "streamed items/s", "individual calls items/s",
                                  "streaming speed-up"], stream_rows(st))
 
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            c.skipped.append("torch not installed: tensor rows skipped "
-                             "(pip install -e '.[torch]')")
-        else:
-            tsize = 64 * MiB if quick else 512 * MiB
-            targs, (tper, tcopied, tallocs) = await torch_tensors(
-                c, tsize, rounds=2 if quick else 3, recycle_n=10 if quick else 40)
-            data["tensors"] = {"size": tsize, "args": targs}
-            table.add(f"A call with a {_size(tsize)} torch tensor argument (median; "
-                      "effective GB/s)", ["contender", "time"],
-                      [[k, f"{_ms(v)} ms ({tsize / v / 1e9:.1f} GB/s)"]
-                       for k, v in targs.items()])
-            table.notes.append(
-                f"A {_size(tsize)} shared tensor argument costs "
-                f"{targs['actorshm, shared tensor'] / trivial:.2f}x a trivial call.")
-            table.add("Recycling loop, 64 MiB torch tensors (producer actor fills an "
-                      "actorshm.torch.empty tensor, consumer touches, it goes home)",
-                      ["contender", "ms per batch", "bytes copied/batch",
-                       "new blocks/batch"],
-                      [["actorshm", _ms(tper), f"{tcopied:.0f}", f"{tallocs:.2f}"]])
+        from benchmarks import torch_tensors
+        await torch_tensors.section(c, table, data, quick, trivial, _ms, _size)
         ray_rows = []
         many_label = f"{4 if quick else 16} actors at once"
         data["startup"] = {}

@@ -5,6 +5,7 @@ N worker actors each own a shard of scikit-learn's digits and push gradients.
     python examples/parameter_server.py --mode async --workers 4
     python examples/parameter_server.py --single              # one process, same settings
     python examples/parameter_server.py --quick               # a few seconds, for tests
+    python examples/parameter_server.py --torch               # torch tensors and autograd
     python examples/parameter_server.py --backend ray         # the same actors on Ray
     python examples/parameter_server.py --backend ray --address auto   # on a Ray cluster
 
@@ -12,6 +13,11 @@ The weights live in one flat float64 buffer from ``actorshm.zeros`` in the serve
 reply that carries them is a zero-copy view of that buffer; every gradient a worker
 pushes is written into a buffer from ``actorshm.empty`` in the worker, which goes back to
 that worker's pool (and is reused) once the server drops it.
+
+With ``--torch`` the model is the same, in torch: the server's weights are one flat float64
+tensor from ``actorshm.torch.zeros``, each worker computes its gradient with torch's
+autograd and writes it into a tensor from ``actorshm.torch.empty``. The tensors travel as
+the numpy buffers do: by reference, recycled, nothing copied.
 
 With ``--backend ray`` the same classes run as Ray actors, on one machine or across a
 cluster's nodes: weights and gradients then travel through Ray's object store (copied,
@@ -98,7 +104,36 @@ def loss_and_grad(w, X, y, out, xp=np):
 
 
 def accuracy(w, X, y) -> float:
+    w = as_numpy(w)
     return float((forward(w, X)[1].argmax(axis=1) == y).mean())
+
+
+def as_numpy(w) -> np.ndarray:
+    """``w`` as a numpy array: a CPU torch tensor's view of the same memory."""
+    return w if isinstance(w, np.ndarray) else w.detach().cpu().numpy()
+
+
+def torch_loss_and_grad(w, X, y, out) -> float:
+    """``loss_and_grad`` in torch: autograd of the cross-entropy of batch (X, y) at flat
+    float64 tensor ``w``, written into flat tensor ``out`` (all torch tensors)."""
+    import torch
+    import torch.nn.functional as F
+    wl = w.detach().requires_grad_(True)  # a leaf viewing w's memory
+    W1, b1, W2, b2 = unflatten(wl)
+    z = torch.relu(X @ W1 + b1) @ W2 + b2
+    loss = F.cross_entropy(z, y)
+    (grad,) = torch.autograd.grad(loss, wl)
+    out.copy_(grad)
+    return float(loss.detach())
+
+
+def _torch_empty(n: int, shared: bool):
+    """A float64 torch vector; from actorshm's shared memory if ``shared``."""
+    import torch
+    if shared:
+        import actorshm.torch
+        return actorshm.torch.empty(n, dtype=torch.float64)
+    return torch.empty(n, dtype=torch.float64)
 
 
 # ---------------------------------------------------------------------- actors
@@ -108,15 +143,21 @@ def accuracy(w, X, y) -> float:
 class Server:
     """Holds the weights; ``push_sync`` gathers N gradients per step, ``push_async`` applies each."""
 
-    def __init__(self, n_workers: int, lr: float, seed: int, backend: str = "local"):
+    def __init__(self, n_workers: int, lr: float, seed: int, backend: str = "local",
+                 use_torch: bool = False):
         # Shared on the local backend: every reply is a view of this buffer.
-        self.w = actorshm.zeros(N_PARAMS) if backend == "local" else np.zeros(N_PARAMS)
-        self.w[...] = init_params(seed)
+        if use_torch:
+            import torch
+            self.w = _torch_empty(N_PARAMS, backend == "local")
+            self.w.copy_(torch.from_numpy(init_params(seed)))
+        else:
+            self.w = actorshm.zeros(N_PARAMS) if backend == "local" else np.zeros(N_PARAMS)
+            self.w[...] = init_params(seed)
         self.n_workers = n_workers
         self.lr = lr
         self.version = 0
         self.waiting: list[tuple[np.ndarray, asyncio.Future]] = []
-        self.acc = np.zeros(N_PARAMS)
+        self.acc = _torch_empty(N_PARAMS, False) if use_torch else np.zeros(N_PARAMS)
         self.staleness_sum = 0
         self.pushes = 0
 
@@ -159,16 +200,23 @@ class Worker:
     """Owns one shard of the training set; runs its share of each epoch against the server."""
 
     def __init__(self, index: int, count: int, seed: int, batch_size: int, device: str = "cpu",
-                 backend: str = "local"):
+                 backend: str = "local", use_torch: bool = False):
         # Ray copies arguments through its object store: a shared buffer would gain nothing.
         self.alloc = actorshm.empty if backend == "local" else np.empty
         Xtr, _, ytr, _ = load_data(seed)
         self.X, self.y = shard(Xtr, ytr, index, count)
+        self.torch = None
+        if use_torch:
+            import torch
+            self.torch = torch
+            self.alloc = lambda n: _torch_empty(n, backend == "local")  # as actorshm.empty
+            self.Xt = torch.from_numpy(self.X).to(device)
+            self.yt = torch.from_numpy(self.y).to(device)
         self.rng = np.random.default_rng(seed * 1000 + index)
         self.batch_size = batch_size
         self.order = np.empty(0, dtype=np.int64)
         self.xp = np
-        if device == "cuda":
+        if device == "cuda" and not use_torch:
             import cupy
             self.xp = cupy
             self.Xd, self.yd = cupy.asarray(self.X), cupy.asarray(self.y)
@@ -181,6 +229,15 @@ class Worker:
 
     def _grad(self, w, idx):
         g = self.alloc(N_PARAMS)  # shared: recycled, comes home once the server drops it
+        if self.torch is not None:
+            ii = self.torch.from_numpy(idx).to(self.Xt.device)
+            wd = w.to(self.Xt.device)  # w itself on the CPU: no copy
+            if wd is w:
+                return torch_loss_and_grad(w, self.Xt[ii], self.yt[ii], g), g
+            gd = self.torch.empty_like(wd)
+            loss = torch_loss_and_grad(wd, self.Xt[ii], self.yt[ii], gd)
+            g.copy_(gd)
+            return loss, g
         if self.xp is np:
             return loss_and_grad(w, self.X[idx], self.y[idx], g), g
         xp = self.xp
@@ -220,6 +277,8 @@ def parse(argv=None):
     p.add_argument("--batch-size", type=int, default=16, help="per worker and step")
     p.add_argument("--quick", action="store_true", help="few epochs, for tests")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--torch", action="store_true",
+                   help="weights and gradients as torch tensors, gradients by autograd")
     p.add_argument("--plot", metavar="FILE.png")
     p.add_argument("--single", action="store_true",
                    help="train in this one process with the same settings")
@@ -232,7 +291,14 @@ def parse(argv=None):
         args.epochs = min(args.epochs, 6)
     if args.workers < 1:
         p.error("--workers must be >= 1")
-    if args.device == "cuda":
+    if args.torch:
+        try:
+            import torch
+        except ImportError:
+            raise SystemExit("--torch needs PyTorch: pip install 'actorshm[torch]'") from None
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("cuda path not available: torch sees no GPU")
+    elif args.device == "cuda":
         try:
             import cupy  # noqa: F401
         except ImportError:
@@ -251,9 +317,10 @@ def total_stats(dicts):
 
 async def _distributed(args, Xtr, Xte, ytr, yte):
     server = await Server.options(max_concurrency=args.workers + 2).spawn(
-        args.workers, args.lr, args.seed, args.backend)
+        args.workers, args.lr, args.seed, args.backend, args.torch)
     workers = await asyncio.gather(*[
-        Worker.spawn(i, args.workers, args.seed, args.batch_size, args.device, args.backend)
+        Worker.spawn(i, args.workers, args.seed, args.batch_size, args.device, args.backend,
+                     args.torch)
         for i in range(args.workers)])
     actors = [server, *workers]
     steps = steps_per_epoch(len(Xtr), args)
@@ -280,7 +347,7 @@ async def _distributed(args, Xtr, Xte, ytr, yte):
     if args.mode == "async":
         print(f"average staleness: {staleness:.2f} updates")
     w, _ = await server.weights()
-    final = np.array(w)  # our own copy, so the server's buffer can go
+    final = as_numpy(w).copy()  # our own copy, so the server's buffer can go
     del w
     for a in actors:
         await a.kill()
@@ -291,6 +358,12 @@ def _single(args, Xtr, Xte, ytr, yte):
     """Same model, lr, epochs and steps; one step uses workers*batch_size samples (= sync)."""
     w = init_params(args.seed)
     g = np.empty(N_PARAMS)
+    grad_fn = loss_and_grad
+    if args.torch:
+        import torch
+        Xtr, ytr = torch.from_numpy(Xtr), torch.from_numpy(ytr)
+        w, g = torch.from_numpy(w), torch.from_numpy(g)  # views: the same memory
+        grad_fn = torch_loss_and_grad
     rng = np.random.default_rng(args.seed)
     steps = steps_per_epoch(len(Xtr), args)
     bs = args.workers * args.batch_size
@@ -303,7 +376,9 @@ def _single(args, Xtr, Xte, ytr, yte):
             if len(order) < bs:
                 order = np.concatenate([order, rng.permutation(len(Xtr))])
             idx, order = order[:bs], order[bs:]
-            losses.append(loss_and_grad(w, Xtr[idx], ytr[idx], g))
+            if args.torch:
+                idx = torch.from_numpy(idx)
+            losses.append(grad_fn(w, Xtr[idx], ytr[idx], g))
             w -= args.lr * g
         dt = time.perf_counter() - t0
         acc = accuracy(w, Xte, yte)
@@ -311,7 +386,7 @@ def _single(args, Xtr, Xte, ytr, yte):
                             steps_per_s=steps / dt))
         print(f"epoch {epoch:3d}  loss {np.mean(losses):.4f}  acc {acc:.3f}  "
               f"{steps / dt:7.0f} steps/s  (single process)", flush=True)
-    return w, history, 0.0
+    return as_numpy(w), history, 0.0
 
 
 def plot(history, path):
@@ -338,6 +413,8 @@ def main(argv=None) -> dict:
     Xtr, Xte, ytr, yte = load_data(args.seed)
     what = "single process" if args.single else \
         f"{args.mode}, {args.workers} workers, {args.backend} backend"
+    if args.torch:
+        what += ", torch"
     print(f"parameter server: {what}, {N_PARAMS} params, train {len(Xtr)} test {len(Xte)}")
     t0 = time.perf_counter()
     if args.single:

@@ -35,11 +35,15 @@ def test_quick_benchmarks_run(tmp_path):
     report = out_file.read_text()
     for section in ("Trivial call round trip", "Pipelined calls", "numpy argument",
                     "Recycling loop", "Streaming method", "Actor start-up",
-                    "Broadcast: one shared 64 MiB array", "ActorGroup.spawn"):
+                    "Broadcast: one shared 64 MiB array", "ActorGroup.spawn",
+                    "the driver's own work to send a group call"):
         assert section in report
     assert "not measured" in report  # peers skipped in quick mode say so
     if importlib.util.find_spec("torch") is not None:  # torch rows, in the same run
         assert "torch tensor argument" in report and "Recycling loop, 64 MiB torch" in report
+        # the goal, as ratios to a trivial call, at the quick run's small size
+        assert "Shared tensor argument vs a trivial call: 1 MiB " in report
+        assert "(goal: within 1.5x at every size: " in report
     assert "pins every process to CPU 0 (" in report  # the affinity in effect
     # behaviour, not speed: the recycling loop copies nothing and maps nothing new
     line = [ln for ln in report.splitlines() if ln.startswith("| ") and "|" in ln]

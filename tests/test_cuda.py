@@ -92,6 +92,18 @@ async def test_handle_opened_once_per_slab(rt):
     assert (await a.stats())["cuda_handles_opened"] == 1
 
 
+async def test_group_call_sends_one_gpu_block_to_every_member(rt):
+    g = await actorshm.ActorGroup.spawn(GpuArrays, 3)
+    x = actorshm.cuda.zeros(1000, cupy.float32)
+    x += 2
+    await g[0].sum(x)  # member 0 has the slab's handle already; the others get it now
+    assert await g.sum(x) == [2000.0] * 3  # the call encoded once for all three
+    assert await g.sum(x) == [2000.0] * 3
+    assert [s["cuda_handles_opened"] for s in await g.stats()] == [1, 1, 1]
+    assert await g.fill(x, 5.0) == [None] * 3  # every member writes the same memory
+    assert float(x.sum()) == 5000.0
+
+
 async def test_recycling_no_new_slab(rt):
     a = await GpuArrays.spawn()
     for _ in range(3):

@@ -45,6 +45,23 @@ def test_gpu_tests_pass_on_a_simulated_gpu():
     assert "skipped" not in summary and "failed" not in summary, summary
 
 
+def test_torch_cuda_tests_pass_on_a_simulated_gpu():
+    # torch CUDA tensors through the GPU pool, with a stand-in for torch's CUDA tensors
+    # (tests/simgpu/simtorchcuda.py): lookup, copy, leases, IPC and rebuild run for real.
+    pytest.importorskip("torch", reason="torch is not installed (the torch extra)")
+    proc = _run_simulated("-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                          os.path.join("tests", "test_torch_cuda.py"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    summary = out.strip().splitlines()[-1]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed.group(1)) >= 8, summary
+    assert "failed" not in summary, summary
+    # only the tests that need torch's real CUDA tensors skip
+    skips = [ln for ln in out.splitlines() if ln.startswith("SKIPPED")]
+    assert all("needs torch's real CUDA tensors" in ln for ln in skips), skips
+
+
 def test_gpu_benchmark_script_runs_on_a_simulated_gpu():
     # Keeps benchmarks/gpu_bench.py from rotting; its timings here mean nothing.
     proc = _run_simulated(os.path.join("benchmarks", "gpu_bench.py"), "--quick")

@@ -31,6 +31,26 @@ def test_parameter_server(mode, capsys):
         assert out["staleness"] >= 0
 
 
+def test_parameter_server_torch(capsys):
+    pytest.importorskip("torch", reason="torch is not installed (the torch extra)")
+    out = parameter_server.main(["--quick", "--torch", "--workers", "2", "--epochs", "3"])
+    assert out["test_accuracy"] > 0.85
+    text = capsys.readouterr().out
+    assert "torch" in text.splitlines()[0]
+    assert "final test accuracy: " in text.splitlines()[-1]
+    hist = out["history"]
+    # weights and gradients are actorshm.torch tensors: by reference, recycled
+    assert all(h["bytes_copied"] == 0 for h in hist)
+    assert all(h["bytes_zero_copy"] > 0 for h in hist)
+    assert hist[-1]["pool_allocs"] == 0
+    # autograd computes the numpy path's gradients: the same training, loss for loss
+    ref = parameter_server.main(["--quick", "--single", "--workers", "2", "--epochs", "3"])
+    single = parameter_server.main(["--quick", "--single", "--torch", "--workers", "2",
+                                    "--epochs", "3"])
+    assert [h["loss"] for h in single["history"]] == pytest.approx(
+        [h["loss"] for h in ref["history"]])
+
+
 def test_parameter_server_single():
     out = parameter_server.main(["--quick", "--single"])
     assert out["test_accuracy"] > 0.85

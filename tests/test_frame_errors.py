@@ -13,28 +13,7 @@ from actorshm import _protocol as P
 from actorshm import _serialization, _shm
 from actorshm import _wire as W
 from actors import Arrays, Counter, Oversized
-
-
-class _Recorder:
-    """A connection host that records calls and answers each with its arguments."""
-
-    closing = False
-
-    def __init__(self):
-        self.calls = []
-        self.closed = []
-
-    def handle_call(self, conn, cid, call):
-        method, args, kwargs = call
-        call.clear()
-        self.calls.append((method, args, kwargs))
-        conn.reply(cid, args)
-
-    def connection_eof(self, conn):
-        conn.close()
-
-    def connection_closed(self, conn):
-        self.closed.append(conn)
+from recorder import Recorder
 
 
 def _fd_count():
@@ -139,7 +118,7 @@ async def test_a_reply_the_frame_writer_refuses_becomes_an_error_reply(rt):
 async def test_a_result_frame_that_fails_to_decode_fails_its_call():
     loop = asyncio.get_running_loop()
     a, b = socket.socketpair()
-    host = _Recorder()
+    host = Recorder()
     conn = P.Connection(loop, host, a, "peer")
     fut = conn.call("f", (1,), {})
     other = conn.call("g", (2,), {})
@@ -166,7 +145,7 @@ async def _receiver_of(frames_with_fds, settle=lambda conn: conn.closed):
     loop = asyncio.get_running_loop()
     fd0 = _fd_count()
     a, b = socket.socketpair()
-    conn = P.Connection(loop, _Recorder(), a, "peer")
+    conn = P.Connection(loop, Recorder(), a, "peer")
     fut = conn.call("f", (), {})
     with b:
         for frame, fds in frames_with_fds:
@@ -210,7 +189,7 @@ async def test_announced_fds_of_a_frame_cut_across_reads_are_kept_for_it():
     try:
         loop = asyncio.get_running_loop()
         a, b = socket.socketpair()
-        host = _Recorder()
+        host = Recorder()
         conn = P.Connection(loop, host, a, "peer")
         data = await _call_bytes(loop, [("f", (1,))])
         with b:
@@ -233,7 +212,7 @@ async def test_announced_fds_of_a_frame_cut_across_reads_are_kept_for_it():
 async def _call_bytes(loop, calls):
     """The bytes a Connection writes for ``calls``."""
     a, b = socket.socketpair()
-    sender = P.Connection(loop, _Recorder(), a, "sender")
+    sender = P.Connection(loop, Recorder(), a, "sender")
     futs = [sender.call(m, args, {}) for m, args in calls]
     await asyncio.sleep(0.05)
     data = b.recv(1 << 20)
@@ -255,7 +234,7 @@ async def _feed_after_truncated_frame(swallowed, rest, caplog):
     payload, then ``rest``: the reader takes those bytes of ``rest`` as the end of it."""
     loop = asyncio.get_running_loop()
     a, b = socket.socketpair()
-    conn = P.Connection(loop, _Recorder(), a, "peer")
+    conn = P.Connection(loop, Recorder(), a, "peer")
     fut = conn.call("f", (), {})
     head = P.HEADER.pack(len(_EMPTY_RELEASES) + swallowed, P.RELEASE, 0, 0, 0)
     with b:

@@ -10,34 +10,13 @@ import pytest
 import actorshm
 from actorshm import _protocol as P
 from actors import Arrays, Counter
-
-
-class _Recorder:
-    """A connection host that records calls and answers each with its arguments."""
-
-    closing = False
-
-    def __init__(self):
-        self.calls = []
-        self.closed = []
-
-    def handle_call(self, conn, cid, call):
-        method, args, kwargs = call
-        call.clear()
-        self.calls.append((method, args, kwargs))
-        conn.reply(cid, args)
-
-    def connection_eof(self, conn):
-        conn.close()
-
-    def connection_closed(self, conn):
-        self.closed.append(conn)
+from recorder import Recorder
 
 
 async def _wire_bytes(loop, calls):
     """The bytes a Connection writes for ``calls``, read off the other end of its socket."""
     a, b = socket.socketpair()
-    sender = P.Connection(loop, _Recorder(), a, "sender")
+    sender = P.Connection(loop, Recorder(), a, "sender")
     futs = [sender.call(m, args, {}) for m, args in calls]
     await asyncio.sleep(0.05)
     b.setblocking(False)
@@ -63,7 +42,7 @@ async def test_frames_cut_anywhere_arrive_whole(piece):
              ("plain", (None,))]
     data = await _wire_bytes(loop, calls)
     c, d = socket.socketpair()
-    host = _Recorder()
+    host = Recorder()
     receiver = P.Connection(loop, host, c, "receiver")
     d.setblocking(False)
     with d:
@@ -107,7 +86,7 @@ async def test_releases_ride_ahead_of_the_reply(rt):
 async def test_bad_releases_close_only_that_connection(rt):
     loop = asyncio.get_running_loop()
     c, d = socket.socketpair()
-    host = _Recorder()
+    host = Recorder()
     receiver = P.Connection(loop, host, c, "receiver")
     junk = b"\xff\xff\x00\x00not a pickle"  # says 65535 bytes of releases follow
     frame = P.HEADER.pack(len(junk), P.CALL, P.HAS_RELEASES, 0, 1) + junk
@@ -194,7 +173,7 @@ async def test_a_frame_passing_a_block_on_waits_for_the_notice_upstream(then, mo
     monkeypatch.setitem(_leases.counters, "forward_notices_sent",
                         _leases.counters["forward_notices_sent"])
     loop = asyncio.get_running_loop()
-    host = _Recorder()
+    host = Recorder()
     u_a, u_b = socket.socketpair()  # nobody reads u_b: U is busy
     c_a, c_b = socket.socketpair()
     e_a, e_b = socket.socketpair()
@@ -254,7 +233,7 @@ async def test_each_held_frame_waits_only_for_its_own_notice(monkeypatch):
     monkeypatch.setitem(_leases.counters, "forward_notices_sent",
                         _leases.counters["forward_notices_sent"])
     loop = asyncio.get_running_loop()
-    host = _Recorder()
+    host = Recorder()
     pairs = [socket.socketpair() for _ in range(3)]
     U, V, C = [P.Connection(loop, host, a, name) for (a, _), name in zip(pairs, "UVD")]
     u_b, v_b, c_b = [b for _, b in pairs]
@@ -299,7 +278,7 @@ async def test_closing_an_upstream_with_its_notice_unsent_closes_the_held_connec
     monkeypatch.setitem(_leases.counters, "forward_notices_sent",
                         _leases.counters["forward_notices_sent"])
     loop = asyncio.get_running_loop()
-    host = _Recorder()
+    host = Recorder()
     (u_a, u_b), (c_a, c_b) = socket.socketpair(), socket.socketpair()
     U, C = P.Connection(loop, host, u_a, "U"), P.Connection(loop, host, c_a, "D")
     block = _peer_block(U, 5)
@@ -321,7 +300,7 @@ async def test_closing_an_upstream_with_its_notice_unsent_closes_the_held_connec
 
 async def test_a_failing_frame_callback_neither_corrupts_the_stream_nor_hangs_calls(caplog):
     loop = asyncio.get_running_loop()
-    host = _Recorder()
+    host = Recorder()
     (a, b), (c, d) = socket.socketpair(), socket.socketpair()
     conn, stuck = P.Connection(loop, host, a, "peer"), P.Connection(loop, host, c, "stuck")
 

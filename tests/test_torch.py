@@ -2,8 +2,10 @@
 
 import asyncio
 import gc
+import importlib.util
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -174,8 +176,13 @@ async def test_num_cpus_sets_torch_threads(rt):
 
 
 def test_bad_input_errors():
-    with pytest.raises(ValueError, match="only 'cpu'"):
+    with pytest.raises(ValueError, match="must be 'cpu' or 'cuda'"):
         at.empty(3, device="meta")
+    with pytest.raises(ValueError, match="CPU or CUDA tensors"):
+        at.share(torch.zeros(3, device="meta"))
+    if importlib.util.find_spec("cupy") is None:  # the GPU pool is CuPy's
+        with pytest.raises(ImportError, match=r"needs CuPy.*actorshm\[cuda\]"):
+            at.empty(3, device="cuda")
     with pytest.raises(ValueError, match="ints >= 0"):
         at.empty(-1)
     with pytest.raises(TypeError, match="nn.Module"):
@@ -184,3 +191,34 @@ def test_bad_input_errors():
         at.is_shared(np.zeros(3))
     s = at.share(torch.arange(4.0))
     assert at.is_shared(s) and at.share(s) is s and s.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_shared_tensor_lookup_does_not_scan_every_live_block():
+    # A tensor is recognised by its storage's address. Scanning every live block for it
+    # cost milliseconds per tensor once thousands of blocks were live (a module's
+    # parameters, a data set held as small shared arrays): the lookup must stay O(1).
+    from actorshm import _torch
+    keep = [actorshm.empty(8) for _ in range(20000)]
+    made = at.zeros(16)
+    viewed = torch.from_numpy(actorshm.zeros(16))  # found by address once, then known
+    sliced = made[4:]  # a view: the same storage
+    for t in (made, viewed, sliced):
+        assert _torch.storage_block(t) is not None
+    t0 = time.perf_counter()
+    for _ in range(100):
+        for t in (made, viewed, sliced):
+            assert at.is_shared(t)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 1.0, f"300 lookups with 20000 live blocks took {elapsed:.2f} s"
+    del keep
+
+
+def test_storage_address_map_drops_dead_blocks():
+    # The address -> block map must not keep an entry for every storage ever seen.
+    from actorshm import _shm, _torch
+    known: dict = {}
+    for i in range(5000):
+        a = actorshm.empty(8)
+        _torch.remember(known, (1 << 40) + 64 * i, _shm.find_block(a))
+        del a  # the block dies here
+    assert len(known) < 2100
