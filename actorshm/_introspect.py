@@ -86,9 +86,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def format_stacks(loop: asyncio.AbstractEventLoop | None = None) -> str:
+def format_stacks(loop: asyncio.AbstractEventLoop | None = None, skip: tuple = ()) -> str:
     """Every thread's Python stack in this process, and every pending asyncio task's
-    of ``loop`` (an ``async def`` method waits in a task, not on a thread), as text."""
+    of ``loop`` (an ``async def`` method waits in a task, not on a thread), as text;
+    tasks with a frame of a function named in ``skip`` (plumbing) are left out."""
     me = threading.get_ident()
     names = {t.ident: t.name for t in threading.enumerate()}
     out = []
@@ -100,7 +101,8 @@ def format_stacks(loop: asyncio.AbstractEventLoop | None = None) -> str:
     del frame
     for task in _tasks(loop):
         stack = _await_chain(task.get_coro())
-        if not stack or stack[0].f_code.co_name == "_amain":  # (the actor's own main)
+        if not stack or stack[0].f_code.co_name == "_amain" or any(  # (our own)
+                f.f_code.co_name in skip for f in stack):
             continue
         out.append(f"Task {task.get_name()} (most recent call last):\n")
         out.extend(traceback.StackSummary.extract(
@@ -281,6 +283,26 @@ class MemoryReport:
         return "\n".join(lines)
 
 
+def memory_report(views: list, unresponsive: list) -> MemoryReport:
+    """A ``MemoryReport`` from each answering process's ``(label, held_blocks())``."""
+    owners = {t: label for label, v in views for t in v["tokens"]}
+    rows: dict[tuple, dict] = {}
+    for label, view in views:
+        for key, size, device, in_use in view["blocks"]:
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = {
+                    "block": f"{key[0] & 0xFFFFFF:06x}:{key[1]}+{key[2]}",
+                    "device": device, "size": size,
+                    "owner": owners.get(key[0], "?"), "held_by": []}
+            if in_use:
+                row["held_by"].append(label)
+    keys = ("arena_bytes_owned", "cuda_slab_bytes_owned", "blocks_live")
+    procs = {label: {k: v["stats"].get(k, 0) for k in keys} for label, v in views}
+    return MemoryReport(sorted(rows.values(), key=lambda r: (-r["size"], r["block"])),
+                        procs, unresponsive)
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
@@ -357,22 +379,7 @@ class Inspectable:
         got, missed = await self._ask_all("memory", timeout)
         conns = [r.conn for r in self._actors.values() if r.conn is not None]
         views = [("driver", held_blocks(conns))] + [(r.label, a) for r, a in got]
-        owners = {t: label for label, v in views for t in v["tokens"]}
-        rows: dict[tuple, dict] = {}
-        for label, view in views:
-            for key, size, device, in_use in view["blocks"]:
-                row = rows.get(key)
-                if row is None:
-                    row = rows[key] = {
-                        "block": f"{key[0] & 0xFFFFFF:06x}:{key[1]}+{key[2]}",
-                        "device": device, "size": size,
-                        "owner": owners.get(key[0], "?"), "held_by": []}
-                if in_use:
-                    row["held_by"].append(label)
-        keys = ("arena_bytes_owned", "cuda_slab_bytes_owned", "blocks_live")
-        procs = {label: {k: v["stats"].get(k, 0) for k in keys} for label, v in views}
-        return MemoryReport(sorted(rows.values(), key=lambda r: (-r["size"], r["block"])),
-                            procs, [r.label for r, _ in missed])
+        return memory_report(views, [r.label for r, _ in missed])
 
     async def dump_stacks(self, timeout: float = 5.0, file: TextIO | None = None) -> str:
         """Every live actor's Python stacks: its threads', and its pending async calls'.

@@ -48,10 +48,22 @@ def import_ray():
 class RayActorId:
     """The actor id of a handle on the Ray backend: the Ray actor handle and its facts."""
 
-    def __init__(self, handle: Any, key: str, streams: frozenset) -> None:
+    def __init__(self, handle: Any, key: str, streams: frozenset,
+                 named: bool = False) -> None:
         self.handle = handle
         self.key = key
         self.streams = streams
+        self.named = named  # calls carry their identity in Ray's task name
+        self._methods: tuple | None = None  # (call0, call1) of the Ray actor handle
+
+    def call_methods(self) -> tuple:
+        """The host's ``call0`` and ``call1`` (Ray makes a new object per attribute read)."""
+        if self._methods is None:
+            self._methods = (self.handle.call0, self.handle.call1)
+        return self._methods
+
+    def __reduce__(self):
+        return (RayActorId, (self.handle, self.key, self.streams, self.named))
 
     def actorshm_client(self) -> "RayClient":
         return CLIENT
@@ -124,6 +136,8 @@ class RayClient:
         self._pids: dict[str, int] = {}  # after a restart
         self._watching: set = set()
         self._watchers: set = set()
+        self._names_ok: bool | None = None  # see _names_work
+        self._spawn_listeners: list = []
 
     # -- calls -------------------------------------------------------------------
     def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
@@ -141,7 +155,7 @@ class RayClient:
         if actor_id.key in self._dead:
             fut.set_exception(ActorDiedError(f"{what}: the actor was killed"))
             return fut
-        ref, seq = self._submit(actor_id, actor_id.handle.call, method, args, kwargs, what)
+        ref, seq = self._submit(actor_id, None, method, args, kwargs, what)
 
         def settle(cf: concurrent.futures.Future) -> None:
             if fut.done():
@@ -170,10 +184,21 @@ class RayClient:
         try:
             with self._lock:
                 seq = self._seqs.get(actor_id.key, 0)
-                req = (method, args, kwargs, self._caller, seq)
-                if simple(args) and simple(kwargs):
-                    req = pickle.dumps(req, protocol=5)
-                ref = remote_method.remote(req)
+                if remote_method is None and actor_id.named:  # a call: see Host.call0
+                    call0, call1 = actor_id.call_methods()
+                    name = f"{method}:{self._caller}:{seq}"
+                    if args or kwargs:
+                        payload = (args, kwargs)
+                        if simple(args) and simple(kwargs):
+                            payload = pickle.dumps(payload, protocol=5)
+                        ref = call1.options(name=name).remote(payload)
+                    else:
+                        ref = call0.options(name=name).remote()
+                else:
+                    req = (method, args, kwargs, self._caller, seq)
+                    if simple(args) and simple(kwargs):
+                        req = pickle.dumps(req, protocol=5)
+                    ref = (remote_method or actor_id.handle.call).remote(req)
                 self._seqs[actor_id.key] = seq + 1
             return ref, seq
         except TypeError as exc:
@@ -190,7 +215,7 @@ class RayClient:
         if actor_id.key in self._dead:
             out.set_exception(ActorDiedError(f"{what}: the actor was killed"))
             return out
-        ref, seq = self._submit(actor_id, actor_id.handle.call, method, args, kwargs, what)
+        ref, seq = self._submit(actor_id, None, method, args, kwargs, what)
 
         def settle(cf) -> None:
             if out.done():  # cancelled by the caller
@@ -317,15 +342,25 @@ class RayClient:
                                  "names are unique while the actor lives") from exc
             raise
         try:
-            ok, payload = await handle.ready.remote()
+            ready = handle.ready.remote()
+            named = await self._names_work(handle)
+            ok, payload = await ready
         except Exception as exc:
             raise _translate(exc, what) from exc
         if not ok:
             ray.kill(handle, no_restart=True)
             raise decode_exception(payload, f"{cls.__qualname__}.__init__")
-        aid = RayActorId(handle, handle._actor_id.hex(), streams)
-        return ActorHandle(self, aid, cls.__qualname__, methods, options.name, payload,
-                           options.max_pending_calls)
+        aid = RayActorId(handle, handle._actor_id.hex(), streams, named)
+        h = ActorHandle(self, aid, cls.__qualname__, methods, options.name, payload,
+                        options.max_pending_calls)
+        for fn in self._spawn_listeners:
+            fn(h, options)
+        return h
+
+    def on_spawn(self, fn) -> None:
+        """Call ``fn(handle, options)`` for each actor this process spawns (a host
+        passes its children on to the runtime that watches it: lifecycle events)."""
+        self._spawn_listeners.append(fn)
 
     async def get_actor(self, name: str) -> ActorHandle:
         ray = import_ray()
@@ -340,10 +375,19 @@ class RayClient:
         try:
             ok, pid = await handle.ready.remote()
             cls_name, methods, streams, max_pending = await handle.meta.remote()
+            named = await self._names_work(handle)
         except Exception as exc:
             raise ValueError(f"no live actor named {name!r} ({exc})") from None
-        return ActorHandle(self, RayActorId(handle, key, streams), cls_name, methods, name,
-                           pid, max_pending)
+        return ActorHandle(self, RayActorId(handle, key, streams, named), cls_name,
+                           methods, name, pid, max_pending)
+
+    async def _names_work(self, handle: Any) -> bool:
+        """Whether an actor task reads its own Ray task name (asked once per process):
+        then calls carry their identity in it instead of in an argument."""
+        if self._names_ok is None:
+            probe = "actorshm:probe:0"
+            self._names_ok = await handle.task_name.options(name=probe).remote() == probe
+        return self._names_ok
 
 
 def _is_generator(cls: type, name: str) -> bool:

@@ -10,9 +10,10 @@ import asyncio
 import os
 from typing import Any
 
-from . import _client
+from . import _client, _events, _ray_events
 from ._actor import ActorHandle, ActorOptions
 from ._ray import CLIENT, RayActorId, import_ray, ray_env
+from ._ray_introspect import RayInspectable
 
 __all__ = ["RayRuntime"]
 
@@ -28,7 +29,7 @@ def _user_paths() -> list[str]:
 _LOCAL_ONLY = {"start_method", "shm_budget", "shutdown_grace", "start_timeout", "gpus"}
 
 
-class RayRuntime:
+class RayRuntime(_events.EventSource, RayInspectable):
     """``Runtime(backend="ray")``: actors run as Ray actors, locally or on a cluster.
 
     With no ``address``, starts a local Ray (on 127.0.0.1, no dashboard) and shuts it
@@ -60,6 +61,8 @@ class RayRuntime:
         self._open = False
         self._closing = False
         self._spawned: list[ActorHandle] = []
+        self._watchers: list[asyncio.Task] = []  # one per spawned actor (events)
+        self._gone: set = set()  # keys of spawned actors that died for good
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> "RayRuntime":
@@ -104,6 +107,10 @@ class RayRuntime:
             return
         self._closing = True
         try:
+            _events.close(self)
+            for t in self._watchers:
+                t.cancel()
+            self._watchers.clear()
             ray = import_ray()
             for h in self._spawned:
                 CLIENT._dead.add(h._actor_id.key)
@@ -126,8 +133,15 @@ class RayRuntime:
                     kwargs: dict) -> ActorHandle:
         self._check_open()
         h = await CLIENT.spawn(cls, options, args, kwargs)
-        self._spawned.append(h)
+        self.adopt(h, options)
         return h
+
+    def adopt(self, h: ActorHandle, options: ActorOptions) -> None:
+        """Own ``h``'s actor (spawned here, or inside one of this runtime's actors):
+        watch it for lifecycle events, list it, kill it on close."""
+        self._spawned.append(h)
+        self._watchers = [t for t in self._watchers if not t.done()]
+        self._watchers.append(_ray_events.watch(self, h, options, CLIENT))
 
     def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
              what: str = ""):
@@ -145,6 +159,7 @@ class RayRuntime:
 
     def actors(self) -> list[dict]:
         """A snapshot of the actors this runtime spawned."""
-        return [{"id": h._actor_id.key, "class": h._cls_name, "pid": h._pid,
-                 "alive": h._actor_id.key not in CLIENT._dead, "name": h._actor_name}
+        return [{"id": h._actor_id.key, "class": h._cls_name, "pid": h.pid,
+                 "alive": h._actor_id.key not in CLIENT._dead | self._gone,
+                 "name": h._actor_name}
                 for h in self._spawned]

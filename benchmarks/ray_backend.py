@@ -1,5 +1,7 @@
 """actorshm on its Ray backend next to raw Ray, measured in the same run.
 
+    python -m benchmarks.ray_backend [--quick]    # this part of `python -m benchmarks` alone
+
 Three things, each interleaved round by round: a trivial call's round trip, pipelined
 calls (100 in flight), and a call with a 64 MiB numpy argument. Raw Ray is measured with
 a sync actor (Ray's fastest) and an async actor (what actorshm's Ray host is: it runs
@@ -98,3 +100,28 @@ def rows(res: dict) -> list[list[str]]:
 
 HEADER = ["contender", "trivial call µs", "pipelined calls/s (100 in flight)",
           "64 MiB argument ms", "trivial vs raw Ray sync"]
+
+
+def ratios(res: dict) -> str:
+    """actorshm on Ray against the like-for-like raw Ray (an async actor), as text."""
+    us, raw = "actorshm on Ray", "raw Ray, async actor"
+    return (f"actorshm on Ray vs raw Ray async actor: trivial call "
+            f"{res['latency'][us] / res['latency'][raw]:.2f}x the time, pipelined "
+            f"{res['throughput'][raw] / res['throughput'][us]:.2f}x, 64 MiB argument "
+            f"{res['64 MiB'][us] / res['64 MiB'][raw]:.2f}x")
+
+
+def main(quick: bool) -> None:  # pragma: no cover - needs ray
+    """Measure and print the table and the ratios."""
+    result = asyncio.run(measure(quick))
+    print("| " + " | ".join(HEADER) + " |\n|" + "---|" * len(HEADER))
+    for row in rows(result):
+        print("| " + " | ".join(row) + " |")
+    print(ratios(result))
+
+
+if __name__ == "__main__":  # pragma: no cover - needs ray
+    import sys
+
+    from benchmarks import ray_backend  # Ray imports the actor classes by module name
+    ray_backend.main("--quick" in sys.argv)

@@ -8,8 +8,10 @@ copies (see docs/ray.md), which the Ray-only tests below pin down.
 """
 
 import asyncio
+import io
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
@@ -259,6 +261,85 @@ async def test_max_pending_calls_refuses_without_sending(art):
     assert await c.get_log() == [1, 2, 4]
 
 
+# -- Lifecycle events ------------------------------------------------------------------
+async def next_event(stream, timeout=30):
+    return await asyncio.wait_for(stream.__anext__(), timeout)
+
+
+async def test_events_report_a_death_without_a_call_and_kill(art, backend):
+    seen = []
+    art.on_actor_event(seen.append)
+    stream = art.events()
+    c = await Counter.options(name="watched").spawn(0)
+    pid = c.pid
+    os.kill(pid, signal.SIGKILL)  # nobody calls it
+    ev = await next_event(stream)
+    assert ev.kind == "died" and ev.actor_id == c.actor_id and ev.handle == c
+    assert ev.cls_name == "Counter" and ev.name == "watched" and ev.pid == pid
+    assert not ev.will_restart and ev.restarts == 0
+    assert "SIGKILL" in ev.reason if backend == "local" else ev.reason.startswith("Ray: ")
+    await asyncio.sleep(0)  # callbacks run on the loop, after the stream got it
+    assert seen == [ev]
+    d = await Counter.spawn(0)
+    await d.kill()
+    ev = await next_event(stream)
+    assert ev.kind == "died" and ev.actor_id == d.actor_id and "kill()" in ev.reason
+    await stream.aclose()
+
+
+async def test_events_report_actors_spawned_inside_actors(art):
+    stream = art.events()
+    caller = await Caller.spawn(None)
+    child, _ = await caller.spawn_child(0)  # (on Ray the runtime learns of it shortly)
+    os.kill(child.pid, signal.SIGKILL)
+    ev = await next_event(stream)
+    assert ev.kind == "died" and ev.actor_id == child.actor_id and ev.cls_name == "Counter"
+
+
+async def test_events_report_a_restart_and_its_handle_works(art):
+    stream = art.events()
+    p = await Phoenix.spawn("t")  # max_restarts=1
+    pid1 = p.pid
+    os.kill(pid1, signal.SIGKILL)
+    died = await next_event(stream)
+    assert (died.kind, died.pid, died.will_restart, died.restarts) == ("died", pid1, True, 0)
+    restarted = await next_event(stream)
+    assert restarted.kind == "restarted" and restarted.restarts == 1
+    assert restarted.pid != pid1 and restarted.pid == p.pid
+    assert (await restarted.handle.hit())[0] == "t"
+    os.kill(p.pid, signal.SIGKILL)  # no restarts left: gone for good
+    ev = await next_event(stream)
+    assert ev.kind == "died" and not ev.will_restart
+
+
+async def test_events_end_when_the_runtime_closes_without_reporting_it(backend):
+    opts = {"shutdown_grace": 1.0} if backend == "local" else {}
+    async with actorshm.Runtime(backend=backend, **opts) as rt:
+        stream = rt.events()
+        await Counter.spawn(0)
+    assert [ev async for ev in stream] == []  # ended, with no "died" for the shutdown
+
+
+# -- Seeing inside: stats, memory, stacks --------------------------------------------------
+async def test_stats_memory_and_stacks_of_every_actor(art, backend):
+    c = await Counter.spawn(0)
+    for i in range(3):
+        await c.record(i)
+    st = await art.stats()
+    assert st["actors"][c.actor_id]["calls_received"] >= 3
+    assert st["total"]["calls_received"] >= 3 and st["unresponsive"] == []
+    report = await art.memory()
+    assert isinstance(report, actorshm.MemoryReport) and report.unresponsive == []
+    assert ("object store" in str(report)) == (backend == "ray")
+    stuck = c.slow_record(1, 2.0)  # a sync method: the actor's loop is blocked
+    await asyncio.sleep(0.5)
+    out = io.StringIO()
+    text = await art.dump_stacks(file=out)
+    assert "slow_record" in text and text == out.getvalue()
+    assert f"pid={c.pid}" in text
+    assert await stuck == 1
+
+
 # -- Pools and groups -------------------------------------------------------------------
 async def test_actor_pool(art):
     ws = [await PoolWorker.spawn(i) for i in range(2)]
@@ -396,6 +477,19 @@ async def test_a_shared_array_on_ray_warns_that_writes_do_not_come_back(art, bac
 
 
 # -- Ray only -------------------------------------------------------------------------
+async def test_calls_carry_their_identity_in_rays_task_name(art, backend):
+    ray_only(backend, "Ray's task names")
+    c = await Counter.spawn(0)
+    assert c._actor_id.named  # this Ray gives tasks their names: no argument for it
+    first = [c.record(i) for i in range(5)]
+    c._actor_id.named = False  # as on a Ray whose tasks cannot read their names
+    second = [c.record(i) for i in range(5, 10)]
+    assert await asyncio.gather(*first, *second) == list(range(10))
+    assert await c.get_log() == list(range(10))  # one order across both ways of calling
+    c._actor_id.named = True
+    assert await c.echo({"k": [1, 2.5, "x"]}) == {"k": [1, 2.5, "x"]}
+
+
 def test_run_with_backend_ray(ray_session):
     async def main():
         assert actorshm.current_runtime().backend == "ray"

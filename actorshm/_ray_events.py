@@ -1,0 +1,128 @@
+"""Lifecycle events on the Ray backend: the runtime watches each actor it spawned.
+
+Each actor that ``RayRuntime`` spawns gets a watcher: a task in the driver that keeps a
+call pending on the actor's host (``Host.watch_death``, which never returns). Ray fails
+that call when the actor's process dies: with ``ActorUnavailableError`` while it restarts the
+actor (``max_restarts``), with ``ActorDiedError`` once the actor is gone for good. The
+watcher then reports ``"died"`` (``_events.emit``), waits for the new process where one
+comes (``Host.ready`` answers with its pid), reports ``"restarted"`` and watches again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+from . import _events
+from ._actor import ActorHandle
+from ._remote_errors import decode_exception
+
+__all__ = ["watch", "describe"]
+
+RESTART_WAIT = 300.0  # seconds a restart may take before the watcher gives up on it
+
+
+class _Record:
+    """What ``_events.emit`` reads of an actor (as of the local runtime's records)."""
+
+    def __init__(self, handle: ActorHandle, options: Any) -> None:
+        self.actor_id = handle._actor_id
+        self.cls_name = handle._cls_name
+        self.methods = handle._methods
+        self.options = options
+        self.pid = handle._pid
+        self.restarts = 0
+
+
+def describe(exc: BaseException) -> str:
+    """A short reason from Ray's error for a dead actor's call."""
+    text = " ".join(str(exc).split())
+    m = re.search(r"The actor is dead because (.*?)(?: Some common causes|$)", text)
+    if m:
+        text = m.group(1)
+    elif "temporarily unavailable" in text:
+        text = "its process is gone (Ray is restarting it)"
+    return f"Ray: {text[:300]}"
+
+
+def watch(runtime: Any, handle: ActorHandle, options: Any, client: Any) -> asyncio.Task:
+    """Start watching ``handle``'s actor, and the actors it spawns, for ``runtime``'s
+    lifecycle events (``runtime.adopt(handle, options)`` is told of each of those)."""
+    return runtime.loop.create_task(_watch_all(runtime, _Record(handle, options), client))
+
+
+async def _watch_all(runtime: Any, rec: _Record, client: Any) -> None:
+    await asyncio.gather(_watch(runtime, rec, client),
+                         _children(runtime, rec.actor_id.handle))
+
+
+def _unavailable() -> type | tuple:
+    """Ray's error for a call on an actor it is restarting (``()`` on a Ray that has none)."""
+    import ray.exceptions as rex
+    return getattr(rex, "ActorUnavailableError", ())
+
+
+async def _children(runtime: Any, host: Any) -> None:
+    """Learn of the actors this actor spawns (``Host.next_children``), to watch them."""
+    while True:
+        try:
+            children = await host.next_children.remote()
+        except _unavailable():  # restarting: ask its next process (Ray queues the call)
+            await asyncio.sleep(0.1)
+            continue
+        except Exception:  # the actor is gone: its watcher reports it
+            return
+        for handle, options in children:
+            if runtime._closing:
+                return
+            runtime.adopt(handle, options)
+
+
+async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
+    host, key = rec.actor_id.handle, rec.actor_id.key
+    unavailable, limit = _unavailable(), rec.options.max_restarts
+    while True:
+        try:
+            await host.watch_death.remote()
+            return  # (it never returns)
+        except Exception as exc:
+            death = exc
+        if runtime._closing:
+            return
+        killed = key in client._dead
+        if unavailable:  # Ray says whether it restarts the actor
+            again = isinstance(death, unavailable) and not killed
+        else:
+            again = not killed and (limit == -1 or rec.restarts < limit)
+        reason = "kill()" if killed else describe(death)
+        _events.emit(runtime, "died", rec, reason, will_restart=again)
+        if not again:
+            runtime._gone.add(key)
+            return
+        try:  # queued by Ray until the restarted process runs
+            ok, pid = await asyncio.wait_for(_ready(host, unavailable), RESTART_WAIT)
+        except Exception as exc:  # the restart failed (or never came)
+            if not runtime._closing:
+                runtime._gone.add(key)
+                _events.emit(runtime, "died", rec, describe(exc))
+            return
+        if not ok:  # the restarted process's __init__ raised
+            runtime._gone.add(key)
+            err = decode_exception(pid, f"{rec.cls_name}.__init__")
+            _events.emit(runtime, "died", rec, f"__init__ raised on restart: {err!r}")
+            return
+        rec.pid = pid
+        rec.restarts += 1
+        client._pids[key] = pid
+        _events.emit(runtime, "restarted", rec, reason)
+
+
+async def _ready(host: Any, unavailable: type | tuple) -> tuple:
+    """``Host.ready`` of the restarted actor; a call that still reached the old process
+    (Ray had not yet seen its death) is retried."""
+    while True:
+        try:
+            return await host.ready.remote()
+        except unavailable:
+            await asyncio.sleep(0.1)
