@@ -22,7 +22,7 @@ import os
 import signal
 import weakref
 
-from . import _events, _introspect
+from . import _events, _oom
 from ._errors import ActorDiedError
 from ._launch import ActorRecord
 from ._protocol import Connection
@@ -138,7 +138,7 @@ class Supervisor:
     def _exited(self, rec: ActorRecord, code: int | None) -> None:
         rec.alive = False
         why = rec.death or f"{rec.label} died: {describe_exit(code)}" \
-            f"{_introspect.oom_note(rec, code)}"
+            f"{_oom.oom_note(rec, code)}"
         if self._closing and rec.death is None:
             why = f"{rec.label} was stopped because its runtime closed"
         rec.death = why

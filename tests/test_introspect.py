@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import actorshm
-from actorshm import _introspect, actor
+from actorshm import _oom, actor
 
 
 @actor
@@ -204,8 +204,8 @@ def fake_oom(tmp_path, monkeypatch):
     test be OOM-killed for real. The kernel log is made unreadable."""
     events = tmp_path / "memory.events"
     events.write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n")
-    monkeypatch.setattr(_introspect, "memory_events_path", lambda pid: str(events))
-    monkeypatch.setattr(_introspect, "kernel_log", lambda: [])
+    monkeypatch.setattr(_oom, "memory_events_path", lambda pid: str(events))
+    monkeypatch.setattr(_oom, "kernel_log", lambda: [])
     return events
 
 
@@ -234,8 +234,8 @@ async def test_an_oom_kill_in_the_kernel_log_is_named(rt, monkeypatch):
     pid = a.pid
     line = (f"Out of memory: Killed process {pid} (python) total-vm:9000000kB, "
             "anon-rss:8000000kB, file-rss:0kB")
-    monkeypatch.setattr(_introspect, "kernel_log", lambda: ["unrelated\n", line + "\n"])
-    monkeypatch.setattr(_introspect, "memory_events_path", lambda pid: None)
+    monkeypatch.setattr(_oom, "kernel_log", lambda: ["unrelated\n", line + "\n"])
+    monkeypatch.setattr(_oom, "memory_events_path", lambda pid: None)
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(actorshm.ActorDiedError) as info:
         await a.ping()
@@ -243,8 +243,8 @@ async def test_an_oom_kill_in_the_kernel_log_is_named(rt, monkeypatch):
 
 
 def test_the_real_cgroup_count_is_read_where_there_is_one():
-    path = _introspect.memory_events_path(os.getpid())
+    path = _oom.memory_events_path(os.getpid())
     if path is None:
         pytest.skip("no memory cgroup file here")
-    found = _introspect.oom_kill_count(os.getpid())
+    found = _oom.oom_kill_count(os.getpid())
     assert found is not None and found[0] == path and found[1] >= 0

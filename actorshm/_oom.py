@@ -1,0 +1,91 @@
+"""Why the kernel killed an actor: an OOM kill named in its death message.
+
+Read from the kernel log where this process may read it (``/dev/kmsg``), else from the
+OOM-kill count of the actor's memory cgroup, compared with its count at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def memory_events_path(pid: int) -> str | None:
+    """The file that counts OOM kills in ``pid``'s memory cgroup (``memory.events`` on
+    cgroup v2, ``memory.oom_control`` on v1), or None where there is none."""
+    for proc in (f"/proc/{pid}/cgroup", "/proc/self/cgroup") if pid else ("/proc/self/cgroup",):
+        try:
+            with open(proc) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                cand = f"/sys/fs/cgroup/memory{path}/memory.oom_control"
+            elif controllers == "":
+                cand = f"/sys/fs/cgroup{path}/memory.events"
+            else:
+                continue
+            if os.path.exists(cand):
+                return cand
+    return None
+
+
+def oom_kill_count(pid: int) -> tuple[str, int] | None:
+    """``(path, oom_kill count)`` of ``pid``'s memory cgroup, or None."""
+    path = memory_events_path(pid)
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return path, int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def kernel_log() -> list[str]:
+    """The kernel log's lines where this process may read it (``/dev/kmsg``), or []."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return []
+    lines = []
+    try:
+        while True:
+            try:
+                rec = os.read(fd, 8192)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno == 32:  # EPIPE: records overwritten meanwhile; read on
+                    continue
+                break
+            if not rec:
+                break
+            lines.append(rec.decode(errors="replace").split(";", 1)[-1])
+    finally:
+        os.close(fd)
+    return lines
+
+
+def oom_note(rec, code: int | None) -> str:
+    """What to add to ``rec``'s death message when the OOM killer killed it: where the
+    kernel log shows it, or where its cgroup counted an OOM kill since it started."""
+    if code != -signal.SIGKILL or not rec.pid:
+        return ""
+    pid = rec.pid
+    for line in kernel_log():
+        if f"Killed process {pid} " in line or f",pid={pid}," in line:
+            return ("; the kernel's OOM killer killed it (out of memory: give it more "
+                    f"memory, or have it use less). Kernel log: {line.strip()}")
+    before = getattr(rec, "oom_baseline", None)
+    now = oom_kill_count(pid) if before is not None else None
+    if before is not None and now is not None and now[0] == before[0] and now[1] > before[1]:
+        return (f"; probably the kernel's OOM killer (out of memory): its memory cgroup "
+                f"counted {now[1] - before[1]} OOM kill(s) since it started ({now[0]}). "
+                "Give it more memory, or have it use less")
+    return ""
