@@ -90,6 +90,18 @@ class _Encoding:
         self.inlined = 0  # bytes of small ordinary arrays pickled in band so far
         self.n_inlined = 0  # and how many (counted as copies once the message is made)
 
+    def array(self, obj):
+        """How ndarray ``obj`` travels: in band when small and an ordinary array of its
+        own (a copy either way), else as a lease on its shared block (``_reduce_array``);
+        None: pickle it as numpy does."""
+        if type(obj) is _ndarray and obj.base is None and not obj.dtype.hasobject:
+            n = obj.nbytes
+            if 0 < n <= INLINE_MAX and self.inlined + n <= INLINE_BUDGET:
+                self.inlined += n
+                self.n_inlined += 1
+                return _inline_array(obj)
+        return _reduce_array(self, obj)
+
     def before_send(self, fn, item) -> None:
         """Call ``fn(items)`` once, before the message leaves, with every ``item`` given
         for it (e.g. the GPUs whose queued work the receiver must see)."""
@@ -130,17 +142,8 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
         if obj is _rebuild_array or obj is _rebuild_inline:  # ours, importable by name
             return NotImplemented
         if t is _ndarray or (isinstance(obj, _ndarray)):
-            if t is _ndarray and obj.base is None:  # owns its memory: an ordinary array
-                n = obj.nbytes
-                if 0 < n <= INLINE_MAX and self.inlined + n <= INLINE_BUDGET \
-                        and not obj.dtype.hasobject:
-                    self.inlined += n
-                    self.n_inlined += 1
-                    return _inline_array(obj)
-            r = _reduce_array(self, obj)
-            if r is not None:
-                return r
-            return NotImplemented
+            r = self.array(obj)
+            return NotImplemented if r is None else r
         if t is PassFd:
             self.fds.append(obj.fd)
             return _rebuild_fd, (len(self.fds) - 1,)
@@ -165,13 +168,7 @@ class _ArrayEncoder(_Encoding, pickle.Pickler):
 
     def reducer_override(self, obj):
         if type(obj) is _ndarray:
-            if obj.base is None:  # owns its memory: an ordinary array
-                n = obj.nbytes
-                if 0 < n <= INLINE_MAX and self.inlined + n <= INLINE_BUDGET:
-                    self.inlined += n
-                    self.n_inlined += 1
-                    return _inline_array(obj)
-            r = _reduce_array(self, obj)
+            r = self.array(obj)
             if r is not None:
                 return r
         return NotImplemented
