@@ -304,6 +304,18 @@ def memory_report(views: list, unresponsive: list) -> MemoryReport:
                         procs, unresponsive)
 
 
+def stats_report(answers: list, unresponsive: list) -> dict:
+    """``rt.stats()``'s answer: this process's counters, each ``(actor_id, counters)``
+    answer, their key-by-key sum, and the actors that did not answer."""
+    driver = _shm.stats()
+    total = dict(driver)
+    for _, counters in answers:
+        for k, v in counters.items():
+            total[k] = total.get(k, 0) + v
+    return {"driver": driver, "actors": dict(answers), "total": total,
+            "unresponsive": unresponsive}
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
@@ -352,15 +364,8 @@ class Inspectable:
             RuntimeError: the runtime is not open.
         """
         got, missed = await self._ask_all("stats", timeout)
-        driver = _shm.stats()
-        total = dict(driver)
-        actors = {}
-        for rec, counters in got:
-            actors[rec.actor_id] = counters
-            for k, v in counters.items():
-                total[k] = total.get(k, 0) + v
-        return {"driver": driver, "actors": actors, "total": total,
-                "unresponsive": [r.actor_id for r, _ in missed]}
+        return stats_report([(rec.actor_id, c) for rec, c in got],
+                            [r.actor_id for r, _ in missed])
 
     async def memory(self, timeout: float = 5.0) -> MemoryReport:
         """Every live shared block: its owner, size, and the processes holding it.

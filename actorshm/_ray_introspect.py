@@ -14,8 +14,7 @@ import asyncio
 import sys
 from typing import Any, TextIO
 
-from . import _shm
-from ._introspect import MemoryReport, held_blocks, memory_report
+from ._introspect import MemoryReport, held_blocks, memory_report, stats_report
 from ._ray import CLIENT
 
 __all__ = ["RayInspectable", "RayMemoryReport"]
@@ -76,15 +75,8 @@ class RayInspectable:
             RuntimeError: the runtime is not open.
         """
         got, missed = await self._ask_all("stats", timeout)
-        driver = _shm.stats()
-        total = dict(driver)
-        actors = {}
-        for h, counters in got:
-            actors[h._actor_id] = counters
-            for k, v in counters.items():
-                total[k] = total.get(k, 0) + v
-        return {"driver": driver, "actors": actors, "total": total,
-                "unresponsive": [h._actor_id for h, _ in missed]}
+        return stats_report([(h._actor_id, c) for h, c in got],
+                            [h._actor_id for h, _ in missed])
 
     async def memory(self, timeout: float = 5.0) -> RayMemoryReport:
         """The actorshm shared blocks alive in the driver and each live actor.
