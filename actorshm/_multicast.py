@@ -104,8 +104,14 @@ def call_many(conns: list, method: str, args: tuple, kwargs: dict, what: list,
     if sent == 0:  # (each connection encoded its own call, and counted it)
         _count(moved, -1)
     elif sent > 1:  # the other members got the arrays by reference (those copied too)
+        # ... except small arrays pickled in band: every member's frame holds a copy.
+        inlined = (enc.inlined, enc.n_inlined) if enc is not None else (0, 0)
+        moved["bytes_copied"] -= inlined[0]
+        moved["arrays_copied"] -= inlined[1]
         for k, copied in _ZERO_COPY:
             counters[k] += (moved[k] + moved[copied]) * (sent - 1)
+        counters["bytes_copied"] += inlined[0] * (sent - 1)
+        counters["arrays_copied"] += inlined[1] * (sent - 1)
     return futs
 
 

@@ -32,6 +32,36 @@ class Producer:
 
 
 @actor
+class PipeProducer:
+    """Feeds a consumer actor directly, no driver in between: fills a fresh batch,
+    calls ``consumer.touch`` with it, keeps ``in_flight`` calls going (two buffers, as
+    PyTorch's buffer-return pattern), and lets each batch go home to be reused."""
+
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+
+    async def run(self, consumer, n, in_flight=2, warm=5):
+        """(seconds per batch after ``warm`` batches, pool allocations meanwhile)."""
+        import collections
+        import time
+        pending = collections.deque()
+        t0 = allocs = None
+        for i in range(warm + n):
+            if i == warm:
+                t0 = time.perf_counter()
+                allocs = actorshm.stats()["pool_allocs"]
+            b = actorshm.empty(self.nbytes, "u1")
+            b[::4096] = i % 255  # one write per page, as the other producers
+            pending.append(consumer.touch(b))
+            del b  # the consumer's lease brings it home
+            if len(pending) >= in_flight:
+                await pending.popleft()
+        while pending:
+            await pending.popleft()
+        return (time.perf_counter() - t0) / n, actorshm.stats()["pool_allocs"] - allocs
+
+
+@actor
 class SoakWorker:
     """The soak's actor (``benchmarks.soak``): adds one, or relays through a peer."""
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import actorshm  # noqa: E402
 from benchmarks import _peers, plots  # noqa: E402
-from benchmarks._bench_actors import Producer, Sink  # noqa: E402
+from benchmarks._bench_actors import PipeProducer, Producer, Sink  # noqa: E402
 
 HEADER = _peers.HEADER
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -300,9 +300,11 @@ async def small_arrays(c: Contenders, rounds: int, n: int = 1000) -> dict[str, l
     return samples
 
 
-def goals(rt: dict, pl: dict, arr: dict, small: dict, recycle: tuple) -> list[list[str]]:
+def goals(rt: dict, pl: dict, arr: dict, small: dict, recycle: tuple,
+          pipe: tuple) -> list[list[str]]:
     """The targets of the call path, each as a ratio measured in this run, and whether
-    it is met. ``recycle``: (actorshm transport, torch transport or None) in seconds."""
+    it is met. ``recycle``: (actorshm transport, torch transport or None) in seconds;
+    ``pipe``: (actorshm actor pipeline, torch pattern or None) in seconds per batch."""
     med = statistics.median
     trivial, floor = med(rt["actorshm"]), med(rt["asyncio+uvloop socket pair (floor)"])
     rows = [["trivial call vs the uvloop socket-pair floor", "<= 1.20x", trivial / floor,
@@ -324,6 +326,10 @@ def goals(rt: dict, pl: dict, arr: dict, small: dict, recycle: tuple) -> list[li
     rows.append(["64 MiB recycling loop, transport vs torch's buffer-return pattern",
                  "<= 0.10x", ours / torch_t if torch_t else None,
                  bool(torch_t) and ours / torch_t <= 0.1])
+    ours, torch_t = pipe
+    rows.append(["64 MiB producer → consumer actors (no driver) vs torch's two-process "
+                 "pattern", "<= 1.00x", ours / torch_t if torch_t else None,
+                 bool(torch_t) and ours <= torch_t])
     return [[g, target, "not measured" if v is None else f"{v:.2f}x",
              "not measured" if v is None else ("met" if ok else "**not met**")]
             for g, target, v, ok in rows]
@@ -424,6 +430,17 @@ async def recycling(batch: int, n: int, warm: int = 5):
     await prod.kill()
     await cons.kill()
     return per, refill, copied / n, allocs / n
+
+
+async def actor_pipeline(batch: int, n: int) -> tuple[float, float]:
+    """(seconds per batch, new pool blocks per batch) of a producer actor feeding a
+    consumer actor directly, two batches in flight (``PipeProducer``)."""
+    prod, cons = await asyncio.gather(PipeProducer.spawn(batch), Sink.spawn())
+    try:
+        per, allocs = await prod.run(cons, n)
+    finally:
+        await asyncio.gather(prod.kill(), cons.kill())
+    return per, allocs / n
 
 
 def torch_recycling(batch: int, n: int):  # pragma: no cover - needs torch
@@ -597,9 +614,30 @@ async def run(args, data: dict | None = None) -> str:
                   "buffer goes home)",
                   ["contender", "ms per batch", "refill alone ms", "transport ms",
                    "bytes copied/batch", "new blocks/batch"], rows)
+        # The same batches between two actors, no driver in between, against the same
+        # torch pattern, alternated round by round.
+        ours_pipe, torch_pipe, pipe_allocs = [], [], []
+        for r in range(2 if quick else 3):
+            p, a = await actor_pipeline(64 * MiB, 10 if quick else 40)
+            ours_pipe.append(p)
+            pipe_allocs.append(a)
+            if c.torch is not None:  # pragma: no cover
+                torch_pipe.append(tper if r == 0 else
+                                  torch_recycling(64 * MiB, 10 if quick else 40))
+        pipe = (statistics.median(ours_pipe),
+                statistics.median(torch_pipe) if torch_pipe else None)
+        rows = [["actorshm: producer actor calls consumer actor, 2 in flight", _ms(pipe[0]),
+                 f"{max(pipe_allocs):.2f}"]]
+        if pipe[1] is not None:  # pragma: no cover
+            rows.append(["torch.multiprocessing queues, buffer-return pattern (2 buffers)",
+                         _ms(pipe[1]), "0"])
+        data["pipeline"] = {"actorshm": pipe[0], "torch": pipe[1]}
+        table.add("Producer → consumer pipeline of actors, 64 MiB batches, no driver in "
+                  "between (median of rounds)", ["contender", "ms per batch (refill included)",
+                                                  "new blocks/batch"], rows)
         table.add("Goals of the call path (ratios from this run)",
                   ["goal", "target", "measured", ""],
-                  goals(rt, pl, arr, sm, (max(per - refill, 0), torch_transport)))
+                  goals(rt, pl, arr, sm, (max(per - refill, 0), torch_transport), pipe))
         if c.ray is not None:  # pragma: no cover
             from benchmarks import ray_backend
             res = await ray_backend.measure(quick)

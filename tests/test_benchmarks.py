@@ -37,12 +37,13 @@ def test_quick_benchmarks_run(tmp_path):
                     "Recycling loop", "Streaming method", "Actor start-up",
                     "Broadcast: one shared 64 MiB array", "ActorGroup.spawn",
                     "1,000 small ordinary arrays", "Goals of the call path",
-                    "the driver's own work to send a group call"):
+                    "the driver's own work to send a group call",
+                    "Producer → consumer pipeline of actors"):
         assert section in report
     # every goal is reported as a ratio from this run (or says it was not measured)
     goals = report.split("Goals of the call path")[1].split("###")[0]
     rows = [ln for ln in goals.splitlines() if ln.startswith("| ") and "target" not in ln]
-    assert len(rows) == 6, goals
+    assert len(rows) == 7, goals
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[2].endswith("x") or cells[2] == "not measured", row
@@ -59,6 +60,9 @@ def test_quick_benchmarks_run(tmp_path):
     recycle = report.split("Recycling loop")[1].splitlines()[4]
     cells = [c.strip() for c in recycle.strip("|").split("|")]
     assert cells[0] == "actorshm" and cells[4] == "0" and cells[5] == "0.00", recycle
+    pipe = report.split("Producer → consumer pipeline of actors")[1].splitlines()[4]
+    cells = [c.strip() for c in pipe.strip("|").split("|")]
+    assert cells[0].startswith("actorshm") and cells[2] == "0.00", pipe  # batches go home
     assert line
     # the charts: valid PNGs, embedded in the report by paths relative to it
     for name in CHARTS:

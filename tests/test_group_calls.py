@@ -103,6 +103,19 @@ async def test_an_ordinary_array_deep_in_an_object_is_copied_once_per_group_call
     assert np.shares_memory(out[0].a, out[1].a) and np.shares_memory(out[1].a, out[2].a)
 
 
+async def test_a_small_array_in_band_is_a_copy_for_every_member(rt):
+    g = await ActorGroup.spawn(Counter, 3)
+    box = types.SimpleNamespace(a=np.arange(16, dtype=np.float64))  # small: in band
+    before = actorshm.stats()
+    out = await g.echo(box)
+    s = actorshm.stats()
+    assert all(np.array_equal(o.a, box.a) for o in out)
+    assert not np.shares_memory(out[0].a, out[1].a)  # each member got its own copy
+    assert s["bytes_copied"] - before["bytes_copied"] == 3 * box.a.nbytes
+    assert s["arrays_copied"] - before["arrays_copied"] == 3
+    assert s["bytes_zero_copy"] == before["bytes_zero_copy"]
+
+
 async def test_a_call_held_on_one_member_keeps_its_order_there(rt):
     c0, c1, other = await asyncio.gather(*(Counter.spawn(0) for _ in range(3)))
     slow = other.slow_record(1, 0.3)

@@ -115,7 +115,8 @@ async def test_share_module_hogwild_updates_the_shared_weights(rt):
     before = [p.detach().clone() for p in model.parameters()]
     workers = [await TorchWorker.spawn() for _ in range(2)]
     s0 = actorshm.stats()
-    await asyncio.gather(*(wk.sgd_step(model, 0.5) for wk in workers))
+    for wk in workers:  # one after the other: concurrent `p -= lr` may lose an update
+        await wk.sgd_step(model, 0.5)
     s1 = actorshm.stats()
     for p, p0 in zip(model.parameters(), before):
         assert torch.allclose(p.detach(), p0 - 1.0)  # both actors' steps reached us
