@@ -198,10 +198,23 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     data = a.__array_interface__["data"][0]
     t = type(a)
     sub = None if (t is _ndarray or t is _memmap) else t
-    # A plain dtype travels as its string ('<f8'): much cheaper to pickle than the object.
-    dt = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
-    return _rebuild_array, (row, data - view.region.addr - view.offset, a.shape, dt,
-                            a.strides, sub)
+    return _rebuild_array, (row, data - view.region.addr - view.offset, a.shape,
+                            _dtype_token(dtype), a.strides, sub)
+
+
+_dtype_tokens: dict = {}
+
+
+def _dtype_token(dtype: np.dtype):
+    """What a dtype travels as: a plain one as its string ('<f8', '<M8[ns]'), ten times
+    cheaper to pickle than the dtype object; a structured or sub-array one as itself.
+    The same string object each time, so a message of many arrays pickles it once."""
+    token = _dtype_tokens.get(dtype)
+    if token is None:
+        token = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
+        if len(_dtype_tokens) < 256:
+            _dtype_tokens[dtype] = token
+    return token
 
 
 # Ordinary arrays up to this size travel in band (a copy inside the pickle), up to this
@@ -216,14 +229,20 @@ def _inline_array(a: np.ndarray):
     on the other side, with the same shape, dtype, strides and memory order."""
     fl = a.flags
     if fl.c_contiguous and fl.writeable:  # the common case
-        return _rebuild_inline, (_PickleBuffer(a), a.dtype, a.shape)
+        dt = a.dtype
+        try:
+            buf = _PickleBuffer(a)
+        except (ValueError, BufferError):  # datetime64/timedelta64 export no buffer
+            buf = _PickleBuffer(a.reshape(-1).view(np.uint8))
+        return _rebuild_inline, (buf, _dtype_tokens.get(dt) or _dtype_token(dt), a.shape)
     if not (fl.c_contiguous or fl.f_contiguous):
         b = np.empty_like(a, order="K")  # keeps the axis order of a permuted view
         np.copyto(b, a, casting="no")
         a = b
     elif not fl.writeable:
         a = a.copy(order="K")  # (a read-only buffer would arrive as read-only bytes)
-    return _rebuild_inline, (_PickleBuffer(a.ravel(order="K")), a.dtype, a.shape, a.strides)
+    return _rebuild_inline, (_PickleBuffer(a.ravel(order="K").view(np.uint8)),
+                             _dtype_token(a.dtype), a.shape, a.strides)
 
 
 def _rebuild_inline(buf, dtype, shape, strides=None):

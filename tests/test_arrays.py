@@ -97,8 +97,16 @@ async def test_small_ordinary_arrays_travel_in_band(rt):
                  lambda: np.asfortranarray(np.arange(12.0).reshape(3, 4)),
                  lambda: np.arange(24.0).reshape(2, 3, 4).transpose(2, 0, 1)[:, :, ::2],
                  lambda: np.arange(20, dtype=">i4")[::-3],
-                 lambda: np.zeros(3, [("x", "<f4"), ("s", "S3")])):
+                 lambda: np.zeros(3, [("x", "<f4"), ("s", "S3")]),
+                 lambda: np.arange(4).astype("datetime64[ms]"),  # no buffer of its own
+                 lambda: np.arange(6).astype("timedelta64[s]")[::2],
+                 lambda: np.zeros(2, [("t", "datetime64[s]"), ("v", "<f8")]),
+                 lambda: np.array(["ab", "cde"], dtype="<U3"),
+                 lambda: np.zeros(2, "V8"),
+                 lambda: np.zeros((2, 2), np.dtype(("<i2", (3,))))):  # a sub-array dtype
         x = make()
+        echoed = await a.echo(x)  # the dtype travels as its string where that is exact
+        assert echoed.dtype == x.dtype and np.array_equal(echoed, x)
         shape, dtype, strides, c, f, shared, writeable = await a.info(x)
         assert (shape, dtype) == (x.shape, str(x.dtype)) and writeable and not shared
         # memory order and axis order kept (the gaps of a strided view dropped)
