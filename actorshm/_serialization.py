@@ -34,6 +34,7 @@ import cloudpickle
 import numpy as np
 
 from . import _leases, _results, _shm
+from ._inband import INLINE_BUDGET, INLINE_MAX, dtype_token, inline_array, rebuild_inline
 from ._errors import ProtocolError
 from ._wire import ARENA, GPU_SLAB, HAS_BLOCKS, LEN, MAX_MESSAGE, PLAIN  # noqa: F401
 
@@ -99,7 +100,7 @@ class _Encoding:
             if 0 < n <= INLINE_MAX and self.inlined + n <= INLINE_BUDGET:
                 self.inlined += n
                 self.n_inlined += 1
-                return _inline_array(obj)
+                return inline_array(obj)
         return _reduce_array(self, obj)
 
     def before_send(self, fn, item) -> None:
@@ -139,7 +140,7 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
 
     def reducer_override(self, obj):
         t = type(obj)
-        if obj is _rebuild_array or obj is _rebuild_inline:  # ours, importable by name
+        if obj is _rebuild_array or obj is rebuild_inline:  # ours, importable by name
             return NotImplemented
         if t is _ndarray or (isinstance(obj, _ndarray)):
             r = self.array(obj)
@@ -186,7 +187,7 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
                 (type(a) is _ndarray or type(a) is _memmap):
             enc.inlined += n
             enc.n_inlined += 1
-            return _inline_array(a)
+            return inline_array(a)
         a = _shm.copy_to_shared(a)
         view = _shm.find_block(a)
         stats["bytes_copied"] += a.nbytes
@@ -199,54 +200,7 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     t = type(a)
     sub = None if (t is _ndarray or t is _memmap) else t
     return _rebuild_array, (row, data - view.region.addr - view.offset, a.shape,
-                            _dtype_token(dtype), a.strides, sub)
-
-
-_dtype_tokens: dict = {}
-
-
-def _dtype_token(dtype: np.dtype):
-    """What a dtype travels as: a plain one as its string ('<f8', '<M8[ns]'), ten times
-    cheaper to pickle than the dtype object; a structured or sub-array one as itself.
-    The same string object each time, so a message of many arrays pickles it once."""
-    token = _dtype_tokens.get(dtype)
-    if token is None:
-        token = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
-        if len(_dtype_tokens) < 256:
-            _dtype_tokens[dtype] = token
-    return token
-
-
-# Ordinary arrays up to this size travel in band (a copy inside the pickle), up to this
-# many bytes of them per message; bigger ones, and the rest, are copied into shared memory.
-INLINE_MAX = 16 << 10
-INLINE_BUDGET = 1 << 20
-_PickleBuffer = pickle.PickleBuffer
-
-
-def _inline_array(a: np.ndarray):
-    """The reduce value of a small ordinary array, its bytes in band: a writable copy
-    on the other side, with the same shape, dtype, strides and memory order."""
-    fl = a.flags
-    if fl.c_contiguous and fl.writeable:  # the common case
-        dt = a.dtype
-        try:
-            buf = _PickleBuffer(a)
-        except (ValueError, BufferError):  # datetime64/timedelta64 export no buffer
-            buf = _PickleBuffer(a.reshape(-1).view(np.uint8))
-        return _rebuild_inline, (buf, _dtype_tokens.get(dt) or _dtype_token(dt), a.shape)
-    if not (fl.c_contiguous or fl.f_contiguous):
-        b = np.empty_like(a, order="K")  # keeps the axis order of a permuted view
-        np.copyto(b, a, casting="no")
-        a = b
-    elif not fl.writeable:
-        a = a.copy(order="K")  # (a read-only buffer would arrive as read-only bytes)
-    return _rebuild_inline, (_PickleBuffer(a.ravel(order="K").view(np.uint8)),
-                             _dtype_token(a.dtype), a.shape, a.strides)
-
-
-def _rebuild_inline(buf, dtype, shape, strides=None):
-    return np.ndarray(shape, dtype, buffer=buf, strides=strides)
+                            dtype_token(dtype), a.strides, sub)
 
 
 def lease_host_block(enc: _Encoder, block) -> int:

@@ -79,7 +79,7 @@ async def test_ordinary_arrays_copied_once_and_counted(rt):
 
 
 async def test_small_ordinary_arrays_travel_in_band(rt):
-    from actorshm._serialization import INLINE_BUDGET, INLINE_MAX
+    from actorshm._inband import INLINE_BUDGET, INLINE_MAX
     a = await Arrays.spawn()
     small = [np.arange(10.0) + i for i in range(200)]
     before, s0 = actorshm.stats(), await a.stats()

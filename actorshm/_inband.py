@@ -1,0 +1,63 @@
+"""Small ordinary arrays in band, and dtypes as the message carries them.
+
+An ordinary array (not in shared memory) of up to ``INLINE_MAX`` bytes travels inside
+the pickle itself (protocol 5, in band), up to ``INLINE_BUDGET`` bytes of them per
+message: it is a copy either way, and a shared block would cost more than the bytes it
+carries. The receiver gets a writable copy with the same shape, dtype, strides and
+memory order. ``dtype_token`` is how any array's dtype travels (in band or leased).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+
+__all__ = ["INLINE_MAX", "INLINE_BUDGET", "dtype_token", "inline_array", "rebuild_inline"]
+
+_tokens: dict = {}  # dtype -> its token (a bounded cache)
+
+
+def dtype_token(dtype: np.dtype):
+    """What a dtype travels as: a plain one as its string ('<f8', '<M8[ns]'), ten times
+    cheaper to pickle than the dtype object; a structured or sub-array one as itself.
+    The same string object each time, so a message of many arrays pickles it once."""
+    token = _tokens.get(dtype)
+    if token is None:
+        token = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
+        if len(_tokens) < 256:
+            _tokens[dtype] = token
+    return token
+
+
+# Ordinary arrays up to this size travel in band (a copy inside the pickle), up to this
+# many bytes of them per message; bigger ones, and the rest, are copied into shared memory.
+INLINE_MAX = 16 << 10
+INLINE_BUDGET = 1 << 20
+_PickleBuffer = pickle.PickleBuffer
+
+
+def inline_array(a: np.ndarray):
+    """The reduce value of a small ordinary array, its bytes in band: a writable copy
+    on the other side, with the same shape, dtype, strides and memory order."""
+    fl = a.flags
+    if fl.c_contiguous and fl.writeable:  # the common case
+        dt = a.dtype
+        try:
+            buf = _PickleBuffer(a)
+        except (ValueError, BufferError):  # datetime64/timedelta64 export no buffer
+            buf = _PickleBuffer(a.reshape(-1).view(np.uint8))
+        return rebuild_inline, (buf, _tokens.get(dt) or dtype_token(dt), a.shape)
+    if not (fl.c_contiguous or fl.f_contiguous):
+        b = np.empty_like(a, order="K")  # keeps the axis order of a permuted view
+        np.copyto(b, a, casting="no")
+        a = b
+    elif not fl.writeable:
+        a = a.copy(order="K")  # (a read-only buffer would arrive as read-only bytes)
+    return rebuild_inline, (_PickleBuffer(a.ravel(order="K").view(np.uint8)),
+                            dtype_token(a.dtype), a.shape, a.strides)
+
+
+def rebuild_inline(buf, dtype, shape, strides=None):
+    """The receiver's copy of an array sent by ``inline_array``."""
+    return np.ndarray(shape, dtype, buffer=buf, strides=strides)
