@@ -140,7 +140,7 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
 
     def reducer_override(self, obj):
         t = type(obj)
-        if obj is _rebuild_array or obj is rebuild_inline:  # ours, importable by name
+        if obj is _rebuild_array or obj is rebuild_inline or obj is _rebuild_masked:  # ours
             return NotImplemented
         if t is _ndarray or (isinstance(obj, _ndarray)):
             r = self.array(obj)
@@ -176,6 +176,13 @@ class _ArrayEncoder(_Encoding, pickle.Pickler):
 
 
 def _reduce_array(enc: _Encoder, a: np.ndarray):
+    t = type(a)
+    if t is not _ndarray and t is not _memmap:
+        ma = sys.modules.get("numpy.ma")  # loaded wherever a masked array exists
+        if ma is not None and isinstance(a, ma.MaskedArray):
+            # Its data and mask travel as arrays of their own (by reference when shared);
+            # viewing the data as a MaskedArray would drop the mask.
+            return _rebuild_masked, (t, a.data, ma.getmask(a), a.fill_value, a.hardmask)
     dtype = a.dtype
     if dtype.hasobject or a.size == 0:
         return None  # by value, in band (object arrays hold Python objects, not bytes)
@@ -197,10 +204,13 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
         stats["arrays_zero_copy"] += 1
     row = enc.lease(view, ARENA, _arena_fd)
     data = a.__array_interface__["data"][0]
-    t = type(a)
     sub = None if (t is _ndarray or t is _memmap) else t
     return _rebuild_array, (row, data - view.region.addr - view.offset, a.shape,
                             dtype_token(dtype), a.strides, sub)
+
+
+def _rebuild_masked(cls, data, mask, fill_value, hard_mask):
+    return cls(data, mask=mask, fill_value=fill_value, hard_mask=hard_mask, copy=False)
 
 
 def lease_host_block(enc: _Encoder, block) -> int:

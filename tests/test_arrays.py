@@ -676,3 +676,23 @@ async def test_arena_passed_round_a_loop_is_let_go_after_its_owner_dies(rt):
         if [await p.regions() for p in (a, b, c)] == base:
             break
     assert [await p.regions() for p in (a, b, c)] == base
+
+
+async def test_numpy_subclasses_arrive_as_themselves(rt):
+    a = await Arrays.spawn()
+    small = np.ma.array([1.0, 2.0, 3.0], mask=[0, 1, 0], fill_value=-1.0)
+    big = np.ma.array(np.arange(5000.0), mask=np.arange(5000) % 3 == 0)
+    for x in (small, big):
+        y = await a.echo(x)
+        assert type(y) is np.ma.MaskedArray  # not a bare ndarray with the mask dropped
+        assert np.array_equal(y.mask, x.mask) and np.array_equal(y.data, x.data)
+        assert y.fill_value == x.fill_value and y.sum() == x.sum()
+    # a masked array over shared memory: its data goes by reference, writes come back
+    shared = np.ma.array(actorshm.zeros(10), mask=[0, 1] * 5)
+    before = actorshm.stats()["bytes_copied"]
+    await a.write_slice(shared, 0, 10, 7.0)
+    assert (shared.data == 7.0).all() and np.array_equal(shared.mask, [0, 1] * 5)
+    assert actorshm.stats()["bytes_copied"] - before == shared.mask.nbytes  # the mask only
+    rec = np.rec.array([(1, 2.0), (3, 4.0)], dtype=[("a", "i4"), ("b", "f8")])
+    back = await a.echo(rec)
+    assert type(back) is np.recarray and back.a.tolist() == [1, 3]
