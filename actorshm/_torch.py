@@ -124,8 +124,19 @@ def check_sendable(t: torch.Tensor) -> None:
             "graph) cannot be sent: send `t.detach()` (or a leaf, e.g. a Parameter)")
 
 
-def finish(t: torch.Tensor, parameter: bool, requires_grad: bool):
-    """The received tensor ``t`` as the sender had it: a Parameter, requiring grad."""
+def view_bits(t: torch.Tensor) -> int:
+    """The lazy views torch keeps as bits on a tensor, not in its memory: conjugate (1)
+    and negative (2). The memory travels as it is; the receiver sets the same bits."""
+    return (1 if t.is_conj() else 0) | (2 if t.is_neg() else 0)
+
+
+def finish(t: torch.Tensor, parameter: bool, requires_grad: bool, bits: int = 0):
+    """The received tensor ``t`` as the sender had it: a Parameter, requiring grad, a
+    conjugate or negative view (``view_bits``)."""
+    if bits & 1:
+        t = t.conj()
+    if bits & 2:
+        t = torch._neg_view(t)
     if parameter:
         return _Parameter(t, requires_grad=requires_grad)
     if requires_grad:
@@ -138,8 +149,8 @@ def _reduce_tensor(enc, t: torch.Tensor):
     if kind is not torch.Tensor and kind is not _Parameter:
         return NotImplemented  # another subclass: torch pickles it
     check_sendable(t)
-    if t.layout is not torch.strided or t.is_quantized:
-        return NotImplemented
+    if t.layout is not torch.strided or t.is_quantized or t.is_nested:
+        return NotImplemented  # torch pickles it, by value
     if not t.is_cpu:
         reducer = _cuda_path() if t.is_cuda else None
         return NotImplemented if reducer is None else reducer(enc, t)
@@ -169,14 +180,16 @@ def _reduce_tensor(enc, t: torch.Tensor):
     row = _serialization.lease_host_block(enc, block)
     start = base - block.region.addr - block.offset
     return _rebuild_tensor, (row, start, n, str(t.dtype), tuple(t.shape), t.stride(),
-                             t.storage_offset(), kind is _Parameter, t.requires_grad)
+                             t.storage_offset(), kind is _Parameter, t.requires_grad,
+                             view_bits(t))
 
 
-def _rebuild_tensor(row, start, n, dtype, size, stride, offset, parameter, requires_grad):
+def _rebuild_tensor(row, start, n, dtype, size, stride, offset, parameter, requires_grad,
+                    bits=0):
     block = _serialization.leased_block(row)
     t = tensor_over(np.asarray(block)[start:start + n], _DTYPES[dtype], size, stride, offset,
                     block)
-    return finish(t, parameter, requires_grad)
+    return finish(t, parameter, requires_grad, bits)
 
 
 _serialization.register_reducer(torch.Tensor, _reduce_tensor)

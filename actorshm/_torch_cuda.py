@@ -152,17 +152,18 @@ def reduce_cuda_tensor(enc, t):
     row = _cuda.lease_block(enc, block)
     return _rebuild_cuda_tensor, (row, start, n, str(t.dtype), tuple(t.shape),
                                   tuple(t.stride()), t.storage_offset(),
-                                  type(t) is torch.nn.Parameter, t.requires_grad)
+                                  type(t) is torch.nn.Parameter, t.requires_grad,
+                                  _torch.view_bits(t))
 
 
 def _rebuild_cuda_tensor(row, start, n, dtype, size, stride, offset, parameter,
-                         requires_grad):
+                         requires_grad, bits=0):
     block = _serialization.leased_block(row)
     with cupy.cuda.Device(block.region.device):
         arr = block.array((n,), "u1", start)
         t = as_tensor(arr, _torch._DTYPES[dtype], size, stride, offset)
     _torch.remember(_known, arr.data.ptr, block)
-    return _torch.finish(t, parameter, requires_grad)
+    return _torch.finish(t, parameter, requires_grad, bits)
 
 
 _torch.set_cuda_path(reducer=reduce_cuda_tensor)

@@ -6,6 +6,7 @@ import importlib.util
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -72,6 +73,34 @@ async def test_views_keep_strides_and_storage_offset(rt):
     expect = torch.zeros(6, 8)
     expect[1:5, ::2] = 7.0
     assert torch.equal(base, expect)
+
+
+async def test_conjugate_and_negative_views_keep_their_values(rt):
+    w = await TorchWorker.spawn()
+    z = at.share(torch.tensor([1 + 2j, 3 - 1j]))
+    for x in (z.conj(), z.conj().imag, torch.tensor([1 + 2j, 0.5j]).conj()):
+        assert x.is_conj() or x.is_neg()  # torch keeps these as bits, not in memory
+        y = await w.echo(x)
+        assert y.dtype == x.dtype and torch.equal(y.resolve_conj().resolve_neg(),
+                                                  x.resolve_conj().resolve_neg())
+    back = await w.echo(z.conj())
+    assert back.is_conj() and back.data_ptr() == z.data_ptr()  # still a view of z
+    await w.fill(z.conj(), 1j)  # written through the conjugate view: z holds -1j
+    assert torch.equal(z, torch.tensor([-1j, -1j]))
+
+
+async def test_nested_and_other_layouts_travel_by_value(rt):
+    w = await TorchWorker.spawn()
+    for layout in (torch.strided, torch.jagged):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # nested tensors are a prototype API
+            nt = torch.nested.nested_tensor([torch.ones(2), torch.arange(3.0)],
+                                            layout=layout)
+        back = await w.echo(nt)
+        assert back.is_nested and [t.tolist() for t in back.unbind()] == [
+            [1.0, 1.0], [0.0, 1.0, 2.0]]
+    sp = await w.echo(torch.eye(3).to_sparse())
+    assert sp.is_sparse and torch.equal(sp.to_dense(), torch.eye(3))
 
 
 async def test_tensors_in_containers_at_any_depth(rt):
