@@ -24,6 +24,7 @@ from . import _shm
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._errors import ActorDiedError, RemoteError, RemoteTraceback
 from ._ray_host import Host, simple
+from ._ray_placement import await_ready, check_feasible, requested
 from ._remote_errors import decode_exception
 
 __all__ = ["RayClient", "RayActorId", "CLIENT", "get_client", "ray_env", "import_ray"]
@@ -138,6 +139,9 @@ class RayClient:
         self._watchers: set = set()
         self._names_ok: bool | None = None  # see _names_work
         self._spawn_listeners: list = []
+        # The cluster cannot grow (a local Ray a runtime started): a resource request no
+        # node can meet is an error at spawn, not a wait forever (``_ray_placement``).
+        self.fixed_cluster = False
 
     # -- calls -------------------------------------------------------------------
     def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
@@ -330,6 +334,8 @@ class RayClient:
         if env:
             opts["runtime_env"] = {"env_vars": env}
         what = f"{cls.__qualname__}.spawn"
+        req = requested(options.num_cpus, options.num_gpus)
+        check_feasible(ray, cls.__qualname__, req, self.fixed_cluster)
         try:
             meta = (cls.__qualname__, methods, streams, options.max_pending_calls)
             handle = self._remote_host.options(**opts).remote(
@@ -344,7 +350,7 @@ class RayClient:
         try:
             ready = handle.ready.remote()
             named = await self._names_work(handle)
-            ok, payload = await ready
+            ok, payload = await await_ready(ready, ray, f"{what}()", req)
         except Exception as exc:
             raise _translate(exc, what) from exc
         if not ok:

@@ -90,6 +90,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
                 opts["job_config"] = JobConfig(code_search_path=_user_paths())
             ray.init(address=self.address, **opts)
             self._owns_ray = True
+            CLIENT.fixed_cluster = self.address is None  # a local Ray: no autoscaler
         self.loop = asyncio.get_running_loop()
         self._open = True
         _client.runtime_opened(self)
@@ -121,6 +122,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
             self._spawned.clear()
             if self._owns_ray:
                 ray.shutdown()
+                CLIENT.fixed_cluster = False
         finally:
             self._open = False
             _client.runtime_closed(self)

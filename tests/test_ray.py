@@ -540,3 +540,60 @@ def test_two_node_cluster_runs_actors_on_both_nodes(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "nodes 2" in out.stdout
+
+
+async def test_a_spawn_waiting_for_busy_cpus_says_so_and_starts_once_they_are_freed(
+        ray_session, monkeypatch, caplog):
+    from actorshm import _ray_placement
+    monkeypatch.setattr(_ray_placement, "WARN_AFTER", 0.5)
+    caplog.set_level("WARNING", logger="actorshm")
+    async with actorshm.Runtime(backend="ray"):
+        first = await Counter.options(num_cpus=2).spawn(0)  # every CPU of the module's Ray
+        second = asyncio.ensure_future(Counter.options(num_cpus=2).spawn(7))
+        deadline = time.monotonic() + 30
+        while "has waited" not in caplog.text and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert "Counter.spawn() has waited" in caplog.text
+        assert "needs 2 CPU" in caplog.text and "kill an actor" in caplog.text
+        assert not second.done()
+        await first.kill()
+        c = await asyncio.wait_for(second, 60)
+        assert await c.incr(1) == 8
+
+
+INFEASIBLE_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    sys.path.insert(0, {tests!r})
+    import actorshm
+    from actors import Counter
+
+    async def main():
+        for opts in ({{"num_gpus": 64}}, {{"num_cpus": 3}}):
+            t0 = time.monotonic()
+            try:
+                await Counter.options(**opts).spawn(0)
+            except ValueError as exc:
+                print("refused in", round(time.monotonic() - t0, 1), "s:", exc)
+            else:
+                print("spawned", opts)
+        c = await Counter.options(num_cpus=2).spawn(1)  # as much as the node has: fine
+        print("fits", await c.incr(1))
+
+    actorshm.run(main(), backend="ray", num_cpus=2, log_to_driver=False)
+""")
+
+
+def test_a_request_no_node_of_a_local_ray_can_meet_is_refused_at_once(tmp_path):
+    # Ray would keep such an actor pending forever: spawn says so instead of hanging.
+    script = tmp_path / "infeasible.py"
+    script.write_text(INFEASIBLE_SCRIPT.format(tests=os.path.dirname(__file__)))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    refused = [line for line in out.stdout.splitlines() if line.startswith("refused")]
+    assert len(refused) == 2, out.stdout
+    assert "num_gpus=64" in refused[0] and "num_cpus=3" in refused[1]
+    assert all("no node of this Ray cluster" in line and "has 2 CPU" in line
+               and "forever" in line for line in refused)
+    assert "fits 2" in out.stdout
