@@ -466,6 +466,10 @@ async def test_arrays_on_ray_are_read_only_copies(art, backend):
     assert small[0] == 1
     out = await a.make(1 << 18)
     assert out[-1] == (1 << 18) - 1
+    # Results are read-only views at every size (docs/ray.md); a copy is writable.
+    assert not out.flags.writeable and not (await a.make(5)).flags.writeable
+    mine = np.array(out)
+    mine[0] = 7
 
 
 async def test_a_shared_array_on_ray_warns_that_writes_do_not_come_back(art, backend):
