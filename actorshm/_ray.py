@@ -15,6 +15,7 @@ import concurrent.futures
 import inspect
 import os
 import pickle
+import sys
 import threading
 import uuid
 import warnings
@@ -108,18 +109,37 @@ def _outcome(value: Any, what: str):
     return None, decode_exception(payload, what)
 
 
-def _warn_shared(args: tuple, kwargs: dict, what: str) -> None:
-    for a in (*args, *kwargs.values()):
-        items = a if isinstance(a, (list, tuple)) else (
-            a.values() if isinstance(a, dict) else (a,))
-        for x in items:
-            if _shm.is_shared(x):
-                warnings.warn(
-                    f"{what}(): an actorshm shared array is passed on the Ray backend; it "
-                    "travels as a read-only copy through Ray's object store, so writes in "
-                    "the actor are not seen by the caller (return the result instead)",
-                    RuntimeWarning, stacklevel=4)
-                return
+def _check_args(args: tuple, kwargs: dict, what: str) -> None:
+    """What Ray's own pickling lets through silently, caught before sending, in the
+    arguments and in lists, tuples and dicts up to three levels down (as arrays are made
+    read-only on arrival): a tensor in an autograd graph is a ``TypeError`` (as on the
+    local backend); an actorshm shared array warns once that writes will not come back."""
+    torch = sys.modules.get("torch")
+    tensor = torch.Tensor if torch is not None else None
+    warned = False
+    todo = [(x, 0) for x in (*args, *kwargs.values())]
+    while todo:
+        x, depth = todo.pop()
+        t = type(x)
+        if t is list or t is tuple:
+            if depth < 3:
+                todo.extend((y, depth + 1) for y in x)
+        elif t is dict:
+            if depth < 3:
+                todo.extend((y, depth + 1) for y in x.values())
+        elif tensor is not None and isinstance(x, tensor):
+            from ._torch import check_sendable
+            try:
+                check_sendable(x)
+            except TypeError as exc:
+                raise TypeError(f"cannot send the arguments of {what}(): {exc}") from None
+        elif not warned and _shm.is_shared(x):
+            warned = True
+            warnings.warn(
+                f"{what}(): an actorshm shared array is passed on the Ray backend; it "
+                "travels as a read-only copy through Ray's object store, so writes in "
+                "the actor are not seen by the caller (return the result instead)",
+                RuntimeWarning, stacklevel=4)
 
 
 class RayClient:
@@ -184,7 +204,7 @@ class RayClient:
         return fut
 
     def _submit(self, actor_id, remote_method, method, args, kwargs, what):
-        _warn_shared(args, kwargs, what)
+        _check_args(args, kwargs, what)
         try:
             with self._lock:
                 seq = self._seqs.get(actor_id.key, 0)

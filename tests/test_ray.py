@@ -472,6 +472,17 @@ async def test_arrays_on_ray_are_read_only_copies(art, backend):
     mine[0] = 7
 
 
+async def test_a_tensor_in_an_autograd_graph_is_refused_before_sending(art, backend):
+    # Ray's own pickling would send it as a new leaf, silently cut from its graph.
+    torch = pytest.importorskip("torch")
+    a = await ArrayUser.spawn()
+    non_leaf = torch.ones(3, requires_grad=True) * 2
+    for arg in (non_leaf, {"batch": [non_leaf]}):
+        with pytest.raises(TypeError, match=r"ArrayUser.total.*detach\(\)"):
+            a.total(arg)
+    assert await a.total(non_leaf.detach().numpy()) == 6.0  # the actor is unaffected
+
+
 async def test_a_shared_array_on_ray_warns_that_writes_do_not_come_back(art, backend):
     ray_only(backend, "on the local backend shared arrays are written through")
     a = await ArrayUser.spawn()
