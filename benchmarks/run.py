@@ -3,6 +3,7 @@
     python -m benchmarks                 # everything installed (ray, torch via '.[bench]')
     python -m benchmarks --quick         # actorshm and the floors, small sizes, < 1 minute
     python -m benchmarks --out docs/benchmarks.md --plots docs   # report and its charts
+                                                   # (the file's ## sections are kept)
 
 Every measurement runs in rounds; each round takes a few samples from every contender in
 turn, so that this noisy machine's swings hit all of them alike. Only ratios measured in
@@ -768,7 +769,17 @@ def main(argv=None) -> None:
         report = _with_charts(report, plots.markdown(paths, base, _command(args)))
     print(report)
     if args.out:
-        Path(args.out).write_text(report)
+        out = Path(args.out)
+        kept = _analysis(out.read_text()) if out.exists() else ""
+        out.write_text(f"{report.rstrip()}\n\n{kept}" if kept else report)
+
+
+def _analysis(text: str) -> str:
+    """The hand-written part of a report file: everything from its first ``## ``
+    heading on (the measured report has only ``###`` headings), kept when ``--out``
+    rewrites the file, so a new run updates the tables without erasing the analysis."""
+    at = text.find("\n## ")
+    return text[at + 1:] if at >= 0 else ""
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ def _check_png(path: Path) -> None:
 
 def test_quick_benchmarks_run(tmp_path):
     out_file = tmp_path / "bench.md"
+    # a report written before: its tables are replaced, its hand-written ## part is kept
+    out_file.write_text("# Benchmarks\n\n### Old table\n| a |\n\n## Analysis\nkept text\n")
     # pinned to one CPU, as docs/benchmarks-pinned.md is made (it also steadies CI)
     p = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--pin-cpu", "0",
                         "--out", str(out_file), "--plots", str(tmp_path / "charts")],
@@ -33,6 +35,8 @@ def test_quick_benchmarks_run(tmp_path):
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert p.returncode == 0, p.stderr[-3000:]
     report = out_file.read_text()
+    assert "### Old table" not in report
+    assert report.endswith("\n\n## Analysis\nkept text\n")
     for section in ("Trivial call round trip", "Pipelined calls", "numpy argument",
                     "Recycling loop", "Streaming method", "Actor start-up",
                     "Broadcast: one shared 64 MiB array", "ActorGroup.spawn",
