@@ -109,6 +109,9 @@ def _outcome(value: Any, what: str):
     return None, decode_exception(payload, what)
 
 
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None), complex})
+
+
 def _check_args(args: tuple, kwargs: dict, what: str) -> None:
     """What Ray's own pickling lets through silently, caught before sending, in the
     arguments and in lists, tuples and dicts up to three levels down (as arrays are made
@@ -123,10 +126,10 @@ def _check_args(args: tuple, kwargs: dict, what: str) -> None:
         t = type(x)
         if t is list or t is tuple:
             if depth < 3:
-                todo.extend((y, depth + 1) for y in x)
+                todo.extend((y, depth + 1) for y in x if type(y) not in _SCALARS)
         elif t is dict:
             if depth < 3:
-                todo.extend((y, depth + 1) for y in x.values())
+                todo.extend((y, depth + 1) for y in x.values() if type(y) not in _SCALARS)
         elif tensor is not None and isinstance(x, tensor):
             from ._torch import check_sendable
             try:
