@@ -26,6 +26,7 @@ import cupy
 
 from . import _leases, _serialization, _shm
 from ._errors import ProtocolError, SharedMemoryError
+from ._inband import dtype_token
 from ._util import fmt_bytes
 from ._wire import GPU_SLAB
 
@@ -316,7 +317,7 @@ def reduce_cupy(enc, a):
         _stats["cuda_arrays_zero_copy"] += 1
     enc.before_send(wait_for_senders_work, view.region.device)
     row = lease_block(enc, view)
-    return _rebuild, (row, a.data.ptr - view.ptr, a.shape, a.dtype.str, a.strides)
+    return _rebuild, (row, a.data.ptr - view.ptr, a.shape, dtype_token(a.dtype), a.strides)
 
 
 def lease_block(enc, block: GpuBlock) -> int:

@@ -24,7 +24,10 @@ def dtype_token(dtype: np.dtype):
     The same string object each time, so a message of many arrays pickles it once."""
     token = _tokens.get(dtype)
     if token is None:
-        token = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
+        token = dtype.str
+        if dtype.fields is not None or dtype.subdtype is not None or \
+                np.dtype(token) != dtype:  # e.g. ml_dtypes' bfloat16: its str is '<V2'
+            token = dtype
         if len(_tokens) < 256:
             _tokens[dtype] = token
     return token
