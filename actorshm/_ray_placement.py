@@ -23,8 +23,11 @@ logger = logging.getLogger("actorshm")
 WARN_AFTER = 10.0  # seconds a spawn waits before it says what it is waiting for
 
 
-def requested(num_cpus: float, num_gpus: float) -> dict[str, float]:
-    """What Ray needs free on one node to place the actor (as Ray counts it)."""
+def requested(num_cpus: float, num_gpus: float) -> dict[str, float] | None:
+    """What Ray needs free on one node to place the actor (as Ray counts it); ``None``
+    for Ray's default of one CPU, which any node places and nothing checks."""
+    if num_cpus == 1 and not num_gpus:
+        return None
     req = {"CPU": float(num_cpus)}
     if num_gpus:
         req["GPU"] = float(num_gpus)
@@ -35,11 +38,12 @@ def _fmt(res: dict) -> str:
     return ", ".join(f"{res.get(k, 0):g} {k}" for k in ("CPU", "GPU"))
 
 
-def check_feasible(ray: Any, what: str, req: dict[str, float], fixed: bool) -> None:
+def check_feasible(ray: Any, what: str, req: dict[str, float] | None,
+                   fixed: bool) -> None:
     """Raise ``ValueError`` when no alive node of the cluster has ``req`` in total and the
     cluster cannot grow (``fixed``); on a cluster that may (an autoscaler), warn."""
-    if req == {"CPU": 1.0}:
-        return  # Ray's default: any node places it
+    if req is None:
+        return
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     if not nodes or any(all(n.get(k, 0) >= v for k, v in req.items()) for n in nodes):
         return
@@ -57,11 +61,12 @@ def check_feasible(ray: Any, what: str, req: dict[str, float], fixed: bool) -> N
     logger.warning("actorshm: %s, unless the cluster adds such a node (an autoscaler).", msg)
 
 
-async def await_ready(ready: Any, ray: Any, what: str, req: dict[str, float]) -> Any:
+async def await_ready(ready: Any, ray: Any, what: str,
+                      req: dict[str, float] | None) -> Any:
     """Await the actor's ``ready`` reference; if it takes over ``WARN_AFTER`` seconds
     while its request is more than the cluster has free, log once what it waits for."""
     fut = asyncio.ensure_future(_wait(ready))
-    if req == {"CPU": 1.0}:
+    if req is None:
         return await fut
     try:
         return await asyncio.wait_for(asyncio.shield(fut), WARN_AFTER)

@@ -548,13 +548,18 @@ CLUSTER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_two_node_cluster_runs_actors_on_both_nodes(tmp_path):
-    script = tmp_path / "cluster.py"
-    script.write_text(CLUSTER_SCRIPT.format(tests=os.path.dirname(__file__)))
+def _run_script(tmp_path, name: str, template: str) -> str:
+    """Run a script that starts a Ray of its own; return its stdout (it must succeed)."""
+    script = tmp_path / name
+    script.write_text(template.format(tests=os.path.dirname(__file__)))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "nodes 2" in out.stdout
+    return out.stdout
+
+
+def test_two_node_cluster_runs_actors_on_both_nodes(tmp_path):
+    assert "nodes 2" in _run_script(tmp_path, "cluster.py", CLUSTER_SCRIPT)
 
 
 async def test_a_spawn_waiting_for_busy_cpus_says_so_and_starts_once_they_are_freed(
@@ -601,14 +606,10 @@ INFEASIBLE_SCRIPT = textwrap.dedent("""
 
 def test_a_request_no_node_of_a_local_ray_can_meet_is_refused_at_once(tmp_path):
     # Ray would keep such an actor pending forever: spawn says so instead of hanging.
-    script = tmp_path / "infeasible.py"
-    script.write_text(INFEASIBLE_SCRIPT.format(tests=os.path.dirname(__file__)))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    refused = [line for line in out.stdout.splitlines() if line.startswith("refused")]
-    assert len(refused) == 2, out.stdout
+    stdout = _run_script(tmp_path, "infeasible.py", INFEASIBLE_SCRIPT)
+    refused = [line for line in stdout.splitlines() if line.startswith("refused")]
+    assert len(refused) == 2, stdout
     assert "num_gpus=64" in refused[0] and "num_cpus=3" in refused[1]
     assert all("no node of this Ray cluster" in line and "has 2 CPU" in line
                and "forever" in line for line in refused)
-    assert "fits 2" in out.stdout
+    assert "fits 2" in stdout
