@@ -131,6 +131,28 @@ async def test_small_ordinary_arrays_travel_in_band(rt):
     assert sum(actorshm.is_shared(b) for b in out) == 2
 
 
+async def test_ml_dtypes_arrays_keep_their_dtype(rt):
+    # ml_dtypes (numpy's bfloat16 and float8 kinds, as JAX uses) name themselves '<V2',
+    # '<V1': a dtype sent as its string would arrive as raw void bytes.
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    a = await Arrays.spawn()
+    for dt in map(np.dtype, (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.int4)):
+        assert np.dtype(dt.str) != dt
+        for n in (12, 1 << 16):  # in band, and copied into shared memory
+            x = (np.arange(n) % 7).astype(dt)
+            for v in (x, x[::3], x.reshape(-1, 2).T):
+                e = await a.echo(v)
+                assert e.dtype == dt, (dt, n, e.dtype)
+                assert np.array_equal(e.astype(np.float32), v.astype(np.float32))
+        s = actorshm.empty(1 << 16, dt)
+        s[...] = 3
+        assert (await a.info(s))[1] == dt.name
+        e = await a.echo(s)
+        assert e.dtype == dt and actorshm.is_shared(e) and e.astype(np.float32).sum() == 3 << 16
+        made = await a.make(100, 2, dt)
+        assert made.dtype == dt and actorshm.is_shared(made)
+
+
 async def test_object_arrays_and_nested_containers(rt):
     a = await Arrays.spawn()
     obj = np.array([1, "two", None, {"k": 3}], dtype=object)

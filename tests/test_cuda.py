@@ -62,6 +62,22 @@ async def test_views_keep_shape_strides_and_offset(rt):
     assert float(x.sum()) == 36.0 and float(x[5, 1]) == 9.0
 
 
+async def test_ml_dtypes_arrays_keep_their_dtype(rt):
+    # bfloat16 names itself '<V2': sent as that string it would arrive as raw void
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    try:
+        x = actorshm.cuda.zeros(4096, ml_dtypes.bfloat16)
+    except (TypeError, ValueError) as exc:
+        pytest.skip(f"this CuPy has no bfloat16 arrays: {exc}")
+    a = await GpuArrays.spawn()
+    for v in (x, x[::2]):
+        shape, strides, dtype, shared, _ = await a.info(v)
+        assert (tuple(shape), tuple(strides), dtype) == (v.shape, v.strides, "bfloat16")
+        assert shared
+        back = await a.echo(v)
+        assert back.dtype == v.dtype and back.shape == v.shape
+
+
 async def test_same_process_round_trip_needs_no_ipc(rt):
     a = await GpuArrays.spawn()
     x = actorshm.cuda.zeros(1000, cupy.float32)
