@@ -159,6 +159,7 @@ def _reduce_tensor(enc, t: torch.Tensor):
     if n == 0:
         return NotImplemented
     counters = _leases.counters
+    requires_grad = t.requires_grad  # (a clone below would drop it)
     block = _block_of(st.data_ptr(), n)
     if block is None:
         if n > 2 * t.numel() * t.element_size() + 4096:
@@ -180,7 +181,7 @@ def _reduce_tensor(enc, t: torch.Tensor):
     row = _serialization.lease_host_block(enc, block)
     start = base - block.region.addr - block.offset
     return _rebuild_tensor, (row, start, n, str(t.dtype), tuple(t.shape), t.stride(),
-                             t.storage_offset(), kind is _Parameter, t.requires_grad,
+                             t.storage_offset(), kind is _Parameter, requires_grad,
                              view_bits(t))
 
 

@@ -134,6 +134,7 @@ def reduce_cuda_tensor(enc, t):
     lo, n, dev = _span(t)
     if n == 0:
         return NotImplemented  # nothing to share: torch pickles it
+    parameter, requires_grad = type(t) is torch.nn.Parameter, t.requires_grad
     block = storage_block(t)
     if block is None:
         if n > 2 * t.numel() * t.element_size() + 4096:
@@ -152,8 +153,7 @@ def reduce_cuda_tensor(enc, t):
     row = _cuda.lease_block(enc, block)
     return _rebuild_cuda_tensor, (row, start, n, str(t.dtype), tuple(t.shape),
                                   tuple(t.stride()), t.storage_offset(),
-                                  type(t) is torch.nn.Parameter, t.requires_grad,
-                                  _torch.view_bits(t))
+                                  parameter, requires_grad, _torch.view_bits(t))
 
 
 def _rebuild_cuda_tensor(row, start, n, dtype, size, stride, offset, parameter,

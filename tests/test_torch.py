@@ -135,6 +135,12 @@ async def test_parameter_and_requires_grad_travel_and_non_leaf_is_refused(rt):
     with pytest.raises(TypeError, match=r"detach\(\)"):
         w.info(non_leaf)
     assert (await w.info(non_leaf.detach()))["requires_grad"] is False
+    # leaves over a small part of a large ordinary storage (copied: only their part)
+    big = torch.zeros(1 << 20)
+    for t, parameter in ((torch.nn.Parameter(big[:4]), True),
+                         (big[8:11].requires_grad_(True), False)):
+        info = await w.info(t)
+        assert info["requires_grad"] and info["parameter"] is parameter
 
 
 async def test_share_module_hogwild_updates_the_shared_weights(rt):

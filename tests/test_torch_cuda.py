@@ -179,6 +179,9 @@ async def test_parameter_and_requires_grad_on_the_gpu(rt):
     assert await a.kind(p) == ("Parameter", True, "cuda")
     leaf = at.zeros(3, device="cuda").requires_grad_(True)
     assert await a.kind(leaf) == ("Tensor", True, "cuda")
+    big = torch.zeros(1 << 20, device="cuda")  # copied: only the small part each views
+    assert await a.kind(torch.nn.Parameter(big[:4])) == ("Parameter", True, "cuda")
+    assert await a.kind(big[8:11].requires_grad_(True)) == ("Tensor", True, "cuda")
     with pytest.raises(TypeError, match="detach"):
         await a.kind(leaf * 2)
 
