@@ -22,13 +22,13 @@ asks the loader ``_plugins`` gave it), or when one arrives (pickle imports
   converts it with ``as_tensor`` (DLPack), with the sender's dtype, shape, strides and
   storage offset, on its own ordinal of the same GPU (found by PCI bus id).
 
-``as_tensor`` and ``current_device`` are the only places a CUDA build of torch is needed;
-everything else runs on the simulated GPU of the tests (tests/simgpu).
+``as_tensor``, ``current_device`` and the copy in ``_copy_into_pool`` are the only places
+a CUDA build of torch is needed; everything else runs on the simulated GPU of the tests
+(tests/simgpu). The copy is torch's own, so no CuPy stream wraps torch's (CuPy 14
+deprecates ``cupy.cuda.ExternalStream``, and a warning turned error would fail a send).
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import cupy
 import torch
@@ -54,14 +54,6 @@ def as_tensor(arr, dtype: torch.dtype, size, stride, offset: int):
 def current_device() -> int:
     """The device ``"cuda"`` means here: torch's current device."""
     return torch.cuda.current_device()
-
-
-def _stream(device: int):
-    """Run CuPy work on torch's current stream of ``device`` (the sender's ordering)."""
-    if torch.cuda.is_available():
-        return cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream,
-                                        device)
-    return contextlib.nullcontext()
 
 
 def _wait_for_senders_work(devices) -> None:
@@ -116,14 +108,18 @@ def storage_block(t):
     return block
 
 
-def _copy_into_pool(lo: int, n: int, dev: int, owner):
-    """A pool block holding a copy of the ``n`` device bytes at ``lo`` (``owner`` keeps
-    them alive), copied on the device on torch's current stream."""
-    with cupy.cuda.Device(dev), _stream(dev):
-        src = cupy.ndarray((n,), "u1", cupy.cuda.MemoryPointer(
-            cupy.cuda.UnownedMemory(lo, n, owner, dev), 0))
+def _copy_into_pool(t, lo: int, n: int, dev: int):
+    """A pool block holding a copy of the ``n`` bytes of ``t``'s storage, which start
+    at device address ``lo``; copied on the device, on torch's current stream."""
+    with cupy.cuda.Device(dev):
         dst = _cuda.empty((n,), "u1")
-        dst[...] = src
+        if torch.cuda.is_available():  # torch orders the copy after the sender's work
+            src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                t.untyped_storage(), 0, (n,), (1,))
+            torch.from_dlpack(dst).copy_(src)
+        else:  # the simulated GPU of the tests (tests/simgpu): no streams to follow
+            dst[...] = cupy.ndarray((n,), "u1", cupy.cuda.MemoryPointer(
+                cupy.cuda.UnownedMemory(lo, n, t, dev), 0))
     return dst
 
 
@@ -140,7 +136,7 @@ def reduce_cuda_tensor(enc, t):
         if n > 2 * t.numel() * t.element_size() + 4096:
             t = t.detach().clone()  # a small view of a large storage: copy the view only
             lo, n, dev = _span(t)
-        copy = _copy_into_pool(lo, n, dev, t)
+        copy = _copy_into_pool(t, lo, n, dev)
         block = _cuda.find_block(copy)
         start = copy.data.ptr - block.ptr
         _stats["cuda_bytes_copied"] += n
