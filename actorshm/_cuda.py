@@ -271,7 +271,7 @@ def fence(items) -> None:
     events = []
     for dev in {item[2].device for item in items}:
         with cupy.cuda.Device(dev):
-            ev = cupy.cuda.Event(disable_timing=True)
+            ev = cupy.cuda.Event(block=True, disable_timing=True)  # the helper sleeps
             _runtime.eventRecord(ev.ptr, _runtime.streamLegacy)
         events.append(ev)
     if all(ev.done for ev in events):

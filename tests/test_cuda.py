@@ -247,6 +247,8 @@ async def test_release_from_a_busy_device_goes_back_from_a_helper_thread(rt):
             if (await a.stats())["cuda_blocks_live"] == 0:
                 break
         assert (await a.stats())["cuda_blocks_live"] == 0
+        # the helper slept in the wait: a spinning one would keep a core busy meanwhile
+        assert cupy.cuda.Event.spinning_waits == 0
     finally:
         cupy.cuda.Event.busy = False
 

@@ -68,18 +68,22 @@ class Event:
     path where actorshm waits for a busy device in a helper thread runs too."""
 
     busy = False  # simulation knob, not CuPy API
+    spinning_waits = 0  # waits on events made without block=True (CUDA spins a core)
     _count = 0
 
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         Event._count += 1
         self.ptr = Event._count
         self._done = not Event.busy
+        self._block = block
 
     @property
     def done(self):
         return self._done
 
     def synchronize(self):
+        if not self._block:
+            Event.spinning_waits += 1
         self._done = True
 
 
