@@ -12,9 +12,11 @@ back over the same RELEASE frames as host blocks (``_leases.adopt``), so the sen
 block stays alive until every receiver let go, and then returns to the sender's pool.
 
 Ordering: before a message leaves, the sender synchronizes its current stream on each
-GPU involved, so the receiver's work runs after the sender's pending work; a lease goes
-back only once the releasing process's work queued on that device has finished, so the
-owner can reuse the block at once. See docs/gpu.md.
+GPU involved, so the receiver's work runs after the sender's pending work; the reply to
+a call that received GPU arrays leaves after the actor synchronized its current stream
+on their devices, so the caller sees what the call wrote into them even when the reply
+carries no GPU array; a lease goes back only once the releasing process's work queued on
+that device has finished, so the owner can reuse the block at once. See docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -332,6 +334,8 @@ def _slab_intro(enc, slab: Slab) -> tuple:
 
 def _rebuild(row, aoff, shape, dtype, strides):
     view = _serialization.leased_block(row)
+    # the caller sees what this call's work writes into the array once it returns
+    _serialization.reply_waits_for(wait_for_senders_work, view.region.device)
     with cupy.cuda.Device(view.region.device):
         return view.array(shape, dtype, aoff, strides)
 

@@ -36,8 +36,8 @@ from ._control import CallControl
 from ._framing import FramedSocket, close_fd, run_callbacks
 from ._lease_traffic import LeaseTraffic
 from ._ledger import Ledger
-from ._wire import (CALL, CANCEL, CREDIT, ERROR, HAS_RELEASES, HEADER, HSIZE,  # noqa: F401
-                    ITEM, LEN, PLAIN, RELEASE, RESULT, RETIRE)
+from ._wire import (CALL, CANCEL, CREDIT, ERROR, HAS_BLOCKS, HAS_RELEASES,  # noqa: F401
+                    HEADER, HSIZE, ITEM, LEN, PLAIN, RELEASE, RESULT, RETIRE)
 
 __all__ = ["Connection", "Host"]
 
@@ -87,6 +87,9 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         self.held: collections.deque = collections.deque()  # calls held (``_hold``)
         self.failed_types: set[type] = set()  # error types calls on it have failed with
         self.streams: dict[int, Any] = {}  # streaming calls we made: cid -> its receiver
+        # calls we run whose arguments' work must be waited for before the reply leaves
+        # (a GPU argument the actor may have written to): cid -> {fn: items}
+        self.reply_waits: dict[int, dict] = {}
         self.ledger = Ledger()
         # (The lease engine's view of the ledger: see ``_leases.Channel``.)
         self.sent_regions = self.ledger.sent_regions
@@ -120,6 +123,7 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         waiting = self._close_socket()
         pending, self.pending = self.pending, {}
         self.pending_meta.clear()
+        self.reply_waits.clear()
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(copy_exc(self.close_exc))
@@ -261,6 +265,8 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
     def reply(self, cid: int, value: Any, what: str = "") -> None:
         if self.closed:
             return
+        if self.reply_waits:
+            self._wait_before_reply(cid)
         try:
             payload, fds, enc, flags = ser.encode(value, self)
         except MemoryError as exc:  # out of shared memory: the caller gets it as it is
@@ -295,12 +301,23 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         """
         if self.closed:
             return
+        if self.reply_waits:
+            self._wait_before_reply(cid)
         try:
             self._send(ERROR, 0, cid, remote_errors.encode_exception(exc), ())
         except Exception as err:
             logger.exception("actorshm: the error reply of a call to %s could not be sent",
                              self.label)
             self._send(ERROR, 0, cid, remote_errors.encode_failure(exc, err), ())
+
+    def _wait_before_reply(self, cid: int) -> None:
+        """Wait for what call ``cid``'s arguments asked (``ser.reply_waits_for``)."""
+        for fn, items in self.reply_waits.pop(cid, {}).items():
+            try:
+                fn(items)
+            except Exception:  # (a broken CUDA context): the reply goes all the same
+                logger.exception("actorshm: waiting before the reply to %s failed",
+                                 self.label)
 
     def _send(self, kind: int, flags: int, cid: int, payload, fds, close_fds=None) -> None:
         """Queue one frame (``kind`` 0: none, just the pending releases) and write."""
@@ -375,7 +392,10 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         if kind == CALL:
             _leases.counters["calls_received"] += 1
             try:
-                call = list(ser.decode(payload, fds, self, flags))
+                waits = {} if flags & HAS_BLOCKS else None
+                call = list(ser.decode(payload, fds, self, flags, waits))
+                if waits:
+                    self.reply_waits[cid] = waits
                 method, args, kwargs = call[:3] if len(call) in (3, 4) else (None, None, None)
             except ProtocolError as exc:
                 self._protocol_error(str(exc))

@@ -225,13 +225,14 @@ def _arena_fd(enc: _Encoder, arena) -> int:
 
 
 class _DecodeCtx:
-    __slots__ = ("conn", "fds", "taken", "blocks")
+    __slots__ = ("conn", "fds", "taken", "blocks", "waits")
 
-    def __init__(self, conn, fds) -> None:
+    def __init__(self, conn, fds, waits) -> None:
         self.conn = conn
         self.fds = fds
         self.taken: set[int] = set()
         self.blocks: list = []  # the message's block table, adopted
+        self.waits = waits  # ``reply_waits_for``: fn -> items; None: not a call
 
     def take_fd(self, index: int) -> int:
         if not 0 <= index < len(self.fds) or index in self.taken:
@@ -265,6 +266,19 @@ def leased_block(row: int):
         ProtocolError: called outside ``decode`` (an actorshm object unpickled by hand).
     """
     return _ctx().blocks[row]
+
+
+def reply_waits_for(fn, item) -> None:
+    """Call ``fn(items)`` once, before the reply to the call being decoded leaves, with
+    every ``item`` given for it: e.g. the GPUs whose queued work the caller must see
+    once the call returns, such as the actor's writes into a GPU argument. Nothing when
+    the message is not a call."""
+    waits = _ctx().waits
+    if waits is not None:
+        items = waits.get(fn)
+        if items is None:
+            items = waits[fn] = set()
+        items.add(item)
 
 
 def _rebuild_fd(index: int) -> int:
@@ -441,11 +455,13 @@ def _too_big(n: int) -> None:
         "bytes or lists")
 
 
-def decode(payload, fds, conn, flags: int = 0) -> Any:
-    """Unpickle a message received on ``conn`` with the fds its frame carried."""
+def decode(payload, fds, conn, flags: int = 0, waits: dict | None = None) -> Any:
+    """Unpickle a message received on ``conn`` with the fds its frame carried; for a
+    call, ``waits`` collects what must be waited for before its reply leaves
+    (``reply_waits_for``)."""
     if flags == PLAIN and not fds:
         return _loads(payload)
-    ctx = _DecodeCtx(conn, fds)
+    ctx = _DecodeCtx(conn, fds, waits)
     prev = getattr(_tls, "ctx", None)
     _tls.ctx = ctx
     try:

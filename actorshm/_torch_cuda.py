@@ -155,6 +155,7 @@ def reduce_cuda_tensor(enc, t):
 def _rebuild_cuda_tensor(row, start, n, dtype, size, stride, offset, parameter,
                          requires_grad, bits=0):
     block = _serialization.leased_block(row)
+    _serialization.reply_waits_for(_wait_for_senders_work, block.region.device)
     with cupy.cuda.Device(block.region.device):
         arr = block.array((n,), "u1", start)
         t = as_tensor(arr, _torch._DTYPES[dtype], size, stride, offset)

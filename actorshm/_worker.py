@@ -262,6 +262,7 @@ class Worker(StreamingClient):
         """The caller cancelled call ``cid`` (``Host``): a queued call never runs, a running
         async one (or stream) is cancelled, a running sync one's result is dropped."""
         key = (conn, cid)
+        conn.reply_waits.pop(cid, None)  # nobody waits for its reply now
         if key in self.running_calls:
             task = self.running_calls[key]
             if task is None:

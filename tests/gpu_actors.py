@@ -24,6 +24,13 @@ class GpuArrays:
         a += 1
         return a
 
+    def add_queued(self, a, v, times):
+        for _ in range(times):
+            a += v  # queued on the current stream; not synchronized here
+
+    def stream_syncs(self):
+        return cupy.cuda.Stream.synchronizes  # (the simulated GPU counts them)
+
     def echo(self, a):
         return a
 

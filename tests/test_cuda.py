@@ -51,6 +51,21 @@ async def test_ordering_after_sender_kernel(rt):
     assert await a.sum(x) == 20.0 * (1 << 24)
 
 
+async def test_reply_waits_for_the_actors_work_on_its_gpu_arguments(rt):
+    # the method queues kernels writing into its argument and returns None without
+    # synchronizing: the caller still sees their result once the call returns
+    a = await GpuArrays.spawn()
+    x = actorshm.cuda.zeros(1 << 24, cupy.float32)
+    assert await a.add_queued(x, 1.0, 20) is None
+    assert float(x.sum()) == 20.0 * (1 << 24)
+    if cupy.__version__ == "0.0-simulated":  # no real kernels: count the waits instead
+        before = await a.stream_syncs()
+        await a.add_queued(x, 1.0, 1)
+        assert await a.stream_syncs() == before + 1
+        await a.stream_syncs()  # a call without GPU arguments waits for nothing
+        assert await a.stream_syncs() == before + 1
+
+
 async def test_views_keep_shape_strides_and_offset(rt):
     a = await GpuArrays.spawn()
     x = actorshm.cuda.zeros((64, 48), cupy.float32)
