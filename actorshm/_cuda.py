@@ -13,8 +13,8 @@ block stays alive until every receiver let go, and then returns to the sender's 
 
 Ordering: before a message leaves, the sender synchronizes its current stream on each
 GPU involved, so the receiver's work runs after the sender's pending work; the reply to
-a call that received GPU arrays leaves after the actor synchronized its current stream
-on their devices, so the caller sees what the call wrote into them even when the reply
+a call that received GPU arrays leaves after the actor's work on their devices finished
+(``wait_for_call_work``), so the caller sees what the call wrote into them even when the reply
 carries no GPU array; a lease goes back only once the releasing process's work queued on
 that device has finished, so the owner can reuse the block at once. See docs/gpu.md.
 """
@@ -256,6 +256,20 @@ def wait_for_senders_work(devices) -> None:
             cupy.cuda.get_current_stream().synchronize()
 
 
+def wait_for_call_work(devices) -> None:
+    """Before the reply to a call that received GPU arrays leaves: the caller must see
+    what the call wrote into them. The method may have run in another thread (an
+    executor, ``max_concurrency`` > 1) or on a stream of its own, so besides this
+    thread's current stream, an event on the legacy default stream is waited for: it
+    completes after the work queued on every blocking stream of the device."""
+    for dev in devices:
+        with cupy.cuda.Device(dev):
+            cupy.cuda.get_current_stream().synchronize()
+            ev = cupy.cuda.Event(block=True, disable_timing=True)
+            _runtime.eventRecord(ev.ptr, _runtime.streamLegacy)
+            ev.synchronize()
+
+
 _fence_lock = threading.Lock()
 _fence_queue: list = []
 _fence_thread: threading.Thread | None = None
@@ -336,7 +350,7 @@ def _slab_intro(enc, slab: Slab) -> tuple:
 def _rebuild(row, aoff, shape, dtype, strides):
     view = _serialization.leased_block(row)
     # the caller sees what this call's work writes into the array once it returns
-    _serialization.reply_waits_for(wait_for_senders_work, view.region.device)
+    _serialization.reply_waits_for(wait_for_call_work, view.region.device)
     with cupy.cuda.Device(view.region.device):
         return view.array(shape, dtype, aoff, strides)
 

@@ -65,6 +65,15 @@ def _wait_for_senders_work(devices) -> None:
     _cuda.wait_for_senders_work(devices)
 
 
+def _wait_for_call_work(devices) -> None:
+    """Before the reply to a call that received CUDA tensors leaves (``_cuda``'s rule),
+    torch's current stream too (torch's own streams do not block on the legacy one)."""
+    if torch.cuda.is_available():
+        for dev in devices:
+            torch.cuda.current_stream(dev).synchronize()
+    _cuda.wait_for_call_work(devices)
+
+
 def _contiguous_strides(size) -> tuple:
     stride, acc = [], 1
     for s in reversed(size):
@@ -155,7 +164,7 @@ def reduce_cuda_tensor(enc, t):
 def _rebuild_cuda_tensor(row, start, n, dtype, size, stride, offset, parameter,
                          requires_grad, bits=0):
     block = _serialization.leased_block(row)
-    _serialization.reply_waits_for(_wait_for_senders_work, block.region.device)
+    _serialization.reply_waits_for(_wait_for_call_work, block.region.device)
     with cupy.cuda.Device(block.region.device):
         arr = block.array((n,), "u1", start)
         t = as_tensor(arr, _torch._DTYPES[dtype], size, stride, offset)
