@@ -64,6 +64,12 @@ async def test_reply_waits_for_the_actors_work_on_its_gpu_arguments(rt):
         assert await a.stream_syncs() == before + 1
         await a.stream_syncs()  # a call without GPU arguments waits for nothing
         assert await a.stream_syncs() == before + 1
+    # a sync method run in an executor thread (max_concurrency > 1) is covered as well
+    b = await GpuArrays.options(max_concurrency=2).spawn()
+    base = float(x[0])
+    assert await asyncio.gather(b.add_queued(x[:8], 1.0, 10),
+                                b.add_queued(x[8:16], 2.0, 10)) == [None, None]
+    assert float(x[:8].sum()) == 8 * (base + 10) and float(x[8:16].sum()) == 8 * (base + 20)
 
 
 async def test_views_keep_shape_strides_and_offset(rt):
