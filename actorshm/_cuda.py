@@ -14,9 +14,10 @@ block stays alive until every receiver let go, and then returns to the sender's 
 Ordering: before a message leaves, the sender synchronizes its current stream on each
 GPU involved, so the receiver's work runs after the sender's pending work; the reply to
 a call that received GPU arrays leaves after the actor's work on their devices finished
-(``wait_for_call_work``), so the caller sees what the call wrote into them even when the reply
-carries no GPU array; a lease goes back only once the releasing process's work queued on
-that device has finished, so the owner can reuse the block at once. See docs/gpu.md.
+(``wait_for_call_work``), so the caller sees what the call wrote into them even when
+the reply carries no GPU array; a lease goes back only once the releasing process's
+work queued on that device has finished, so the owner can reuse the block at once. See
+docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -256,18 +257,24 @@ def wait_for_senders_work(devices) -> None:
             cupy.cuda.get_current_stream().synchronize()
 
 
+def device_event(dev: int):
+    """An event recorded now on ``dev``'s legacy default stream: it completes after the
+    work queued before it on every blocking stream of the device, from any thread. Made
+    blocking, so that a thread waiting on it sleeps instead of spinning a CPU core."""
+    with cupy.cuda.Device(dev):
+        ev = cupy.cuda.Event(block=True, disable_timing=True)
+        _runtime.eventRecord(ev.ptr, _runtime.streamLegacy)
+    return ev
+
+
 def wait_for_call_work(devices) -> None:
     """Before the reply to a call that received GPU arrays leaves: the caller must see
-    what the call wrote into them. The method may have run in another thread (an
-    executor, ``max_concurrency`` > 1) or on a stream of its own, so besides this
-    thread's current stream, an event on the legacy default stream is waited for: it
-    completes after the work queued on every blocking stream of the device."""
+    what the call wrote into them. Besides this thread's current stream
+    (``wait_for_senders_work``), the device's blocking streams (``device_event``): the
+    method may have run in an executor thread (``max_concurrency`` > 1)."""
+    wait_for_senders_work(devices)
     for dev in devices:
-        with cupy.cuda.Device(dev):
-            cupy.cuda.get_current_stream().synchronize()
-            ev = cupy.cuda.Event(block=True, disable_timing=True)
-            _runtime.eventRecord(ev.ptr, _runtime.streamLegacy)
-            ev.synchronize()
+        device_event(dev).synchronize()
 
 
 _fence_lock = threading.Lock()
@@ -278,19 +285,13 @@ _fence_thread: threading.Thread | None = None
 def fence(items) -> None:
     """Give GPU leases back once this process's work on their devices has finished.
 
-    ``items`` are (upstream, key, region) releases. An event is recorded on each
-    device's legacy default stream, which completes after all work queued before it on
-    the device's blocking streams. When the events are done already (a consumer that
-    finished its work), the releases go straight to ``_leases.releases_ready``; otherwise a helper
-    thread waits for them, so the event loop never blocks on the GPU.
+    ``items`` are (upstream, key, region) releases. A ``device_event`` is recorded on
+    each device. When the events are done already (a consumer that finished its work),
+    the releases go straight to ``_leases.releases_ready``; otherwise a helper thread
+    waits for them, so the event loop never blocks on the GPU.
     """
     global _fence_thread
-    events = []
-    for dev in {item[2].device for item in items}:
-        with cupy.cuda.Device(dev):
-            ev = cupy.cuda.Event(block=True, disable_timing=True)  # the helper sleeps
-            _runtime.eventRecord(ev.ptr, _runtime.streamLegacy)
-        events.append(ev)
+    events = [device_event(dev) for dev in {item[2].device for item in items}]
     if all(ev.done for ev in events):
         _leases.releases_ready(items)
         return

@@ -56,21 +56,24 @@ def current_device() -> int:
     return torch.cuda.current_device()
 
 
-def _wait_for_senders_work(devices) -> None:
-    """Before a message with CUDA tensors leaves: the receiver must see our queued work,
-    on torch's current stream and on CuPy's."""
+def _sync_torch_streams(devices) -> None:
+    """Synchronize torch's current stream on each device (its side streams do not block
+    on the legacy default stream, so ``_cuda``'s waits alone would miss them)."""
     if torch.cuda.is_available():
         for dev in devices:
             torch.cuda.current_stream(dev).synchronize()
+
+
+def _wait_for_senders_work(devices) -> None:
+    """Before a message with CUDA tensors leaves: the receiver must see our queued work,
+    on torch's current stream and on CuPy's."""
+    _sync_torch_streams(devices)
     _cuda.wait_for_senders_work(devices)
 
 
 def _wait_for_call_work(devices) -> None:
-    """Before the reply to a call that received CUDA tensors leaves (``_cuda``'s rule),
-    torch's current stream too (torch's own streams do not block on the legacy one)."""
-    if torch.cuda.is_available():
-        for dev in devices:
-            torch.cuda.current_stream(dev).synchronize()
+    """Before the reply to a call that received CUDA tensors leaves (``_cuda``'s rule)."""
+    _sync_torch_streams(devices)
     _cuda.wait_for_call_work(devices)
 
 
