@@ -106,10 +106,7 @@ class _Encoding:
     def before_send(self, fn, item) -> None:
         """Call ``fn(items)`` once, before the message leaves, with every ``item`` given
         for it (e.g. the GPUs whose queued work the receiver must see)."""
-        items = self.waits.get(fn)
-        if items is None:
-            items = self.waits[fn] = set()
-        items.add(item)
+        _add_wait(self.waits, fn, item)
 
     def lease(self, view, kind: int, intro) -> int:
         """The row of ``view``'s block in this message's table, added (with its grant)
@@ -275,10 +272,15 @@ def reply_waits_for(fn, item) -> None:
     the message is not a call."""
     waits = _ctx().waits
     if waits is not None:
-        items = waits.get(fn)
-        if items is None:
-            items = waits[fn] = set()
-        items.add(item)
+        _add_wait(waits, fn, item)
+
+
+def _add_wait(waits: dict, fn, item) -> None:
+    """Record that ``fn`` must be called with ``item`` among its items (fn -> set)."""
+    items = waits.get(fn)
+    if items is None:
+        items = waits[fn] = set()
+    items.add(item)
 
 
 def _rebuild_fd(index: int) -> int:
