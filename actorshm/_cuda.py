@@ -79,8 +79,7 @@ class Slab(_leases.Region):
     def ipc_handle(self) -> bytes:
         """The slab's IPC handle, exported once (only owned slabs export; peers forward)."""
         if self.handle is None:
-            with cupy.cuda.Device(self.device):  # the slab's own device, not the current
-                self.handle = bytes(_runtime.ipcGetMemHandle(self.ptr))
+            self.handle = bytes(_runtime.ipcGetMemHandle(self.ptr))
         return self.handle
 
     @staticmethod
