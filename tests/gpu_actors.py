@@ -1,5 +1,8 @@
 """GPU actor classes for tests/test_cuda.py (imported only where CuPy is present)."""
 
+import gc
+import time
+
 import cupy
 
 import actorshm
@@ -27,6 +30,14 @@ class GpuArrays:
     def add_queued(self, a, v, times):
         for _ in range(times):
             a += v  # queued on the current stream; not synchronized here
+
+    def sleep(self, seconds):
+        time.sleep(seconds)
+
+    def reply_waits_held(self):
+        """Calls whose reply waits this process still keeps (none once they ended)."""
+        from actorshm._protocol import Connection
+        return sum(len(o.reply_waits) for o in gc.get_objects() if isinstance(o, Connection))
 
     def stream_syncs(self):
         return cupy.cuda.Stream.synchronizes  # (the simulated GPU counts them)

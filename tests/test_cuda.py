@@ -72,6 +72,18 @@ async def test_reply_waits_for_the_actors_work_on_its_gpu_arguments(rt):
     assert float(x[:8].sum()) == 8 * (base + 10) and float(x[8:16].sum()) == 8 * (base + 20)
 
 
+async def test_a_cancelled_gpu_call_leaves_no_reply_wait_behind(rt):
+    a = await GpuArrays.spawn()
+    x = actorshm.cuda.zeros(1000, cupy.float32)
+    busy = a.sleep(1.0)  # (a blocked loop reads the cancel before the next call starts)
+    queued = a.add_queued(x, 1.0, 1)  # decoded in the actor, waiting behind `busy`
+    await asyncio.sleep(0.2)
+    queued.cancel()
+    await busy
+    assert await a.reply_waits_held() == 0
+    assert float(x.sum()) == 0.0  # it never ran
+
+
 async def test_views_keep_shape_strides_and_offset(rt):
     a = await GpuArrays.spawn()
     x = actorshm.cuda.zeros((64, 48), cupy.float32)
