@@ -77,10 +77,14 @@ async def soak(seconds: float, every: float = 60.0, n_actors: int = 3,
         nbytes = int(2 ** rng.uniform(10, np.log2(max_bytes)))
         a = actorshm.empty(nbytes // 8 or 1, np.float64)
         a[...] = i
-        h = handles[i % len(handles)]
+        k = i % len(handles)
+        h = handles[k]
         try:
-            if i % 3 == 0 and len(handles) > 1:  # actor-to-actor relay
-                out = await h.relay(handles[(i + 1) % len(handles)], a)
+            if i % 3 == 0 and k + 1 < len(handles):
+                # Actor-to-actor relay, down the list only: a relay busy in each actor of
+                # a ring would wait on the next one's queue for ever, a deadlock through
+                # several queues that nobody detects (docs/concepts.md, re-entrant calls).
+                out = await h.relay(handles[k + 1], a)
             else:
                 out = await h.add_one(a)
             assert float(out[0]) == i + 1 and float(out[-1]) == i + 1, "corrupted array"
