@@ -89,11 +89,11 @@ class ActorOptions:
         ``OMP_NUM_THREADS`` given in ``env`` (torch reads ``MKL_NUM_THREADS`` before it,
         so one must not say otherwise); ``env`` itself is applied after these."""
         n = (self.env or {}).get("OMP_NUM_THREADS") or str(max(1, int(self.num_cpus)))
-        return {var: n for var in _THREAD_VARS}
+        return {var: n for var in THREAD_VARS}
 
 
 # Thread-count variables set from ``num_cpus``, as Ray sets them for its actors.
-_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                 "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 
 

@@ -85,6 +85,9 @@ def _died(exc: BaseException, what: str) -> ActorDiedError:
     return ActorDiedError(f"{what}: the actor died ({text[0] if text else type(exc).__name__})")
 
 
+_UNCOMPUTED = "input arguments for this task could not be computed"
+
+
 def _translate(exc: BaseException, what: str) -> BaseException:
     """Ray's error for a call -> what the local backend raises."""
     import ray.exceptions as rex
@@ -92,6 +95,12 @@ def _translate(exc: BaseException, what: str) -> BaseException:
         return _died(exc, what)
     if isinstance(exc, rex.RayTaskError):  # the host failed, e.g. a result that won't pickle
         cause = getattr(exc, "cause", None)
+        if isinstance(cause, rex.RaySystemError) and _UNCOMPUTED in str(exc):
+            # Ray could not unpickle an argument in the actor: the call never ran, as on
+            # the local backend (which says the same).
+            lines = [x.strip() for x in str(cause).strip().splitlines() if x.strip()]
+            return TypeError("the actor could not deserialize the call's arguments: "
+                             f"{lines[-1] if lines else type(cause).__name__}")
         if isinstance(cause, Exception) and not isinstance(cause, rex.RayError):
             cause.__cause__ = RemoteTraceback(str(exc))
             return cause
@@ -134,6 +143,7 @@ def _check_args(args: tuple, kwargs: dict, what: str) -> None:
             from ._torch import check_sendable
             try:
                 check_sendable(x)
+                _check_picklable_dtype(x.dtype)
             except TypeError as exc:
                 raise TypeError(f"cannot send the arguments of {what}(): {exc}") from None
         elif not warned and _shm.is_shared(x):
@@ -143,6 +153,30 @@ def _check_args(args: tuple, kwargs: dict, what: str) -> None:
                 "travels as a read-only copy through Ray's object store, so writes in "
                 "the actor are not seen by the caller (return the result instead)",
                 RuntimeWarning, stacklevel=4)
+
+
+_dtype_ok: dict = {}  # torch dtype -> whether torch can pickle a tensor of it
+
+
+def _check_picklable_dtype(dtype) -> None:
+    """Ray passes tensors by torch's own pickling, which some torch versions cannot do
+    for some dtypes (the float8 kinds): say so before sending rather than let the actor
+    fail to unpickle the call."""
+    ok = _dtype_ok.get(dtype)
+    if ok is None:
+        import torch
+        try:
+            pickle.loads(pickle.dumps(torch.empty(1, dtype=dtype)))
+            ok = True
+        except Exception:
+            ok = False
+        _dtype_ok[dtype] = ok
+    if not ok:
+        raise TypeError(
+            f"a {dtype} tensor cannot travel on the Ray backend: Ray passes tensors by "
+            "torch's own pickling, which cannot rebuild this dtype in this torch version. "
+            f"Send `t.view(torch.uint8)` and view it back with `.view({dtype})` in the "
+            "actor, or use the local backend")
 
 
 class RayClient:
@@ -192,6 +226,8 @@ class RayClient:
                 err = _translate(exc, what)
                 if isinstance(err, ActorDiedError):
                     self._watch_restart(actor_id, loop)
+                else:
+                    self._failed(actor_id, seq)
                 if isinstance(err, BaseException) and not fut.cancelled():
                     fut.set_exception(err)
                 return
@@ -250,7 +286,10 @@ class RayClient:
             exc = cf.exception()
             try:
                 if exc is not None:
-                    out.set_exception(_translate(exc, what))
+                    err = _translate(exc, what)
+                    if not isinstance(err, ActorDiedError):
+                        self._failed(actor_id, seq)
+                    out.set_exception(err)
                     return
                 result, err = _outcome(cf.result(), what)
                 out.set_exception(err) if err is not None else out.set_result(result)
@@ -269,7 +308,15 @@ class RayClient:
         gen, seq = self._submit(actor_id, remote, method, args, kwargs, what)
         from ._ray_stream import RayStream
         return RayStream(gen, what, _translate, _outcome,
-                         lambda _gen: self._cancel(actor_id, seq))
+                         lambda _gen: self._cancel(actor_id, seq),
+                         lambda: self._failed(actor_id, seq))
+
+    def _failed(self, actor_id: RayActorId, seq: int) -> None:
+        """Call ``seq`` failed in Ray, perhaps before it reached the actor's code (an
+        argument Ray could not unpickle there): the actor must not keep the calls after
+        it waiting for its turn. Sent as a cancel, which skips a call that never started
+        and leaves one that did alone."""
+        self._cancel(actor_id, seq)
 
     def _cancel(self, actor_id: RayActorId, seq: int) -> None:
         """Ask the actor to cancel call ``seq`` (a message, not ``ray.cancel``: a task

@@ -124,7 +124,11 @@ class Host:
             from concurrent.futures import ThreadPoolExecutor
             self._executor = ThreadPoolExecutor(max_concurrency,
                                                 thread_name_prefix=f"actorshm-{cls.__qualname__}")
-        from ._actor import public_methods
+        from ._actor import THREAD_VARS, public_methods
+        # Ray sets OMP_NUM_THREADS for its actors (num_cpus, or 1), which OpenBLAS and MKL
+        # also read; the other thread-count variables say the same, as locally.
+        for var in THREAD_VARS:
+            os.environ.setdefault(var, os.environ.get("OMP_NUM_THREADS", "1"))
         self._methods = public_methods(cls)
         self._init_error = None
         self._instance = None
@@ -338,6 +342,11 @@ class Host:
             if kwargs:
                 freeze_arrays(kwargs)
             if self._methods[method] or self._executor is None:
+                if not self._methods[method]:
+                    # A sync method holds Ray's event loop while it runs: let the calls
+                    # that finished before it hand their results to Ray first, or a
+                    # long call (or one that ends the process) would hold them back.
+                    await asyncio.sleep(0)
                 result = fn(*args, **kwargs)
                 if inspect.isawaitable(result):
                     result = await result

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ._errors import ActorDiedError
+
 __all__ = ["RayStream"]
 
 
@@ -16,8 +18,9 @@ class RayStream:
     """
 
     def __init__(self, gen: Any, what: str, translate: Callable, outcome: Callable,
-                 cancel: Callable) -> None:
+                 cancel: Callable, failed: Callable) -> None:
         self._gen = gen
+        self._failed = failed  # Ray failed the call (``RayClient._failed``)
         self._what = what
         self._translate = translate
         self._outcome = outcome
@@ -38,8 +41,11 @@ class RayStream:
             self._finish()
             raise
         except Exception as exc:
+            err = self._translate(exc, self._what)
+            if not isinstance(err, ActorDiedError):
+                self._failed()  # it may never have reached the actor's code
             self._finish()
-            raise self._translate(exc, self._what) from None
+            raise err from None
         except BaseException:  # cancelled: stop the generator in the actor
             await self.aclose()
             raise

@@ -35,6 +35,11 @@ class Counter:
         self.log.append(i)
         return i
 
+    def stall(self, seconds):
+        """Return at once, then hold the event loop for ``seconds``, outside any call:
+        the calls made meanwhile are then read together."""
+        asyncio.get_running_loop().call_soon(time.sleep, seconds)
+
     async def async_record(self, i, delay):
         await asyncio.sleep(delay)
         self.log.append(i)
@@ -88,6 +93,10 @@ class Faulty:
 
     def hang(self):
         time.sleep(60)
+
+    def exit_later(self, delay):
+        time.sleep(delay)
+        os._exit(3)
 
     def call(self, fn, *args):
         return fn(*args)
