@@ -206,8 +206,9 @@ class Worker(StreamingClient):
         else:
             # Replies made while reading a connection's frames wait to go out together,
             # after them. Before a call that may take long (its method's last run did,
-            # or it never ran), or once they waited a millisecond, they go now: a fast
-            # call's reply never waits for a slow call behind it.
+            # or it never ran), or once they waited a millisecond, they go now: a quick
+            # call's reply does not wait for a slow call behind it (unless that method
+            # was quick on its last run).
             if method not in self.fast or self.unflushed > FLUSH_AFTER:
                 self.unflushed = 0.0
                 if self.reading is not None:
