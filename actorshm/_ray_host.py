@@ -165,6 +165,9 @@ class Host:
             freeze_arrays(kwargs)
             self._instance = cls(*args, **kwargs)
         except BaseException as exc:  # raised by spawn in the caller
+            if isinstance(exc, SystemExit):  # as on the local backend
+                exc = ActorDiedError(f"actor {self._cls_name} exited in __init__ "
+                                     f"(sys.exit({exc.code!r}))")
             self._init_error = encode_exception(exc)
             self._dead_reply = pack((False, encode_exception(ActorDiedError(
                 f"actor {self._cls_name} failed in __init__: {exc!r}"))))
@@ -355,7 +358,9 @@ class Host:
                     self._executor, lambda: fn(*args, **kwargs))
         except SystemExit:
             os._exit(0)
-        except Exception as exc:
+        except asyncio.CancelledError:
+            raise  # the caller cancelled it (``_call``)
+        except BaseException as exc:  # KeyboardInterrupt too: the caller's error to see
             return False, encode_exception(exc)
         return True, result
 

@@ -83,6 +83,11 @@ def decode_exception(payload: bytes, where: str = "") -> BaseException:
             exc = None
     if not isinstance(exc, BaseException):
         return RemoteError(name, msg, tb)
+    if not isinstance(exc, Exception):
+        # KeyboardInterrupt, SystemExit, GeneratorExit...: raised as itself here, it
+        # would stop the caller's program (or task), which an actor's error must not.
+        return RemoteError(name, f"{msg} [actorshm: not an Exception, so raised as "
+                                 "RemoteError rather than as itself]", tb)
     exc.__cause__ = RemoteTraceback(tb)
     if hasattr(exc, "add_note"):
         try:

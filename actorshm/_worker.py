@@ -416,12 +416,17 @@ class Worker(StreamingClient):
         try:
             self.instance = cls(*args, **kwargs)
         except BaseException as exc:
+            code = 1
+            if isinstance(exc, SystemExit):  # it ends the actor, not the caller
+                code = exc.code if isinstance(exc.code, int) else (exc.code is not None)
+                exc = ActorDiedError(f"actor {self.cls_name} exited in __init__ "
+                                     f"(sys.exit({exc.code!r}))")
             conn.reply_error(cid, exc)
             while self.queue:
                 qconn, qcid, _ = self.queue.popleft()
                 qconn.reply_error(qcid, ActorDiedError(
                     f"actor {self.cls_name} failed in __init__: {exc!r}"))
-            self.exit_code = 1
+            self.exit_code = code
             self.loop.call_soon(lambda: self.stopped.done() or self.stopped.set_result(None))
             return
         conn.reply(cid, os.getpid())

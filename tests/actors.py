@@ -73,8 +73,13 @@ class Faulty:
             yield i
 
     def __init__(self, fail=False):
+        if fail == "exit":
+            sys.exit(3)
         if fail:
             raise KeyError("init failed on purpose")
+
+    def interrupt(self):
+        raise KeyboardInterrupt("pressed in the actor")
 
     def value_error(self):
         raise ValueError("bad value")

@@ -207,6 +207,15 @@ async def test_method_errors_keep_their_type_and_remote_traceback(art):
     assert await f.ok() == "ok"
 
 
+async def test_an_actors_exit_or_interrupt_does_not_end_the_caller(art):
+    with pytest.raises(actorshm.ActorDiedError, match=r"exited in __init__.*sys.exit\(3\)"):
+        await Faulty.spawn("exit")
+    f = await Faulty.spawn()
+    with pytest.raises(actorshm.RemoteError, match="KeyboardInterrupt: pressed in the actor"):
+        await f.interrupt()
+    assert await f.ok() == "ok"
+
+
 async def test_unserializable_argument_is_a_type_error_before_sending(art):
     import threading
     c = await Counter.spawn()
