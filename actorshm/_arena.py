@@ -12,6 +12,7 @@ import ctypes
 import errno
 import fcntl
 import mmap
+import operator
 import os
 from typing import Any
 
@@ -121,9 +122,9 @@ def array_from_block(view: HostBlock, shape, dtype, offset: int = 0, strides=Non
 
 
 def nbytes_of(shape, dtype) -> tuple[tuple, np.dtype, int]:
-    if isinstance(shape, (int, np.integer)):
-        shape = (int(shape),)
-    shape = tuple(int(s) for s in shape)
+    # As numpy: each dimension an integer (2.5 or "3" is a TypeError, not truncated).
+    shape = (operator.index(shape),) if not hasattr(shape, "__iter__") else \
+        tuple(operator.index(s) for s in shape)
     dtype = np.dtype(dtype)
     if dtype.hasobject:
         raise TypeError("actorshm: object arrays cannot live in shared memory; "

@@ -451,7 +451,7 @@ def zeros(shape, dtype=float, order: str = "C") -> np.ndarray:
     Args and errors as ``empty``.
     """
     a = empty(shape, dtype, order)
-    a.fill(0)
+    np.copyto(a, np.zeros((), a.dtype))  # numpy's zero of any dtype ('' for strings)
     return a
 
 

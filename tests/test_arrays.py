@@ -307,6 +307,21 @@ async def test_large_array_zero_copy(rt):
     assert actorshm.stats()["bytes_copied"] == b0
 
 
+@pytest.mark.parametrize("shape", [(2.5,), 2.5, "abc", (2, None)])
+def test_empty_refuses_a_shape_numpy_refuses(shape):
+    with pytest.raises(TypeError):
+        np.empty(shape)
+    with pytest.raises(TypeError):
+        actorshm.empty(shape)
+
+
+@pytest.mark.parametrize("dtype", ["U3", "S5", "M8[s]", [("a", "i4"), ("b", "U2")], "c16"])
+def test_zeros_are_numpys_zeros_of_every_dtype(dtype):
+    z = actorshm.zeros((2, 3), dtype)
+    assert z.dtype == np.dtype(dtype) and (z == np.zeros((2, 3), dtype)).all()
+    assert actorshm.empty(np.int64(3)).shape == (3,)
+
+
 async def test_share_and_is_shared():
     x = np.arange(5.0)
     assert not actorshm.is_shared(x)
