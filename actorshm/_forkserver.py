@@ -99,7 +99,7 @@ def main() -> None:
                     continue
                 if done:
                     children.discard(pid)
-                    send_msg(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
+                    _report(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
         if sock in ready:
             msg = recv_msg(sock)
             if msg is None:  # the driver is gone: children die by their death signal
@@ -113,7 +113,15 @@ def main() -> None:
             for fd in fds:
                 os.close(fd)
             children.add(pid)
-            send_msg(sock, ("forked", pid, 0))
+            _report(sock, ("forked", pid, 0))
+
+
+def _report(sock: socket.socket, msg: tuple) -> None:
+    """Tell the driver; if it is gone (its runtime closed), end quietly, as on EOF."""
+    try:
+        send_msg(sock, msg)
+    except OSError:
+        os._exit(0)
 
 
 if __name__ == "__main__":

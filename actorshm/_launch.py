@@ -286,6 +286,15 @@ def kill_all(actors: dict) -> None:
                 pass
 
 
+def _kill_forked(fut: asyncio.Future) -> None:
+    """A child forked for a spawn that was given up: it must not live on unseen."""
+    if not fut.cancelled() and fut.exception() is None:
+        try:
+            os.kill(fut.result(), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 class ForkServerClient:
     """The driver's side of the fork server: started on first use, one per runtime.
 
@@ -313,8 +322,8 @@ class ForkServerClient:
             The child's pid and its stdout and stderr pipes (read ends).
 
         Raises:
-            ActorDiedError: the fork server died.
-            asyncio.TimeoutError: it did not answer within ``start_timeout``.
+            ActorDiedError: the fork server died, or did not answer within
+                ``start_timeout`` (the child it forks later is killed).
         """
         if self._fs is not None and self._fs[0].poll() is not None:
             self._server_gone()  # it died (killed?): its actors live on; start a new one
@@ -339,7 +348,17 @@ class ForkServerClient:
         finally:
             os.close(out_w)
             os.close(err_w)
-        pid = await asyncio.wait_for(fut, self.start_timeout)
+        try:
+            pid = await asyncio.wait_for(asyncio.shield(fut), self.start_timeout)
+        except BaseException as exc:  # cancelled, or timed out: nobody will take the child
+            os.close(out_r)
+            os.close(err_r)
+            fut.add_done_callback(_kill_forked)  # the server forks it all the same
+            if isinstance(exc, asyncio.TimeoutError):
+                raise ActorDiedError(
+                    f"the fork server did not start the actor within {self.start_timeout} s "
+                    "(Runtime(start_timeout=...) sets the limit)") from None
+            raise
         return pid, (open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0))
 
     def _server_gone(self) -> None:

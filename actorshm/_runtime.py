@@ -205,7 +205,12 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
 
     async def _start_process(self, rec: ActorRecord) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        await start_process(self.loop, rec, child, actor_env(rec), self._forkserver, self._on_exit)
+        try:
+            await start_process(self.loop, rec, child, actor_env(rec), self._forkserver,
+                                self._on_exit)
+        except BaseException:  # (cancelled while the fork server forks: no process here)
+            parent.close()
+            raise
         if rec.conn is not None and rec.conn.sock is None and not rec.conn.closed:
             rec.conn.label = rec.label
             rec.conn.attach(parent)  # a restart: calls made meanwhile are buffered there

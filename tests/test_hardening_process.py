@@ -43,6 +43,26 @@ async def test_actors_survive_their_fork_server_and_a_new_one_starts():
         assert (tag, calls) == ("x", 1)
 
 
+async def test_a_spawn_given_up_while_the_fork_server_forks_leaks_nothing():
+    from actors import Counter
+    fds = len(os.listdir("/proc/self/fd"))
+    async with actorshm.Runtime(start_method="forkserver", shutdown_grace=1.0) as rt:
+        c = await Counter.spawn()
+        for _ in range(5):  # cancelled while it waits for the fork server's answer
+            task = asyncio.ensure_future(Counter.spawn())
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        rt._forkserver.start_timeout = 0  # and timed out there
+        with pytest.raises(actorshm.ActorDiedError, match=r"start_timeout"):
+            await Counter.spawn()
+        await asyncio.sleep(0.5)
+        assert [a["id"] for a in rt.actors() if a["alive"]] == [c._actor_id]
+        assert await c.incr() == 1
+    assert len(os.listdir("/proc/self/fd")) == fds  # (and no process: the fixture)
+
+
 def test_forked_actors_die_with_their_driver(tmp_path):
     import subprocess
     import textwrap
