@@ -72,16 +72,22 @@ class ActorOptions:
         if not isinstance(new.max_restarts, int) or new.max_restarts < -1:
             raise ValueError("max_restarts must be an int >= 0 (or -1 for unlimited)")
         if (isinstance(new.num_cpus, bool) or not isinstance(new.num_cpus, (int, float))
-                or not new.num_cpus > 0):
-            raise ValueError("num_cpus must be a number > 0 (the actor's thread count)")
+                or not 0 < new.num_cpus < 1 << 16):
+            raise ValueError("num_cpus must be a number > 0 and below 65536 (the thread "
+                             f"count), not {new.num_cpus!r}")
         if (isinstance(new.max_pending_calls, bool) or not isinstance(new.max_pending_calls, int)
                 or new.max_pending_calls == 0 or new.max_pending_calls < -1):
             raise ValueError("max_pending_calls must be an int >= 1 (or -1 for no limit)")
         if new.env is not None and not (isinstance(new.env, dict) and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in new.env.items())):
             raise TypeError("env must be a dict of str to str (environment variables)")
-        if new.name is not None and not isinstance(new.name, str):
-            raise TypeError("name must be a str")
+        for k, v in (new.env or {}).items():
+            if not k or "=" in k or "\0" in k or "\0" in v:
+                raise ValueError(f"env: {k!r} -> {v!r} is not an environment variable (a "
+                                 "name must be non-empty, without '=' or NUL; a value "
+                                 "without NUL)")
+        if new.name is not None and not (isinstance(new.name, str) and new.name):
+            raise TypeError(f"name must be a non-empty str, not {new.name!r}")
         return new
 
     def thread_env(self) -> dict[str, str]:
@@ -180,6 +186,12 @@ def actor(cls: type | None = None, /, **options: Any):
         return lambda c: actor(c, **options)
     if not isinstance(cls, type):
         raise TypeError("@actor decorates classes")
+    if "__actorshm_options__" in cls.__dict__:  # decorated already: new default options
+        cls.__actorshm_options__ = cls.__actorshm_options__.merged(**options)
+        return cls
+    if cls.__flags__ & (1 << 9) == 0 or cls.__module__ == "builtins":  # (not a heap type)
+        raise TypeError(f"@actor decorates classes of your own; {cls.__qualname__} is "
+                        "built in: subclass it (`class MyList(list): ...`) and decorate that")
     clash = sorted(n for n in _RESERVED if n in cls.__dict__)
     if clash:
         raise TypeError(f"actor class {cls.__qualname__} defines {clash}, names that "

@@ -34,6 +34,18 @@ __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 
 
 
+def _check_number(name: str, value: Any, least: float, kind: type, unit: str) -> Any:
+    """A Runtime option that is a number of at least ``least`` (None: the default)."""
+    if value is None and kind is int:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Runtime({name}=...) must be a number ({unit}), not {value!r}")
+    if not least <= value < float("inf"):
+        raise ValueError(f"Runtime({name}=...) must be at least {least} ({unit}), not "
+                         f"{value!r}")
+    return kind(value)
+
+
 class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendChoice,
               StreamingClient):
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
@@ -66,9 +78,13 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                              f"{start_method!r}: a bare fork deadlocks with threads and "
                              "cannot re-initialize CUDA")
         self.start_method = start_method
-        self.shm_budget = shm_budget
-        self.shutdown_grace = shutdown_grace
-        self.start_timeout = start_timeout
+        self.shm_budget = _check_number("shm_budget", shm_budget, 1, int, "bytes, e.g. 8 << 30")
+        self.shutdown_grace = _check_number("shutdown_grace", shutdown_grace, 0, float,
+                                            "seconds")
+        self.start_timeout = _check_number("start_timeout", start_timeout, 0, float, "seconds")
+        if gpus is not None and (isinstance(gpus, (str, bytes)) or not hasattr(gpus, "__iter__")):
+            raise TypeError(f"gpus must be a list of GPU indices or UUIDs (e.g. [0, 1]), not "
+                            f"{gpus!r}")
         self._gpus = GpuSlots(None if gpus is None else [str(g) for g in gpus])
         self.loop: asyncio.AbstractEventLoop | None = None
         self._actors: dict[int, ActorRecord] = {}

@@ -22,11 +22,30 @@ async def test_num_cpus_sets_thread_counts_and_env_wins(rt):
                                     "OPENBLAS_NUM_THREADS": "3"}
 
 
-@pytest.mark.parametrize("bad", [{"num_cpus": 0}, {"max_pending_calls": 0},
-                                 {"max_pending_calls": 1.5}, {"env": {"A": 1}}])
-def test_bad_options_are_refused(bad):
-    with pytest.raises((TypeError, ValueError)):
+@pytest.mark.parametrize("bad", [
+    {"num_cpus": 0}, {"num_cpus": float("inf")}, {"num_cpus": 1e30},
+    {"max_pending_calls": 0}, {"max_pending_calls": 1.5}, {"env": {"A": 1}},
+    {"env": {"A=B": "1"}}, {"env": {"A": "x\0y"}}, {"env": {"": "1"}}, {"name": ""}])
+def test_bad_options_are_refused_where_given_naming_the_option(bad):
+    with pytest.raises((TypeError, ValueError), match=list(bad)[0]):
         Counter.options(**bad)
+
+
+@pytest.mark.parametrize("bad", [
+    {"shm_budget": "1GB"}, {"shm_budget": 0}, {"shm_budget": -1}, {"start_timeout": "x"},
+    {"start_timeout": float("nan")}, {"shutdown_grace": "x"}, {"shutdown_grace": -1},
+    {"gpus": 3}, {"gpus": "01"}])
+def test_bad_runtime_options_are_refused_naming_the_option(bad):
+    with pytest.raises((TypeError, ValueError), match=list(bad)[0]):
+        actorshm.Runtime(**bad)
+
+
+def test_decorating_again_sets_new_default_options():
+    cls = actorshm.actor(type("Twice", (), {"f": lambda self: 1}))
+    assert actorshm.actor(num_cpus=2)(cls) is cls
+    assert cls.__actorshm_options__.num_cpus == 2
+    with pytest.raises(TypeError, match="built in: subclass it"):
+        actorshm.actor(int)
 
 
 async def test_max_pending_calls_refuses_without_sending(rt):
