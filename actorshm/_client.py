@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from typing import Any
 
 _runtimes: list = []  # open runtimes in the driver, innermost last
@@ -78,9 +80,7 @@ def call_from_thread(loop, make_call):
     Cancelling it cancels the call, as cancelling the asyncio future does: cancelled
     before the loop got to it, the call is never made.
     """
-    import concurrent.futures
-
-    cf: concurrent.futures.Future = concurrent.futures.Future()
+    cf = ThreadCallFuture()
 
     def go() -> None:
         if cf.cancelled():
@@ -115,5 +115,19 @@ def call_from_thread(loop, make_call):
         fut.add_done_callback(done)
         cf.add_done_callback(cancelled)
 
-    loop.call_soon_threadsafe(go)
+    try:
+        loop.call_soon_threadsafe(go)
+    except RuntimeError:  # the loop has ended
+        from ._errors import ActorDiedError
+        cf.set_exception(ActorDiedError(
+            "the call was made after the actor's runtime closed (its event loop has ended)"))
     return cf
+
+
+class ThreadCallFuture(concurrent.futures.Future):
+    """What a call made from another thread returns: a ``concurrent.futures.Future`` to
+    block on (``.result()``), which an event loop running in that thread can also
+    ``await``."""
+
+    def __await__(self):
+        return asyncio.wrap_future(self).__await__()

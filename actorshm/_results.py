@@ -35,7 +35,9 @@ class Unfinished(Exception):
     """Pickling met the future of a call that has not finished yet."""
 
     def __init__(self, fut: asyncio.Future) -> None:
-        super().__init__("a call's result is not ready yet")
+        super().__init__("it holds the awaitable of a call that has not finished; await "
+                         "it first (make the method `async def` and return `await "
+                         "handle.method(...)`)")
         self.fut = fut
 
 

@@ -207,10 +207,14 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             self._names[options.name] = rec.actor_id
         try:
             await self._start_process(rec)
-        except BaseException:
+        except BaseException as exc:
             if options.name is not None and self._names.get(options.name) == rec.actor_id:
                 del self._names[options.name]
             self._gpus.release(rec)
+            if rec.death is None:
+                rec.death = f"{rec.label} was stopped: its spawn " + (
+                    "was cancelled" if isinstance(exc, asyncio.CancelledError) else
+                    f"failed ({type(exc).__name__})")
             await rec.stop(0.5)
             self._reap(rec)
             self._maybe_forget(rec)

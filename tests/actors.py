@@ -161,6 +161,9 @@ class Caller:
     def make_handle_list(self):
         return [self.other]
 
+    def return_unawaited(self, k):
+        return self.other.slow_record(k, 0.5)  # (forgot to await it)
+
 
 @actor
 class Arrays:

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from actorshm import RemoteError
-from actors import BreaksOnArrival, Concurrent, Counter, CustomError, Faulty
+import actorshm
+from actors import BreaksOnArrival, Caller, Concurrent, Counter, CustomError, Faulty
 
 
 async def test_spawn_call_and_local_use(rt_each):
@@ -129,3 +130,42 @@ async def test_sync_method_in_thread_can_wait_on_calls(rt):
     # the driver, from a thread of its own
     result = await asyncio.to_thread(lambda: c.incr(1).result(timeout=10))
     assert result == 4
+
+
+async def test_a_result_holding_an_unfinished_call_says_to_await_it(rt):
+    c = await Caller.spawn(await Counter.spawn())
+    with pytest.raises(TypeError, match=r"cannot be sent back.*await it first"):
+        await c.return_unawaited(1)
+
+
+def test_calls_from_another_thread_can_be_awaited_there_and_fail_once_closed():
+    got = {}
+
+    async def main():
+        c = await Counter.spawn(10)
+
+        def thread():
+            async def inner():  # an event loop of this thread's own
+                got["awaited"] = await c.incr(1)
+            asyncio.run(inner())
+            got["blocked"] = c.incr(1).result(10)
+        t = threading.Thread(target=thread)
+        t.start()
+        await asyncio.get_running_loop().run_in_executor(None, t.join)
+        return c
+
+    c = actorshm.run(main())
+    assert got == {"awaited": 11, "blocked": 12}
+    late = []  # a call from a thread once the runtime has closed
+    t = threading.Thread(target=lambda: late.append(c.incr(1)))
+    t.start()
+    t.join()
+    with pytest.raises(actorshm.ActorDiedError, match="after the actor's runtime closed"):
+        late[0].result(5)
+
+
+async def test_a_cancelled_spawn_says_so_in_the_actors_record(rt):
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(Faulty.spawn(), 0.001)
+    (record,) = rt.actors()
+    assert "its spawn was cancelled" in record["death"] and not record["alive"]
