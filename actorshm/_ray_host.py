@@ -260,9 +260,17 @@ class Host:
         return st
 
     async def _take_turn(self, caller: str, seq: int) -> None:
+        turns = await self._wait_turn(caller, seq)
+        if turns is not None:
+            turns.advance()
+
+    async def _wait_turn(self, caller: str, seq: int) -> _Turns | None:
+        """Wait until call ``seq`` may start: the caller's turns, for the call to pass
+        on (``advance``) once it has started, or None when it arrived late (after a
+        restart) and runs now without one."""
         st = self._turns(caller, seq)
         if seq < st.next:  # arrived late (after a restart): run now
-            return
+            return None
         if seq != st.next:
             fut = asyncio.get_running_loop().create_future()
             st.waiters[seq] = fut
@@ -272,7 +280,7 @@ class Host:
                 st.waiters.pop(seq, None)
                 st.consume(seq)
                 raise
-        st.advance()
+        return st
 
     async def task_name(self) -> str | None:
         """This task's Ray task name: whether ``call0``/``call1`` can read theirs."""
@@ -318,15 +326,28 @@ class Host:
         if self._init_error is not None:
             return self._dead_reply
         self._tasks[key] = asyncio.current_task()
+        owed = None  # the caller's turns, while this call has yet to pass its turn on
         try:
             st = self._callers.get(caller)
             if st is not None and seq == st.next:  # its turn already (the usual case)
-                st.advance()
+                owed = st
             else:
-                await self._take_turn(caller, seq)
+                owed = await self._wait_turn(caller, seq)
+            # A sync method run on Ray's loop holds it: it passes its turn on only once
+            # it holds its slot and the calls that finished before it have handed their
+            # results to Ray (one loop step), so that neither a later call (a stream
+            # takes no slot) starts first nor a long or fatal call holds those back.
+            inline = self._executor is None and self._methods.get(method) is False
+            if owed is not None and not inline:
+                owed.advance()
+                owed = None
             if self._sem is None:
                 self._sem = asyncio.Semaphore(self._max_concurrency)
             async with self._sem:
+                if owed is not None:
+                    await asyncio.sleep(0)
+                    owed.advance()
+                    owed = None
                 if self._requested and key in self._requested:  # cancelled while queued
                     with self._cancel_lock:
                         self._requested.discard(key)
@@ -335,6 +356,8 @@ class Host:
         except asyncio.CancelledError:
             return None, None  # the caller has stopped waiting
         finally:
+            if owed is not None:  # (cancelled before it started)
+                owed.advance()
             del self._tasks[key]
 
     async def _run(self, method: str, args: tuple, kwargs: dict) -> tuple:
@@ -345,11 +368,6 @@ class Host:
             if kwargs:
                 freeze_arrays(kwargs)
             if self._methods[method] or self._executor is None:
-                if not self._methods[method]:
-                    # A sync method holds Ray's event loop while it runs: let the calls
-                    # that finished before it hand their results to Ray first, or a
-                    # long call (or one that ends the process) would hold them back.
-                    await asyncio.sleep(0)
                 result = fn(*args, **kwargs)
                 if inspect.isawaitable(result):
                     result = await result

@@ -30,6 +30,10 @@ class Counter:
     def get_log(self):
         return list(self.log)
 
+    def logged_stream(self, n):
+        self.log.append("stream")
+        yield from range(n)
+
     def slow_record(self, i, delay):
         time.sleep(delay)
         self.log.append(i)

@@ -280,6 +280,15 @@ async def test_max_restarts_brings_the_actor_back(art):
     assert p.pid == new_pid  # the handle's pid follows the restart
 
 
+async def test_a_stream_starts_after_the_calls_made_before_it(art):
+    c = await Counter.spawn()
+    for _ in range(3):
+        first, second, stream = c.record(1), c.record(2), c.logged_stream(2)
+        assert await asyncio.gather(first, second) == [1, 2]
+        assert [x async for x in stream] == [0, 1]
+    assert await c.get_log() == [1, 2, "stream"] * 3
+
+
 async def test_a_reply_does_not_wait_for_the_call_after_it(art):
     # The quick call and the slow one reach the actor together while its loop is busy:
     # the quick call's result must not wait until the slow one (run right after it) ends.
