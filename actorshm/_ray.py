@@ -199,6 +199,29 @@ class RayClient:
         # The cluster cannot grow (a local Ray a runtime started): a resource request no
         # node can meet is an error at spawn, not a wait forever (``_ray_placement``).
         self.fixed_cluster = False
+        self._waits: set = set()  # ``wait``: awaits on Ray that a closing runtime ends
+
+    async def wait(self, awaitable: Any) -> Any:
+        """Await ``awaitable`` (a Ray reference or a coroutine awaiting Ray), unless the
+        runtime closes meanwhile (``abort_waits``): an await on Ray that resumes after
+        Ray has shut down ends the whole process."""
+        task = asyncio.ensure_future(awaitable)
+        self._waits.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            why = getattr(task, "actorshm_abort", None)
+            if why is not None:
+                raise why from None
+            raise
+        finally:
+            self._waits.discard(task)
+
+    def abort_waits(self, why: BaseException) -> None:
+        """End every ``wait`` in progress with ``why`` (the runtime is closing)."""
+        for task in list(self._waits):
+            task.actorshm_abort = why
+            task.cancel()
 
     # -- calls -------------------------------------------------------------------
     def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
@@ -309,7 +332,7 @@ class RayClient:
         from ._ray_stream import RayStream
         return RayStream(gen, what, _translate, _outcome,
                          lambda _gen: self._cancel(actor_id, seq),
-                         lambda: self._failed(actor_id, seq))
+                         lambda: self._failed(actor_id, seq), self.wait)
 
     def _failed(self, actor_id: RayActorId, seq: int) -> None:
         """Call ``seq`` failed in Ray, perhaps before it reached the actor's code (an
@@ -417,10 +440,18 @@ class RayClient:
                 raise ValueError(f"an actor named {options.name!r} already exists; "
                                  "names are unique while the actor lives") from exc
             raise
-        try:
+        async def started() -> tuple:
             ready = handle.ready.remote()
-            named = await self._names_work(handle)
-            ok, payload = await await_ready(ready, ray, f"{what}()", req)
+            return await self._names_work(handle), await await_ready(ready, ray, f"{what}()",
+                                                                      req)
+        try:
+            named, (ok, payload) = await self.wait(started())
+        except ActorDiedError:  # the runtime closed meanwhile (``abort_waits``)
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:
+                pass
+            raise
         except Exception as exc:
             raise _translate(exc, what) from exc
         if not ok:

@@ -12,6 +12,7 @@ from typing import Any
 
 from . import _client, _events, _ray_events
 from ._actor import ActorHandle, ActorOptions
+from ._errors import ActorDiedError
 from ._ray import CLIENT, RayActorId, import_ray, ray_env
 from ._ray_introspect import RayInspectable
 
@@ -120,6 +121,10 @@ class RayRuntime(_events.EventSource, RayInspectable):
                 except Exception:
                     pass
             self._spawned.clear()
+            # Streams read and spawns waiting on Ray end now, while Ray still runs.
+            CLIENT.abort_waits(ActorDiedError("the actor's runtime closed"))
+            for _ in range(3):
+                await asyncio.sleep(0)
             if self._owns_ray:
                 ray.shutdown()
                 CLIENT.fixed_cluster = False

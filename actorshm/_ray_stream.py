@@ -18,8 +18,9 @@ class RayStream:
     """
 
     def __init__(self, gen: Any, what: str, translate: Callable, outcome: Callable,
-                 cancel: Callable, failed: Callable) -> None:
+                 cancel: Callable, failed: Callable, wait: Callable) -> None:
         self._gen = gen
+        self._wait = wait  # ``RayClient.wait``: ends if the runtime closes meanwhile
         self._failed = failed  # Ray failed the call (``RayClient._failed``)
         self._what = what
         self._translate = translate
@@ -35,9 +36,12 @@ class RayStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            ref = await self._gen.__anext__()
-            value = await ref
+            ref = await self._wait(self._gen.__anext__())
+            value = await self._wait(ref)
         except StopAsyncIteration:
+            self._finish()
+            raise
+        except ActorDiedError:  # the runtime closed (``RayClient.abort_waits``)
             self._finish()
             raise
         except Exception as exc:

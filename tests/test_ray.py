@@ -636,6 +636,49 @@ def _run_script(tmp_path, name: str, template: str) -> str:
     return out.stdout
 
 
+CLOSE_SCRIPT = textwrap.dedent("""
+    import asyncio, os, sys
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    sys.path.insert(0, {tests!r})
+    import actorshm
+    from actors import Counter
+    from ray_actors import Streamer
+
+    async def ends(aw):
+        try:
+            await aw
+            return "finished"
+        except actorshm.ActorDiedError:
+            return "ActorDiedError"
+
+    async def main():
+        s = await Streamer.spawn()
+        await Counter.options(num_cpus=2).spawn()  # every CPU of this Ray
+        async def read(stream):
+            async for _ in stream:
+                pass
+        reading = asyncio.ensure_future(ends(read(s.count(1000, 0.05))))
+        spawning = asyncio.ensure_future(ends(Counter.options(num_cpus=2).spawn()))
+        await asyncio.sleep(1.0)
+        await actorshm.current_runtime().close()
+        print("stream", await asyncio.wait_for(reading, 30))
+        print("spawn", await asyncio.wait_for(spawning, 30))
+
+    try:
+        actorshm.run(main(), backend="ray", num_cpus=2, include_dashboard=False)
+    finally:
+        print("the driver goes on")
+""")
+
+
+def test_closing_while_a_stream_is_read_and_a_spawn_waits_ends_both(tmp_path):
+    # Before: the spawn waited for ever, and the stream's read, resumed after Ray shut
+    # down, ended the whole process with exit code 1 and no output.
+    out = _run_script(tmp_path, "close.py", CLOSE_SCRIPT)
+    assert "stream ActorDiedError" in out and "spawn ActorDiedError" in out, out
+    assert "the driver goes on" in out
+
+
 def test_two_node_cluster_runs_actors_on_both_nodes(tmp_path):
     assert "nodes 2" in _run_script(tmp_path, "cluster.py", CLUSTER_SCRIPT)
 
