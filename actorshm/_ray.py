@@ -91,8 +91,19 @@ _UNCOMPUTED = "input arguments for this task could not be computed"
 def _translate(exc: BaseException, what: str) -> BaseException:
     """Ray's error for a call -> what the local backend raises."""
     import ray.exceptions as rex
+    if isinstance(exc, rex.RayActorError) and _UNCOMPUTED in str(exc):
+        # Ray could not unpickle a spawn argument in the new actor: as the local backend.
+        lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
+        return TypeError("the actor could not deserialize the call's arguments: "
+                         f"{lines[-1] if lines else type(exc).__name__}")
     if isinstance(exc, (rex.RayActorError, getattr(rex, "ActorUnavailableError", ()))):
         return _died(exc, what)
+    if isinstance(exc, rex.RaySystemError) and "deserializ" in str(exc):
+        # Ray could not unpickle the result here: as the local backend says it.
+        cause = getattr(exc, "client_exc", None)
+        text = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) \
+            else str(exc).strip().splitlines()[0]
+        return TypeError(f"the result of {what} could not be deserialized here: {text}")
     if isinstance(exc, rex.RayTaskError):  # the host failed, e.g. a result that won't pickle
         cause = getattr(exc, "cause", None)
         if isinstance(cause, rex.RaySystemError) and _UNCOMPUTED in str(exc):
@@ -472,6 +483,8 @@ class RayClient:
     async def get_actor(self, name: str) -> ActorHandle:
         ray = import_ray()
         try:
+            if not isinstance(name, str) or not name:
+                raise ValueError
             handle = ray.get_actor(name)
         except ValueError:
             raise ValueError(f"no live actor named {name!r}; named actors are made with "

@@ -150,6 +150,8 @@ async def test_names_and_get_actor(art):
     assert await same.incr() == 11 and same == c and same.name == "ctr"
     with pytest.raises(ValueError, match="no live actor named 'ghost'"):
         await actorshm.get_actor("ghost")
+    with pytest.raises(ValueError, match="no live actor named 123"):
+        await actorshm.get_actor(123)
     with pytest.raises(ValueError, match="already exists"):
         await Counter.options(name="ctr").spawn(0)
     assert await same.incr() == 12  # the first one is unaffected
@@ -236,6 +238,19 @@ async def test_an_argument_that_cannot_be_rebuilt_in_the_actor_fails_that_call_o
         async for _ in s.count(3, BreaksOnArrival()):
             pass
     assert await asyncio.wait_for(s.ping(), 30) == "pong"
+
+
+async def test_spawn_arguments_that_cannot_be_rebuilt_in_the_actor_are_a_type_error(art):
+    with pytest.raises(TypeError, match="could not deserialize.*RuntimeError"):
+        await asyncio.wait_for(Counter.spawn(BreaksOnArrival()), 60)
+    assert await (await Counter.spawn(1)).incr() == 2
+
+
+async def test_a_result_that_cannot_be_rebuilt_here_is_a_type_error(art):
+    f = await Faulty.spawn()
+    with pytest.raises(TypeError, match="could not be deserialized.*RuntimeError"):
+        await f.call(BreaksOnArrival)  # made in the actor, it cannot be rebuilt here
+    assert await f.ok() == "ok"
 
 
 async def test_kill_fails_pending_and_later_calls_promptly(art):
