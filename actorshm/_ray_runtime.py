@@ -121,11 +121,12 @@ class RayRuntime(_events.EventSource, RayInspectable):
                 except Exception:
                     pass
             self._spawned.clear()
-            # Streams read and spawns waiting on Ray end now, while Ray still runs.
-            CLIENT.abort_waits(ActorDiedError("the actor's runtime closed"))
-            for _ in range(3):
-                await asyncio.sleep(0)
             if self._owns_ray:
+                # Streams read and spawns waiting on Ray end now, while Ray still runs:
+                # an await on Ray that resumes after its shutdown ends the process.
+                CLIENT.abort_waits(ActorDiedError("the actor's runtime closed"))
+                for _ in range(3):
+                    await asyncio.sleep(0)
                 ray.shutdown()
                 CLIENT.fixed_cluster = False
         finally:
