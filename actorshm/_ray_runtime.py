@@ -125,7 +125,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
                 # Streams read and spawns waiting on Ray end now, while Ray still runs:
                 # an await on Ray that resumes after its shutdown ends the process.
                 CLIENT.abort_waits(ActorDiedError("the actor's runtime closed"))
-                for _ in range(3):
+                for _ in range(3):  # let them unwind (a half-spawned actor is killed)
                     await asyncio.sleep(0)
                 ray.shutdown()
                 CLIENT.fixed_cluster = False
@@ -141,6 +141,10 @@ class RayRuntime(_events.EventSource, RayInspectable):
                     kwargs: dict) -> ActorHandle:
         self._check_open()
         h = await CLIENT.spawn(cls, options, args, kwargs)
+        if not self._open or self._closing:  # closed meanwhile (on a Ray it did not start)
+            await h.kill()
+            raise ActorDiedError(f"{h._cls_name}.spawn: the actor's runtime closed while "
+                                 "it started")
         self.adopt(h, options)
         return h
 

@@ -694,6 +694,24 @@ def test_closing_while_a_stream_is_read_and_a_spawn_waits_ends_both(tmp_path):
     assert "the driver goes on" in out
 
 
+async def test_a_spawn_that_ends_after_its_runtime_closed_leaves_no_actor(ray_session):
+    rt = await actorshm.Runtime(backend="ray").start()  # on the module's Ray: it stays up
+    await Counter.options(num_cpus=2).spawn()  # every CPU: the next spawn waits for it
+    late = asyncio.ensure_future(Counter.options(num_cpus=2, name="late").spawn())
+    await asyncio.sleep(1.0)
+    await rt.close()  # frees the CPUs: the late spawn then starts its actor
+    with pytest.raises(actorshm.ActorDiedError, match="runtime closed while it started"):
+        await asyncio.wait_for(late, 60)
+    for _ in range(100):
+        try:
+            ray.get_actor("late")
+        except ValueError:
+            break
+        await asyncio.sleep(0.1)
+    with pytest.raises(ValueError):
+        ray.get_actor("late")
+
+
 def test_two_node_cluster_runs_actors_on_both_nodes(tmp_path):
     assert "nodes 2" in _run_script(tmp_path, "cluster.py", CLUSTER_SCRIPT)
 
