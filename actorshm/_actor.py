@@ -103,6 +103,8 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                 "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 
 
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, not built in
+
 STREAM = "stream"  # the kind of a generator method: its calls stream (``_streams``)
 
 
@@ -189,7 +191,7 @@ def actor(cls: type | None = None, /, **options: Any):
     if "__actorshm_options__" in cls.__dict__:  # decorated already: new default options
         cls.__actorshm_options__ = cls.__actorshm_options__.merged(**options)
         return cls
-    if cls.__flags__ & (1 << 9) == 0 or cls.__module__ == "builtins":  # (not a heap type)
+    if not cls.__flags__ & _HEAPTYPE:
         raise TypeError(f"@actor decorates classes of your own; {cls.__qualname__} is "
                         "built in: subclass it (`class MyList(list): ...`) and decorate that")
     clash = sorted(n for n in _RESERVED if n in cls.__dict__)

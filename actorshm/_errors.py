@@ -31,6 +31,14 @@ class ActorDiedError(ActorError):
     """
 
 
+def init_exit_error(cls_name: str, exc: BaseException) -> BaseException:
+    """What ``spawn`` raises for ``exc`` from ``__init__``: ``exc`` itself, but a
+    ``sys.exit()`` ends the actor, not the caller (both backends)."""
+    if isinstance(exc, SystemExit):
+        return ActorDiedError(f"actor {cls_name} exited in __init__ (sys.exit({exc.code!r}))")
+    return exc
+
+
 class RemoteError(ActorError):
     """An actor method raised an exception whose type could not be sent back.
 

@@ -88,14 +88,19 @@ def _died(exc: BaseException, what: str) -> ActorDiedError:
 _UNCOMPUTED = "input arguments for this task could not be computed"
 
 
+def _undeserializable(exc: BaseException) -> TypeError:
+    """Ray could not unpickle an argument in the actor: the local backend's error, with
+    the last line of Ray's text (the exception the argument's unpickling raised)."""
+    lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
+    return TypeError("the actor could not deserialize the call's arguments: "
+                     f"{lines[-1] if lines else type(exc).__name__}")
+
+
 def _translate(exc: BaseException, what: str) -> BaseException:
     """Ray's error for a call -> what the local backend raises."""
     import ray.exceptions as rex
     if isinstance(exc, rex.RayActorError) and _UNCOMPUTED in str(exc):
-        # Ray could not unpickle a spawn argument in the new actor: as the local backend.
-        lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
-        return TypeError("the actor could not deserialize the call's arguments: "
-                         f"{lines[-1] if lines else type(exc).__name__}")
+        return _undeserializable(exc)  # a spawn argument, in the new actor
     if isinstance(exc, (rex.RayActorError, getattr(rex, "ActorUnavailableError", ()))):
         return _died(exc, what)
     if isinstance(exc, rex.RaySystemError) and "deserializ" in str(exc):
@@ -107,11 +112,7 @@ def _translate(exc: BaseException, what: str) -> BaseException:
     if isinstance(exc, rex.RayTaskError):  # the host failed, e.g. a result that won't pickle
         cause = getattr(exc, "cause", None)
         if isinstance(cause, rex.RaySystemError) and _UNCOMPUTED in str(exc):
-            # Ray could not unpickle an argument in the actor: the call never ran, as on
-            # the local backend (which says the same).
-            lines = [x.strip() for x in str(cause).strip().splitlines() if x.strip()]
-            return TypeError("the actor could not deserialize the call's arguments: "
-                             f"{lines[-1] if lines else type(cause).__name__}")
+            return _undeserializable(cause)  # a call's argument: the call never ran
         if isinstance(cause, Exception) and not isinstance(cause, rex.RayError):
             cause.__cause__ = RemoteTraceback(str(exc))
             return cause
@@ -260,8 +261,8 @@ class RayClient:
                 err = _translate(exc, what)
                 if isinstance(err, ActorDiedError):
                     self._watch_restart(actor_id, loop)
-                else:
-                    self._failed(actor_id, seq)
+                else:  # it may never have reached the actor's code: skip its turn there
+                    self._cancel(actor_id, seq)
                 if isinstance(err, BaseException) and not fut.cancelled():
                     fut.set_exception(err)
                 return
@@ -321,8 +322,8 @@ class RayClient:
             try:
                 if exc is not None:
                     err = _translate(exc, what)
-                    if not isinstance(err, ActorDiedError):
-                        self._failed(actor_id, seq)
+                    if not isinstance(err, ActorDiedError):  # (as in ``call``)
+                        self._cancel(actor_id, seq)
                     out.set_exception(err)
                     return
                 result, err = _outcome(cf.result(), what)
@@ -342,19 +343,14 @@ class RayClient:
         gen, seq = self._submit(actor_id, remote, method, args, kwargs, what)
         from ._ray_stream import RayStream
         return RayStream(gen, what, _translate, _outcome,
-                         lambda _gen: self._cancel(actor_id, seq),
-                         lambda: self._failed(actor_id, seq), self.wait)
-
-    def _failed(self, actor_id: RayActorId, seq: int) -> None:
-        """Call ``seq`` failed in Ray, perhaps before it reached the actor's code (an
-        argument Ray could not unpickle there): the actor must not keep the calls after
-        it waiting for its turn. Sent as a cancel, which skips a call that never started
-        and leaves one that did alone."""
-        self._cancel(actor_id, seq)
+                         lambda _gen: self._cancel(actor_id, seq), self.wait)
 
     def _cancel(self, actor_id: RayActorId, seq: int) -> None:
         """Ask the actor to cancel call ``seq`` (a message, not ``ray.cancel``: a task
         Ray drops before it arrives would leave a hole in the caller's call order).
+        Also sent for a call Ray failed, perhaps before it reached the actor's code (an
+        argument Ray could not unpickle there): the calls after it must not wait for its
+        turn. A call that already started is left alone.
 
         Cancellations made in one event-loop step travel as one message, so the actor
         cancels them together: a queued call cannot slip in when the running one ends.

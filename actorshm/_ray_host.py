@@ -22,7 +22,7 @@ import threading
 from typing import Any
 
 from . import _client, _introspect, _shm
-from ._errors import ActorDiedError
+from ._errors import ActorDiedError, init_exit_error
 from ._remote_errors import encode_exception
 
 __all__ = ["Host", "freeze_arrays", "simple", "pack"]
@@ -165,9 +165,7 @@ class Host:
             freeze_arrays(kwargs)
             self._instance = cls(*args, **kwargs)
         except BaseException as exc:  # raised by spawn in the caller
-            if isinstance(exc, SystemExit):  # as on the local backend
-                exc = ActorDiedError(f"actor {self._cls_name} exited in __init__ "
-                                     f"(sys.exit({exc.code!r}))")
+            exc = init_exit_error(self._cls_name, exc)
             self._init_error = encode_exception(exc)
             self._dead_reply = pack((False, encode_exception(ActorDiedError(
                 f"actor {self._cls_name} failed in __init__: {exc!r}"))))

@@ -18,10 +18,9 @@ class RayStream:
     """
 
     def __init__(self, gen: Any, what: str, translate: Callable, outcome: Callable,
-                 cancel: Callable, failed: Callable, wait: Callable) -> None:
+                 cancel: Callable, wait: Callable) -> None:
         self._gen = gen
         self._wait = wait  # ``RayClient.wait``: ends if the runtime closes meanwhile
-        self._failed = failed  # Ray failed the call (``RayClient._failed``)
         self._what = what
         self._translate = translate
         self._outcome = outcome
@@ -46,8 +45,8 @@ class RayStream:
             raise
         except Exception as exc:
             err = self._translate(exc, self._what)
-            if not isinstance(err, ActorDiedError):
-                self._failed()  # it may never have reached the actor's code
+            if not isinstance(err, ActorDiedError):  # (see ``RayClient._cancel``)
+                self._cancel(self._gen)
             self._finish()
             raise err from None
         except BaseException:  # cancelled: stop the generator in the actor

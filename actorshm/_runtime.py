@@ -35,9 +35,7 @@ __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 
 
 def _check_number(name: str, value: Any, least: float, kind: type, unit: str) -> Any:
-    """A Runtime option that is a number of at least ``least`` (None: the default)."""
-    if value is None and kind is int:
-        return None
+    """A Runtime option that must be a number of at least ``least``, as ``kind``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"Runtime({name}=...) must be a number ({unit}), not {value!r}")
     if not least <= value < float("inf"):
@@ -78,7 +76,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                              f"{start_method!r}: a bare fork deadlocks with threads and "
                              "cannot re-initialize CUDA")
         self.start_method = start_method
-        self.shm_budget = _check_number("shm_budget", shm_budget, 1, int, "bytes, e.g. 8 << 30")
+        self.shm_budget = None if shm_budget is None else _check_number(
+            "shm_budget", shm_budget, 1, int, "bytes, e.g. 8 << 30")
         self.shutdown_grace = _check_number("shutdown_grace", shutdown_grace, 0, float,
                                             "seconds")
         self.start_timeout = _check_number("start_timeout", start_timeout, 0, float, "seconds")

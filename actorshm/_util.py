@@ -39,6 +39,12 @@ def die_with(pid: int) -> None:
     threading.Thread(target=wait, name="actorshm-driver-watch", daemon=True).start()
 
 
+def exit_code(exc: SystemExit) -> int:
+    """The process exit code ``sys.exit(exc.code)`` gives: an int as it is, None 0,
+    anything else (a message) 1."""
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "its connection closed"

@@ -21,12 +21,12 @@ from typing import Any
 
 from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from . import _multicast
-from ._errors import ActorDiedError
+from ._errors import ActorDiedError, init_exit_error
 from ._introspect import serve_probe
 from ._protocol import Connection
 from ._streams import (NO_META, Outflow, StreamingClient, StreamSlot, chain, reentrant_error,
                        run_stream)
-from ._util import describe_exit
+from ._util import describe_exit, exit_code
 
 # Replies made while a connection's frames are read go out together once they are all
 # handled, unless a sync call that may take long is about to run (``Worker._start``).
@@ -342,8 +342,7 @@ class Worker(StreamingClient):
         self._finished(None)
 
     def _exit(self, exc: SystemExit) -> None:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        self.exit_code = code
+        self.exit_code = exit_code(exc)
         if not self.stopped.done():
             self.stopped.set_result(None)
 
@@ -416,11 +415,8 @@ class Worker(StreamingClient):
         try:
             self.instance = cls(*args, **kwargs)
         except BaseException as exc:
-            code = 1
-            if isinstance(exc, SystemExit):  # it ends the actor, not the caller
-                code = exc.code if isinstance(exc.code, int) else (exc.code is not None)
-                exc = ActorDiedError(f"actor {self.cls_name} exited in __init__ "
-                                     f"(sys.exit({exc.code!r}))")
+            code = exit_code(exc) if isinstance(exc, SystemExit) else 1
+            exc = init_exit_error(self.cls_name, exc)
             conn.reply_error(cid, exc)
             while self.queue:
                 qconn, qcid, _ = self.queue.popleft()
