@@ -11,6 +11,7 @@ through Ray in whatever process they land. Ray is imported only here, on first u
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import inspect
 import os
@@ -28,14 +29,21 @@ from ._ray_host import Host, simple
 from ._ray_placement import await_ready, check_feasible, requested
 from ._remote_errors import decode_exception
 
-__all__ = ["RayClient", "RayActorId", "CLIENT", "get_client", "ray_env", "import_ray"]
+__all__ = ["RayClient", "RayActorId", "CLIENT", "get_client", "ray_env", "import_ray",
+           "unavailable_error", "ready_after_restart"]
 
 STREAM_BUFFER = 16  # items a streaming method may run ahead of its consumer
 
 
 def ray_env() -> None:
-    """Make a Ray started from this process bind 127.0.0.1 (on Linux too)."""
+    """Settings for a Ray started from this process (read when it starts; a value the
+    user set wins): bind 127.0.0.1 (on Linux too), and fail the calls pending on an
+    actor's dead process at once. Ray otherwise waits up to a second for the cause of
+    the death, which for an actor it restarts (``max_restarts``) never comes, so each
+    pending call would fail a second late; the calls made after it wait for the new
+    process (``RayClient.watch_restart``)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_timeout_ms_task_wait_for_death_info", "0")
 
 
 def import_ray():
@@ -120,6 +128,24 @@ def _translate(exc: BaseException, what: str) -> BaseException:
     return exc
 
 
+def unavailable_error() -> type | tuple:
+    """Ray's error for a call on an actor it is restarting (``()`` on a Ray that has none)."""
+    import ray.exceptions as rex
+    return getattr(rex, "ActorUnavailableError", ())
+
+
+async def ready_after_restart(host: Any) -> tuple:
+    """``Host.ready`` of a restarted actor: ``(True, pid)``, or ``(False, error)`` when
+    its ``__init__`` raised. A call that still reached the old process (Ray had not yet
+    seen its death) is retried."""
+    unavailable = unavailable_error()
+    while True:
+        try:
+            return await host.ready.remote()
+        except unavailable:
+            await asyncio.sleep(0.1)
+
+
 def _outcome(value: Any, what: str):
     """``(ok, payload)`` from the host -> (result, None) or (None, exception)."""
     if type(value) is bytes:  # a simple reply, pickled by the host
@@ -202,6 +228,10 @@ class RayClient:
         self._lock = threading.Lock()
         self._caller = uuid.uuid4().hex[:16]  # calls from one caller start in order
         self._seqs: dict[str, int] = {}
+        # Per actor, this caller's calls that Ray has not finished (in call order): the
+        # oldest is each new call's ``base``, where a restarted host starts its turns.
+        self._open: dict[str, collections.OrderedDict] = {}
+        self._restarting: dict[str, list] = {}  # actor key -> calls waiting for it
         self._cancels: dict[str, tuple] = {}
         self._pids: dict[str, int] = {}  # after a restart
         self._watching: set = set()
@@ -251,8 +281,18 @@ class RayClient:
         if actor_id.key in self._dead:
             fut.set_exception(ActorDiedError(f"{what}: the actor was killed"))
             return fut
+        held = self._restarting.get(actor_id.key)
+        if held is not None:  # Ray restarts its process: the call waits for the new one
+            _check_args(args, kwargs, what)
+            held.append((fut, method, args, kwargs, what, self._number(actor_id)))
+            return fut
         ref, seq = self._submit(actor_id, None, method, args, kwargs, what)
+        self._settle_with(actor_id, fut, ref, seq, what, loop)
+        return fut
 
+    def _settle_with(self, actor_id, fut, ref, seq, what, loop) -> None:
+        """Give ``fut`` (on ``loop``) the outcome of call ``seq`` (``ref``), and send the
+        actor a cancel when ``fut`` is cancelled."""
         def settle(cf: concurrent.futures.Future) -> None:
             if fut.done():
                 return
@@ -260,7 +300,7 @@ class RayClient:
             if exc is not None:
                 err = _translate(exc, what)
                 if isinstance(err, ActorDiedError):
-                    self._watch_restart(actor_id, loop)
+                    self.watch_restart(actor_id, loop, isinstance(exc, unavailable_error()))
                 else:  # it may never have reached the actor's code: skip its turn there
                     self._cancel(actor_id, seq)
                 if isinstance(err, BaseException) and not fut.cancelled():
@@ -273,18 +313,53 @@ class RayClient:
                 fut.set_result(result)
 
         cf = ref.future()
-        cf.add_done_callback(lambda c: loop.call_soon_threadsafe(settle, c))
+        cf.add_done_callback(lambda c: (self._finished(actor_id, seq, c),
+                                        loop.call_soon_threadsafe(settle, c)))
         fut.add_done_callback(lambda f: f.cancelled() and self._cancel(actor_id, seq))
-        return fut
 
-    def _submit(self, actor_id, remote_method, method, args, kwargs, what):
+    def _number(self, actor_id: RayActorId) -> tuple:
+        """Take the next call number of ``actor_id``: ``(seq, base)`` (see ``_submit``);
+        its call must be sent with it (``_submit``), or dropped (``_drop``)."""
+        with self._lock:
+            seq, base, opened = self._next(actor_id.key)
+            opened[seq] = None
+            self._seqs[actor_id.key] = seq + 1
+        return seq, base
+
+    def _next(self, key: str) -> tuple:
+        """``(seq, base, open calls)`` for the next call to actor ``key`` (under the lock)."""
+        seq = self._seqs.get(key, 0)
+        opened = self._open.get(key)
+        if opened is None:
+            opened = self._open[key] = collections.OrderedDict()
+        return seq, next(iter(opened), seq), opened
+
+    def _drop(self, actor_id: RayActorId, seq: int) -> None:
+        """Call ``seq`` was numbered but will not be sent: the actor skips its turn."""
+        with self._lock:
+            self._open.get(actor_id.key, {}).pop(seq, None)
+        self._cancel(actor_id, seq)
+
+    def _submit(self, actor_id, remote_method, method, args, kwargs, what, number=None):
+        """Send one call (or stream, ``remote_method``) through Ray: ``(ref, seq)``.
+
+        Each call carries its number ``seq`` and ``base``, the number of this caller's
+        oldest call to that actor that Ray has not finished: a host that starts (or
+        restarts, ``max_restarts``) takes its turns from ``base``, so the calls it gets
+        run in the order they were made, whichever Ray delivers first. Every call's end
+        must reach ``_finished`` (its caller arranges that). ``number``: the call's
+        ``(seq, base)``, taken earlier (``_number``) by a call that waited.
+        """
         _check_args(args, kwargs, what)
         try:
             with self._lock:
-                seq = self._seqs.get(actor_id.key, 0)
+                if number is None:
+                    seq, base, opened = self._next(actor_id.key)
+                else:
+                    seq, base = number
                 if remote_method is None and actor_id.named:  # a call: see Host.call0
                     call0, call1 = actor_id.call_methods()
-                    name = f"{method}:{self._caller}:{seq}"
+                    name = f"{method}:{self._caller}:{seq}:{base}"
                     if args or kwargs:
                         payload = (args, kwargs)
                         if simple(args) and simple(kwargs):
@@ -293,11 +368,13 @@ class RayClient:
                     else:
                         ref = call0.options(name=name).remote()
                 else:
-                    req = (method, args, kwargs, self._caller, seq)
+                    req = (method, args, kwargs, self._caller, seq, base)
                     if simple(args) and simple(kwargs):
                         req = pickle.dumps(req, protocol=5)
                     ref = (remote_method or actor_id.handle.call).remote(req)
-                self._seqs[actor_id.key] = seq + 1
+                if number is None:
+                    opened[seq] = None
+                    self._seqs[actor_id.key] = seq + 1
             return ref, seq
         except TypeError as exc:
             raise TypeError(f"{what}(): an argument cannot be serialized, nothing was "
@@ -307,6 +384,21 @@ class RayClient:
                 raise TypeError(f"{what}(): an argument cannot be serialized, nothing "
                                 f"was sent: {exc}") from exc
             raise
+
+    def _finished(self, actor_id: RayActorId, seq: int, done: concurrent.futures.Future):
+        """Ray ended call ``seq`` (``done``: its result or its task's end, in one of Ray's
+        threads): it no longer holds back the ``base`` of later calls. A call lost with
+        its actor's process, when calls were made after it, is cancelled too: those
+        calls carry it as their ``base``, and a restarted host would wait for it."""
+        with self._lock:
+            opened = self._open.get(actor_id.key)
+            if opened is None or opened.pop(seq, 1) is not None:
+                return
+            later = self._seqs.get(actor_id.key, 0) > seq + 1
+        if later and done.exception() is not None:
+            import ray.exceptions as rex
+            if isinstance(done.exception(), rex.RayActorError):
+                self._cancel(actor_id, seq)
 
     def _call_from_thread(self, actor_id, method, args, kwargs, what):
         out: concurrent.futures.Future = concurrent.futures.Future()
@@ -331,7 +423,8 @@ class RayClient:
             except concurrent.futures.InvalidStateError:  # cancelled meanwhile
                 pass
 
-        ref.future().add_done_callback(settle)
+        ref.future().add_done_callback(lambda c: (self._finished(actor_id, seq, c),
+                                                  settle(c)))
         out.add_done_callback(lambda f: f.cancelled() and self._cancel(actor_id, seq))
         return out
 
@@ -341,6 +434,8 @@ class RayClient:
         remote = actor_id.handle.stream.options(
             num_returns="streaming", _generator_backpressure_num_objects=STREAM_BUFFER)
         gen, seq = self._submit(actor_id, remote, method, args, kwargs, what)
+        gen.completed().future().add_done_callback(
+            lambda c: self._finished(actor_id, seq, c))
         from ._ray_stream import RayStream
         return RayStream(gen, what, _translate, _outcome,
                          lambda _gen: self._cancel(actor_id, seq), self.wait)
@@ -378,25 +473,48 @@ class RayClient:
     def actor_pid(self, actor_id: RayActorId, pid: int) -> int:
         return self._pids.get(actor_id.key, pid)
 
-    def _watch_restart(self, actor_id: RayActorId, loop) -> None:
-        """After a death: if Ray restarts the actor (``max_restarts``), learn its new pid."""
-        if actor_id.key in self._dead or actor_id.key in self._watching:
+    def watch_restart(self, actor_id: RayActorId, loop, restarting: bool) -> None:
+        """After a death: if Ray restarts the actor (``max_restarts``), learn its new pid.
+        ``restarting``: Ray said it does (``ActorUnavailableError``); calls made from
+        now on wait for the new process (``_restarting``), as on the local backend,
+        rather than fail while Ray has yet to learn of the death."""
+        key = actor_id.key
+        if key in self._dead:
             return
-        self._watching.add(actor_id.key)
+        if restarting:
+            self._restarting.setdefault(key, [])
+        if key in self._watching:
+            return
+        self._watching.add(key)
 
         async def watch() -> None:
             try:
-                ok, pid = await asyncio.wait_for(actor_id.handle.ready.remote(), 120)
+                ok, pid = await asyncio.wait_for(ready_after_restart(actor_id.handle), 120)
                 if ok:
-                    self._pids[actor_id.key] = pid
+                    self._pids[key] = pid
             except BaseException:  # not restarted (or Ray is gone): the pid stays
                 pass
             finally:
-                self._watching.discard(actor_id.key)
+                self._watching.discard(key)
+                self._release(actor_id, loop)
 
         self._watchers.add(loop.create_task(watch()))
         for t in [t for t in self._watchers if t.done()]:
             self._watchers.discard(t)
+
+    def _release(self, actor_id: RayActorId, loop) -> None:
+        """Send the calls that waited for the restart (``watch_restart``), in order."""
+        for fut, method, args, kwargs, what, number in self._restarting.pop(actor_id.key, ()):
+            if fut.done():  # cancelled while it waited
+                self._drop(actor_id, number[0])
+                continue
+            try:
+                ref, seq = self._submit(actor_id, None, method, args, kwargs, what, number)
+            except Exception as exc:
+                self._drop(actor_id, number[0])
+                fut.set_exception(exc)
+                continue
+            self._settle_with(actor_id, fut, ref, seq, what, loop)
 
     async def kill(self, actor_id: RayActorId) -> None:
         ray = import_ray()

@@ -2,10 +2,12 @@
 
 Each actor that ``RayRuntime`` spawns gets a watcher: a task in the driver that keeps a
 call pending on the actor's host (``Host.watch_death``, which never returns). Ray fails
-that call when the actor's process dies: with ``ActorUnavailableError`` while it restarts the
-actor (``max_restarts``), with ``ActorDiedError`` once the actor is gone for good. The
-watcher then reports ``"died"`` (``_events.emit``), waits for the new process where one
-comes (``Host.ready`` answers with its pid), reports ``"restarted"`` and watches again.
+that call when the actor's process dies (``ActorUnavailableError``, or ``ActorDiedError``
+where Ray already knows the actor is gone for good), and the restarts left
+(``max_restarts``) say whether a new process comes. The watcher then reports ``"died"``
+(``_events.emit``); where a new process comes,
+it holds the calls made meanwhile (``RayClient.watch_restart``), waits for it
+(``Host.ready`` answers with its pid), reports ``"restarted"`` and watches again.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from . import _events
 from ._actor import ActorHandle
+from ._ray import ready_after_restart, unavailable_error
 from ._remote_errors import decode_exception
 
 __all__ = ["watch", "describe"]
@@ -42,7 +45,7 @@ def describe(exc: BaseException) -> str:
     if m:
         text = m.group(1)
     elif "temporarily unavailable" in text:
-        text = "its process is gone (Ray is restarting it)"
+        text = "its process is gone"
     return f"Ray: {text[:300]}"
 
 
@@ -57,18 +60,12 @@ async def _watch_all(runtime: Any, rec: _Record, client: Any) -> None:
                          _children(runtime, rec.actor_id.handle))
 
 
-def _unavailable() -> type | tuple:
-    """Ray's error for a call on an actor it is restarting (``()`` on a Ray that has none)."""
-    import ray.exceptions as rex
-    return getattr(rex, "ActorUnavailableError", ())
-
-
 async def _children(runtime: Any, host: Any) -> None:
     """Learn of the actors this actor spawns (``Host.next_children``), to watch them."""
     while True:
         try:
             children = await host.next_children.remote()
-        except _unavailable():  # restarting: ask its next process (Ray queues the call)
+        except unavailable_error():  # restarting: ask its next process (Ray queues the call)
             await asyncio.sleep(0.1)
             continue
         except Exception:  # the actor is gone: its watcher reports it
@@ -81,7 +78,7 @@ async def _children(runtime: Any, host: Any) -> None:
 
 async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
     host, key = rec.actor_id.handle, rec.actor_id.key
-    unavailable, limit = _unavailable(), rec.options.max_restarts
+    unavailable, limit = unavailable_error(), rec.options.max_restarts
     while True:
         try:
             await host.watch_death.remote()
@@ -91,17 +88,20 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
         if runtime._closing:
             return
         killed = key in client._dead
-        if unavailable:  # Ray says whether it restarts the actor
-            again = isinstance(death, unavailable) and not killed
-        else:
-            again = not killed and (limit == -1 or rec.restarts < limit)
+        # Ray says an actor is gone for good (``ActorDiedError``) only once it knows;
+        # failing calls at once (``ray_env``), it first says "unavailable" for every
+        # death. So the restarts left decide, and Ray's word where it has one.
+        again = not killed and (limit == -1 or rec.restarts < limit)
+        if unavailable and not isinstance(death, unavailable):
+            again = False
         reason = "kill()" if killed else describe(death)
         _events.emit(runtime, "died", rec, reason, will_restart=again)
         if not again:
             runtime._gone.add(key)
             return
+        client.watch_restart(rec.actor_id, runtime.loop, True)  # calls wait for it
         try:  # queued by Ray until the restarted process runs
-            ok, pid = await asyncio.wait_for(_ready(host, unavailable), RESTART_WAIT)
+            ok, pid = await asyncio.wait_for(ready_after_restart(host), RESTART_WAIT)
         except Exception as exc:  # the restart failed (or never came)
             if not runtime._closing:
                 runtime._gone.add(key)
@@ -116,13 +116,3 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
         rec.restarts += 1
         client._pids[key] = pid
         _events.emit(runtime, "restarted", rec, reason)
-
-
-async def _ready(host: Any, unavailable: type | tuple) -> tuple:
-    """``Host.ready`` of the restarted actor; a call that still reached the old process
-    (Ray had not yet seen its death) is retried."""
-    while True:
-        try:
-            return await host.ready.remote()
-        except unavailable:
-            await asyncio.sleep(0.1)

@@ -142,16 +142,9 @@ class Host:
         self._tasks: dict = {}  # (caller, seq) -> the task running that call
         self._calls = 0  # calls received (``rt.stats()``)
         try:
-            import warnings
-
             import ray
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                ctx = ray.get_runtime_context()
-                self._restarted = bool(ctx.was_current_actor_reconstructed)
-            self._ctx = ctx
+            self._ctx = ray.get_runtime_context()
         except Exception:  # pragma: no cover - outside Ray
-            self._restarted = False
             self._ctx = None
         # The user's __init__ runs on the actor's event loop, as on the local backend
         # (it may start tasks there): on the first call, ``ready`` at spawn.
@@ -244,30 +237,39 @@ class Host:
             if task is not None:
                 task.cancel()
                 continue
-            st = self._turns(caller, seq)
-            if seq >= st.next:  # not arrived yet: it will not run
+            st = self._callers.get(caller)
+            if st is None or seq >= st.next:  # not arrived yet: it will not run
                 self._cancelled.add((caller, seq))
-                st.consume(seq)
+                if st is not None:
+                    st.consume(seq)
             with self._cancel_lock:
                 self._requested.discard((caller, seq))
 
-    def _turns(self, caller: str, seq: int) -> _Turns:
+    def _turns(self, caller: str, base: int) -> _Turns:
+        """The turns of ``caller``; its first call here makes them, starting at ``base``
+        (the caller's oldest call Ray had not finished when it sent that call: 0 in a
+        new actor, or where the caller is after a restart). The calls before ``base``
+        ended elsewhere, and those cancelled already are skipped."""
         st = self._callers.get(caller)
-        if st is None:  # after a restart, numbering goes on from where the caller is
-            st = self._callers[caller] = _Turns(seq if self._restarted else 0)
+        if st is None:
+            st = self._callers[caller] = _Turns(base)
+            for c, seq in sorted(self._cancelled):
+                if c == caller and seq >= base:
+                    st.consume(seq)
         return st
 
-    async def _take_turn(self, caller: str, seq: int) -> None:
-        turns = await self._wait_turn(caller, seq)
+    async def _take_turn(self, caller: str, seq: int, base: int) -> None:
+        turns = await self._wait_turn(caller, seq, base)
         if turns is not None:
             turns.advance()
 
-    async def _wait_turn(self, caller: str, seq: int) -> _Turns | None:
+    async def _wait_turn(self, caller: str, seq: int, base: int) -> _Turns | None:
         """Wait until call ``seq`` may start: the caller's turns, for the call to pass
-        on (``advance``) once it has started, or None when it arrived late (after a
-        restart) and runs now without one."""
-        st = self._turns(caller, seq)
-        if seq < st.next:  # arrived late (after a restart): run now
+        on (``advance``) once it has started, or None when its turn has passed (a call
+        older than another's ``base``: it cannot be, as ``base`` counts it) and it runs
+        now without one."""
+        st = self._turns(caller, base)
+        if seq < st.next:
             return None
         if seq != st.next:
             fut = asyncio.get_running_loop().create_future()
@@ -285,34 +287,35 @@ class Host:
         return self._ctx.get_task_name() if self._ctx is not None else None
 
     async def call0(self) -> Any:
-        """Run a call without arguments named ``method:caller:seq`` (its Ray task name,
+        """Run a call without arguments named ``method:caller:seq:base`` (its Ray task name,
         read before the first ``await``): a Ray task with no argument at all is Ray's
         cheapest, about a quarter faster than one carrying a small ``bytes``."""
-        method, caller, seq = self._ctx.get_task_name().split(":")
-        return await self._call(method, (), {}, caller, int(seq))
+        method, caller, seq, base = self._ctx.get_task_name().split(":")
+        return await self._call(method, (), {}, caller, int(seq), int(base))
 
     async def call1(self, payload: Any) -> Any:
-        """Run a call named ``method:caller:seq`` with ``payload = (args, kwargs)``
+        """Run a call named ``method:caller:seq:base`` with ``payload = (args, kwargs)``
         (pickled into one ``bytes`` by the caller when they are simple)."""
-        method, caller, seq = self._ctx.get_task_name().split(":")
+        method, caller, seq, base = self._ctx.get_task_name().split(":")
         args, kwargs = pickle.loads(payload) if type(payload) is bytes else payload
         del payload
-        return await self._call(method, args, kwargs, caller, int(seq))
+        return await self._call(method, args, kwargs, caller, int(seq), int(base))
 
     async def call(self, req: tuple) -> tuple:
-        """Run ``req = (method, args, kwargs, caller, seq)``: ``(ok, result or error)``.
+        """Run ``req = (method, args, kwargs, caller, seq, base)``: ``(ok, result or
+        error)``.
 
-        One argument, not five: Ray serializes each argument of a task on its own.
+        One argument, not six: Ray serializes each argument of a task on its own.
         (Used where Ray's task names cannot carry the call's identity.)
         """
         if type(req) is bytes:
             req = pickle.loads(req)
-        method, args, kwargs, caller, seq = req
+        method, args, kwargs, caller, seq, base = req
         del req
-        return await self._call(method, args, kwargs, caller, seq)
+        return await self._call(method, args, kwargs, caller, seq, base)
 
     async def _call(self, method: str, args: tuple, kwargs: dict, caller: str,
-                    seq: int) -> Any:
+                    seq: int, base: int) -> Any:
         self._calls += 1
         key = (caller, seq)
         if key in self._cancelled:
@@ -330,7 +333,7 @@ class Host:
             if st is not None and seq == st.next:  # its turn already (the usual case)
                 owed = st
             else:
-                owed = await self._wait_turn(caller, seq)
+                owed = await self._wait_turn(caller, seq, base)
             # A sync method run on Ray's loop holds it: it passes its turn on only once
             # it holds its slot and the calls that finished before it have handed their
             # results to Ray (one loop step), so that neither a later call (a stream
@@ -384,7 +387,7 @@ class Host:
         """Run a generator or async-generator method, yielding ``(ok, item)`` pairs."""
         if type(req) is bytes:
             req = pickle.loads(req)
-        method, args, kwargs, caller, seq = req
+        method, args, kwargs, caller, seq, base = req
         del req
         self._calls += 1
         key = (caller, seq)
@@ -399,7 +402,7 @@ class Host:
             return
         self._tasks[key] = asyncio.current_task()
         try:
-            await self._take_turn(caller, seq)
+            await self._take_turn(caller, seq, base)
         except BaseException:
             del self._tasks[key]
             raise
