@@ -16,21 +16,19 @@ import concurrent.futures
 import inspect
 import os
 import pickle
-import sys
 import threading
 import uuid
-import warnings
 from typing import Any
 
-from . import _shm
 from ._actor import ActorHandle, ActorOptions, public_methods
-from ._errors import ActorDiedError, RemoteError, RemoteTraceback
+from ._errors import ActorDiedError
+from ._ray_errors import check_args, outcome, translate, unavailable_error
 from ._ray_host import Host, simple
 from ._ray_placement import await_ready, check_feasible, requested
 from ._remote_errors import decode_exception
 
 __all__ = ["RayClient", "RayActorId", "CLIENT", "get_client", "ray_env", "import_ray",
-           "unavailable_error", "ready_after_restart"]
+           "ready_after_restart"]
 
 STREAM_BUFFER = 16  # items a streaming method may run ahead of its consumer
 
@@ -88,52 +86,6 @@ class RayActorId:
         return self.key[:12]
 
 
-def _died(exc: BaseException, what: str) -> ActorDiedError:
-    text = str(exc).strip().splitlines()
-    return ActorDiedError(f"{what}: the actor died ({text[0] if text else type(exc).__name__})")
-
-
-_UNCOMPUTED = "input arguments for this task could not be computed"
-
-
-def _undeserializable(exc: BaseException) -> TypeError:
-    """Ray could not unpickle an argument in the actor: the local backend's error, with
-    the last line of Ray's text (the exception the argument's unpickling raised)."""
-    lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
-    return TypeError("the actor could not deserialize the call's arguments: "
-                     f"{lines[-1] if lines else type(exc).__name__}")
-
-
-def _translate(exc: BaseException, what: str) -> BaseException:
-    """Ray's error for a call -> what the local backend raises."""
-    import ray.exceptions as rex
-    if isinstance(exc, rex.RayActorError) and _UNCOMPUTED in str(exc):
-        return _undeserializable(exc)  # a spawn argument, in the new actor
-    if isinstance(exc, (rex.RayActorError, getattr(rex, "ActorUnavailableError", ()))):
-        return _died(exc, what)
-    if isinstance(exc, rex.RaySystemError) and "deserializ" in str(exc):
-        # Ray could not unpickle the result here: as the local backend says it.
-        cause = getattr(exc, "client_exc", None)
-        text = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) \
-            else str(exc).strip().splitlines()[0]
-        return TypeError(f"the result of {what} could not be deserialized here: {text}")
-    if isinstance(exc, rex.RayTaskError):  # the host failed, e.g. a result that won't pickle
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, rex.RaySystemError) and _UNCOMPUTED in str(exc):
-            return _undeserializable(cause)  # a call's argument: the call never ran
-        if isinstance(cause, Exception) and not isinstance(cause, rex.RayError):
-            cause.__cause__ = RemoteTraceback(str(exc))
-            return cause
-        return RemoteError(type(exc).__name__, str(exc))
-    return exc
-
-
-def unavailable_error() -> type | tuple:
-    """Ray's error for a call on an actor it is restarting (``()`` on a Ray that has none)."""
-    import ray.exceptions as rex
-    return getattr(rex, "ActorUnavailableError", ())
-
-
 async def ready_after_restart(host: Any) -> tuple:
     """``Host.ready`` of a restarted actor: ``(True, pid)``, or ``(False, error)`` when
     its ``__init__`` raised. A call that still reached the old process (Ray had not yet
@@ -144,77 +96,6 @@ async def ready_after_restart(host: Any) -> tuple:
             return await host.ready.remote()
         except unavailable:
             await asyncio.sleep(0.1)
-
-
-def _outcome(value: Any, what: str):
-    """``(ok, payload)`` from the host -> (result, None) or (None, exception)."""
-    if type(value) is bytes:  # a simple reply, pickled by the host
-        value = pickle.loads(value)
-    ok, payload = value
-    if ok:
-        return payload, None
-    return None, decode_exception(payload, what)
-
-
-_SCALARS = frozenset({int, float, str, bytes, bool, type(None), complex})
-
-
-def _check_args(args: tuple, kwargs: dict, what: str) -> None:
-    """What Ray's own pickling lets through silently, caught before sending, in the
-    arguments and in lists, tuples and dicts up to three levels down (as arrays are made
-    read-only on arrival): a tensor in an autograd graph is a ``TypeError`` (as on the
-    local backend); an actorshm shared array warns once that writes will not come back."""
-    torch = sys.modules.get("torch")
-    tensor = torch.Tensor if torch is not None else None
-    warned = False
-    todo = [(x, 0) for x in (*args, *kwargs.values())]
-    while todo:
-        x, depth = todo.pop()
-        t = type(x)
-        if t is list or t is tuple:
-            if depth < 3:
-                todo.extend((y, depth + 1) for y in x if type(y) not in _SCALARS)
-        elif t is dict:
-            if depth < 3:
-                todo.extend((y, depth + 1) for y in x.values() if type(y) not in _SCALARS)
-        elif tensor is not None and isinstance(x, tensor):
-            from ._torch import check_sendable
-            try:
-                check_sendable(x)
-                _check_picklable_dtype(x.dtype)
-            except TypeError as exc:
-                raise TypeError(f"cannot send the arguments of {what}(): {exc}") from None
-        elif not warned and _shm.is_shared(x):
-            warned = True
-            warnings.warn(
-                f"{what}(): an actorshm shared array is passed on the Ray backend; it "
-                "travels as a read-only copy through Ray's object store, so writes in "
-                "the actor are not seen by the caller (return the result instead)",
-                RuntimeWarning, stacklevel=4)
-
-
-_dtype_ok: dict = {}  # torch dtype -> whether torch can pickle a tensor of it
-
-
-def _check_picklable_dtype(dtype) -> None:
-    """Ray passes tensors by torch's own pickling, which some torch versions cannot do
-    for some dtypes (the float8 kinds): say so before sending rather than let the actor
-    fail to unpickle the call."""
-    ok = _dtype_ok.get(dtype)
-    if ok is None:
-        import torch
-        try:
-            pickle.loads(pickle.dumps(torch.empty(1, dtype=dtype)))
-            ok = True
-        except Exception:
-            ok = False
-        _dtype_ok[dtype] = ok
-    if not ok:
-        raise TypeError(
-            f"a {dtype} tensor cannot travel on the Ray backend: Ray passes tensors by "
-            "torch's own pickling, which cannot rebuild this dtype in this torch version. "
-            f"Send `t.view(torch.uint8)` and view it back with `.view({dtype})` in the "
-            "actor, or use the local backend")
 
 
 class RayClient:
@@ -283,7 +164,7 @@ class RayClient:
             return fut
         held = self._restarting.get(actor_id.key)
         if held is not None:  # Ray restarts its process: the call waits for the new one
-            _check_args(args, kwargs, what)
+            check_args(args, kwargs, what)
             held.append((fut, method, args, kwargs, what, self._number(actor_id)))
             return fut
         ref, seq = self._submit(actor_id, None, method, args, kwargs, what)
@@ -298,7 +179,7 @@ class RayClient:
                 return
             exc = cf.exception()
             if exc is not None:
-                err = _translate(exc, what)
+                err = translate(exc, what)
                 if isinstance(err, ActorDiedError):
                     self.watch_restart(actor_id, loop, isinstance(exc, unavailable_error()))
                 else:  # it may never have reached the actor's code: skip its turn there
@@ -306,7 +187,7 @@ class RayClient:
                 if isinstance(err, BaseException) and not fut.cancelled():
                     fut.set_exception(err)
                 return
-            result, err = _outcome(cf.result(), what)
+            result, err = outcome(cf.result(), what)
             if err is not None:
                 fut.set_exception(err)
             else:
@@ -350,7 +231,7 @@ class RayClient:
         must reach ``_finished`` (its caller arranges that). ``number``: the call's
         ``(seq, base)``, taken earlier (``_number``) by a call that waited.
         """
-        _check_args(args, kwargs, what)
+        check_args(args, kwargs, what)
         try:
             with self._lock:
                 if number is None:
@@ -413,12 +294,12 @@ class RayClient:
             exc = cf.exception()
             try:
                 if exc is not None:
-                    err = _translate(exc, what)
+                    err = translate(exc, what)
                     if not isinstance(err, ActorDiedError):  # (as in ``call``)
                         self._cancel(actor_id, seq)
                     out.set_exception(err)
                     return
-                result, err = _outcome(cf.result(), what)
+                result, err = outcome(cf.result(), what)
                 out.set_exception(err) if err is not None else out.set_result(result)
             except concurrent.futures.InvalidStateError:  # cancelled meanwhile
                 pass
@@ -437,7 +318,7 @@ class RayClient:
         gen.completed().future().add_done_callback(
             lambda c: self._finished(actor_id, seq, c))
         from ._ray_stream import RayStream
-        return RayStream(gen, what, _translate, _outcome,
+        return RayStream(gen, what, translate, outcome,
                          lambda _gen: self._cancel(actor_id, seq), self.wait)
 
     def _cancel(self, actor_id: RayActorId, seq: int) -> None:
@@ -578,7 +459,7 @@ class RayClient:
                 pass
             raise
         except Exception as exc:
-            raise _translate(exc, what) from exc
+            raise translate(exc, what) from exc
         if not ok:
             ray.kill(handle, no_restart=True)
             raise decode_exception(payload, f"{cls.__qualname__}.__init__")
