@@ -345,11 +345,27 @@ class RayClient:
     def _send_cancels(self, key: str) -> None:
         with self._lock:
             actor_id, seqs = self._cancels.pop(key)
+        self._send_cancel(actor_id, seqs)
+
+    def _send_cancel(self, actor_id: RayActorId, seqs: list, tries: int = 0) -> None:
+        """Send a cancel message; sent while Ray has yet to see the actor's process die,
+        it fails as "unavailable" and is sent again (every 0.1 s, for up to 5 minutes),
+        so that the restarted process learns of it: a call lost with the old process
+        may be the ``base`` of calls made after it, which would wait for it there."""
         try:
-            actor_id.handle.cancel.options(concurrency_group="control").remote(
+            ref = actor_id.handle.cancel.options(concurrency_group="control").remote(
                 self._caller, seqs)
         except Exception:  # Ray is gone
-            pass
+            return
+
+        def sent(f: concurrent.futures.Future) -> None:
+            if isinstance(f.exception(), unavailable_error()) and tries < 3000 \
+                    and actor_id.key not in self._dead:
+                again = threading.Timer(0.1, self._send_cancel, (actor_id, seqs, tries + 1))
+                again.daemon = True
+                again.start()
+
+        ref.future().add_done_callback(sent)
 
     def actor_pid(self, actor_id: RayActorId, pid: int) -> int:
         return self._pids.get(actor_id.key, pid)

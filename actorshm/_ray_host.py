@@ -253,6 +253,8 @@ class Host:
         st = self._callers.get(caller)
         if st is None:
             st = self._callers[caller] = _Turns(base)
+            with self._cancel_lock:  # cancel messages that came before any call did
+                self._cancelled.update(key for key in self._requested if key[0] == caller)
             for c, seq in sorted(self._cancelled):
                 if c == caller and seq >= base:
                     st.consume(seq)

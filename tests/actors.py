@@ -288,6 +288,10 @@ class Phoenix:
         self.calls += 1
         return (self.tag, self.calls, os.getpid())
 
+    def hits(self, k):
+        for _ in range(k):
+            yield self.hit()
+
     def crash(self):
         os._exit(9)
 
