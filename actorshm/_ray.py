@@ -219,7 +219,8 @@ class RayClient:
         """Call ``seq`` was numbered but will not be sent: the actor skips its turn."""
         with self._lock:
             self._open.get(actor_id.key, {}).pop(seq, None)
-        self._cancel(actor_id, seq)
+        if actor_id.key not in self._dead:
+            self._cancel(actor_id, seq)
 
     def _submit(self, actor_id, remote_method, method, args, kwargs, what, number=None):
         """Send one call (or stream, ``remote_method``) through Ray: ``(ref, seq)``.
@@ -402,8 +403,10 @@ class RayClient:
     def _release(self, actor_id: RayActorId, loop) -> None:
         """Send the calls that waited for the restart (``watch_restart``), in order."""
         for fut, method, args, kwargs, what, number in self._restarting.pop(actor_id.key, ()):
-            if fut.done():  # cancelled while it waited
+            if fut.done() or actor_id.key in self._dead:  # cancelled while it waited, or killed
                 self._drop(actor_id, number[0])
+                if not fut.done():
+                    fut.set_exception(ActorDiedError(f"{what}: the actor was killed"))
                 continue
             try:
                 ref, seq = self._submit(actor_id, None, method, args, kwargs, what, number)
@@ -417,6 +420,8 @@ class RayClient:
         ray = import_ray()
         self._dead.add(actor_id.key)
         ray.kill(actor_id.handle, no_restart=True)
+        self._release(actor_id, None)  # calls waiting for a restart fail now
+        self._open.pop(actor_id.key, None)
         try:  # wait until Ray reports the death, so pending calls have failed
             await asyncio.wait_for(actor_id.handle.ready.remote(), 10)
         except Exception:

@@ -334,6 +334,18 @@ async def test_a_stream_made_during_a_restart_holds_back_no_call(art):
             assert n2 == 2
 
 
+async def test_kill_during_a_restart_fails_the_calls_waiting_for_it(art):
+    p = await Phoenix.options(max_restarts=-1).spawn("a")
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(p.crash(), 10)
+    waiting = p.hit()
+    await p.kill()
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(waiting, 10)
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(p.hit(), 10)
+
+
 async def test_calls_made_after_an_unseen_death_wait_for_the_restart(art):
     p = await Phoenix.options(max_restarts=-1).spawn("a")
     await p.hit()
