@@ -57,11 +57,12 @@ class RayActorId:
     """The actor id of a handle on the Ray backend: the Ray actor handle and its facts."""
 
     def __init__(self, handle: Any, key: str, streams: frozenset,
-                 named: bool = False) -> None:
+                 named: bool = False, restarts: int = 0) -> None:
         self.handle = handle
         self.key = key
         self.streams = streams
         self.named = named  # calls carry their identity in Ray's task name
+        self.restarts = restarts  # its max_restarts: whether a new process may come
         self._methods: tuple | None = None  # (call0, call1) of the Ray actor handle
 
     def call_methods(self) -> tuple:
@@ -71,7 +72,8 @@ class RayActorId:
         return self._methods
 
     def __reduce__(self):
-        return (RayActorId, (self.handle, self.key, self.streams, self.named))
+        return (RayActorId, (self.handle, self.key, self.streams, self.named,
+                             self.restarts))
 
     def actorshm_client(self) -> "RayClient":
         return CLIENT
@@ -270,14 +272,14 @@ class RayClient:
     def _finished(self, actor_id: RayActorId, seq: int, done: concurrent.futures.Future):
         """Ray ended call ``seq`` (``done``: its result or its task's end, in one of Ray's
         threads): it no longer holds back the ``base`` of later calls. A call lost with
-        its actor's process, when calls were made after it, is cancelled too: those
-        calls carry it as their ``base``, and a restarted host would wait for it."""
+        its actor's process, where a new process may come, is cancelled there too: the
+        calls made after it may carry an older call as their ``base``, and the new
+        process would wait for this one's turn."""
         with self._lock:
             opened = self._open.get(actor_id.key)
             if opened is None or opened.pop(seq, 1) is not None:
                 return
-            later = self._seqs.get(actor_id.key, 0) > seq + 1
-        if later and done.exception() is not None:
+        if actor_id.restarts and done.exception() is not None:
             import ray.exceptions as rex
             if isinstance(done.exception(), rex.RayActorError):
                 self._cancel(actor_id, seq)
@@ -457,7 +459,8 @@ class RayClient:
         req = requested(options.num_cpus, options.num_gpus)
         check_feasible(ray, cls.__qualname__, req, self.fixed_cluster)
         try:
-            meta = (cls.__qualname__, methods, streams, options.max_pending_calls)
+            meta = (cls.__qualname__, methods, streams, options.max_pending_calls,
+                    options.max_restarts)
             handle = self._remote_host.options(**opts).remote(
                 cls, args, kwargs, options.max_concurrency, get_client, meta)
         except TypeError as exc:
@@ -484,7 +487,8 @@ class RayClient:
         if not ok:
             ray.kill(handle, no_restart=True)
             raise decode_exception(payload, f"{cls.__qualname__}.__init__")
-        aid = RayActorId(handle, handle._actor_id.hex(), streams, named)
+        aid = RayActorId(handle, handle._actor_id.hex(), streams, named,
+                         options.max_restarts)
         h = ActorHandle(self, aid, cls.__qualname__, methods, options.name, payload,
                         options.max_pending_calls)
         for fn in self._spawn_listeners:
@@ -510,12 +514,12 @@ class RayClient:
             raise ValueError(f"no live actor named {name!r} (it was killed)")
         try:
             ok, pid = await handle.ready.remote()
-            cls_name, methods, streams, max_pending = await handle.meta.remote()
+            cls_name, methods, streams, max_pending, restarts = await handle.meta.remote()
             named = await self._names_work(handle)
         except Exception as exc:
             raise ValueError(f"no live actor named {name!r} ({exc})") from None
-        return ActorHandle(self, RayActorId(handle, key, streams, named), cls_name,
-                           methods, name, pid, max_pending)
+        return ActorHandle(self, RayActorId(handle, key, streams, named, restarts),
+                           cls_name, methods, name, pid, max_pending)
 
     async def _names_work(self, handle: Any) -> bool:
         """Whether an actor task reads its own Ray task name (asked once per process):

@@ -173,7 +173,8 @@ class Host:
         return True, os.getpid()
 
     async def meta(self) -> tuple:
-        """``(class name, public methods, streaming methods, max_pending_calls)``."""
+        """``(class name, public methods, streaming methods, max_pending_calls,
+        max_restarts)``."""
         return self._meta
 
     async def watch_death(self) -> None:

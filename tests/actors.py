@@ -292,6 +292,9 @@ class Phoenix:
         for _ in range(k):
             yield self.hit()
 
+    def nap(self, seconds):
+        time.sleep(seconds)
+
     def crash(self):
         os._exit(9)
 

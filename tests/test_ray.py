@@ -314,6 +314,24 @@ async def test_a_restart_fails_pending_calls_at_once_and_later_calls_wait_in_ord
         assert [n for _, n, _ in got] == list(range(1, 9))
 
 
+async def test_calls_made_before_the_pending_ones_failed_run_after_the_restart(art):
+    # Calls made as the first pending call fails, while the ones queued behind it have
+    # yet to fail: on Ray the new process waited for those lost calls' turns for ever.
+    p = await Phoenix.options(max_restarts=-1).spawn("a")
+    for _ in range(3):
+        _, _, pid = await p.hit()
+        running, queued = p.nap(0.3), [p.hit() for _ in range(5)]
+        await asyncio.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(actorshm.ActorDiedError):
+            await asyncio.wait_for(running, 10)
+        later = [p.hit() for _ in range(10)]
+        got = await asyncio.wait_for(asyncio.gather(*later), 60)
+        assert [n for _, n, _ in got] == list(range(1, 11))
+        lost = await asyncio.gather(*queued, return_exceptions=True)
+        assert all(isinstance(x, actorshm.ActorDiedError) for x in lost)
+
+
 async def test_a_stream_made_during_a_restart_holds_back_no_call(art):
     # A stream made right after a death may fail on Ray (sent before Ray saw the death);
     # the call after it must not wait for its turn on the new process.
