@@ -160,9 +160,9 @@ class Worker(StreamingClient):
                 call.clear()
                 conn.reply_error(cid, err)
                 return
-        if self.running < self.max_concurrency and not self.queue:
+        if self.running < self.max_concurrency and not self.queue and not self.held:
             self._start(conn, cid, call)
-        else:
+        else:  # (held: the frames read meanwhile, cancels among them, go first)
             self.queue.append((conn, cid, call))
 
     def _start(self, conn: Connection, cid: int, call: list) -> None:
@@ -427,7 +427,10 @@ class Worker(StreamingClient):
             return
         conn.reply(cid, os.getpid())
         self.running += 1
-        self._finished(None)  # start the calls that arrived before __init__ finished
+        # Start the calls that arrived before __init__ finished, once the frames that
+        # came meanwhile are read: a cancel among them (a call made while the actor
+        # restarted, then cancelled) stops its call before it starts.
+        self._finished(None, blocked=True)
 
     def connection_eof(self, conn: Connection) -> None:
         """A connection broke (``Host``)."""

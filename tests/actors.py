@@ -299,6 +299,23 @@ class Phoenix:
         os._exit(9)
 
 
+@actor(max_restarts=1)
+class SlowStart:
+    """Its __init__ takes ``delay`` seconds while ``marker`` exists (a slow restart)."""
+
+    def __init__(self, marker, delay=2.0):
+        if os.path.exists(marker):
+            time.sleep(delay)
+        self.log = []
+
+    def rec(self, x):
+        self.log.append(x)
+        return x
+
+    def getlog(self):
+        return self.log
+
+
 @actor(max_restarts=3)
 class FlakyStart:
     """Its __init__ crashes the process once while ``marker`` exists (then removes it)."""

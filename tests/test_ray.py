@@ -25,7 +25,8 @@ from actorshm._ray import ray_env  # noqa: E402
 
 ray_env()  # what a runtime that starts Ray sets: Ray binds 127.0.0.1, deaths fail calls at once
 from actors import (BreaksOnArrival, Caller, Concurrent, Counter, CustomError,  # noqa: E402
-                    EnvReader, Faulty, Phoenix, PoolWorker, Probe, ThreadedCaller)
+                    EnvReader, Faulty, Phoenix, PoolWorker, Probe, SlowStart,
+                    ThreadedCaller)
 from ray_actors import ArrayUser, Streamer, ThreadCanceller, Ticker  # noqa: E402
 
 ray = pytest.importorskip("ray", reason="the Ray backend tests need Ray: "
@@ -350,6 +351,28 @@ async def test_a_stream_made_during_a_restart_holds_back_no_call(art):
             assert items[0] == 2 and sorted(items + [n2]) == [2, 3, 4, 5]
         else:
             assert n2 == 2
+
+
+async def test_a_call_cancelled_while_its_actor_restarts_never_runs(art, tmp_path):
+    # API.md: "a call still queued there never runs". Locally a call made during a
+    # restart waits in the driver (until the new process is there), then in the new
+    # process (until its __init__ returns): a sync method ran all the same.
+    for concurrency in (1, 3):
+        marker = tmp_path / f"slow{concurrency}"
+        a = await SlowStart.options(max_concurrency=concurrency).spawn(str(marker))
+        marker.write_text("")
+        died = asyncio.Event()
+        unsubscribe = art.on_actor_event(lambda ev: ev.kind == "died" and died.set())
+        os.kill(a.pid, signal.SIGKILL)
+        await asyncio.wait_for(died.wait(), 30)
+        unsubscribe()
+        at_once, later = a.rec("cancelled at once"), a.rec("cancelled later")
+        at_once.cancel()
+        await asyncio.sleep(1.2)  # the new process is starting, or in its __init__
+        later.cancel()
+        assert await asyncio.wait_for(a.rec("next"), 60) == "next"
+        assert await a.getlog() == ["next"]
+        await a.kill()
 
 
 async def test_kill_during_a_restart_fails_the_calls_waiting_for_it(art):
