@@ -16,6 +16,7 @@ import concurrent.futures
 import inspect
 import os
 import pickle
+import sys
 import threading
 import uuid
 from typing import Any
@@ -28,7 +29,7 @@ from ._ray_placement import await_ready, check_feasible, requested
 from ._remote_errors import decode_exception
 
 __all__ = ["RayClient", "RayActorId", "CLIENT", "get_client", "ray_env", "import_ray",
-           "ready_after_restart"]
+           "ray_up", "ready_after_restart"]
 
 STREAM_BUFFER = 16  # items a streaming method may run ahead of its consumer
 
@@ -42,6 +43,14 @@ def ray_env() -> None:
     process (``RayClient.watch_restart``)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_timeout_ms_task_wait_for_death_info", "0")
+
+
+def ray_up() -> bool:
+    """Whether this process is connected to Ray. Any Ray call made while it is not
+    starts a new local Ray (Ray's auto-init): after a runtime shut its Ray down, the
+    work still under way (a kill, a cancel sent again, a restart watch) must not."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
 
 
 def import_ray():
@@ -94,6 +103,8 @@ async def ready_after_restart(host: Any) -> tuple:
     seen its death) is retried."""
     unavailable = unavailable_error()
     while True:
+        if not ray_up():
+            raise ActorDiedError("Ray was shut down")
         try:
             return await host.ready.remote()
         except unavailable:
@@ -355,6 +366,8 @@ class RayClient:
         it fails as "unavailable" and is sent again (every 0.1 s, for up to 5 minutes),
         so that the restarted process learns of it: a call lost with the old process
         may be the ``base`` of calls made after it, which would wait for it there."""
+        if not ray_up():
+            return
         try:
             ref = actor_id.handle.cancel.options(concurrency_group="control").remote(
                 self._caller, seqs)
@@ -405,10 +418,12 @@ class RayClient:
     def _release(self, actor_id: RayActorId, loop) -> None:
         """Send the calls that waited for the restart (``watch_restart``), in order."""
         for fut, method, args, kwargs, what, number in self._restarting.pop(actor_id.key, ()):
-            if fut.done() or actor_id.key in self._dead:  # cancelled while it waited, or killed
-                self._drop(actor_id, number[0])
+            if fut.done() or actor_id.key in self._dead or not ray_up():
+                self._drop(actor_id, number[0])  # cancelled while it waited, or killed
                 if not fut.done():
-                    fut.set_exception(ActorDiedError(f"{what}: the actor was killed"))
+                    why = "was killed" if actor_id.key in self._dead else "is gone (Ray " \
+                        "was shut down)"
+                    fut.set_exception(ActorDiedError(f"{what}: the actor {why}"))
                 continue
             try:
                 ref, seq = self._submit(actor_id, None, method, args, kwargs, what, number)
@@ -421,6 +436,9 @@ class RayClient:
     async def kill(self, actor_id: RayActorId) -> None:
         ray = import_ray()
         self._dead.add(actor_id.key)
+        if not ray_up():  # the runtime shut Ray down, and every actor with it
+            self._release(actor_id, None)
+            return
         ray.kill(actor_id.handle, no_restart=True)
         self._release(actor_id, None)  # calls waiting for a restart fail now
         self._open.pop(actor_id.key, None)
@@ -478,7 +496,8 @@ class RayClient:
             named, (ok, payload) = await self.wait(started())
         except ActorDiedError:  # the runtime closed meanwhile (``abort_waits``)
             try:
-                ray.kill(handle, no_restart=True)
+                if ray_up():  # (Ray shut down ended it already)
+                    ray.kill(handle, no_restart=True)
             except Exception:
                 pass
             raise

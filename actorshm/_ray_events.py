@@ -68,6 +68,8 @@ async def _children(runtime: Any, host: Any) -> None:
             children = await host.next_children.remote()
         except unavailable_error():  # restarting: ask its next process (Ray queues the call)
             await asyncio.sleep(0.1)
+            if runtime._closing:
+                return
             continue
         except Exception:  # the actor is gone: its watcher reports it
             return

@@ -89,7 +89,9 @@ class RayRuntime(_events.EventSource, RayInspectable):
             if "job_config" not in opts:  # actors import user modules as the driver does
                 from ray.job_config import JobConfig
                 opts["job_config"] = JobConfig(code_search_path=_user_paths())
-            ray.init(address=self.address, **opts)
+            # No address: a Ray of its own ("local"), even where a `ray start` cluster
+            # runs or RAY_ADDRESS is set (``None`` would join that one).
+            ray.init(address=self.address or "local", **opts)
             self._owns_ray = True
             CLIENT.fixed_cluster = self.address is None  # a local Ray: no autoscaler
         self.loop = asyncio.get_running_loop()

@@ -742,12 +742,12 @@ CLUSTER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_script(tmp_path, name: str, template: str) -> str:
+def _run_script(tmp_path, name: str, template: str, env: dict | None = None) -> str:
     """Run a script that starts a Ray of its own; return its stdout (it must succeed)."""
     script = tmp_path / name
     script.write_text(template.format(tests=os.path.dirname(__file__)))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -789,8 +789,11 @@ CLOSE_SCRIPT = textwrap.dedent("""
 
 def test_closing_while_a_stream_is_read_and_a_spawn_waits_ends_both(tmp_path):
     # Before: the spawn waited for ever, and the stream's read, resumed after Ray shut
-    # down, ended the whole process with exit code 1 and no output.
-    out = _run_script(tmp_path, "close.py", CLOSE_SCRIPT)
+    # down, ended the whole process with exit code 1 and no output; then the spawn's
+    # clean-up started a second Ray (Ray's auto-init). And a runtime with no address
+    # starts a Ray of its own, though RAY_ADDRESS names another (as where a `ray start`
+    # cluster runs): it joined that one (here, none listens there).
+    out = _run_script(tmp_path, "close.py", CLOSE_SCRIPT, {"RAY_ADDRESS": "127.0.0.1:9"})
     assert "stream ActorDiedError" in out and "spawn ActorDiedError" in out, out
     assert "the driver goes on" in out
 
