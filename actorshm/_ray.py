@@ -168,7 +168,7 @@ class RayClient:
         except RuntimeError:
             loop = None
         if method in actor_id.streams:
-            return self._stream(actor_id, method, args, kwargs, what, loop)
+            return self.stream(actor_id, method, args, kwargs, what)
         if loop is None:  # a sync method in a thread: block on the concurrent future
             return self._call_from_thread(actor_id, method, args, kwargs, what)
         fut = loop.create_future()
@@ -323,11 +323,16 @@ class RayClient:
         out.add_done_callback(lambda f: f.cancelled() and self._cancel(actor_id, seq))
         return out
 
-    def _stream(self, actor_id, method, args, kwargs, what, loop):
+    def stream(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
+               what: str = "", run_ahead: int = STREAM_BUFFER):
+        """Call generator method ``method``: an async iterator of its items
+        (``RayStream``), the actor running at most ``run_ahead`` items ahead (Ray's
+        generator back-pressure). Not counted in ``max_pending_calls``, as locally."""
+        what = what or method
         if actor_id.key in self._dead:
             raise ActorDiedError(f"{what}: the actor was killed")
         remote = actor_id.handle.stream.options(
-            num_returns="streaming", _generator_backpressure_num_objects=STREAM_BUFFER)
+            num_returns="streaming", _generator_backpressure_num_objects=run_ahead)
         gen, seq = self._submit(actor_id, remote, method, args, kwargs, what)
         gen.completed().future().add_done_callback(
             lambda c: self._finished(actor_id, seq, c))

@@ -50,7 +50,7 @@ class RayStream:
             self._finish()
             raise err from None
         except BaseException:  # cancelled: stop the generator in the actor
-            await self.aclose()
+            self._stop()
             raise
         item, err = self._outcome(value, self._what)
         if err is not None:
@@ -59,10 +59,19 @@ class RayStream:
         return item
 
     async def aclose(self) -> None:
-        """Stop the generator in the actor (its ``finally`` blocks run)."""
+        """Stop the generator in the actor; return once it has ended there (its
+        ``finally`` blocks ran), so that the next call to the actor runs after them."""
         if not self._done:
-            self._cancel(self._gen)
-            self._finish()
+            self._stop()
+            try:
+                await self._wait(self._gen.completed())
+            except Exception:  # it ended anyway: the actor died, or the runtime closed
+                pass
+
+    def _stop(self) -> None:
+        """Tell the actor to stop the generator (its ``finally`` blocks run there)."""
+        self._cancel(self._gen)
+        self._finish()
 
     def add_done_callback(self, fn: Callable) -> None:
         """Run ``fn(self)`` when the stream ends (used by ``max_pending_calls``)."""
@@ -85,5 +94,4 @@ class RayStream:
 
     def __del__(self) -> None:
         if not self._done:
-            self._cancel(self._gen)
-            self._finish()
+            self._stop()

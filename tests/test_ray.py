@@ -630,6 +630,30 @@ async def test_stream_runs_a_bounded_number_of_items_ahead(art):
     await stream.aclose()
 
 
+async def test_run_ahead_bounds_the_items_made_ahead(art):
+    s = await Streamer.spawn()
+    stream = s.count.options(run_ahead=4)(1000)
+    assert await stream.__anext__() == 0
+    await asyncio.sleep(1.0)
+    assert await s.produced_() <= 8  # (Ray ignored it: 17)
+    await stream.aclose()
+
+
+async def test_after_aclose_the_next_call_runs_after_the_generators_finally(art):
+    s = await Streamer.spawn()
+    stream = s.count(1000, 0.01)
+    assert await stream.__anext__() == 0
+    await stream.aclose()
+    assert await s.closed_() == [1000]  # (on Ray, not yet: aclose did not wait)
+
+
+async def test_streams_are_not_counted_in_max_pending_calls(art):
+    s = await Streamer.options(max_pending_calls=1).spawn()
+    first = s.count(3)  # a stream: not a pending call (on Ray it was counted)
+    assert await s.ping() == "pong"
+    assert [x async for x in first] == [0, 1, 2]
+
+
 # -- Arrays on Ray ---------------------------------------------------------------------
 async def test_arrays_on_ray_are_read_only_copies(art, backend):
     ray_only(backend, "the local backend shares arrays (test_arrays.py)")
