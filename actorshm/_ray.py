@@ -193,8 +193,9 @@ class RayClient:
             exc = cf.exception()
             if exc is not None:
                 err = translate(exc, what)
-                if isinstance(err, ActorDiedError):
-                    self.watch_restart(actor_id, loop, isinstance(exc, unavailable_error()))
+                if isinstance(err, ActorDiedError):  # (restarting: Ray says "unavailable")
+                    self.watch_restart(actor_id, loop, actor_id.restarts != 0 and
+                                       isinstance(exc, unavailable_error()))
                 else:  # it may never have reached the actor's code: skip its turn there
                     self._cancel(actor_id, seq)
                 if isinstance(err, BaseException) and not fut.cancelled():
