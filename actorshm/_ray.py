@@ -365,29 +365,43 @@ class RayClient:
     def _send_cancels(self, key: str) -> None:
         with self._lock:
             actor_id, seqs = self._cancels.pop(key)
-        self._send_cancel(actor_id, seqs)
+        self._send_control(actor_id, "cancel", (self._caller, seqs))
 
-    def _send_cancel(self, actor_id: RayActorId, seqs: list, tries: int = 0) -> None:
-        """Send a cancel message; sent while Ray has yet to see the actor's process die,
-        it fails as "unavailable" and is sent again (every 0.1 s, for up to 5 minutes),
-        so that the restarted process learns of it: a call lost with the old process
-        may be the ``base`` of calls made after it, which would wait for it there."""
+    def _send_control(self, actor_id: RayActorId, method: str, args: tuple,
+                      tries: int = 0) -> None:
+        """Send a message to the host's ``control`` group (``cancel``, ``resync``). One
+        sent while Ray has yet to see the actor's process die fails as "unavailable" and
+        is sent again (every 0.1 s, for up to 5 minutes), so that a restarted process
+        learns of it: a call lost with the old process may be the ``base`` of calls made
+        after it, which would wait for it there."""
         if not ray_up():
             return
         try:
-            ref = actor_id.handle.cancel.options(concurrency_group="control").remote(
-                self._caller, seqs)
+            ref = getattr(actor_id.handle, method).options(
+                concurrency_group="control").remote(*args)
         except Exception:  # Ray is gone
             return
 
         def sent(f: concurrent.futures.Future) -> None:
             if isinstance(f.exception(), unavailable_error()) and tries < 3000 \
                     and actor_id.key not in self._dead:
-                again = threading.Timer(0.1, self._send_cancel, (actor_id, seqs, tries + 1))
+                again = threading.Timer(0.1, self._send_control,
+                                        (actor_id, method, args, tries + 1))
                 again.daemon = True
                 again.start()
 
         ref.future().add_done_callback(sent)
+
+    def _resync(self, actor_id: RayActorId) -> None:
+        """Tell a restarted actor which of this caller's calls may still come: those
+        Ray has not finished. The others ended in the old process, and the new one must
+        not wait for their turns (a call that finished there while an older one, say a
+        stream, was still open lies above every later call's ``base``)."""
+        with self._lock:
+            upto = self._seqs.get(actor_id.key, 0)
+            still = list(self._open.get(actor_id.key, ()))
+        if upto:
+            self._send_control(actor_id, "resync", (self._caller, upto, still))
 
     def actor_pid(self, actor_id: RayActorId, pid: int) -> int:
         return self._pids.get(actor_id.key, pid)
@@ -411,6 +425,7 @@ class RayClient:
                 ok, pid = await asyncio.wait_for(ready_after_restart(actor_id.handle), 120)
                 if ok:
                     self._pids[key] = pid
+                    self._resync(actor_id)
             except BaseException:  # not restarted (or Ray is gone): the pid stays
                 pass
             finally:

@@ -137,6 +137,7 @@ class Host:
         self._callers: dict[str, _Turns] = {}
         self._cancelled: set = set()  # (caller, seq) cancelled before they arrived
         self._requested: set = set()  # (caller, seq) whose cancel message arrived
+        self._resyncs: dict = {}  # caller -> (upto, calls that may come), before its turns
         self._cancel_lock = threading.Lock()
         self._loop = None  # the actor's event loop, where every call runs
         self._tasks: dict = {}  # (caller, seq) -> the task running that call
@@ -232,6 +233,25 @@ class Host:
         if loop is not None:
             loop.call_soon_threadsafe(self._apply_cancel, caller, seqs)
 
+    async def resync(self, caller: str, upto: int, still: list) -> None:
+        """After a restart: of ``caller``'s calls before ``upto``, only ``still`` may
+        come here; the others ended in the old process, and their turns pass."""
+        with self._cancel_lock:
+            self._resyncs[caller] = (upto, frozenset(still))
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self._apply_resync, caller)
+
+    def _apply_resync(self, caller: str) -> None:
+        st = self._callers.get(caller)
+        if st is None:  # applied when its first call comes (``_turns``)
+            return
+        with self._cancel_lock:
+            upto, still = self._resyncs.pop(caller, (0, ()))
+        for seq in range(st.next, upto):
+            if seq not in still:
+                st.consume(seq)
+
     def _apply_cancel(self, caller: str, seqs: list) -> None:
         for seq in seqs:
             task = self._tasks.get((caller, seq))
@@ -259,6 +279,7 @@ class Host:
             for c, seq in sorted(self._cancelled):
                 if c == caller and seq >= base:
                     st.consume(seq)
+            self._apply_resync(caller)
         return st
 
     async def _take_turn(self, caller: str, seq: int, base: int) -> None:
