@@ -18,8 +18,8 @@ from typing import Any
 
 from . import _events
 from ._actor import ActorHandle
-from ._ray import ready_after_restart
 from ._ray_errors import unavailable_error
+from ._ray_order import ready_after_restart
 from ._remote_errors import decode_exception
 
 __all__ = ["watch", "describe"]

@@ -1,0 +1,203 @@
+"""The order of one caller's calls on the Ray backend, restarts included.
+
+Ray starts an async actor's tasks in no promised order, so each call carries its number
+and ``base``, the number of its caller's oldest call Ray has not finished; the host
+(``_ray_host.Host``) starts a caller's calls in number order, from ``base`` in a new or
+restarted process. What keeps that order whole is here, as ``CallOrder``, a part of
+``RayClient``: numbering, cancels (messages to the host's control group, sent again
+while Ray has yet to see a death), and after a death, the calls held until the restarted
+process answers, what it is told of the calls that ended in the old one (``resync``),
+and the lost calls cancelled there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import sys
+import threading
+from typing import Any
+
+from ._errors import ActorDiedError
+from ._ray_errors import unavailable_error
+
+__all__ = ["CallOrder", "ray_up", "ready_after_restart"]
+
+
+def ray_up() -> bool:
+    """Whether this process is connected to Ray. Any Ray call made while it is not
+    starts a new local Ray (Ray's auto-init): after a runtime shut its Ray down, the
+    work still under way (a kill, a cancel sent again, a restart watch) must not."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+async def ready_after_restart(host: Any) -> tuple:
+    """``Host.ready`` of a restarted actor: ``(True, pid)``, or ``(False, error)`` when
+    its ``__init__`` raised. A call that still reached the old process (Ray had not yet
+    seen its death) is retried."""
+    unavailable = unavailable_error()
+    while True:
+        if not ray_up():
+            raise ActorDiedError("Ray was shut down")
+        try:
+            return await host.ready.remote()
+        except unavailable:
+            await asyncio.sleep(0.1)
+
+
+class CallOrder:
+    """Call numbering, cancels and restarts for ``RayClient``, which holds the state
+    (``_lock``, ``_caller``, ``_seqs``, ``_open``, ``_restarting``, ``_cancels``,
+    ``_dead``, ``_pids``, ``_watching``, ``_watchers``) and sends calls (``_submit``,
+    ``_settle_with``)."""
+
+    def _number(self, actor_id: Any) -> tuple:
+        """Take the next call number of ``actor_id``: ``(seq, base)`` (see ``_submit``);
+        its call must be sent with it (``_submit``), or dropped (``_drop``)."""
+        with self._lock:
+            seq, base, opened = self._next(actor_id.key)
+            opened[seq] = None
+            self._seqs[actor_id.key] = seq + 1
+        return seq, base
+
+    def _next(self, key: str) -> tuple:
+        """``(seq, base, open calls)`` for the next call to actor ``key`` (under the lock)."""
+        seq = self._seqs.get(key, 0)
+        opened = self._open.get(key)
+        if opened is None:
+            opened = self._open[key] = collections.OrderedDict()
+        return seq, next(iter(opened), seq), opened
+
+    def _drop(self, actor_id: Any, seq: int) -> None:
+        """Call ``seq`` was numbered but will not be sent: the actor skips its turn."""
+        with self._lock:
+            self._open.get(actor_id.key, {}).pop(seq, None)
+        if actor_id.key not in self._dead:
+            self._cancel(actor_id, seq)
+
+    def _finished(self, actor_id: Any, seq: int, done: concurrent.futures.Future):
+        """Ray ended call ``seq`` (``done``: its result or its task's end, in one of Ray's
+        threads): it no longer holds back the ``base`` of later calls. A call lost with
+        its actor's process, where a new process may come, is cancelled there too: the
+        calls made after it may carry an older call as their ``base``, and the new
+        process would wait for this one's turn."""
+        with self._lock:
+            opened = self._open.get(actor_id.key)
+            if opened is None or opened.pop(seq, 1) is not None:
+                return
+        if actor_id.restarts and done.exception() is not None:
+            import ray.exceptions as rex
+            if isinstance(done.exception(), rex.RayActorError):
+                self._cancel(actor_id, seq)
+
+    def _cancel(self, actor_id: Any, seq: int) -> None:
+        """Ask the actor to cancel call ``seq`` (a message, not ``ray.cancel``: a task
+        Ray drops before it arrives would leave a hole in the caller's call order).
+        Also sent for a call Ray failed, perhaps before it reached the actor's code (an
+        argument Ray could not unpickle there): the calls after it must not wait for its
+        turn. A call that already started is left alone.
+
+        Cancellations made in one event-loop step travel as one message, so the actor
+        cancels them together: a queued call cannot slip in when the running one ends.
+        """
+        with self._lock:
+            batch = self._cancels.get(actor_id.key)
+            if batch is not None:
+                batch[1].append(seq)
+                return
+            self._cancels[actor_id.key] = (actor_id, [seq])
+        try:
+            asyncio.get_running_loop().call_soon(self._send_cancels, actor_id.key)
+        except RuntimeError:  # no loop here: send at once
+            self._send_cancels(actor_id.key)
+
+    def _send_cancels(self, key: str) -> None:
+        with self._lock:
+            actor_id, seqs = self._cancels.pop(key)
+        self._send_control(actor_id, "cancel", (self._caller, seqs))
+
+    def _send_control(self, actor_id: Any, method: str, args: tuple,
+                      tries: int = 0) -> None:
+        """Send a message to the host's ``control`` group (``cancel``, ``resync``). One
+        sent while Ray has yet to see the actor's process die fails as "unavailable" and
+        is sent again (every 0.1 s, for up to 5 minutes), so that a restarted process
+        learns of it: a call lost with the old process may be the ``base`` of calls made
+        after it, which would wait for it there."""
+        if not ray_up():
+            return
+        try:
+            ref = getattr(actor_id.handle, method).options(
+                concurrency_group="control").remote(*args)
+        except Exception:  # Ray is gone
+            return
+
+        def sent(f: concurrent.futures.Future) -> None:
+            if isinstance(f.exception(), unavailable_error()) and tries < 3000 \
+                    and actor_id.key not in self._dead:
+                again = threading.Timer(0.1, self._send_control,
+                                        (actor_id, method, args, tries + 1))
+                again.daemon = True
+                again.start()
+
+        ref.future().add_done_callback(sent)
+
+    def _resync(self, actor_id: Any) -> None:
+        """Tell a restarted actor which of this caller's calls may still come: those
+        Ray has not finished. The others ended in the old process, and the new one must
+        not wait for their turns (a call that finished there while an older one, say a
+        stream, was still open lies above every later call's ``base``)."""
+        with self._lock:
+            upto = self._seqs.get(actor_id.key, 0)
+            still = list(self._open.get(actor_id.key, ()))
+        if upto:
+            self._send_control(actor_id, "resync", (self._caller, upto, still))
+
+    def watch_restart(self, actor_id: Any, loop, restarting: bool) -> None:
+        """After a death: if Ray restarts the actor (``max_restarts``), learn its new pid.
+        ``restarting``: Ray said it does (``ActorUnavailableError``); calls made from
+        now on wait for the new process (``_restarting``), as on the local backend,
+        rather than fail while Ray has yet to learn of the death."""
+        key = actor_id.key
+        if key in self._dead:
+            return
+        if restarting:
+            self._restarting.setdefault(key, [])
+        if key in self._watching:
+            return
+        self._watching.add(key)
+
+        async def watch() -> None:
+            try:
+                ok, pid = await asyncio.wait_for(ready_after_restart(actor_id.handle), 120)
+                if ok:
+                    self._pids[key] = pid
+                    self._resync(actor_id)
+            except BaseException:  # not restarted (or Ray is gone): the pid stays
+                pass
+            finally:
+                self._watching.discard(key)
+                self._release(actor_id, loop)
+
+        self._watchers.add(loop.create_task(watch()))
+        for t in [t for t in self._watchers if t.done()]:
+            self._watchers.discard(t)
+
+    def _release(self, actor_id: Any, loop) -> None:
+        """Send the calls that waited for the restart (``watch_restart``), in order."""
+        for fut, method, args, kwargs, what, number in self._restarting.pop(actor_id.key, ()):
+            if fut.done() or actor_id.key in self._dead or not ray_up():
+                self._drop(actor_id, number[0])  # cancelled while it waited, or killed
+                if not fut.done():
+                    why = "was killed" if actor_id.key in self._dead else "is gone (Ray " \
+                        "was shut down)"
+                    fut.set_exception(ActorDiedError(f"{what}: the actor {why}"))
+                continue
+            try:
+                ref, seq = self._submit(actor_id, None, method, args, kwargs, what, number)
+            except Exception as exc:
+                self._drop(actor_id, number[0])
+                fut.set_exception(exc)
+                continue
+            self._settle_with(actor_id, fut, ref, seq, what, loop)
