@@ -1,11 +1,13 @@
 """The Ray backend: the same ``@actor`` classes and handles, run as Ray actors.
 
 ``Runtime(backend="ray")`` makes a ``RayRuntime`` (``_ray_runtime``); it and this
-module's ``RayClient`` sit beside the local runtime behind the handle layer (``_actor.py``): a handle asks its client to
-``call``, ``kill``, ``spawn`` and ``get_actor``. Each actorshm actor is one generic Ray
-actor (``_ray_host.Host``) that builds the user's instance. Handles carry their Ray actor
-handle in their actor id (``RayActorId``), so they pickle through Ray and keep calling
-through Ray in whatever process they land. Ray is imported only here, on first use.
+module's ``RayClient`` sit beside the local runtime behind the handle layer
+(``_actor.py``): a handle asks its client to ``call``, ``kill``, ``spawn`` and
+``get_actor``. Each actorshm actor is one generic Ray actor (``_ray_host.Host``) that
+builds the user's instance. Handles carry their Ray actor handle in their actor id
+(``RayActorId``), so they pickle through Ray and keep calling through Ray in whatever
+process they land. The order of each caller's calls is kept by ``_ray_order``. Ray is
+imported only in these modules, on first use.
 """
 
 from __future__ import annotations
@@ -185,7 +187,7 @@ class RayClient(CallOrder):
                 fut.set_result(result)
 
         cf = ref.future()
-        cf.add_done_callback(lambda c: (self._finished(actor_id, seq, c),
+        cf.add_done_callback(lambda c: (self._finished(actor_id, seq, c, loop),
                                         loop.call_soon_threadsafe(settle, c)))
         fut.add_done_callback(lambda f: f.cancelled() and self._cancel(actor_id, seq))
 
@@ -351,6 +353,7 @@ class RayClient(CallOrder):
                 pass
             raise
         except Exception as exc:
+            exc = await self._death_cause(handle, exc)
             raise translate(exc, what) from exc
         if not ok:
             ray.kill(handle, no_restart=True)
@@ -362,6 +365,21 @@ class RayClient(CallOrder):
         for fn in self._spawn_listeners:
             fn(h, options)
         return h
+
+    async def _death_cause(self, handle: Any, exc: BaseException) -> BaseException:
+        """Ray fails the calls on a dead actor at once, as "unavailable", before it knows
+        why (``ray_env``): at spawn, ask again (for up to 3 s) until Ray says why, e.g.
+        that an argument of ``__init__`` could not be unpickled there."""
+        for _ in range(30):
+            if not isinstance(exc, unavailable_error()) or not ray_up():
+                break
+            await asyncio.sleep(0.1)
+            try:
+                await handle.ready.remote()
+                break  # it answers now (restarted): the first error stands
+            except Exception as again:
+                exc = again
+        return exc
 
     def on_spawn(self, fn) -> None:
         """Call ``fn(handle, options)`` for each actor this process spawns (a host

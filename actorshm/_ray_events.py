@@ -19,12 +19,11 @@ from typing import Any
 from . import _events
 from ._actor import ActorHandle
 from ._ray_errors import unavailable_error
-from ._ray_order import ready_after_restart
+from ._ray_order import RESTART_WAIT, ready_after_restart
 from ._remote_errors import decode_exception
 
 __all__ = ["watch", "describe"]
 
-RESTART_WAIT = 300.0  # seconds a restart may take before the watcher gives up on it
 
 
 class _Record:

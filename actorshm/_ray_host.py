@@ -15,6 +15,7 @@ argument expecting the caller to see it fails loudly instead of silently.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import inspect
 import os
 import pickle
@@ -76,23 +77,26 @@ def freeze_arrays(obj: Any, depth: int = 0) -> None:
 
 
 class _Turns:
-    """Start order of one caller's calls: Ray runs async actor tasks out of order."""
+    """Start order of one caller's calls: Ray runs async actor tasks out of order.
 
-    __slots__ = ("next", "skip", "waiters")
+    ``next`` is the call that may start now; ``skip`` holds calls after it that will
+    never start here (cancelled). After a restart, ``resync`` says that of the calls
+    before ``upto`` only ``still`` (sorted) may come: the turns of the others pass in
+    one step each, however many there are.
+    """
+
+    __slots__ = ("next", "skip", "waiters", "upto", "still")
 
     def __init__(self, first: int) -> None:
         self.next = first
         self.skip: set = set()
         self.waiters: dict = {}
+        self.upto = 0
+        self.still: list = []
 
     def advance(self) -> None:
         self.next += 1
-        while self.next in self.skip:
-            self.skip.discard(self.next)
-            self.next += 1
-        w = self.waiters.pop(self.next, None)
-        if w is not None and not w.done():
-            w.set_result(None)
+        self._pass()
 
     def consume(self, seq: int) -> None:
         """``seq`` will never start (cancelled): let the calls after it go."""
@@ -100,6 +104,29 @@ class _Turns:
             self.advance()
         elif seq > self.next:
             self.skip.add(seq)
+
+    def resync(self, upto: int, still: list) -> None:
+        """Of the calls before ``upto``, only ``still`` (and those waiting) may come."""
+        if upto > self.upto:
+            self.upto, self.still = upto, sorted({*still, *self.waiters})
+            self._pass()
+
+    def _pass(self) -> None:
+        """Move ``next`` past the calls that will not come, and wake the one it reaches."""
+        while True:
+            if self.next in self.skip:
+                self.skip.discard(self.next)
+                self.next += 1
+            elif self.next < self.upto:
+                i = bisect.bisect_left(self.still, self.next)
+                if i < len(self.still) and self.still[i] == self.next:
+                    break
+                self.next = self.still[i] if i < len(self.still) else self.upto
+            else:
+                break
+        w = self.waiters.pop(self.next, None)
+        if w is not None and not w.done():
+            w.set_result(None)
 
 
 class Host:
@@ -237,7 +264,8 @@ class Host:
         """After a restart: of ``caller``'s calls before ``upto``, only ``still`` may
         come here; the others ended in the old process, and their turns pass."""
         with self._cancel_lock:
-            self._resyncs[caller] = (upto, frozenset(still))
+            if upto > self._resyncs.get(caller, (0,))[0]:  # (a late retry of an older one)
+                self._resyncs[caller] = (upto, still)
         loop = self._loop
         if loop is not None:
             loop.call_soon_threadsafe(self._apply_resync, caller)
@@ -248,21 +276,19 @@ class Host:
             return
         with self._cancel_lock:
             upto, still = self._resyncs.pop(caller, (0, ()))
-        for seq in range(st.next, upto):
-            if seq not in still:
-                st.consume(seq)
+        st.resync(upto, still)
 
     def _apply_cancel(self, caller: str, seqs: list) -> None:
         for seq in seqs:
             task = self._tasks.get((caller, seq))
             if task is not None:
                 task.cancel()
-                continue
-            st = self._callers.get(caller)
-            if st is None or seq >= st.next:  # not arrived yet: it will not run
-                self._cancelled.add((caller, seq))
-                if st is not None:
-                    st.consume(seq)
+            else:
+                st = self._callers.get(caller)
+                if st is None or seq >= st.next:  # not arrived yet: it will not run
+                    self._cancelled.add((caller, seq))
+                    if st is not None:
+                        st.consume(seq)
             with self._cancel_lock:
                 self._requested.discard((caller, seq))
 
@@ -275,7 +301,8 @@ class Host:
         if st is None:
             st = self._callers[caller] = _Turns(base)
             with self._cancel_lock:  # cancel messages that came before any call did
-                self._cancelled.update(key for key in self._requested if key[0] == caller)
+                early = [key for key in self._requested if key[0] == caller]
+            self._cancelled.update(key for key in early if key[1] >= base)
             for c, seq in sorted(self._cancelled):
                 if c == caller and seq >= base:
                     st.consume(seq)
@@ -289,9 +316,9 @@ class Host:
 
     async def _wait_turn(self, caller: str, seq: int, base: int) -> _Turns | None:
         """Wait until call ``seq`` may start: the caller's turns, for the call to pass
-        on (``advance``) once it has started, or None when its turn has passed (a call
-        older than another's ``base``: it cannot be, as ``base`` counts it) and it runs
-        now without one."""
+        on (``advance``) once it has started, or None when its turn has passed and it
+        runs now without one (a call that Ray reported lost although it arrived, whose
+        turn its cancel or a ``resync`` passed: defensive)."""
         st = self._turns(caller, base)
         if seq < st.next:
             return None

@@ -22,7 +22,9 @@ from typing import Any
 from ._errors import ActorDiedError
 from ._ray_errors import unavailable_error
 
-__all__ = ["CallOrder", "ray_up", "ready_after_restart"]
+__all__ = ["CallOrder", "ray_up", "ready_after_restart", "RESTART_WAIT"]
+
+RESTART_WAIT = 300.0  # seconds a restart may take before a watch stops waiting for it
 
 
 def ray_up() -> bool:
@@ -77,27 +79,31 @@ class CallOrder:
         if actor_id.key not in self._dead:
             self._cancel(actor_id, seq)
 
-    def _finished(self, actor_id: Any, seq: int, done: concurrent.futures.Future):
+    def _finished(self, actor_id: Any, seq: int, done: concurrent.futures.Future,
+                  loop=None) -> None:
         """Ray ended call ``seq`` (``done``: its result or its task's end, in one of Ray's
         threads): it no longer holds back the ``base`` of later calls. A call lost with
         its actor's process, where a new process may come, is cancelled there too: the
         calls made after it may carry an older call as their ``base``, and the new
-        process would wait for this one's turn."""
+        process would wait for this one's turn. (``loop``: the caller's, where the
+        cancels of the calls lost together are gathered into one message.)"""
         with self._lock:
             opened = self._open.get(actor_id.key)
-            if opened is None or opened.pop(seq, 1) is not None:
+            if opened is None or seq not in opened:
                 return
+            del opened[seq]
         if actor_id.restarts and done.exception() is not None:
             import ray.exceptions as rex
             if isinstance(done.exception(), rex.RayActorError):
-                self._cancel(actor_id, seq)
+                self._cancel(actor_id, seq, loop)
 
-    def _cancel(self, actor_id: Any, seq: int) -> None:
+    def _cancel(self, actor_id: Any, seq: int, loop=None) -> None:
         """Ask the actor to cancel call ``seq`` (a message, not ``ray.cancel``: a task
         Ray drops before it arrives would leave a hole in the caller's call order).
         Also sent for a call Ray failed, perhaps before it reached the actor's code (an
         argument Ray could not unpickle there): the calls after it must not wait for its
-        turn. A call that already started is left alone.
+        turn. A call already running is stopped as ``Host.cancel`` says. From another
+        thread, ``loop`` (the caller's) gathers the message, else it goes at once.
 
         Cancellations made in one event-loop step travel as one message, so the actor
         cancels them together: a queued call cannot slip in when the running one ends.
@@ -110,8 +116,11 @@ class CallOrder:
             self._cancels[actor_id.key] = (actor_id, [seq])
         try:
             asyncio.get_running_loop().call_soon(self._send_cancels, actor_id.key)
-        except RuntimeError:  # no loop here: send at once
-            self._send_cancels(actor_id.key)
+        except RuntimeError:  # not in a loop's thread
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._send_cancels, actor_id.key)
+            else:
+                self._send_cancels(actor_id.key)
 
     def _send_cancels(self, key: str) -> None:
         with self._lock:
@@ -141,7 +150,10 @@ class CallOrder:
                 again.daemon = True
                 again.start()
 
-        ref.future().add_done_callback(sent)
+        try:
+            ref.future().add_done_callback(sent)
+        except Exception:  # Ray is shutting down
+            pass
 
     def _resync(self, actor_id: Any) -> None:
         """Tell a restarted actor which of this caller's calls may still come: those
@@ -154,15 +166,16 @@ class CallOrder:
         if upto:
             self._send_control(actor_id, "resync", (self._caller, upto, still))
 
-    def watch_restart(self, actor_id: Any, loop, restarting: bool) -> None:
-        """After a death: if Ray restarts the actor (``max_restarts``), learn its new pid.
-        ``restarting``: Ray said it does (``ActorUnavailableError``); calls made from
-        now on wait for the new process (``_restarting``), as on the local backend,
-        rather than fail while Ray has yet to learn of the death."""
+    def watch_restart(self, actor_id: Any, loop, hold: bool) -> None:
+        """After a death: if Ray restarts the actor (``max_restarts``), learn its new pid
+        and tell the new process which calls may still come (``_resync``). ``hold``: a
+        new process may come (the actor has restarts, and Ray says "unavailable", not
+        dead for good): calls made from now on wait for it (``_restarting``), as on the
+        local backend, rather than fail while Ray has yet to learn of the death."""
         key = actor_id.key
         if key in self._dead:
             return
-        if restarting:
+        if hold:
             self._restarting.setdefault(key, [])
         if key in self._watching:
             return
@@ -170,10 +183,13 @@ class CallOrder:
 
         async def watch() -> None:
             try:
-                ok, pid = await asyncio.wait_for(ready_after_restart(actor_id.handle), 120)
+                ok, pid = await asyncio.wait_for(ready_after_restart(actor_id.handle),
+                                                 RESTART_WAIT)
                 if ok:
                     self._pids[key] = pid
                     self._resync(actor_id)
+            except asyncio.TimeoutError:  # a slow restart: Ray holds the message for it
+                self._resync(actor_id)
             except BaseException:  # not restarted (or Ray is gone): the pid stays
                 pass
             finally:
