@@ -13,13 +13,10 @@ imported only in these modules, on first use.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import inspect
 import os
 import pickle
-import threading
-import uuid
 from typing import Any
 
 from ._actor import ActorHandle, ActorOptions, public_methods
@@ -96,19 +93,9 @@ class RayClient(CallOrder):
     shares_memory = False  # arguments travel through Ray's object store, copied
 
     def __init__(self) -> None:
+        super().__init__()  # (``CallOrder``'s state)
         self._dead: set = set()
         self._remote_host = None
-        self._lock = threading.Lock()
-        self._caller = uuid.uuid4().hex[:16]  # calls from one caller start in order
-        self._seqs: dict[str, int] = {}
-        # Per actor, this caller's calls that Ray has not finished (in call order): the
-        # oldest is each new call's ``base``, where a restarted host starts its turns.
-        self._open: dict[str, collections.OrderedDict] = {}
-        self._restarting: dict[str, list] = {}  # actor key -> calls waiting for it
-        self._cancels: dict[str, tuple] = {}
-        self._pids: dict[str, int] = {}  # after a restart
-        self._watching: set = set()
-        self._watchers: set = set()
         self._names_ok: bool | None = None  # see _names_work
         self._spawn_listeners: list = []
         # The cluster cannot grow (a local Ray a runtime started): a resource request no
@@ -201,7 +188,8 @@ class RayClient(CallOrder):
         must reach ``_finished`` (its caller arranges that). ``number``: the call's
         ``(seq, base)``, taken earlier (``_number``) by a call that waited.
         """
-        check_args(args, kwargs, what)
+        if number is None:  # (a call that waited was checked when it was made)
+            check_args(args, kwargs, what)
         try:
             with self._lock:
                 if number is None:

@@ -17,6 +17,7 @@ import collections
 import concurrent.futures
 import sys
 import threading
+import uuid
 from typing import Any
 
 from ._errors import ActorDiedError
@@ -50,10 +51,21 @@ async def ready_after_restart(host: Any) -> tuple:
 
 
 class CallOrder:
-    """Call numbering, cancels and restarts for ``RayClient``, which holds the state
-    (``_lock``, ``_caller``, ``_seqs``, ``_open``, ``_restarting``, ``_cancels``,
-    ``_dead``, ``_pids``, ``_watching``, ``_watchers``) and sends calls (``_submit``,
-    ``_settle_with``)."""
+    """Call numbering, cancels and restarts for ``RayClient``, which sends the calls
+    (``_submit``, ``_settle_with``) and knows the actors it killed (``_dead``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._caller = uuid.uuid4().hex[:16]  # calls from one caller start in order
+        self._seqs: dict[str, int] = {}  # actor key -> the next call's number
+        # Per actor, this caller's calls that Ray has not finished (in call order): the
+        # oldest is each new call's ``base``, where a restarted host starts its turns.
+        self._open: dict[str, collections.OrderedDict] = {}
+        self._restarting: dict[str, list] = {}  # actor key -> calls waiting for it
+        self._cancels: dict[str, tuple] = {}  # actor key -> cancels of this loop step
+        self._pids: dict[str, int] = {}  # after a restart
+        self._watching: set = set()  # actor keys whose restart is watched
+        self._watchers: set = set()  # (their tasks)
 
     def _number(self, actor_id: Any) -> tuple:
         """Take the next call number of ``actor_id``: ``(seq, base)`` (see ``_submit``);
