@@ -352,6 +352,27 @@ async def test_an_open_stream_at_a_restart_holds_back_no_later_call(art):
         del stream
 
 
+async def test_a_resync_passes_the_turns_of_calls_that_will_not_come():
+    # A restarted host is told that of a caller's calls before 10**7 only 3 may still
+    # come (and those already waiting): the others pass in one step, not one by one.
+    from actorshm._ray_host import _Turns
+    loop = asyncio.get_running_loop()
+    turns = _Turns(0)
+    waiting = {seq: loop.create_future() for seq in (5, 9_999_999)}
+    turns.waiters.update(waiting)
+    turns.consume(0)
+    turns.resync(10**7, [3])
+    assert turns.next == 3 and not turns.skip
+    turns.advance()  # 3 started: 4 passes, 5 (waiting) is woken
+    assert turns.next == 5 and waiting[5].done()
+    turns.advance()
+    assert turns.next == 9_999_999 and waiting[9_999_999].done()
+    turns.advance()
+    assert turns.next == 10**7
+    turns.resync(6, [])  # a late copy of an older resync changes nothing
+    assert turns.next == 10**7
+
+
 async def test_a_stream_made_during_a_restart_holds_back_no_call(art):
     # A stream made right after a death may fail on Ray (sent before Ray saw the death);
     # the call after it must not wait for its turn on the new process.
