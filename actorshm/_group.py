@@ -161,11 +161,10 @@ class GroupMethod:
         self._name = name
         # Encoded once for all members (``call_group``: the local runtime and actor
         # processes; on Ray each member's call goes on its own), unless a member is
-        # called in a way of its own (a stream, a ``max_pending_calls`` limit).
+        # called in a way of its own (a ``max_pending_calls`` limit).
         client = handles[0]._client
         self._send = getattr(client, "call_group", None) if len(handles) > 1 and all(
-            h._client is client and h._max_pending <= 0 and h._methods.get(name) != STREAM
-            for h in handles) else None
+            h._client is client and h._max_pending <= 0 for h in handles) else None
         self._ids = [h._actor_id for h in handles]
         self._whats = [f"{h._cls_name}.{name}" for h in handles]
 
@@ -180,7 +179,15 @@ class GroupMethod:
             PendingCallsLimitError: the first member's ``max_pending_calls`` calls are
                 all unanswered (nothing is sent); for a later member it is that member's
                 failure in the ``ActorGroupError``.
+            TypeError: the method streams (a generator): a group call waits for one
+                result per member, so each member's stream is iterated on its own.
         """
+        if any(h._methods.get(self._name) == STREAM for h in self._handles):
+            what = f"{self._handles[0]._cls_name}.{self._name}"
+            raise TypeError(
+                f"{what} is a streaming method (a generator), and a group call waits for "
+                f"one result per member; nothing was sent. Iterate each member's stream: "
+                f"`[h.{self._name}(...) for h in group]`, each an async iterator")
         if len(self._handles) > 1 and getattr(self._handles[0]._client, "shares_memory", True):
             args, kwargs = _share_once((args, kwargs))  # not on Ray: it copies arguments
         loop = asyncio.get_running_loop()

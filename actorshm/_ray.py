@@ -20,6 +20,7 @@ import pickle
 from typing import Any
 
 from ._actor import ActorHandle, ActorOptions, public_methods
+from ._client import ThreadCallFuture
 from ._errors import ActorDiedError
 from ._ray_errors import check_args, outcome, translate, unavailable_error
 from ._ray_host import Host, simple
@@ -225,7 +226,7 @@ class RayClient(CallOrder):
             raise
 
     def _call_from_thread(self, actor_id, method, args, kwargs, what):
-        out: concurrent.futures.Future = concurrent.futures.Future()
+        out = ThreadCallFuture()  # (awaitable from a loop of that thread's own, as locally)
         if actor_id.key in self._dead:
             out.set_exception(ActorDiedError(f"{what}: the actor was killed"))
             return out

@@ -583,6 +583,25 @@ async def test_actor_group(art):
     assert isinstance(info.value.exceptions[0], actorshm.ActorDiedError)
 
 
+async def test_a_group_call_of_a_streaming_method_is_refused(art):
+    g = await actorshm.ActorGroup.spawn(Streamer, 2)
+    with pytest.raises(TypeError, match="streaming method.*nothing was sent"):
+        g.count(3)
+    assert [[x async for x in h.count(2)] for h in g] == [[0, 1], [0, 1]]
+
+
+async def test_a_call_made_in_a_plain_thread_is_awaitable_in_its_own_loop(art):
+    c = await Counter.spawn(0)
+    loop = asyncio.get_running_loop()
+    # Block on it in the thread, or await it in an event loop of that thread's own.
+    assert await loop.run_in_executor(None, lambda: c.incr(5).result(timeout=60)) == 5
+
+    async def in_own_loop():
+        return await c.incr(2)
+    assert await loop.run_in_executor(None, lambda: asyncio.run(in_own_loop())) == 7
+    assert await c.incr(1) == 8
+
+
 # -- Cancellation and streaming --------------------------------------------------------
 async def test_cancel_stops_a_running_async_call_and_a_queued_one(art):
     c = await Counter.spawn()
