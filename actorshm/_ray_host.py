@@ -24,7 +24,8 @@ from typing import Any
 
 from . import _client, _introspect, _shm
 from ._errors import ActorDiedError, init_exit_error
-from ._remote_errors import encode_exception
+from ._remote_errors import call_in_thread, encode_exception
+from ._streams import CANCELLED_BY_CALLER
 
 __all__ = ["Host", "freeze_arrays", "simple", "pack"]
 
@@ -282,6 +283,7 @@ class Host:
         for seq in seqs:
             task = self._tasks.get((caller, seq))
             if task is not None:
+                setattr(task, CANCELLED_BY_CALLER, True)  # (no reply owed: nobody waits)
                 task.cancel()
             else:
                 st = self._callers.get(caller)
@@ -425,11 +427,14 @@ class Host:
                     result = await result
             else:
                 result = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, lambda: fn(*args, **kwargs))
+                    self._executor, call_in_thread, fn, args, kwargs,
+                    f"{self._cls_name}.{method}")
         except SystemExit:
             os._exit(0)
-        except asyncio.CancelledError:
-            raise  # the caller cancelled it (``_call``)
+        except asyncio.CancelledError as exc:
+            if getattr(asyncio.current_task(), CANCELLED_BY_CALLER, False):
+                raise  # the caller cancelled it (``_call``)
+            return False, encode_exception(exc)  # the method's own: its caller waits
         except BaseException as exc:  # KeyboardInterrupt too: the caller's error to see
             return False, encode_exception(exc)
         return True, result
@@ -451,7 +456,7 @@ class Host:
         if self._init_error is not None:
             yield self._dead_reply
             return
-        self._tasks[key] = asyncio.current_task()
+        task = self._tasks[key] = asyncio.current_task()
         try:
             await self._take_turn(caller, seq, base)
         except BaseException:
@@ -475,6 +480,10 @@ class Host:
                     yield pack((True, item))
         except Exception as exc:
             yield pack((False, encode_exception(exc)))
+        except asyncio.CancelledError as exc:
+            if getattr(task, CANCELLED_BY_CALLER, False):
+                raise
+            yield pack((False, encode_exception(exc)))  # the generator's own error
         finally:
             self._tasks.pop(key, None)
             close = getattr(gen, "aclose", None)

@@ -17,7 +17,7 @@ import cloudpickle
 from ._errors import ProtocolError, RemoteError, RemoteTraceback
 from ._wire import MAX_MESSAGE
 
-__all__ = ["encode_exception", "encode_failure", "decode_exception"]
+__all__ = ["encode_exception", "encode_failure", "decode_exception", "call_in_thread"]
 
 _BRIEF = 1 << 16  # what a too-big exception keeps of its message and traceback text
 
@@ -89,12 +89,28 @@ def decode_exception(payload: bytes, where: str = "") -> BaseException:
         return RemoteError(name, f"{msg} [actorshm: not an Exception, so raised as "
                                  "RemoteError rather than as itself]", tb)
     exc.__cause__ = RemoteTraceback(tb)
+    if isinstance(exc, StopIteration):
+        # A future cannot hold it (it would end the coroutine awaiting it as a return):
+        # what Python does for a coroutine that raises it (PEP 479).
+        err = RuntimeError(f"{where or 'an actor method'} raised StopIteration")
+        err.__cause__ = exc
+        exc = err
     if hasattr(exc, "add_note"):
         try:
             exc.add_note(f"(raised in {where})" if where else "(raised in an actor)")
         except Exception:
             pass
     return exc
+
+
+def call_in_thread(fn, args: tuple, kwargs: dict, what: str):
+    """``fn(*args, **kwargs)``, for an executor thread. A ``StopIteration`` it raises
+    comes out as ``RuntimeError``: a future cannot carry it (setting it fails inside the
+    event loop's callback, and the call would never be answered)."""
+    try:
+        return fn(*args, **kwargs)
+    except StopIteration as exc:
+        raise RuntimeError(f"{what} raised StopIteration") from exc
 
 
 def copy_exc(exc: BaseException) -> BaseException:

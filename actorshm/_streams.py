@@ -24,9 +24,12 @@ from typing import Any
 from ._errors import ReentrantCallError
 
 __all__ = ["CallStream", "StreamingClient", "Outflow", "StreamSlot", "run_stream", "chain",
-           "reentrant_error", "DEFAULT_RUN_AHEAD"]
+           "reentrant_error", "DEFAULT_RUN_AHEAD", "CANCELLED_BY_CALLER"]
 
 DEFAULT_RUN_AHEAD = 16
+# Set on the task of a call (or stream) its caller cancelled: no reply is owed to it. A
+# CancelledError in a task without it is the method's own error, answered as any other.
+CANCELLED_BY_CALLER = "actorshm_cancelled_by_caller"
 NO_META: dict = {}  # the meta of a call that carries none (read only)
 
 # The call this task or thread runs, as (the chain it carried, actor id, "Cls.method",
@@ -367,7 +370,13 @@ async def run_stream(conn: Any, cid: int, gen: Any, out: Outflow, what: str,
             del item
             if not is_async and executor is None:
                 conn.flush_now()  # out before the generator holds the event loop again
-    except asyncio.CancelledError:
+    except asyncio.CancelledError as exc:
+        if not getattr(asyncio.current_task(), CANCELLED_BY_CALLER, False):
+            # The generator's own error (it raised it, or awaited a task cancelled in
+            # the actor): ended like any other, after the items before it.
+            await _close(gen, is_async, step)
+            conn.reply_error(cid, exc)
+            return
         if slot is not None:
             try:
                 await slot.acquire()  # (``reclaim`` put it first in line)

@@ -24,8 +24,9 @@ from . import _multicast
 from ._errors import ActorDiedError, init_exit_error
 from ._introspect import serve_probe
 from ._protocol import Connection
-from ._streams import (NO_META, Outflow, StreamingClient, StreamSlot, chain, reentrant_error,
-                       run_stream)
+from ._remote_errors import call_in_thread
+from ._streams import (CANCELLED_BY_CALLER, NO_META, Outflow, StreamingClient, StreamSlot,
+                       chain, reentrant_error, run_stream)
 from ._util import describe_exit, exit_code
 
 # Replies made while a connection's frames are read go out together once they are all
@@ -201,7 +202,8 @@ class Worker(StreamingClient):
             self.running_calls[key] = None
             ctx = contextvars.copy_context()
             chain.reset(token)
-            fut = self.loop.run_in_executor(self.executor, lambda: ctx.run(fn, *args, **kwargs))
+            fut = self.loop.run_in_executor(
+                self.executor, lambda: ctx.run(call_in_thread, fn, args, kwargs, what))
             fut.add_done_callback(lambda f: self._sync_done(conn, cid, f, what))
         else:
             # Replies made while reading a connection's frames wait to go out together,
@@ -244,8 +246,12 @@ class Worker(StreamingClient):
         except SystemExit as exc:
             self._exit(exc)
             return
-        except asyncio.CancelledError:
-            return  # its caller cancelled it: nobody waits for a reply
+        except asyncio.CancelledError as exc:
+            if not getattr(asyncio.current_task(), CANCELLED_BY_CALLER, False):
+                # Not its caller's doing (it awaited a task cancelled in the actor, or
+                # raised it): the caller waits for an answer, as for any other error.
+                conn.reply_error(cid, exc)
+            return
         except BaseException as exc:
             conn.reply_error(cid, exc)
             return
@@ -295,6 +301,7 @@ class Worker(StreamingClient):
             out = self.outflows.get(key)
             if out is not None:  # a stream: it closes its generator ahead of queued calls
                 out.slot.reclaim()
+            setattr(task, CANCELLED_BY_CALLER, True)  # (no reply owed: nobody waits)
             task.cancel()
             return
         for i, (qconn, qcid, _call) in enumerate(self.queue):

@@ -528,3 +528,32 @@ class Oversized:
 
     def ok(self):
         return "ok"
+
+
+@actor(max_concurrency=2)
+class Quirks:
+    """Methods that end in ways a future cannot simply carry."""
+
+    def __init__(self):
+        self.job = None
+
+    def stop_iteration(self):
+        return next(iter([]))  # a StopIteration out of a sync method
+
+    async def own_cancel(self):
+        raise asyncio.CancelledError("raised by the method itself")
+
+    async def wait_job(self):
+        self.job = asyncio.ensure_future(asyncio.sleep(60))
+        return await self.job  # CancelledError once stop_job cancels the job
+
+    async def stop_job(self):
+        self.job.cancel()
+        return True
+
+    async def stream_own_cancel(self):
+        yield 1
+        raise asyncio.CancelledError("raised in the stream")
+
+    def ping(self):
+        return "pong"

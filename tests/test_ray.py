@@ -25,7 +25,7 @@ from actorshm._ray import ray_env  # noqa: E402
 
 ray_env()  # what a runtime that starts Ray sets: Ray binds 127.0.0.1, deaths fail calls at once
 from actors import (BreaksOnArrival, Caller, Concurrent, Counter, CustomError,  # noqa: E402
-                    EnvReader, Faulty, Phoenix, PoolWorker, Probe, SlowStart,
+                    EnvReader, Faulty, Phoenix, PoolWorker, Probe, Quirks, SlowStart,
                     ThreadedCaller)
 from ray_actors import ArrayUser, Streamer, ThreadCanceller, Ticker  # noqa: E402
 
@@ -555,6 +555,35 @@ async def test_stats_memory_and_stacks_of_every_actor(art, backend):
     assert "slow_record" in text and text == out.getvalue()
     assert f"pid={c.pid}" in text
     assert await stuck == 1
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+async def test_a_method_raising_stop_iteration_fails_its_call(art, threads):
+    q = await Quirks.options(max_concurrency=threads).spawn()
+    # A future cannot carry StopIteration: the call fails as a coroutine would (PEP 479).
+    with pytest.raises(RuntimeError, match="stop_iteration raised StopIteration") as info:
+        await asyncio.wait_for(q.stop_iteration(), 30)
+    assert "StopIteration" in repr(info.value.__cause__)  # itself, or its remote traceback
+    assert await asyncio.wait_for(q.ping(), 30) == "pong"
+
+
+async def test_a_cancelled_error_of_the_methods_own_fails_its_call(art):
+    """Only the caller's cancel goes unanswered: a CancelledError the method raised, or
+    got from a task cancelled in the actor, is its error (not an Exception: RemoteError)."""
+    q = await Quirks.spawn()
+    with pytest.raises(actorshm.RemoteError, match="raised by the method itself"):
+        await asyncio.wait_for(q.own_cancel(), 30)
+    job = q.wait_job()
+    await asyncio.sleep(0.3)
+    assert await q.stop_job()
+    with pytest.raises(actorshm.RemoteError, match="CancelledError"):
+        await asyncio.wait_for(job, 30)
+    got = []
+    with pytest.raises(actorshm.RemoteError, match="raised in the stream"):
+        async for x in q.stream_own_cancel():
+            got.append(x)
+    assert got == [1]
+    assert await asyncio.wait_for(q.ping(), 30) == "pong"
 
 
 # -- Pools and groups -------------------------------------------------------------------
