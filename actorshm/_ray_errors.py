@@ -10,6 +10,7 @@ local backend's exception (``ActorDiedError``, ``TypeError``, the method's own e
 from __future__ import annotations
 
 import pickle
+import re
 import sys
 import warnings
 from typing import Any
@@ -17,8 +18,10 @@ from typing import Any
 from . import _shm
 from ._errors import ActorDiedError, RemoteError, RemoteTraceback
 from ._remote_errors import decode_exception
+from ._serialization import FILE_TYPES, refuse_file
 
-__all__ = ["check_args", "translate", "outcome", "unavailable_error", "died"]
+__all__ = ["check_args", "check_result", "translate", "outcome", "unavailable_error",
+           "died"]
 
 
 def died(exc: BaseException, what: str) -> ActorDiedError:
@@ -27,6 +30,7 @@ def died(exc: BaseException, what: str) -> ActorDiedError:
 
 
 _UNCOMPUTED = "input arguments for this task could not be computed"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def undeserializable(exc: BaseException) -> TypeError:
@@ -54,10 +58,18 @@ def translate(exc: BaseException, what: str) -> BaseException:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, rex.RaySystemError) and _UNCOMPUTED in str(exc):
             return undeserializable(cause)  # a call's argument: the call never ran
+        text = _ANSI.sub("", str(exc))  # (Ray colours its traceback for terminals)
+        if isinstance(cause, (TypeError, pickle.PicklingError)) and \
+                ("pickl" in str(cause) or "serializ" in str(cause)):
+            # The host answers every error of the method itself: this one is Ray's,
+            # pickling what the method returned.
+            err = TypeError(f"the result of {what} cannot be sent back: {cause}")
+            err.__cause__ = RemoteTraceback(text)
+            return err
         if isinstance(cause, Exception) and not isinstance(cause, rex.RayError):
-            cause.__cause__ = RemoteTraceback(str(exc))
+            cause.__cause__ = RemoteTraceback(text)
             return cause
-        return RemoteError(type(exc).__name__, str(exc))
+        return RemoteError(type(exc).__name__, text)
     return exc
 
 
@@ -83,12 +95,27 @@ _SCALARS = frozenset({int, float, str, bytes, bool, type(None), complex})
 def check_args(args: tuple, kwargs: dict, what: str) -> None:
     """What Ray's own pickling lets through silently, caught before sending, in the
     arguments and in lists, tuples and dicts up to three levels down (as arrays are made
-    read-only on arrival): a tensor in an autograd graph is a ``TypeError`` (as on the
-    local backend); an actorshm shared array warns once that writes will not come back."""
+    read-only on arrival): a tensor in an autograd graph, a dtype torch cannot pickle, an
+    open file are a ``TypeError`` (as on the local backend); an actorshm shared array or
+    tensor, or a module with shared parameters, warns once that writes will not come
+    back."""
+    _check((*args, *kwargs.values()), f"cannot send the arguments of {what}()", what)
+
+
+def check_result(value: Any, what: str, item: bool = False) -> None:
+    """The same checks (but the warning) for a result or a stream ``item``, in the actor
+    before Ray takes it: ``TypeError`` worded as on the local backend."""
+    if type(value) not in _SCALARS:
+        _check((value,), f"an item of {what} cannot be sent" if item else
+               f"the result of {what} cannot be sent back", None)
+
+
+def _check(values: tuple, refused: str, warn_for: str | None) -> None:
     torch = sys.modules.get("torch")
     tensor = torch.Tensor if torch is not None else None
-    warned = False
-    todo = [(x, 0) for x in (*args, *kwargs.values())]
+    module = torch.nn.Module if torch is not None else None
+    warned = warn_for is None
+    todo = [(x, 0) for x in values]
     while todo:
         x, depth = todo.pop()
         t = type(x)
@@ -99,19 +126,35 @@ def check_args(args: tuple, kwargs: dict, what: str) -> None:
             if depth < 3:
                 todo.extend((y, depth + 1) for y in x.values() if type(y) not in _SCALARS)
         elif tensor is not None and isinstance(x, tensor):
-            from ._torch import check_sendable
+            from ._torch import check_sendable, storage_block
             try:
                 check_sendable(x)
                 _check_picklable_dtype(x.dtype)
             except TypeError as exc:
-                raise TypeError(f"cannot send the arguments of {what}(): {exc}") from None
+                raise TypeError(f"{refused}: {exc}") from None
+            if not warned and storage_block(x) is not None:
+                warned = _warn_shared(warn_for, "an actorshm shared tensor")
+        elif module is not None and isinstance(x, module):
+            from ._torch import storage_block
+            if not warned and any(storage_block(p) is not None
+                                  for p in (*x.parameters(), *x.buffers())):
+                warned = _warn_shared(warn_for, "a module whose parameters are shared "
+                                                "(share_module)")
+        elif t in FILE_TYPES and x is not sys.stdout and x is not sys.stderr:
+            try:
+                refuse_file(x)
+            except TypeError as exc:
+                raise TypeError(f"{refused}: {exc}") from None
         elif not warned and _shm.is_shared(x):
-            warned = True
-            warnings.warn(
-                f"{what}(): an actorshm shared array is passed on the Ray backend; it "
-                "travels as a read-only copy through Ray's object store, so writes in "
-                "the actor are not seen by the caller (return the result instead)",
-                RuntimeWarning, stacklevel=4)
+            warned = _warn_shared(warn_for, "an actorshm shared array")
+
+
+def _warn_shared(what: str, thing: str) -> bool:
+    warnings.warn(
+        f"{what}(): {thing} is passed on the Ray backend; it travels as a copy through "
+        "Ray's object store, so writes in the actor are not seen by the caller (return "
+        "the result instead)", RuntimeWarning, stacklevel=6)
+    return True
 
 
 _dtype_ok: dict = {}  # torch dtype -> whether torch can pickle a tensor of it

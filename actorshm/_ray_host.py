@@ -24,6 +24,7 @@ from typing import Any
 
 from . import _client, _introspect, _shm
 from ._errors import ActorDiedError, init_exit_error
+from ._ray_errors import check_result
 from ._remote_errors import call_in_thread, encode_exception
 from ._streams import CANCELLED_BY_CALLER
 
@@ -429,6 +430,7 @@ class Host:
                 result = await asyncio.get_running_loop().run_in_executor(
                     self._executor, call_in_thread, fn, args, kwargs,
                     f"{self._cls_name}.{method}")
+            check_result(result, f"{self._cls_name}.{method}")
         except SystemExit:
             os._exit(0)
         except asyncio.CancelledError as exc:
@@ -472,11 +474,14 @@ class Host:
             yield pack((False, encode_exception(exc)))
             return
         try:
+            what = f"{self._cls_name}.{method}"
             if inspect.isasyncgen(gen):
                 async for item in gen:
+                    check_result(item, what, item=True)
                     yield pack((True, item))
             else:
                 for item in gen:
+                    check_result(item, what, item=True)
                     yield pack((True, item))
         except Exception as exc:
             yield pack((False, encode_exception(exc)))

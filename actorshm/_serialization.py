@@ -40,7 +40,8 @@ from ._wire import ARENA, GPU_SLAB, HAS_BLOCKS, LEN, MAX_MESSAGE, PLAIN  # noqa:
 
 __all__ = ["encode", "encode_plain_call", "decode", "Unsendable", "MessageTooBig", "PassFd",
            "register_reducer", "register_region_kind", "register_lazy_plugin",
-           "leased_block", "lease_host_block", "ARENA", "GPU_SLAB"]
+           "leased_block", "lease_host_block", "ARENA", "GPU_SLAB", "FILE_TYPES",
+           "refuse_file"]
 
 from ._registry import (_OPENERS, _lazy_plugins, _not_reduced, _plugin_reducer,  # noqa: F401
                         _reducers, register_lazy_plugin, register_reducer,
@@ -56,11 +57,11 @@ class Unsendable(TypeError):
 
 # Open files: cloudpickle would send a text file as a snapshot of its contents (a copy
 # that no longer follows the file), and a binary one fails with a bare "cannot pickle".
-_FILE_TYPES = frozenset({io.FileIO, io.BufferedReader, io.BufferedWriter, io.BufferedRandom,
+FILE_TYPES = frozenset({io.FileIO, io.BufferedReader, io.BufferedWriter, io.BufferedRandom,
                          io.TextIOWrapper})
 
 
-def _refuse_file(f) -> None:
+def refuse_file(f) -> None:
     name = getattr(f, "name", None)
     what = f"the open file {name!r}" if isinstance(name, str) else "an open file"
     raise Unsendable(
@@ -147,8 +148,8 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
             return _rebuild_fd, (len(self.fds) - 1,)
         if isinstance(obj, _Future):  # a call's result as an argument (``_results``)
             return _results.reduce_future(obj)
-        if t in _FILE_TYPES and obj is not sys.stdout and obj is not sys.stderr:
-            _refuse_file(obj)
+        if t in FILE_TYPES and obj is not sys.stdout and obj is not sys.stderr:
+            refuse_file(obj)
         if _reducers or _lazy_plugins:
             r = _plugin_reducer(t)
             if r is not None:

@@ -76,6 +76,31 @@ class ArrayUser:
     def pid_(self):
         return os.getpid()
 
+    def lock(self):
+        import threading
+        return threading.Lock()  # a result that cannot be pickled
+
+    def graph(self, dtype_name=None):
+        import torch  # a result in an autograd graph, or of a dtype given by name
+        if dtype_name is not None:
+            return torch.ones(3).to(getattr(torch, dtype_name))
+        return {"out": torch.ones(3, requires_grad=True) * 2}
+
+    def graph_items(self):
+        import torch
+        yield torch.ones(1)
+        yield [torch.ones(3, requires_grad=True) * 2]
+
+    def step(self, module):
+        import torch
+        with torch.no_grad():
+            module.bias += 1.0  # a module argument's parameters: written in place
+        return float(module.bias.sum())
+
+    def fill(self, t, v):
+        t.fill_(v)  # a torch tensor argument: written in place
+        return float(t.sum())
+
 
 @actor(max_concurrency=2)
 class ThreadCanceller:

@@ -772,6 +772,29 @@ async def test_a_tensor_in_an_autograd_graph_is_refused_before_sending(art, back
     assert await a.total(non_leaf.detach().numpy()) == 6.0  # the actor is unaffected
 
 
+async def test_a_result_or_item_in_an_autograd_graph_fails_its_call(art):
+    pytest.importorskip("torch")
+    a = await ArrayUser.spawn()
+    with pytest.raises(TypeError, match=r"result of ArrayUser.graph cannot be sent back.*"
+                                        r"detach\(\)"):
+        await a.graph()
+    got = []
+    with pytest.raises(TypeError, match=r"item of ArrayUser.graph_items cannot be sent"):
+        async for x in a.graph_items():
+            got.append(x)
+    assert [x.tolist() for x in got] == [[1.0]]
+    assert await a.total(np.ones(2)) == 2.0
+
+
+async def test_a_result_that_cannot_be_pickled_or_an_open_file_argument(art):
+    a = await ArrayUser.spawn()
+    with pytest.raises(TypeError, match=r"the result of ArrayUser.lock cannot be sent back"):
+        await a.lock()
+    with open(__file__) as f, pytest.raises(TypeError, match="open file .* pass its path"):
+        a.total(f)
+    assert await a.total(np.ones(2)) == 2.0
+
+
 async def test_a_shared_array_on_ray_warns_that_writes_do_not_come_back(art, backend):
     ray_only(backend, "on the local backend shared arrays are written through")
     a = await ArrayUser.spawn()
@@ -809,6 +832,28 @@ async def test_a_tensor_whose_dtype_torch_cannot_pickle_is_refused_before_sendin
     assert await asyncio.wait_for(c.incr(), 30) == 1
     bits = await c.echo(torch.ones(3, dtype=dtype).view(torch.uint8))  # the way round
     assert bits.view(dtype).float().tolist() == [1.0, 1.0, 1.0]
+
+
+async def test_tensors_on_ray_are_copies_and_shared_ones_warn(art, backend):
+    ray_only(backend, "on the local backend a tensor argument is written through")
+    torch = pytest.importorskip("torch")
+    import actorshm.torch as at
+    a = await ArrayUser.spawn()
+    t = at.zeros(3)
+    with pytest.warns(RuntimeWarning, match="shared tensor .* not seen by the caller"):
+        assert await a.fill(t, 7.0) == 21.0
+    assert t.tolist() == [0.0, 0.0, 0.0]  # the actor wrote to a copy
+    model = at.share_module(torch.nn.Linear(2, 2))
+    before = model.bias.tolist()
+    with pytest.warns(RuntimeWarning, match="share_module"):
+        await a.step(model)
+    assert model.bias.tolist() == before
+    dtype = torch.float8_e4m3fn
+    try:
+        pickle.loads(pickle.dumps(torch.zeros(1, dtype=dtype)))
+    except Exception:  # what Ray cannot rebuild: refused in the actor, the call fails
+        with pytest.raises(TypeError, match=r"result of ArrayUser.graph .*float8_e4m3fn"):
+            await a.graph("float8_e4m3fn")
 
 
 def test_run_with_backend_ray(ray_session):
