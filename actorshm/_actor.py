@@ -341,34 +341,50 @@ def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1):
                        cls_name, methods, name, pid, max_pending)
 
 
-# Unanswered calls per actor from this process, for actors with ``max_pending_calls``.
-_pending_counts: dict[int, int] = {}
+# Unanswered calls per actor from this process, for actors with ``max_pending_calls``:
+# (client, actor id) -> their futures. (Keyed by client too: runtimes open at once number
+# their actors alike.) A call counts until its future is done, so one cancelled frees its
+# slot at once, not when its callbacks run.
+_pending: dict[tuple, list] = {}
 _pending_lock = threading.Lock()
+
+
+class _Reserved:
+    """A slot taken while the call that holds it is being made."""
+
+    def done(self) -> bool:
+        return False
 
 
 def _limited_call(h: "ActorHandle", method: str, args: tuple, kwargs: dict, what: str):
     aid = h._actor_id
+    key = (h._client, aid)
+    slot = _Reserved()
     with _pending_lock:
-        n = _pending_counts.get(aid, 0)
-        if n >= h._max_pending:
+        futs = _pending.setdefault(key, [])
+        futs[:] = [f for f in futs if not f.done()]
+        if len(futs) >= h._max_pending:
             raise PendingCallsLimitError(
-                f"{what}(): {n} calls to actor {h._cls_name} (id {aid}) from this process "
-                f"are unanswered, its max_pending_calls={h._max_pending}; await some of "
-                "them before calling again, or raise max_pending_calls")
-        _pending_counts[aid] = n + 1
+                f"{what}(): {len(futs)} calls to actor {h._cls_name} (id {aid}) from this "
+                f"process are unanswered, its max_pending_calls={h._max_pending}; await "
+                "some of them before calling again, or raise max_pending_calls")
+        futs.append(slot)
     try:
         fut = h._client.call(aid, method, args, kwargs, what)
     except BaseException:
-        _call_done(aid)
+        _call_done(key, slot)
         raise
-    fut.add_done_callback(lambda _f: _call_done(aid))
+    with _pending_lock:
+        futs = _pending.setdefault(key, [])
+        futs[:] = [fut if f is slot else f for f in futs]
+    fut.add_done_callback(lambda f: _call_done(key, f))
     return fut
 
 
-def _call_done(aid: int) -> None:
+def _call_done(key: tuple, fut) -> None:
     with _pending_lock:
-        n = _pending_counts.get(aid, 0) - 1
-        if n > 0:
-            _pending_counts[aid] = n
-        else:
-            _pending_counts.pop(aid, None)
+        futs = _pending.get(key)
+        if futs is not None:
+            futs[:] = [f for f in futs if f is not fut]
+            if not futs:
+                del _pending[key]

@@ -67,3 +67,26 @@ async def test_a_call_refused_for_its_arguments_frees_its_place(rt):
     with pytest.raises(TypeError):
         c.echo(threading.Lock())
     assert await c.incr(1) == 1
+
+
+async def test_a_cancelled_call_frees_its_place_at_once(rt):
+    c = await Counter.options(max_pending_calls=1).spawn(0)
+    slow = c.slow_record(1, 0.3)
+    slow.cancel()
+    assert await c.record(2) == 2  # no event-loop turn needed in between
+    task = asyncio.ensure_future(c.slow_record(3, 0.3))
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(task, 0.05)
+    assert await c.record(4) == 4
+
+
+async def test_runtimes_open_at_once_count_their_actors_apart():
+    # Both runtimes number their first actor 1: each actor has its own count.
+    async with actorshm.Runtime(shutdown_grace=1.0):
+        a = await Counter.options(max_pending_calls=1).spawn(0)
+        async with actorshm.Runtime(shutdown_grace=1.0):
+            b = await Counter.options(max_pending_calls=1).spawn(0)
+            assert a._actor_id == b._actor_id
+            busy = a.slow_record(1, 0.2)
+            assert await b.record(2) == 2
+            await busy
