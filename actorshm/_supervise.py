@@ -194,6 +194,10 @@ class Supervisor:
                                rec.restarts - 1, rec.options.max_restarts, rec.label,
                                first_line(str(exc)))
                 return
+            # Its __init__ raised (or the start failed otherwise): as at spawn, and as
+            # Ray does, a constructor that raises is not run again; the actor is dead
+            # for good, and the calls waiting for it fail with why.
+            rec.no_restart = True
             rec.death = (f"{rec.label} could not be restarted: {first_line(str(exc))} "
                          f"(after: {first_line(why)})")
             if rec.conn is not None:

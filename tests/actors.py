@@ -320,8 +320,10 @@ class SlowStart:
 class FlakyStart:
     """Its __init__ crashes the process once while ``marker`` exists (then removes it)."""
 
-    def __init__(self, marker, once=True):
+    def __init__(self, marker, once=True, raises=False):
         if os.path.exists(marker):
+            if raises:
+                raise KeyError("this start fails on purpose")
             if once:
                 os.remove(marker)
             os._exit(3)

@@ -225,6 +225,25 @@ async def test_restart_that_dies_while_starting_is_retried(rt, tmp_path):
     assert rt.actors()[-1]["alive"]
 
 
+async def test_a_restart_whose_init_raises_ends_the_restarts(rt, tmp_path):
+    """As at spawn (and on Ray), a constructor that raises is not run again: the calls
+    waiting for the restart fail with its error, and the event says no restart follows."""
+    from actors import FlakyStart
+    marker = tmp_path / "raise-on-start"
+    a = await FlakyStart.options(max_restarts=-1).spawn(str(marker), True, True)
+    events = []
+    rt.on_actor_event(events.append)
+    marker.write_text("x")
+    with pytest.raises(ActorDiedError):
+        await a.crash()
+    with pytest.raises(ActorDiedError, match="__init__.*fails on purpose"):
+        await asyncio.wait_for(a.ping(), 30)  # made during the restart: waited, then failed
+    await asyncio.sleep(0.5)
+    assert [(e.kind, e.will_restart) for e in events] == [("died", True), ("died", False)]
+    with pytest.raises(ActorDiedError, match="could not be restarted.*fails on purpose"):
+        await a.ping()
+
+
 async def test_restarts_that_keep_failing_back_off_and_say_so(rt, tmp_path, caplog):
     from actors import FlakyStart
     marker = tmp_path / "always-crash"
