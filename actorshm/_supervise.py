@@ -184,14 +184,14 @@ class Supervisor:
                 os.kill(rec.pid, signal.SIGKILL)
                 return
             logger.warning("actorshm: restarted %s (restart %d of %s) after: %s", rec.label,
-                           rec.restarts, rec.options.max_restarts, first_line(why))
+                           rec.restarts, _limit(rec), first_line(why))
             _events.emit(self, "restarted", rec, why)
         except BaseException as exc:
             if rec.conn is not conn:
                 # The new process died while starting; the next restart is on its way.
                 rec.failed_starts += 1
                 logger.warning("actorshm: restart %d of %s of %s failed while starting: %s",
-                               rec.restarts - 1, rec.options.max_restarts, rec.label,
+                               rec.restarts - 1, _limit(rec), rec.label,
                                first_line(str(exc)))
                 return
             # Its __init__ raised (or the start failed otherwise): as at spawn, and as
@@ -211,6 +211,11 @@ class Supervisor:
         rec.alive = False
         if rec.conn is not None and not rec.conn.closed:
             rec.conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
+
+
+def _limit(rec: ActorRecord) -> str:
+    n = rec.options.max_restarts
+    return "unlimited" if n == -1 else str(n)
 
 
 def _handle_gone(rt_ref, actor_id: int) -> None:
