@@ -74,6 +74,8 @@ class ActorRecord:
         self.spawn_args: tuple = ()
         self.restarts = 0
         self.failed_starts = 0  # restarts in a row whose process died while starting
+        self.starting = False  # a restart's process is starting (``_restart`` decides)
+        self.left_to_restart = False  # it exited while starting: ``_restart`` says so
         self._no_restart = False
         self.probe = None  # the driver's end of its probe socket (``_introspect``)
         self.oom_baseline = None  # its cgroup's OOM kill count when it started

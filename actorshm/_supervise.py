@@ -151,6 +151,15 @@ class Supervisor:
             rec.conn.drain()  # what it wrote before it died: replies, releases, notices
             rec.conn.close(ActorDiedError(why))
         rec.exited.set()
+        if rec.starting and not self._closing and not rec.no_restart:
+            # A restart's process ended while starting: ``_restart`` learns why (its
+            # __init__ raised, or it crashed) and decides what follows.
+            rec.left_to_restart = True
+            return
+        self._after_death(rec, why)
+
+    def _after_death(self, rec: ActorRecord, why: str) -> None:
+        """Its process is gone: say so, and restart it if it may."""
         limit = rec.options.max_restarts
         restart = (not self._closing and not rec.no_restart
                    and (limit == -1 or rec.restarts < limit))
@@ -177,7 +186,15 @@ class Supervisor:
             if rec.options.num_gpus:
                 rec.gpus = self._gpus.take(rec.options.num_gpus, rec.cls_name)
             rec.death = None
-            await self._start_process(rec)
+            rec.starting = True
+            try:
+                await self._start_process(rec)
+            finally:
+                rec.starting = False
+            if rec.left_to_restart:  # it answered, then exited before we heard
+                rec.left_to_restart = False
+                self._after_death(rec, rec.death)
+                return
             rec.failed_starts = 0
             if rec.no_restart:  # killed while it was starting
                 rec.death = f"{rec.label} was killed by actorshm kill()"
@@ -187,24 +204,37 @@ class Supervisor:
                            rec.restarts, _limit(rec), first_line(why))
             _events.emit(self, "restarted", rec, why)
         except BaseException as exc:
-            if rec.conn is not conn:
-                # The new process died while starting; the next restart is on its way.
-                rec.failed_starts += 1
-                logger.warning("actorshm: restart %d of %s of %s failed while starting: %s",
-                               rec.restarts - 1, _limit(rec), rec.label,
-                               first_line(str(exc)))
+            if isinstance(exc, Exception) and not isinstance(exc, ActorDiedError):
+                # Its __init__ raised: as at spawn, and as Ray does, a constructor that
+                # raises is not run again. The actor is dead for good; the calls waiting
+                # for it fail with why.
+                rec.no_restart = True
+                rec.death = (f"{rec.label} could not be restarted: {first_line(str(exc))} "
+                             f"(after: {first_line(why)})")
+                if rec.conn is not None:
+                    rec.conn.close(ActorDiedError(rec.death))
+                if rec.left_to_restart:  # (it exited first, and left this to us)
+                    rec.left_to_restart = False
+                    self._after_death(rec, rec.death)
+                elif rec.alive:
+                    await rec.stop(0.5)  # (its exit says it died for good)
                 return
-            # Its __init__ raised (or the start failed otherwise): as at spawn, and as
-            # Ray does, a constructor that raises is not run again; the actor is dead
-            # for good, and the calls waiting for it fail with why.
-            rec.no_restart = True
-            rec.death = (f"{rec.label} could not be restarted: {first_line(str(exc))} "
-                         f"(after: {first_line(why)})")
-            if rec.conn is not None:
-                rec.conn.close(ActorDiedError(rec.death))
-            if rec.alive:
-                await rec.stop(0.5)
-            self._maybe_forget(rec)
+            if self._closing or rec.no_restart:  # closed or killed while it started
+                if rec.left_to_restart:
+                    rec.left_to_restart = False
+                    self._after_death(rec, rec.death or str(exc))
+                return
+            # It died, or did not start in time: that counts as a restart; the next one
+            # waits a little longer.
+            rec.failed_starts += 1
+            logger.warning("actorshm: restart %d of %s of %s failed while starting: %s",
+                           rec.restarts, _limit(rec), rec.label, first_line(str(exc)))
+            if rec.left_to_restart:  # (it exited first, and left this to us)
+                rec.left_to_restart = False
+                self._after_death(rec, rec.death or str(exc))
+            elif rec.alive:
+                rec.death = rec.death or str(exc)
+                await rec.stop(0.5)  # (a hung start: its exit restarts it)
 
     def _reap(self, rec: ActorRecord) -> None:
         rec.close_process(self.loop)

@@ -244,6 +244,27 @@ async def test_a_restart_whose_init_raises_ends_the_restarts(rt, tmp_path):
         await a.ping()
 
 
+async def test_a_restart_that_does_not_start_in_time_is_retried(tmp_path):
+    from actors import SlowStart
+    marker = tmp_path / "slow"
+    async with actorshm.Runtime(shutdown_grace=1.0, start_timeout=1.0) as rt:
+        a = await SlowStart.options(max_restarts=-1).spawn(str(marker), 3.0)
+        events = []
+        rt.on_actor_event(lambda e: events.append((e.kind, e.will_restart)))
+        marker.write_text("x")  # the next start takes 3 s, over start_timeout
+        os.kill(a.pid, signal.SIGKILL)
+        await asyncio.sleep(0.3)
+        with pytest.raises(ActorDiedError, match="did not start within"):
+            await asyncio.wait_for(a.rec(1), 20)  # waited for the slow start, then failed
+        marker.unlink()  # starts are quick again: the next restart works
+        for _ in range(200):
+            if ("restarted", False) in events:
+                break
+            await asyncio.sleep(0.05)
+        assert events[:2] == [("died", True), ("died", True)] and events[-1][0] == "restarted"
+        assert await asyncio.wait_for(a.rec(2), 20) == 2
+
+
 async def test_restarts_that_keep_failing_back_off_and_say_so(rt, tmp_path, caplog):
     from actors import FlakyStart
     marker = tmp_path / "always-crash"
