@@ -344,13 +344,13 @@ def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1):
 # Unanswered calls per actor from this process, for actors with ``max_pending_calls``:
 # (client, actor id) -> their futures. (Keyed by client too: runtimes open at once number
 # their actors alike.) A call counts until its future is done, so one cancelled frees its
-# slot at once, not when its callbacks run.
-_pending: dict[tuple, list] = {}
+# place at once, not when its callbacks run.
+_pending: dict[tuple, set] = {}
 _pending_lock = threading.Lock()
 
 
 class _Reserved:
-    """A slot taken while the call that holds it is being made."""
+    """A place taken while the call that holds it is being made."""
 
     def done(self) -> bool:
         return False
@@ -361,22 +361,24 @@ def _limited_call(h: "ActorHandle", method: str, args: tuple, kwargs: dict, what
     key = (h._client, aid)
     slot = _Reserved()
     with _pending_lock:
-        futs = _pending.setdefault(key, [])
-        futs[:] = [f for f in futs if not f.done()]
-        if len(futs) >= h._max_pending:
-            raise PendingCallsLimitError(
-                f"{what}(): {len(futs)} calls to actor {h._cls_name} (id {aid}) from this "
-                f"process are unanswered, its max_pending_calls={h._max_pending}; await "
-                "some of them before calling again, or raise max_pending_calls")
-        futs.append(slot)
+        futs = _pending.setdefault(key, set())
+        if len(futs) >= h._max_pending:  # (done ones whose callbacks have yet to run)
+            futs.difference_update([f for f in futs if f.done()])
+            if len(futs) >= h._max_pending:
+                raise PendingCallsLimitError(
+                    f"{what}(): {len(futs)} calls to actor {h._cls_name} (id {aid}) from "
+                    f"this process are unanswered, its max_pending_calls={h._max_pending}; "
+                    "await some of them before calling again, or raise max_pending_calls")
+        futs.add(slot)
     try:
         fut = h._client.call(aid, method, args, kwargs, what)
     except BaseException:
         _call_done(key, slot)
         raise
     with _pending_lock:
-        futs = _pending.setdefault(key, [])
-        futs[:] = [fut if f is slot else f for f in futs]
+        futs = _pending.setdefault(key, set())
+        futs.discard(slot)
+        futs.add(fut)
     fut.add_done_callback(lambda f: _call_done(key, f))
     return fut
 
@@ -385,6 +387,6 @@ def _call_done(key: tuple, fut) -> None:
     with _pending_lock:
         futs = _pending.get(key)
         if futs is not None:
-            futs[:] = [f for f in futs if f is not fut]
+            futs.discard(fut)
             if not futs:
                 del _pending[key]

@@ -28,11 +28,22 @@ _SLOT = 8  # int64s per slot: pid, charge, then a 48-byte label
 _MAGIC = 0x4143_5453_484D_4244  # "ACTSHMBD"
 
 
+_LEAST = 4 << 20  # one arena (``_shm.LARGE``): less and nothing can be allocated
+
+
 def default_budget() -> int:
     """``ACTORSHM_SHM_BUDGET`` bytes, else half the machine's RAM."""
     env = os.environ.get("ACTORSHM_SHM_BUDGET")
     if env:
-        return int(float(env))
+        try:
+            n = int(float(env))
+        except ValueError:
+            n = -1
+        if n < _LEAST:
+            raise ValueError(f"ACTORSHM_SHM_BUDGET={env!r}: the shared-memory budget must be "
+                             f"a number of bytes, at least {_LEAST} (one 4 MiB arena), "
+                             "e.g. 8e9")
+        return n
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):  # pragma: no cover

@@ -343,7 +343,7 @@ class RayClient(CallOrder):
             raise
         except Exception as exc:
             exc = await self._death_cause(handle, exc)
-            raise translate(exc, what) from exc
+            raise translate(exc, what, None) from exc
         if not ok:
             ray.kill(handle, no_restart=True)
             raise decode_exception(payload, f"{cls.__qualname__}.__init__")

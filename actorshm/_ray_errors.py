@@ -41,8 +41,9 @@ def undeserializable(exc: BaseException) -> TypeError:
                      f"{lines[-1] if lines else type(exc).__name__}")
 
 
-def translate(exc: BaseException, what: str) -> BaseException:
-    """Ray's error for a call -> what the local backend raises."""
+def translate(exc: BaseException, what: str, sent: str | None = "result") -> BaseException:
+    """Ray's error for a call (``sent``: "result"), a stream (``"item"``) or a spawn
+    (None) -> what the local backend raises."""
     import ray.exceptions as rex
     if isinstance(exc, rex.RayActorError) and _UNCOMPUTED in str(exc):
         return undeserializable(exc)  # a spawn argument, in the new actor
@@ -59,11 +60,13 @@ def translate(exc: BaseException, what: str) -> BaseException:
         if isinstance(cause, rex.RaySystemError) and _UNCOMPUTED in str(exc):
             return undeserializable(cause)  # a call's argument: the call never ran
         text = _ANSI.sub("", str(exc))  # (Ray colours its traceback for terminals)
-        if isinstance(cause, (TypeError, pickle.PicklingError)) and \
-                ("pickl" in str(cause) or "serializ" in str(cause)):
-            # The host answers every error of the method itself: this one is Ray's,
-            # pickling what the method returned.
-            err = TypeError(f"the result of {what} cannot be sent back: {cause}")
+        if sent is not None and isinstance(cause, Exception) and \
+                not isinstance(cause, rex.RayError):
+            # The host answers every error of the method itself: this one came after,
+            # from Ray pickling what the method returned or yielded.
+            err = TypeError(f"the result of {what} cannot be sent back: {cause}"
+                            if sent == "result" else f"an item of {what} cannot be sent: "
+                            f"{cause}")
             err.__cause__ = RemoteTraceback(text)
             return err
         if isinstance(cause, Exception) and not isinstance(cause, rex.RayError):

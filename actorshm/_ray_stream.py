@@ -44,7 +44,7 @@ class RayStream:
             self._finish()
             raise
         except Exception as exc:
-            err = self._translate(exc, self._what)
+            err = self._translate(exc, self._what, "item")
             if not isinstance(err, ActorDiedError):  # (see ``RayClient._cancel``)
                 self._cancel(self._gen)
             self._finish()

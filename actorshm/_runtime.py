@@ -57,7 +57,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         ``"forkserver"`` (a warm, single-threaded server process forks each actor:
         much faster start-up, same isolation from the driver's threads).
       shm_budget: bytes of shared memory the driver and its actors may own together
-        (default: half the RAM, or ``ACTORSHM_SHM_BUDGET``).
+        (default: half the RAM, or ``ACTORSHM_SHM_BUDGET``); 4 MiB (one arena) at least.
       shutdown_grace: seconds an actor gets to stop before SIGTERM, then SIGKILL.
       start_timeout: seconds an actor may take to start and run ``__init__``.
       gpus: the GPUs that ``num_gpus`` actors may get, as ``CUDA_VISIBLE_DEVICES``

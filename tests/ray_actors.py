@@ -54,6 +54,11 @@ class Streamer:
         return "pong"
 
 
+class _NoPickle:
+    def __reduce__(self):
+        raise TypeError("no pickling this on purpose")
+
+
 @actor
 class ArrayUser:
     def total(self, arr):
@@ -79,6 +84,14 @@ class ArrayUser:
     def lock(self):
         import threading
         return threading.Lock()  # a result that cannot be pickled
+
+    def bad_reduce(self):
+        return _NoPickle()
+
+    def lock_items(self):
+        import threading
+        yield 1
+        yield threading.Lock()
 
     def graph(self, dtype_name=None):
         import torch  # a result in an autograd graph, or of a dtype given by name

@@ -91,3 +91,14 @@ async def test_runtimes_open_at_once_count_their_actors_apart():
             busy = a.slow_record(1, 0.2)
             assert await b.record(2) == 2
             await busy
+
+
+def test_a_budget_below_one_arena_in_the_environment_is_refused():
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, ACTORSHM_SHM_BUDGET="1000")
+    out = subprocess.run([sys.executable, "-c", "import actorshm; actorshm.zeros(3)"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "ACTORSHM_SHM_BUDGET='1000'" in out.stderr and "at least" in out.stderr

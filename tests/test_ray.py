@@ -790,6 +790,14 @@ async def test_a_result_that_cannot_be_pickled_or_an_open_file_argument(art):
     a = await ArrayUser.spawn()
     with pytest.raises(TypeError, match=r"the result of ArrayUser.lock cannot be sent back"):
         await a.lock()
+    with pytest.raises(TypeError, match=r"result of ArrayUser.bad_reduce cannot be sent back: "
+                                        r"no pickling this on purpose"):
+        await a.bad_reduce()
+    got = []
+    with pytest.raises(TypeError, match=r"an item of ArrayUser.lock_items cannot be sent"):
+        async for x in a.lock_items():
+            got.append(x)
+    assert got == [1]
     with open(__file__) as f, pytest.raises(TypeError, match="open file .* pass its path"):
         a.total(f)
     assert await a.total(np.ones(2)) == 2.0
