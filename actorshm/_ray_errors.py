@@ -122,12 +122,11 @@ def _check(values: tuple, refused: str, warn_for: str | None) -> None:
     while todo:
         x, depth = todo.pop()
         t = type(x)
-        if t is list or t is tuple:
-            if depth < 3:
-                todo.extend((y, depth + 1) for y in x if type(y) not in _SCALARS)
-        elif t is dict:
-            if depth < 3:
-                todo.extend((y, depth + 1) for y in x.values() if type(y) not in _SCALARS)
+        if t is list or t is tuple or t is dict:
+            items = x.values() if t is dict else x
+            # (a long list of numbers is common: one pass in C says there is nothing in it)
+            if depth < 3 and not set(map(type, items)) <= _SCALARS:
+                todo.extend((y, depth + 1) for y in items if type(y) not in _SCALARS)
         elif tensor is not None and isinstance(x, tensor):
             from ._torch import check_sendable, storage_block
             try:
