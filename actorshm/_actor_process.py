@@ -80,8 +80,11 @@ def main() -> None:
     try:
         code = loop.run_until_complete(_amain(fd))
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except (ValueError, OSError):  # a method closed it, or the pipe is gone
+                pass
     # Skip interpreter teardown: it can only run user __del__s against closed sockets.
     os._exit(code)
 

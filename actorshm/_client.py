@@ -59,6 +59,13 @@ def client_for_decode() -> Any:
         return _Unbound()
 
 
+def refuse_runtime(rt) -> None:
+    """A runtime's ``__reduce__``: it lives in the process that opened it."""
+    raise TypeError(
+        f"{type(rt).__name__} cannot be sent to another process (it owns this process's "
+        "actors and memory): pass actor handles instead, which pickle")
+
+
 class _Unbound:
     """The client of a handle unpickled outside any runtime: every use says so."""
 

@@ -14,6 +14,7 @@ from typing import Any
 from . import _results
 from . import _serialization as ser
 from ._errors import ProtocolError
+from ._remote_errors import UNPICKLING_ERRORS
 from ._wire import CANCEL, CREDIT, ITEM, LEN
 
 __all__ = ["CallControl"]
@@ -99,7 +100,7 @@ class CallControl:
             except ProtocolError as exc:  # leases come back)
                 self._protocol_error(str(exc))
                 return
-            except Exception as exc:
+            except UNPICKLING_ERRORS as exc:
                 if st is not None:
                     st.fail(TypeError(f"an item of {st.what} could not be deserialized "
                                       f"here: {type(exc).__name__}: {exc}"))

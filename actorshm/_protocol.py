@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from . import _leases, _results
 from . import _remote_errors as remote_errors
-from ._remote_errors import copy_exc, result_undecodable
+from ._remote_errors import UNPICKLING_ERRORS, copy_exc, result_undecodable
 from . import _serialization as ser
 from ._errors import ActorDiedError, ProtocolError
 from ._control import CallControl
@@ -400,10 +400,11 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             except ProtocolError as exc:
                 self._protocol_error(str(exc))
                 return
-            except Exception as exc:
+            except BaseException as exc:
                 # Anything else was raised by the arguments' own unpickling code (a
-                # class missing here, a __setstate__ that fails): that call fails, the
-                # connection and the actor carry on.
+                # class missing here, a __setstate__ that fails, even with a
+                # CancelledError or SystemExit): that call fails, the connection and
+                # the actor carry on.
                 if isinstance(exc, (pickle.UnpicklingError, EOFError)):
                     self._protocol_error(f"undecodable call: {exc!r}")
                     return
@@ -431,7 +432,7 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
                         ser.decode(payload, fds, self, flags)
                     except ProtocolError as exc:
                         self._protocol_error(str(exc))
-                    except Exception:
+                    except UNPICKLING_ERRORS:
                         pass
                 return
             if kind == RESULT:
@@ -442,7 +443,7 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
                     if not fut.done():  # popped above: closing did not fail it
                         fut.set_exception(copy_exc(self.close_exc))
                     return
-                except Exception as exc:
+                except UNPICKLING_ERRORS as exc:
                     result_undecodable(fut, what, exc)
                     return
                 if not fut.done():

@@ -99,6 +99,8 @@ class RayRuntime(_events.EventSource, RayInspectable):
         _client.runtime_opened(self)
         return self
 
+    __reduce__ = _client.refuse_runtime
+
     async def __aenter__(self) -> "RayRuntime":
         return await self.start()
 

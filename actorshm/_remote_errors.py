@@ -9,6 +9,7 @@ cut short, so that ``except ValueError:`` still works and the call still finishe
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import traceback
 
@@ -17,7 +18,8 @@ import cloudpickle
 from ._errors import ProtocolError, RemoteError, RemoteTraceback
 from ._wire import MAX_MESSAGE
 
-__all__ = ["encode_exception", "encode_failure", "decode_exception", "call_in_thread"]
+__all__ = ["encode_exception", "encode_failure", "decode_exception", "call_in_thread",
+           "UNPICKLING_ERRORS"]
 
 _BRIEF = 1 << 16  # what a too-big exception keeps of its message and traceback text
 
@@ -101,6 +103,13 @@ def decode_exception(payload: bytes, where: str = "") -> BaseException:
         except Exception:
             pass
     return exc
+
+
+# What a result's or item's own unpickling code may raise, to fail that one call with:
+# a CancelledError or GeneratorExit out of a __setstate__ must not escape the reader (it
+# would end the read, and the replies behind it with it). KeyboardInterrupt and
+# SystemExit still stop the caller's program, as Ctrl-C does.
+UNPICKLING_ERRORS = (Exception, asyncio.CancelledError, GeneratorExit)
 
 
 def call_in_thread(fn, args: tuple, kwargs: dict, what: str):

@@ -131,6 +131,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self._finalizer = weakref.finalize(self, kill_all, self._actors)
         return self
 
+    __reduce__ = _client.refuse_runtime
+
     async def __aenter__(self) -> "Runtime":
         return await self.start()
 

@@ -386,9 +386,9 @@ async def run_stream(conn: Any, cid: int, gen: Any, out: Outflow, what: str,
         return
     except BaseException as exc:
         await _close(gen, is_async, step)
-        if isinstance(exc, (SystemExit, KeyboardInterrupt)):
-            raise
-        conn.reply_error(cid, exc)
+        if isinstance(exc, SystemExit):
+            raise  # the process exits, as from any method
+        conn.reply_error(cid, exc)  # (KeyboardInterrupt too, as from any method)
         return
     conn.reply(cid, None, what)
 

@@ -85,6 +85,13 @@ class Faulty:
     def interrupt(self):
         raise KeyboardInterrupt("pressed in the actor")
 
+    def interrupt_stream(self):
+        yield 1
+        raise KeyboardInterrupt("pressed in the stream")
+
+    def breaking(self, kind):
+        return BreaksOnArrival(kind)  # its unpickling in the driver raises
+
     def value_error(self):
         raise ValueError("bad value")
 
@@ -363,14 +370,19 @@ class Holder:
 
 
 class BreaksOnArrival:
-    """Pickles fine here; unpickling it in another process raises RuntimeError."""
+    """Pickles fine here; unpickling it in another process raises RuntimeError (or,
+    given ``kind``, a CancelledError, GeneratorExit, KeyboardInterrupt or SystemExit)."""
 
-    def __init__(self):
+    def __init__(self, kind="error"):
         self.pid = os.getpid()
+        self.kind = kind
 
     def __setstate__(self, state):
         if state["pid"] != os.getpid():
-            raise RuntimeError("cannot be rebuilt in another process")
+            raise {"error": RuntimeError("cannot be rebuilt in another process"),
+                   "cancel": asyncio.CancelledError("raised while unpickling"),
+                   "genexit": GeneratorExit(), "kbi": KeyboardInterrupt("unpickling"),
+                   "exit": SystemExit(7)}[state.get("kind", "error")]
         self.__dict__.update(state)
 
 

@@ -104,6 +104,40 @@ async def test_argument_failing_to_unpickle_in_actor_is_type_error(rt):
     assert await c.incr(1) == 2
 
 
+@pytest.mark.parametrize("kind,name", [("cancel", "CancelledError"),
+                                       ("genexit", "GeneratorExit"),
+                                       ("kbi", "KeyboardInterrupt"), ("exit", "SystemExit")])
+async def test_an_argument_raising_a_base_exception_as_it_unpickles_fails_alone(rt, kind,
+                                                                               name):
+    c = await Counter.spawn(0)
+    futs = [c.record(i) for i in range(20)] + [c.echo(BreaksOnArrival(kind))] + \
+        [c.record(i) for i in range(20, 40)]
+    out = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 30)
+    assert isinstance(out[20], TypeError) and f"deserialize the call's arguments: {name}" \
+        in str(out[20])
+    assert out[:20] + out[21:] == list(range(40))  # the others answered, the actor lives
+    with pytest.raises(TypeError, match=name):
+        await asyncio.wait_for(Counter.spawn(BreaksOnArrival(kind)), 30)
+
+
+@pytest.mark.parametrize("kind", ["cancel", "genexit"])
+async def test_a_result_raising_cancelled_error_as_it_unpickles_fails_alone(rt, kind):
+    f = await Faulty.spawn()
+    futs = [f.ok(), f.breaking(kind), f.ok()]
+    out = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 30)
+    assert out[0] == out[2] == "ok"
+    assert isinstance(out[1], TypeError) and "could not be deserialized here" in str(out[1])
+
+
+async def test_keyboard_interrupt_in_a_stream_is_its_error(rt):
+    f = await Faulty.spawn()
+    got = []
+    with pytest.raises(actorshm.RemoteError, match="pressed in the stream"):
+        async for x in f.interrupt_stream():
+            got.append(x)
+    assert got == [1] and await f.ok() == "ok"  # as from a plain method: the actor lives
+
+
 async def test_actor_whose_init_arguments_fail_stops_cleanly(rt, capfd):
     with pytest.raises(TypeError, match="could not deserialize"):
         await Counter.spawn(BreaksOnArrival())

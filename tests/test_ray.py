@@ -800,6 +800,8 @@ async def test_a_result_that_cannot_be_pickled_or_an_open_file_argument(art):
     assert got == [1]
     with open(__file__) as f, pytest.raises(TypeError, match="open file .* pass its path"):
         a.total(f)
+    with pytest.raises(TypeError, match="Runtime cannot be sent .* pass actor handles"):
+        a.total(art)
     assert await a.total(np.ones(2)) == 2.0
 
 
