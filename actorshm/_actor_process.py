@@ -18,13 +18,15 @@ import sys
 
 from . import _client, _leases
 from ._introspect import STACK_SIGNAL
-from ._util import coalesced_call, die_with, new_event_loop, set_parent_death_signal
+from ._util import (coalesced_call, die_with, new_event_loop, set_parent_death_signal,
+                    watch_forks)
 from ._worker import Worker
 
 
 async def _amain(fd: int) -> int:
     loop = asyncio.get_running_loop()
     worker = Worker(loop, fd)
+    watch_forks()
     _client.set_worker(worker)
     _leases.set_release_hook(coalesced_call(loop, _leases.dispatch_releases))
     _leases.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks

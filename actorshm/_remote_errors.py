@@ -16,6 +16,7 @@ import traceback
 import cloudpickle
 
 from ._errors import ProtocolError, RemoteError, RemoteTraceback
+from ._util import leave_if_forked
 from ._wire import MAX_MESSAGE
 
 __all__ = ["encode_exception", "encode_failure", "decode_exception", "call_in_thread",
@@ -120,6 +121,8 @@ def call_in_thread(fn, args: tuple, kwargs: dict, what: str):
         return fn(*args, **kwargs)
     except StopIteration as exc:
         raise RuntimeError(f"{what} raised StopIteration") from exc
+    finally:
+        leave_if_forked()
 
 
 def copy_exc(exc: BaseException) -> BaseException:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import inspect
+import os
 import signal
 import threading
 
@@ -37,6 +38,26 @@ def die_with(pid: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=wait, name="actorshm-driver-watch", daemon=True).start()
+
+
+_forked = False  # this process is a child that a method of its actor forked
+
+
+def _note_fork() -> None:
+    global _forked
+    _forked = True
+
+
+def watch_forks() -> None:
+    """In an actor process: a child its methods fork (``os.fork``) and that returns into
+    actorshm (rather than exec or exit) exits there (``leave_if_forked``), instead of
+    running a copy of the actor on the same socket, answering its calls and outliving it."""
+    os.register_at_fork(after_in_child=_note_fork)
+
+
+def leave_if_forked() -> None:
+    if _forked:
+        os._exit(0)
 
 
 def exit_code(exc: SystemExit) -> int:

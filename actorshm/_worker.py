@@ -27,7 +27,7 @@ from ._protocol import Connection
 from ._remote_errors import call_in_thread
 from ._streams import (CANCELLED_BY_CALLER, NO_META, Outflow, StreamingClient, StreamSlot,
                        chain, reentrant_error, run_stream)
-from ._util import describe_exit, exit_code
+from ._util import describe_exit, exit_code, leave_if_forked
 
 # Replies made while a connection's frames are read go out together once they are all
 # handled, unless a sync call that may take long is about to run (``Worker._start``).
@@ -222,8 +222,10 @@ class Worker(StreamingClient):
                 self._exit(exc)
                 return
             except BaseException as exc:
+                leave_if_forked()
                 conn.reply_error(cid, exc)
             else:
+                leave_if_forked()
                 del args, kwargs
                 conn.reply(cid, result, what)
                 del result
@@ -253,8 +255,10 @@ class Worker(StreamingClient):
                 conn.reply_error(cid, exc)
             return
         except BaseException as exc:
+            leave_if_forked()
             conn.reply_error(cid, exc)
             return
+        leave_if_forked()
         conn.reply(cid, result, what)
 
     async def _run_stream(self, conn, cid, fn, args, kwargs, what, meta, slot) -> None:

@@ -89,6 +89,9 @@ class Faulty:
         yield 1
         raise KeyboardInterrupt("pressed in the stream")
 
+    def fork_and_return(self):
+        return os.fork()  # the child returns too, into actorshm's code
+
     def breaking(self, kind):
         return BreaksOnArrival(kind)  # its unpickling in the driver raises
 

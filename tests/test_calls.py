@@ -129,6 +129,23 @@ async def test_a_result_raising_cancelled_error_as_it_unpickles_fails_alone(rt, 
     assert isinstance(out[1], TypeError) and "could not be deserialized here" in str(out[1])
 
 
+async def test_a_child_forked_in_a_method_leaves_when_it_returns(rt):
+    f = await Faulty.spawn()
+    for _ in range(3):
+        child = await f.fork_and_return()
+        assert child > 0 and await f.ok() == "ok"  # the parent's answer; one answer
+        for _ in range(100):  # it exited on returning, rather than run a second actor
+            try:
+                with open(f"/proc/{child}/stat") as st:
+                    if st.read().split(")")[1].split()[0] == "Z":
+                        break
+            except FileNotFoundError:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail(f"the forked child {child} still runs")
+
+
 async def test_keyboard_interrupt_in_a_stream_is_its_error(rt):
     f = await Faulty.spawn()
     got = []
