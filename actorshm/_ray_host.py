@@ -485,7 +485,7 @@ class Host:
                     yield pack((True, item))
         except Exception as exc:
             yield pack((False, encode_exception(exc)))
-        except asyncio.CancelledError as exc:
+        except (asyncio.CancelledError, KeyboardInterrupt) as exc:
             if getattr(task, CANCELLED_BY_CALLER, False):
                 raise
             yield pack((False, encode_exception(exc)))  # the generator's own error

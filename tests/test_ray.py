@@ -567,6 +567,15 @@ async def test_a_method_raising_stop_iteration_fails_its_call(art, threads):
     assert await asyncio.wait_for(q.ping(), 30) == "pong"
 
 
+async def test_keyboard_interrupt_in_a_stream_ends_it_and_the_actor_lives(art):
+    f = await Faulty.spawn()
+    got = []
+    with pytest.raises(actorshm.RemoteError, match="pressed in the stream"):
+        async for x in f.interrupt_stream():
+            got.append(x)
+    assert got == [1] and await asyncio.wait_for(f.ok(), 30) == "ok"
+
+
 async def test_a_cancelled_error_of_the_methods_own_fails_its_call(art):
     """Only the caller's cancel goes unanswered: a CancelledError the method raised, or
     got from a task cancelled in the actor, is its error (not an Exception: RemoteError)."""
