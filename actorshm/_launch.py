@@ -75,7 +75,8 @@ class ActorRecord:
         self.restarts = 0
         self.failed_starts = 0  # restarts in a row whose process died while starting
         self.starting = False  # a restart's process is starting (``_restart`` decides)
-        self.left_to_restart = False  # it exited while starting: ``_restart`` says so
+        self.death_told = False  # its process's death has been reported (``died``)
+        self.init_error = None  # what its ``__init__`` raised in the start under way
         self._no_restart = False
         self.probe = None  # the driver's end of its probe socket (``_introspect``)
         self.oom_baseline = None  # its cgroup's OOM kill count when it started

@@ -254,6 +254,9 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             tail = "".join(rec.stderr_tail)
             raise ActorDiedError(f"{exc}\nlast lines of its stderr:\n{tail}" if tail
                                  else str(exc)) from None
+        except Exception as exc:  # its __init__ raised (the error its reply carried)
+            rec.init_error = exc
+            raise
         rec.pid = pid
 
     # -- calls -------------------------------------------------------------------

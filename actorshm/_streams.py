@@ -22,6 +22,7 @@ import inspect
 from typing import Any
 
 from ._errors import ReentrantCallError
+from ._util import exit_code, leave_if_forked
 
 __all__ = ["CallStream", "StreamingClient", "Outflow", "StreamSlot", "run_stream", "chain",
            "reentrant_error", "DEFAULT_RUN_AHEAD", "CANCELLED_BY_CALLER"]
@@ -357,6 +358,7 @@ async def run_stream(conn: Any, cid: int, gen: Any, out: Outflow, what: str,
                 item = next(gen, _DONE)
                 if item is _DONE:
                     break
+            leave_if_forked()  # (a child the generator forked: not a second stream)
             if slot is not None and (out.credit <= 0 or slot.wanted()):
                 slot.release()  # parked at its yield: other calls run meanwhile
                 await out.take()
@@ -385,11 +387,13 @@ async def run_stream(conn: Any, cid: int, gen: Any, out: Outflow, what: str,
         await _close(gen, is_async, step)
         return
     except BaseException as exc:
+        leave_if_forked(exit_code(exc) if isinstance(exc, SystemExit) else 0)
         await _close(gen, is_async, step)
         if isinstance(exc, SystemExit):
             raise  # the process exits, as from any method
         conn.reply_error(cid, exc)  # (KeyboardInterrupt too, as from any method)
         return
+    leave_if_forked()
     conn.reply(cid, None, what)
 
 

@@ -152,14 +152,12 @@ class Supervisor:
             rec.conn.close(ActorDiedError(why))
         rec.exited.set()
         if rec.starting and not self._closing and not rec.no_restart:
-            # A restart's process ended while starting: ``_restart`` learns why (its
-            # __init__ raised, or it crashed) and decides what follows.
-            rec.left_to_restart = True
-            return
+            return  # a restart's process ended while starting: ``_restart`` learns why
         self._after_death(rec, why)
 
     def _after_death(self, rec: ActorRecord, why: str) -> None:
         """Its process is gone: say so, and restart it if it may."""
+        rec.death_told = True
         limit = rec.options.max_restarts
         restart = (not self._closing and not rec.no_restart
                    and (limit == -1 or rec.restarts < limit))
@@ -183,58 +181,64 @@ class Supervisor:
                 conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
             return
         try:
+            rec.death = None
+            rec.death_told = False  # (this attempt's death is yet to be reported)
+            rec.init_error = None
             if rec.options.num_gpus:
                 rec.gpus = self._gpus.take(rec.options.num_gpus, rec.cls_name)
-            rec.death = None
             rec.starting = True
             try:
                 await self._start_process(rec)
             finally:
                 rec.starting = False
-            if rec.left_to_restart:  # it answered, then exited before we heard
-                rec.left_to_restart = False
+            if not rec.alive and not rec.death_told:  # it answered, then exited at once
                 self._after_death(rec, rec.death)
                 return
             rec.failed_starts = 0
             if rec.no_restart:  # killed while it was starting
                 rec.death = f"{rec.label} was killed by actorshm kill()"
-                os.kill(rec.pid, signal.SIGKILL)
+                try:
+                    os.kill(rec.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 return
             logger.warning("actorshm: restarted %s (restart %d of %s) after: %s", rec.label,
                            rec.restarts, _limit(rec), first_line(why))
             _events.emit(self, "restarted", rec, why)
         except BaseException as exc:
-            if isinstance(exc, Exception) and not isinstance(exc, ActorDiedError):
-                # Its __init__ raised: as at spawn, and as Ray does, a constructor that
-                # raises is not run again. The actor is dead for good; the calls waiting
-                # for it fail with why.
-                rec.no_restart = True
-                rec.death = (f"{rec.label} could not be restarted: {first_line(str(exc))} "
-                             f"(after: {first_line(why)})")
-                if rec.conn is not None:
-                    rec.conn.close(ActorDiedError(rec.death))
-                if rec.left_to_restart:  # (it exited first, and left this to us)
-                    rec.left_to_restart = False
-                    self._after_death(rec, rec.death)
-                elif rec.alive:
-                    await rec.stop(0.5)  # (its exit says it died for good)
-                return
-            if self._closing or rec.no_restart:  # closed or killed while it started
-                if rec.left_to_restart:
-                    rec.left_to_restart = False
-                    self._after_death(rec, rec.death or str(exc))
-                return
-            # It died, or did not start in time: that counts as a restart; the next one
-            # waits a little longer.
+            await self._restart_failed(rec, why, exc)
+
+    async def _restart_failed(self, rec: ActorRecord, why: str, exc: BaseException) -> None:
+        """A restart's start failed. If its ``__init__`` raised, the actor is dead for good
+        (as at spawn, and as in Ray: a constructor that raises is not run again), and the
+        calls waiting for it fail with why. Otherwise (its process died or hung while
+        starting, or none could be started) it counts as a restart, and the next one waits
+        a little longer. The death is reported once: by the process's exit when it is
+        still alive, else here (an exit seen while starting was left to us)."""
+        init_raised = exc is rec.init_error
+        rec.init_error = None
+        if init_raised:
+            rec.no_restart = True
+            rec.death = (f"{rec.label} could not be restarted: {first_line(str(exc))} "
+                         f"(after: {first_line(why)})")
+            if rec.conn is not None:
+                rec.conn.close(ActorDiedError(rec.death))
+        elif not (self._closing or rec.no_restart):
             rec.failed_starts += 1
             logger.warning("actorshm: restart %d of %s of %s failed while starting: %s",
                            rec.restarts, _limit(rec), rec.label, first_line(str(exc)))
-            if rec.left_to_restart:  # (it exited first, and left this to us)
-                rec.left_to_restart = False
-                self._after_death(rec, rec.death or str(exc))
-            elif rec.alive:
-                rec.death = rec.death or str(exc)
-                await rec.stop(0.5)  # (a hung start: its exit restarts it)
+            rec.death = rec.death or (f"{rec.label}: restart {rec.restarts} failed while "
+                                      f"starting: {first_line(str(exc))}")
+        if rec.alive:
+            await rec.stop(0.5)  # its exit reports the death (and restarts it if it may)
+        elif not rec.death_told:
+            why = rec.death or f"{rec.label} was stopped"
+            self._gpus.release(rec)
+            rec.close_probe()
+            rec.free_budget_slot()
+            if rec.conn is not None and not rec.conn.closed:
+                rec.conn.close(ActorDiedError(why))
+            self._after_death(rec, why)
 
     def _reap(self, rec: ActorRecord) -> None:
         rec.close_process(self.loop)

@@ -55,9 +55,9 @@ def watch_forks() -> None:
     os.register_at_fork(after_in_child=_note_fork)
 
 
-def leave_if_forked() -> None:
+def leave_if_forked(code: int = 0) -> None:
     if _forked:
-        os._exit(0)
+        os._exit(code)
 
 
 def exit_code(exc: SystemExit) -> int:

@@ -219,6 +219,7 @@ class Worker(StreamingClient):
             try:
                 result = fn(*args, **kwargs)
             except SystemExit as exc:
+                leave_if_forked(exit_code(exc))
                 self._exit(exc)
                 return
             except BaseException as exc:
@@ -246,6 +247,7 @@ class Worker(StreamingClient):
             if inspect.isawaitable(result):
                 result = await result
         except SystemExit as exc:
+            leave_if_forked(exit_code(exc))
             self._exit(exc)
             return
         except asyncio.CancelledError as exc:

@@ -92,6 +92,15 @@ class Faulty:
     def fork_and_return(self):
         return os.fork()  # the child returns too, into actorshm's code
 
+    def fork_and_exit(self):
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # the child leaves with SystemExit, through actorshm's code
+        return pid
+
+    def fork_in_stream(self):
+        yield os.fork()  # the child yields too
+
     def breaking(self, kind):
         return BreaksOnArrival(kind)  # its unpickling in the driver raises
 

@@ -146,6 +146,16 @@ async def test_a_child_forked_in_a_method_leaves_when_it_returns(rt):
             pytest.fail(f"the forked child {child} still runs")
 
 
+async def test_a_forked_child_leaving_with_sys_exit_or_in_a_stream_leaves_quietly(rt):
+    f = await Faulty.spawn()
+    for _ in range(3):
+        assert await asyncio.wait_for(f.fork_and_exit(), 30) > 0
+        assert await asyncio.wait_for(f.ok(), 30) == "ok"  # the parent's loop is intact
+    items = [x async for x in f.fork_in_stream()]
+    assert len(items) == 1 and items[0] > 0  # the parent's item only
+    assert await asyncio.wait_for(f.ok(), 30) == "ok"
+
+
 async def test_keyboard_interrupt_in_a_stream_is_its_error(rt):
     f = await Faulty.spawn()
     got = []

@@ -265,6 +265,27 @@ async def test_a_restart_that_does_not_start_in_time_is_retried(tmp_path):
         assert await asyncio.wait_for(a.rec(2), 20) == 2
 
 
+async def test_a_restart_whose_process_cannot_start_is_reported_and_never_hangs(rt):
+    from actors import FlakyStart
+    a = await FlakyStart.options(max_restarts=2).spawn("/nonexistent/marker")
+    events = []
+    rt.on_actor_event(lambda e: events.append((e.kind, e.will_restart)))
+
+    async def cannot_start(rec):
+        raise OSError(24, "Too many open files")
+    rt._start_process = cannot_start  # (no process comes: each restart fails before one)
+    with pytest.raises(ActorDiedError):
+        await a.crash()
+    with pytest.raises(ActorDiedError, match="failed while starting"):
+        await asyncio.wait_for(a.ping(), 30)  # failed, not left waiting
+    for _ in range(200):
+        if ("died", False) in events:
+            break
+        await asyncio.sleep(0.05)
+    assert events == [("died", True), ("died", True), ("died", False)]
+    assert not any(r["alive"] for r in rt.actors())
+
+
 async def test_restarts_that_keep_failing_back_off_and_say_so(rt, tmp_path, caplog):
     from actors import FlakyStart
     marker = tmp_path / "always-crash"
