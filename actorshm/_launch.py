@@ -63,9 +63,7 @@ class ActorRecord:
         self.methods: dict = {}  # set by the runtime (``_actor.public_methods``)
         self.popen: subprocess.Popen | None = None
         self.conn = None  # its ``_protocol.Connection``
-        self.pidfd = -1
-        self.pid = 0
-        self.alive = False
+        self.pidfd, self.pid, self.alive = -1, 0, False
         self.death: str | None = None
         self.exited = asyncio.Event()
         self.stderr_tail: collections.deque = collections.deque(maxlen=20)
@@ -97,8 +95,7 @@ class ActorRecord:
     def take_spawn_args(self) -> tuple:
         """``(args, kwargs)`` for this start; kept only while a later restart may need
         them, so that a dead actor's record holds no argument (nor its memory)."""
-        args = self.spawn_args
-        limit = self.options.max_restarts
+        args, limit = self.spawn_args, self.options.max_restarts
         if limit != -1 and self.restarts >= limit:
             self.spawn_args = ()
         return args
@@ -106,8 +103,8 @@ class ActorRecord:
     @property
     def has_future(self) -> bool:
         """Alive, or restarting: its name and handle are still its own."""
-        return self.alive or (self.conn is not None and not self.conn.closed
-                              and not self.no_restart)
+        return self.alive or (self.conn is not None and not self.conn.closed and
+                              not self.no_restart)
 
     @property
     def label(self) -> str:
