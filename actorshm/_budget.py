@@ -21,14 +21,16 @@ import threading
 
 from ._util import fmt_bytes
 
-__all__ = ["default_budget", "fd_limit", "SharedBudget", "chunk_size_for"]
+__all__ = ["default_budget", "fd_limit", "SharedBudget", "chunk_size_for", "MIN_BUDGET"]
 
 _HEAD = 8  # int64s: magic, budget, pressure, (unused)
 _SLOT = 8  # int64s per slot: pid, charge, then a 48-byte label
 _MAGIC = 0x4143_5453_484D_4244  # "ACTSHMBD"
 
 
-_LEAST = 4 << 20  # one arena (``_shm.LARGE``): less and nothing can be allocated
+# The smallest budget: one arena of the smallest size (``_shm.LARGE``); less and nothing
+# could be allocated.
+MIN_BUDGET = 4 << 20
 
 
 def default_budget() -> int:
@@ -39,10 +41,10 @@ def default_budget() -> int:
             n = int(float(env))
         except ValueError:
             n = -1
-        if n < _LEAST:
-            raise ValueError(f"ACTORSHM_SHM_BUDGET={env!r}: the shared-memory budget must be "
-                             f"a number of bytes, at least {_LEAST} (one 4 MiB arena), "
-                             "e.g. 8e9")
+        if n < MIN_BUDGET:
+            raise ValueError(f"ACTORSHM_SHM_BUDGET={env!r}: the shared-memory budget must "
+                             f"be a number of bytes, at least {MIN_BUDGET} (one 4 MiB "
+                             "arena), e.g. 8e9")
         return n
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

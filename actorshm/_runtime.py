@@ -77,7 +77,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                              "cannot re-initialize CUDA")
         self.start_method = start_method
         self.shm_budget = None if shm_budget is None else _check_number(
-            "shm_budget", shm_budget, _shm.LARGE, int,
+            "shm_budget", shm_budget, _shm.MIN_BUDGET, int,
             "bytes: room for one 4 MiB arena at least, e.g. 8 << 30")
         self.shutdown_grace = _check_number("shutdown_grace", shutdown_grace, 0, float,
                                             "seconds")

@@ -26,7 +26,8 @@ import numpy as np
 from . import _leases
 from ._arena import (Arena, HostBlock, array_from_block, find_block,  # noqa: F401
                      is_shared, map_fd, nbytes_of, new_arena)  # (re-exported)
-from ._budget import SharedBudget, chunk_size_for, default_budget, fd_limit  # noqa: F401
+from ._budget import (MIN_BUDGET, SharedBudget, chunk_size_for, default_budget,  # noqa: F401
+                      fd_limit)
 from ._errors import SharedMemoryError
 from ._leases import Block, Region, counters
 from ._util import fmt_bytes
@@ -36,7 +37,7 @@ __all__ = ["Pool", "HostPool", "Arena", "HostBlock", "empty", "zeros", "share", 
 
 PAGE = mmap.PAGESIZE
 CHUNK_SIZE = 64 << 20  # arena size for small blocks
-LARGE = 4 << 20  # blocks of this size or more get an arena of their own
+LARGE = MIN_BUDGET  # 4 MiB: blocks this big or more get an arena of their own
 MIN_BLOCK = 256
 ALIGN = 64
 
