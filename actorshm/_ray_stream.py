@@ -26,7 +26,6 @@ class RayStream:
         self._outcome = outcome
         self._cancel = cancel
         self._done = False
-        self._callbacks: list = []
 
     def __aiter__(self) -> "RayStream":
         return self
@@ -73,20 +72,8 @@ class RayStream:
         self._cancel(self._gen)
         self._finish()
 
-    def add_done_callback(self, fn: Callable) -> None:
-        """Run ``fn(self)`` when the stream ends (used by ``max_pending_calls``)."""
-        if self._done:
-            fn(self)
-        else:
-            self._callbacks.append(fn)
-
     def _finish(self) -> None:
-        if self._done:
-            return
         self._done = True
-        callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
 
     def __await__(self):
         raise TypeError(f"{self._what}() is a streaming method: iterate it with "
