@@ -103,8 +103,8 @@ class ActorRecord:
     @property
     def has_future(self) -> bool:
         """Alive, or restarting: its name and handle are still its own."""
-        return self.alive or (self.conn is not None and not self.conn.closed and
-                              not self.no_restart)
+        return self.alive or (self.conn is not None and not self.conn.closed
+                              and not self.no_restart)
 
     @property
     def label(self) -> str:

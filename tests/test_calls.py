@@ -156,15 +156,6 @@ async def test_a_forked_child_leaving_with_sys_exit_or_in_a_stream_leaves_quietl
     assert await asyncio.wait_for(f.ok(), 30) == "ok"
 
 
-async def test_keyboard_interrupt_in_a_stream_is_its_error(rt):
-    f = await Faulty.spawn()
-    got = []
-    with pytest.raises(actorshm.RemoteError, match="pressed in the stream"):
-        async for x in f.interrupt_stream():
-            got.append(x)
-    assert got == [1] and await f.ok() == "ok"  # as from a plain method: the actor lives
-
-
 async def test_actor_whose_init_arguments_fail_stops_cleanly(rt, capfd):
     with pytest.raises(TypeError, match="could not deserialize"):
         await Counter.spawn(BreaksOnArrival())

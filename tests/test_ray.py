@@ -72,6 +72,15 @@ def ray_only(backend, why):
         pytest.skip(why)
 
 
+async def items_before(stream, error, match=None):
+    """The items ``stream`` gave before it raised ``error`` (matching ``match``)."""
+    got = []
+    with pytest.raises(error, match=match):
+        async for x in stream:
+            got.append(x)
+    return got
+
+
 # -- Runtime -------------------------------------------------------------------------
 async def test_current_runtime_is_the_open_runtime(art, backend):
     assert actorshm.current_runtime() is art
@@ -568,12 +577,10 @@ async def test_a_method_raising_stop_iteration_fails_its_call(art, threads):
 
 
 async def test_keyboard_interrupt_in_a_stream_ends_it_and_the_actor_lives(art):
-    f = await Faulty.spawn()
-    got = []
-    with pytest.raises(actorshm.RemoteError, match="pressed in the stream"):
-        async for x in f.interrupt_stream():
-            got.append(x)
-    assert got == [1] and await asyncio.wait_for(f.ok(), 30) == "ok"
+    f = await Faulty.spawn()  # (as from a plain method: the actor lives)
+    assert await items_before(f.interrupt_stream(), actorshm.RemoteError,
+                              "pressed in the stream") == [1]
+    assert await asyncio.wait_for(f.ok(), 30) == "ok"
 
 
 async def test_a_cancelled_error_of_the_methods_own_fails_its_call(art):
@@ -587,11 +594,8 @@ async def test_a_cancelled_error_of_the_methods_own_fails_its_call(art):
     assert await q.stop_job()
     with pytest.raises(actorshm.RemoteError, match="CancelledError"):
         await asyncio.wait_for(job, 30)
-    got = []
-    with pytest.raises(actorshm.RemoteError, match="raised in the stream"):
-        async for x in q.stream_own_cancel():
-            got.append(x)
-    assert got == [1]
+    assert await items_before(q.stream_own_cancel(), actorshm.RemoteError,
+                              "raised in the stream") == [1]
     assert await asyncio.wait_for(q.ping(), 30) == "pong"
 
 
@@ -668,11 +672,8 @@ async def test_streaming_methods(art):
     async for x in s.count(3):  # the actor answers other calls while a stream is open
         assert await asyncio.wait_for(s.ping(), 10) == "pong"
     assert [x async for x in s.sync_count(4)] == [0, 1, 4, 9]
-    got = []
-    with pytest.raises(KeyError, match="stream failed on purpose"):
-        async for x in s.fail_after(3):
-            got.append(x)
-    assert got == [0, 1, 2]
+    assert await items_before(s.fail_after(3), KeyError, "stream failed on purpose") == \
+        [0, 1, 2]
     arrays = [a async for a in s.arrays(3, 1000)]
     assert [int(a[0]) for a in arrays] == [0, 1, 2]
 
@@ -693,11 +694,7 @@ async def test_leaving_a_stream_early_stops_the_generator(art):
 
 async def test_a_stream_whose_actor_dies_raises_actor_died(art):
     s = await Streamer.spawn()
-    got = []
-    with pytest.raises(actorshm.ActorDiedError):
-        async for x in s.die_after(3):
-            got.append(x)
-    assert got == [0, 1, 2]
+    assert await items_before(s.die_after(3), actorshm.ActorDiedError) == [0, 1, 2]
 
 
 async def test_cancelling_a_task_that_iterates_a_stream_stops_the_generator(art):
@@ -787,10 +784,8 @@ async def test_a_result_or_item_in_an_autograd_graph_fails_its_call(art):
     with pytest.raises(TypeError, match=r"result of ArrayUser.graph cannot be sent back.*"
                                         r"detach\(\)"):
         await a.graph()
-    got = []
-    with pytest.raises(TypeError, match=r"item of ArrayUser.graph_items cannot be sent"):
-        async for x in a.graph_items():
-            got.append(x)
+    got = await items_before(a.graph_items(), TypeError,
+                             r"item of ArrayUser.graph_items cannot be sent")
     assert [x.tolist() for x in got] == [[1.0]]
     assert await a.total(np.ones(2)) == 2.0
 
@@ -802,11 +797,8 @@ async def test_a_result_that_cannot_be_pickled_or_an_open_file_argument(art):
     with pytest.raises(TypeError, match=r"result of ArrayUser.bad_reduce cannot be sent back: "
                                         r"no pickling this on purpose"):
         await a.bad_reduce()
-    got = []
-    with pytest.raises(TypeError, match=r"an item of ArrayUser.lock_items cannot be sent"):
-        async for x in a.lock_items():
-            got.append(x)
-    assert got == [1]
+    assert await items_before(a.lock_items(), TypeError,
+                              r"an item of ArrayUser.lock_items cannot be sent") == [1]
     with open(__file__) as f, pytest.raises(TypeError, match="open file .* pass its path"):
         a.total(f)
     with pytest.raises(TypeError, match="Runtime cannot be sent .* pass actor handles"):
