@@ -104,6 +104,14 @@ class Faulty:
     def breaking(self, kind):
         return BreaksOnArrival(kind)  # its unpickling in the driver raises
 
+    def breaking_items(self, kind):
+        yield 1
+        yield BreaksOnArrival(kind)
+
+    def close_stdout(self):
+        sys.stdout.close()
+        return True
+
     def value_error(self):
         raise ValueError("bad value")
 

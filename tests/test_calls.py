@@ -127,6 +127,19 @@ async def test_a_result_raising_cancelled_error_as_it_unpickles_fails_alone(rt, 
     out = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 30)
     assert out[0] == out[2] == "ok"
     assert isinstance(out[1], TypeError) and "could not be deserialized here" in str(out[1])
+    got = []
+    with pytest.raises(TypeError, match="an item of Faulty.breaking_items could not be "
+                                        "deserialized here"):
+        async for x in f.breaking_items(kind):
+            got.append(x)
+    assert got == [1] and await asyncio.wait_for(f.ok(), 30) == "ok"
+
+
+async def test_a_method_closing_stdout_leaves_no_traceback_at_exit(capfd):
+    async with actorshm.Runtime(shutdown_grace=1.0):
+        f = await Faulty.spawn()
+        assert await f.close_stdout() and await f.ok() == "ok"
+    assert "Traceback" not in capfd.readouterr().err
 
 
 async def test_a_child_forked_in_a_method_leaves_when_it_returns(rt):
