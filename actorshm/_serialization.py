@@ -33,10 +33,12 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from . import _leases, _results, _shm
+from . import _encoding, _leases, _results, _shm
+from ._encoding import Encoding, MessageTooBig, add_wait, arena_fd, check_size
+from ._flat import decode_flat, encode_flat
 from ._inband import INLINE_BUDGET, INLINE_MAX, dtype_token, inline_array, rebuild_inline
 from ._errors import ProtocolError
-from ._wire import ARENA, GPU_SLAB, HAS_BLOCKS, LEN, MAX_MESSAGE, PLAIN  # noqa: F401
+from ._wire import ARENA, FLAT, GPU_SLAB, HAS_BLOCKS, LEN, PLAIN  # noqa: F401
 
 __all__ = ["encode", "encode_plain_call", "decode", "Unsendable", "MessageTooBig", "PassFd",
            "register_reducer", "register_region_kind", "register_lazy_plugin",
@@ -78,19 +80,8 @@ class PassFd:
         self.fd = fd
 
 
-class _Encoding:
-    """What an encoder keeps of the message it pickles: its blocks, fds and waits."""
-
-    def _start(self, conn) -> None:
-        self.conn = conn
-        self.fds: list[int] = []
-        self.table: list[tuple] = []  # the blocks this message leases, in order
-        self.index: dict[tuple, int] = {}  # block key -> its row in the table
-        self.grants: list = []  # the Block of each row
-        self.new_regions: list = []  # regions introduced on the connection by this message
-        self.waits: dict = {}  # ``before_send``: fn -> the items it waits for
-        self.inlined = 0  # bytes of small ordinary arrays pickled in band so far
-        self.n_inlined = 0  # and how many (counted as copies once the message is made)
+class _Encoding(Encoding):
+    """An encoding made by a pickler, which asks how each array travels (``array``)."""
 
     def array(self, obj):
         """How ndarray ``obj`` travels: in band when small and an ordinary array of its
@@ -103,29 +94,6 @@ class _Encoding:
                 self.n_inlined += 1
                 return inline_array(obj)
         return _reduce_array(self, obj)
-
-    def before_send(self, fn, item) -> None:
-        """Call ``fn(items)`` once, before the message leaves, with every ``item`` given
-        for it (e.g. the GPUs whose queued work the receiver must see)."""
-        _add_wait(self.waits, fn, item)
-
-    def lease(self, view, kind: int, intro) -> int:
-        """The row of ``view``'s block in this message's table, added (with its grant)
-        the first time. ``kind`` says how the receiver opens the region (``_OPENERS``);
-        ``intro(enc, region)`` gives what opens it, asked only when the region is new
-        to this connection."""
-        row = self.index.get(view.key)
-        if row is not None:
-            return row
-        region = view.region
-        what = None
-        if region.key not in self.conn.sent_regions and region not in self.new_regions:
-            self.new_regions.append(region)
-            what = intro(self, region)
-        row = self.index[view.key] = len(self.table)
-        self.table.append((kind, region.key, region.size, what, view.offset, view.size))
-        self.grants.append(view)
-        return row
 
 
 class _Encoder(_Encoding, cloudpickle.Pickler):
@@ -200,7 +168,7 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     else:
         stats["bytes_zero_copy"] += a.nbytes
         stats["arrays_zero_copy"] += 1
-    row = enc.lease(view, ARENA, _arena_fd)
+    row = enc.lease(view, ARENA, arena_fd)
     data = a.__array_interface__["data"][0]
     sub = None if (t is _ndarray or t is _memmap) else t
     return _rebuild_array, (row, data - view.region.addr - view.offset, a.shape,
@@ -214,12 +182,7 @@ def _rebuild_masked(cls, data, mask, fill_value, hard_mask):
 def lease_host_block(enc: _Encoder, block) -> int:
     """Lease a host block in the message ``enc`` is encoding; returns its table row (for
     plug-ins sending objects that live in host shared memory, e.g. torch tensors)."""
-    return enc.lease(block, ARENA, _arena_fd)
-
-
-def _arena_fd(enc: _Encoder, arena) -> int:
-    enc.fds.append(arena.fd)
-    return len(enc.fds) - 1
+    return enc.lease(block, ARENA, arena_fd)
 
 
 class _DecodeCtx:
@@ -273,15 +236,7 @@ def reply_waits_for(fn, item) -> None:
     the message is not a call."""
     waits = _ctx().waits
     if waits is not None:
-        _add_wait(waits, fn, item)
-
-
-def _add_wait(waits: dict, fn, item) -> None:
-    """Record that ``fn`` must be called with ``item`` among its items (fn -> set)."""
-    items = waits.get(fn)
-    if items is None:
-        items = waits[fn] = set()
-    items.add(item)
+        add_wait(waits, fn, item)
 
 
 def _rebuild_fd(index: int) -> int:
@@ -401,7 +356,7 @@ def encode_plain_call(method: str, args: tuple, kwargs: dict) -> bytes | None:
     other call (``encode`` makes that one)."""
     if _simple(args) and _simple(kwargs):
         data = _dumps((method, args, kwargs), 5)
-        if len(data) <= MAX_MESSAGE:
+        if len(data) <= _encoding.MAX_MESSAGE:
             return data
     return None
 
@@ -426,14 +381,16 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
         flat = plain or _scalars_and_arrays(obj)
     if plain:
         data = _dumps(obj, 5)
-        if len(data) > MAX_MESSAGE:
-            _too_big(len(data))
+        check_size(len(data))
         return data, _NO_FDS, None, PLAIN
+    if flat:  # arrays too: when all of them are shared, no pickler is needed either
+        out = encode_flat(obj, conn)
+        if out is not None:
+            return out
     f = io.BytesIO()
     enc = (_ArrayEncoder if flat else _Encoder)(f, conn)
     enc.dump(obj)
-    if f.tell() > MAX_MESSAGE:
-        _too_big(f.tell())  # before anything is committed: no lease is taken
+    check_size(f.tell())  # before anything is committed: no lease is taken
     if enc.n_inlined:
         counters = _leases.counters
         counters["bytes_copied"] += enc.inlined
@@ -445,17 +402,6 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     table = _dumps(enc.table, 5)
     # Parts, not one bytes object: the frame writer joins them with the header in one copy.
     return [_TLEN.pack(len(table)), table, f.getbuffer()], enc.fds, enc, HAS_BLOCKS
-
-
-class MessageTooBig(ValueError):
-    """A message over the frame limit (``MAX_MESSAGE``)."""
-
-
-def _too_big(n: int) -> None:
-    raise MessageTooBig(
-        f"the message is {n / 2**30:.1f} GiB once pickled, over actorshm's 2 GiB frame "
-        "limit; pass big data as numpy arrays, which travel in shared memory, not as "
-        "bytes or lists")
 
 
 def decode(payload, fds, conn, flags: int = 0, waits: dict | None = None) -> Any:
@@ -472,12 +418,14 @@ def decode(payload, fds, conn, flags: int = 0, waits: dict | None = None) -> Any
             mv = memoryview(payload)
             (n,) = _TLEN.unpack_from(mv)
             try:
-                table = pickle.loads(mv[4:4 + n])
+                table = _loads(mv[4:4 + n])
             except Exception as exc:
                 raise ProtocolError(f"undecodable block table: {exc!r}") from None
             _adopt_table(ctx, table)
             payload = mv[4 + n:]
-        return pickle.loads(payload)
+            if flags & FLAT:
+                return decode_flat(payload, ctx.blocks)
+        return _loads(payload)
     finally:
         _tls.ctx = prev
         # An exception's traceback keeps this frame, and so ``ctx``, alive until the next

@@ -541,9 +541,9 @@ class Oversized:
     """Replies that cannot be sent as they are (the frame limit lowered in the actor)."""
 
     def lower_frame_limit(self, n):
-        from actorshm import _framing, _remote_errors, _serialization
+        from actorshm import _encoding, _framing, _remote_errors
         _framing.MAX_FRAME = n
-        _serialization.MAX_MESSAGE = _remote_errors.MAX_MESSAGE = n
+        _encoding.MAX_MESSAGE = _remote_errors.MAX_MESSAGE = n
         return True
 
     def lower_framing_limit_only(self, n):

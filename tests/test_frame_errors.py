@@ -10,7 +10,7 @@ import pytest
 
 import actorshm
 from actorshm import _protocol as P
-from actorshm import _serialization, _shm
+from actorshm import _encoding, _shm
 from actorshm import _wire as W
 from actors import Arrays, Counter, Oversized
 from recorder import Recorder
@@ -32,7 +32,7 @@ async def _until(cond, timeout=2.0):
 
 async def test_the_frame_limit_error_gives_no_unrelated_advice(rt, monkeypatch):
     c = await Counter.spawn()
-    monkeypatch.setattr(_serialization, "MAX_MESSAGE", 10_000)
+    monkeypatch.setattr(_encoding, "MAX_MESSAGE", 10_000)
     with pytest.raises(TypeError, match="frame limit") as info:
         c.echo(b"x" * 20_000)
     assert "picklable" not in str(info.value) and "open files" not in str(info.value)

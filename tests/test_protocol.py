@@ -1,7 +1,10 @@
-"""Framing: frames cut anywhere by the socket, releases riding ahead of frames, big frames."""
+"""Framing: frames cut anywhere by the socket, releases riding ahead of frames, big frames,
+flat messages."""
 
 import asyncio
 import gc
+import os
+import pickle
 import socket
 
 import numpy as np
@@ -9,6 +12,7 @@ import pytest
 
 import actorshm
 from actorshm import _protocol as P
+from actorshm import _wire as W
 from actors import Arrays, Counter
 from recorder import Recorder
 
@@ -101,13 +105,14 @@ async def test_bad_releases_close_only_that_connection(rt):
 
 
 async def test_a_message_over_the_frame_limit_fails_before_anything_is_sent(rt, monkeypatch):
-    from actorshm import _serialization
+    from actorshm import _encoding
     w = await Arrays.spawn()
     a = actorshm.zeros(1000)
     assert await w.sum(a) == 0.0
     live = actorshm.stats()["blocks_live"]
-    monkeypatch.setattr(_serialization, "MAX_MESSAGE", 10_000)
-    for big in (b"x" * 20_000, [a, b"x" * 20_000]):
+    monkeypatch.setattr(_encoding, "MAX_MESSAGE", 10_000)
+    # plain; flat (a shared array); pickled with a reducer (an ordinary array)
+    for big in (b"x" * 20_000, [a, b"x" * 20_000], [np.ones(3), b"x" * 20_000]):
         with pytest.raises(TypeError, match="over actorshm's 2 GiB frame limit"):
             w.echo(big)
     monkeypatch.undo()
@@ -327,3 +332,105 @@ async def test_a_failing_frame_callback_neither_corrupts_the_stream_nor_hangs_ca
         stuck.close()
         b.close()
         d.close()
+
+
+# -- flat messages (``_flat``): scalars and shared arrays, no pickler of our own -----------
+
+def _flat_cases():
+    w, g = actorshm.zeros((4, 6)), actorshm.zeros(10, np.int32)
+    return w, g, [
+        # (message, whether it goes flat)
+        (("step", (w, g, 0.5, "x", None), {"lr": 0.1, "out": g}), True),
+        (("step", (w[1:, ::2], w.T), {}), True),  # views keep offset and strides
+        (w, True),
+        ((w, 3, g), True),
+        ([w, 1.5], True),
+        ({"w": w, "n": 2}, True),
+        (("step", (w, np.ones(3)), {}), False),  # an ordinary array: pickled, in band
+        (("step", (w, actorshm.zeros(0)), {}), False),  # an empty array: by value
+        (("step", (w, [g]), {}), False),  # not flat: nested
+        (("step", (w,), {}, {"chain": ()}), False),  # a call with meta: not flat
+    ]
+
+
+async def test_flat_messages_round_trip_as_views_of_the_same_memory():
+    from actorshm import _serialization as ser
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    sender = P.Connection(loop, Recorder(), a, "sender")
+    receiver = P.Connection(loop, Recorder(), b, "receiver")
+    w, g, cases = _flat_cases()
+    try:
+        for msg, flat in cases:
+            payload, fds, enc, flags = ser.encode(msg, sender)
+            assert bool(flags & W.FLAT) == flat, msg
+            sender.ledger.commit(enc, sender)
+            data = b"".join(bytes(p) for p in payload) if type(payload) is list else payload
+            got = ser.decode(data, [os.dup(fd) for fd in fds], receiver, flags)
+            _same(got, msg)
+        # an array that recurs arrives once; in kwargs and in a list alike
+        payload, fds, enc, flags = ser.encode(("f", (w, w), {"k": w}), sender)
+        assert flags & W.FLAT and len(enc.table) == 1
+        data = b"".join(bytes(p) for p in payload)
+        _, (x, y), kw = ser.decode(data, [os.dup(fd) for fd in fds], receiver, flags)
+        assert x is y is kw["k"] and x.flags.writeable
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def _same(got, sent):
+    """``got`` is ``sent`` rebuilt: equal scalars, each shared array a view of the same
+    memory (an ordinary one an equal copy)."""
+    if isinstance(sent, np.ndarray):
+        assert type(got) is np.ndarray and got.dtype == sent.dtype and got.shape == sent.shape
+        if actorshm.is_shared(sent) and sent.size:
+            assert got.strides == sent.strides
+            assert got.__array_interface__["data"][0] == sent.__array_interface__["data"][0]
+        assert np.array_equal(got, sent)
+        return
+    assert type(got) is type(sent)
+    if isinstance(sent, dict):
+        assert got.keys() == sent.keys()
+        for k in sent:
+            _same(got[k], sent[k])
+    elif isinstance(sent, (tuple, list)):
+        assert len(got) == len(sent)
+        for x, y in zip(got, sent):
+            _same(x, y)
+    else:
+        assert got == sent
+
+
+async def test_flat_calls_write_through_and_count_no_copy(rt):
+    w = await Arrays.spawn()
+    x, y = actorshm.zeros(1000), actorshm.zeros((3, 4), np.int16)
+    before = actorshm.stats()
+    for i in range(20):  # the arguments' blocks go home after each call (leases back)
+        assert await w.fill(x[::2], float(i)) is None
+        assert x[0] == i and x[1] == 0.0
+        back = await w.add_one(y)  # a flat reply: the same memory
+        assert np.shares_memory(back, y) and (y == i + 1).all()
+    after = actorshm.stats()
+    assert after["bytes_copied"] == before["bytes_copied"]
+    # (this process's counts: the arguments it sent by reference)
+    assert after["bytes_zero_copy"] - before["bytes_zero_copy"] == 20 * (4000 + 24)
+    assert after["blocks_live"] == before["blocks_live"]
+
+
+async def test_a_malformed_flat_message_closes_only_that_connection():
+    loop = asyncio.get_running_loop()
+    c, d = socket.socketpair()
+    host = Recorder()
+    receiver = P.Connection(loop, host, c, "receiver")
+    table = pickle.dumps([], 5)
+    body = pickle.dumps((0, ("m", ((7, 0, (3,), "<f8", (8,)),), {})), 5)  # no row 7
+    payload = P.LEN.pack(len(table)) + table + body
+    with d:
+        d.sendall(P.HEADER.pack(len(payload), P.CALL, P.HAS_BLOCKS | W.FLAT, 0, 1) + payload)
+        for _ in range(100):
+            if receiver.closed:
+                break
+            await asyncio.sleep(0.01)
+    assert receiver.closed and "malformed flat message" in str(receiver.close_exc)
+    assert not host.calls

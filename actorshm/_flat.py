@@ -1,0 +1,167 @@
+"""Flat messages: builtin scalars and shared arrays, with no pickler of our own.
+
+Most calls that carry arrays carry them flat: ``step(weights, grad, lr=0.1)``, each
+argument a builtin scalar or a numpy array already in shared memory, and most results
+are such arrays or flat tuples of them. For those the full encoder
+(``_serialization``: a pickler subclass asked about every object, a decoding context)
+is most of the cost of a call. A flat message is instead the block table and one plain
+pickle of the message in which each array is a *hole*: a tuple of its block's row in
+the table, its offset in the block, shape, dtype and strides (frame flags
+``HAS_BLOCKS | FLAT``). Scalars are never tuples, so every tuple in a flat container is
+a hole. The receiver adopts the table as for any message, then makes each hole an array
+on its block: the same writable view, by reference, that the full encoder gives. An
+array that recurs is one hole, and arrives as one array.
+
+A message with an array that is not in shared memory (it is copied, or pickled in band
+when small) is not flat: ``encode_flat`` returns None and the full encoder makes it.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+
+from . import _leases, _shm
+from ._encoding import Encoding, arena_fd, check_size
+from ._errors import ProtocolError
+from ._inband import dtype_token
+from ._wire import ARENA, FLAT, HAS_BLOCKS, LEN
+
+__all__ = ["encode_flat", "decode_flat"]
+
+_ndarray = np.ndarray
+_find_block = _shm.find_block
+_dumps = pickle.dumps
+_loads = pickle.loads
+_LEN = LEN
+
+
+class _FlatEncoding(Encoding):
+    """The blocks of a flat message (``encode_flat``): no pickler of its own."""
+
+    def __init__(self, conn) -> None:
+        self._start(conn)
+        self.nbytes = 0  # bytes of the arrays leased (by reference)
+        self.narrays = 0
+        self.holes: dict = {}  # id(array) -> its hole: an array sent twice arrives once
+
+
+def _hole(enc: _FlatEncoding, a: np.ndarray):
+    """Where shared array ``a`` lies: ``(row, offset in its block, shape, dtype, strides)``,
+    its block leased in ``enc``; None when ``a`` is not in shared memory (or is empty).
+    The same hole object each time ``a`` recurs, so the receiver makes one array of it,
+    as pickle's memo does for the other messages."""
+    hole = enc.holes.get(id(a))
+    if hole is not None:
+        return hole
+    view = _find_block(a)
+    if view is None or not a.size:
+        return None
+    row = enc.lease(view, ARENA, arena_fd)
+    enc.nbytes += a.nbytes
+    enc.narrays += 1
+    hole = enc.holes[id(a)] = (
+        row, a.__array_interface__["data"][0] - view.region.addr - view.offset, a.shape,
+        dtype_token(a.dtype), a.strides)
+    return hole
+
+
+def _holed(enc: _FlatEncoding, c):
+    """Flat container ``c`` with each array a hole (``_hole``), or None: an array in it
+    is not in shared memory."""
+    t = type(c)
+    if t is tuple or t is list:
+        out = []
+        for x in c:
+            if type(x) is _ndarray:
+                x = _hole(enc, x)
+                if x is None:
+                    return None
+            out.append(x)
+        return tuple(out) if t is tuple else out
+    if t is dict:
+        out = {}
+        for k, x in c.items():
+            if type(x) is _ndarray:
+                x = _hole(enc, x)
+                if x is None:
+                    return None
+            out[k] = x
+        return out
+    if t is _ndarray:
+        return None  # (a container is expected here)
+    return c  # a scalar
+
+
+def encode_flat(obj: Any, conn):
+    """A message of builtin scalars and shared arrays, flat (a call with such arguments,
+    such a result), as a block table and a plain pickle with the arrays as holes
+    (``FLAT``): no pickler subclass, no decoding context. None when it is not such a
+    message, or an array is not in shared memory (``_ArrayEncoder`` does those)."""
+    enc = _FlatEncoding(conn)
+    t = type(obj)
+    if t is tuple and len(obj) == 3 and type(obj[1]) is tuple and type(obj[2]) is dict:
+        args = _holed(enc, obj[1])
+        kwargs = _holed(enc, obj[2]) if args is not None else None
+        if kwargs is None:
+            return None
+        body = (0, (obj[0], args, kwargs))
+    elif t is _ndarray:
+        body = (1, _hole(enc, obj))
+        if body[1] is None:
+            return None
+    else:
+        sk = _holed(enc, obj)
+        if sk is None or sk is obj:
+            return None
+        body = (2, sk)
+    data = _dumps(body, 5)
+    check_size(len(data))
+    counters = _leases.counters
+    counters["bytes_zero_copy"] += enc.nbytes
+    counters["arrays_zero_copy"] += enc.narrays
+    table = _dumps(enc.table, 5)
+    return [_LEN.pack(len(table)), table, data], enc.fds, enc, HAS_BLOCKS | FLAT
+
+
+def _unholed(c, blocks: list, made: dict):
+    """Container ``c`` of a flat message, each hole (a tuple) an array again."""
+    t = type(c)
+    if t is tuple:
+        return tuple([_flat_array(x, blocks, made) if type(x) is tuple else x for x in c])
+    if t is list:
+        for i, x in enumerate(c):
+            if type(x) is tuple:
+                c[i] = _flat_array(x, blocks, made)
+        return c
+    if t is dict:
+        for k, x in list(c.items()):
+            if type(x) is tuple:
+                c[k] = _flat_array(x, blocks, made)
+    return c
+
+
+def _flat_array(hole: tuple, blocks: list, made: dict) -> np.ndarray:
+    a = made.get(id(hole))  # (the same hole twice: one array sent twice)
+    if a is None:
+        row, aoff, shape, dtype, strides = hole
+        a = made[id(hole)] = _ndarray(shape, dtype, buffer=np.asarray(blocks[row]),
+                                      offset=aoff, strides=strides)
+    return a
+
+
+def decode_flat(payload, blocks: list):
+    """What ``encode_flat`` made, its block table already adopted as ``blocks``."""
+    try:
+        kind, sk = _loads(payload)
+        made: dict = {}
+        if kind == 0:
+            method, args, kwargs = sk
+            return (method, _unholed(args, blocks, made), _unholed(kwargs, blocks, made))
+        if kind == 1:
+            return _flat_array(sk, blocks, made)
+        return _unholed(sk, blocks, made)
+    except Exception as exc:
+        raise ProtocolError(f"malformed flat message: {exc!r}") from None
