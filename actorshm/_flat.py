@@ -98,16 +98,20 @@ def _holed(enc: _FlatEncoding, c):
 def encode_flat(obj: Any, conn):
     """A message of builtin scalars and shared arrays, flat (a call with such arguments,
     such a result), as a block table and a plain pickle with the arrays as holes
-    (``FLAT``): no pickler subclass, no decoding context. None when it is not such a
-    message, or an array is not in shared memory (``_ArrayEncoder`` does those)."""
+    (``FLAT``): no pickler subclass, no decoding context. None when an array is not in
+    shared memory (``_ArrayEncoder`` does those).
+
+    ``obj`` is one the caller (``_serialization.encode``) found flat: scalars and arrays,
+    alone or in one flat container; or a call ``(method, args, kwargs[, meta])`` whose
+    args and kwargs are such containers and whose meta is builtins only."""
     enc = _FlatEncoding(conn)
     t = type(obj)
-    if t is tuple and len(obj) == 3 and type(obj[1]) is tuple and type(obj[2]) is dict:
+    if t is tuple and 3 <= len(obj) <= 4 and type(obj[1]) is tuple and type(obj[2]) is dict:
         args = _holed(enc, obj[1])
         kwargs = _holed(enc, obj[2]) if args is not None else None
         if kwargs is None:
             return None
-        body = (0, (obj[0], args, kwargs))
+        body = (0, (obj[0], args, kwargs, *obj[3:]))
     elif t is _ndarray:
         body = (1, _hole(enc, obj))
         if body[1] is None:
@@ -157,9 +161,10 @@ def decode_flat(payload, blocks: list):
     try:
         kind, sk = _loads(payload)
         made: dict = {}
-        if kind == 0:
-            method, args, kwargs = sk
-            return (method, _unholed(args, blocks, made), _unholed(kwargs, blocks, made))
+        if kind == 0:  # a call (with its meta)
+            method, args, kwargs, *meta = sk
+            return (method, _unholed(args, blocks, made), _unholed(kwargs, blocks, made),
+                    *meta)
         if kind == 1:
             return _flat_array(sk, blocks, made)
         return _unholed(sk, blocks, made)

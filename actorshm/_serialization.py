@@ -350,6 +350,27 @@ def _scalars_and_arrays(obj: Any) -> bool:
     return True
 
 
+def _plain_meta(meta: Any) -> bool:
+    """Whether a call's ``meta`` (``_protocol.Connection.call``: the chain of calls it was
+    made from, a stream's run-ahead) is builtins only: str keys, each value a scalar or
+    a tuple of tuples of scalars (the chain's links)."""
+    if type(meta) is not dict:
+        return False
+    for k, v in meta.items():
+        if type(k) is not str:
+            return False
+        if type(v) is tuple:
+            for link in v:
+                if type(link) is not tuple:
+                    return False
+                for x in link:
+                    if type(x) not in _SIMPLE:
+                        return False
+        elif type(v) not in _SIMPLE:
+            return False
+    return True
+
+
 def encode_plain_call(method: str, args: tuple, kwargs: dict) -> bytes | None:
     """The payload of a call whose arguments are all builtin scalars (frame flag
     ``PLAIN``: no cloudpickle, no block table, no decoding context), or None for any
@@ -373,7 +394,8 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     """
     # Fast path (most calls): builtin scalars need neither cloudpickle nor our reducers,
     # and the receiver needs no decoding context for them (``PLAIN``).
-    if type(obj) is tuple and len(obj) == 3 and type(obj[0]) is str:  # a call
+    n = len(obj) if type(obj) is tuple else 0
+    if (n == 3 or (n == 4 and _plain_meta(obj[3]))) and type(obj[0]) is str:  # a call
         plain = _simple(obj[1]) and _simple(obj[2])
         flat = plain or (_scalars_and_arrays(obj[1]) and _scalars_and_arrays(obj[2]))
     else:

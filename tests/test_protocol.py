@@ -349,7 +349,9 @@ def _flat_cases():
         (("step", (w, np.ones(3)), {}), False),  # an ordinary array: pickled, in band
         (("step", (w, actorshm.zeros(0)), {}), False),  # an empty array: by value
         (("step", (w, [g]), {}), False),  # not flat: nested
-        (("step", (w,), {}, {"chain": ()}), False),  # a call with meta: not flat
+        # a call made in an actor carries its chain (meta): builtins, so flat too
+        (("step", (w,), {"g": g}, {"chain": ((1, "A.m", 2),), "run_ahead": 3}), True),
+        (("step", (w,), {}, {"x": [1]}), False),  # meta of another shape: pickled
     ]
 
 
@@ -374,6 +376,11 @@ async def test_flat_messages_round_trip_as_views_of_the_same_memory():
         data = b"".join(bytes(p) for p in payload)
         _, (x, y), kw = ser.decode(data, [os.dup(fd) for fd in fds], receiver, flags)
         assert x is y is kw["k"] and x.flags.writeable
+        # a call with meta and only scalars is a plain pickle (no pickler, no context)
+        meta = {"chain": ((3, "B.relay", 7),)}
+        payload, fds, enc, flags = ser.encode(("f", (1, "x"), {"k": None}, meta), sender)
+        assert flags == P.PLAIN and enc is None and not fds
+        assert ser.decode(payload, [], receiver, flags) == ("f", (1, "x"), {"k": None}, meta)
     finally:
         sender.close()
         receiver.close()
