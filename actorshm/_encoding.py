@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from ._wire import MAX_MESSAGE
 
-__all__ = ["Encoding", "MessageTooBig", "add_wait", "arena_fd", "check_size"]
+__all__ = ["Encoding", "MessageTooBig", "SCALARS", "add_wait", "arena_fd", "check_size"]
+
+# The builtin scalars, by exact type: what plain pickle does right (no subclass, no tuple).
+SCALARS = frozenset({int, float, str, bytes, bool, type(None), complex})
 
 
 class Encoding:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import _leases, _shm
-from ._encoding import Encoding, arena_fd, check_size
+from ._encoding import SCALARS, Encoding, arena_fd, check_size
 from ._errors import ProtocolError
 from ._inband import dtype_token
 from ._wire import ARENA, FLAT, HAS_BLOCKS, LEN
@@ -69,30 +69,37 @@ def _hole(enc: _FlatEncoding, a: np.ndarray):
 
 
 def _holed(enc: _FlatEncoding, c):
-    """Flat container ``c`` with each array a hole (``_hole``), or None: an array in it
-    is not in shared memory."""
+    """Flat container ``c`` with each array a hole (``_hole``), or None: it holds
+    something other than builtin scalars and shared arrays (a nested container, which
+    plain pickle would copy arrays out of; a tuple, which would read as a hole)."""
     t = type(c)
     if t is tuple or t is list:
         out = []
         for x in c:
-            if type(x) is _ndarray:
+            tx = type(x)
+            if tx is _ndarray:
                 x = _hole(enc, x)
                 if x is None:
                     return None
+            elif tx not in SCALARS:
+                return None
             out.append(x)
         return tuple(out) if t is tuple else out
     if t is dict:
         out = {}
         for k, x in c.items():
-            if type(x) is _ndarray:
+            tx = type(x)
+            if type(k) is not str:
+                return None
+            if tx is _ndarray:
                 x = _hole(enc, x)
                 if x is None:
                     return None
+            elif tx not in SCALARS:
+                return None
             out[k] = x
         return out
-    if t is _ndarray:
-        return None  # (a container is expected here)
-    return c  # a scalar
+    return None  # (a container is expected here)
 
 
 def encode_flat(obj: Any, conn):
@@ -101,12 +108,14 @@ def encode_flat(obj: Any, conn):
     (``FLAT``): no pickler subclass, no decoding context. None when an array is not in
     shared memory (``_ArrayEncoder`` does those).
 
-    ``obj`` is one the caller (``_serialization.encode``) found flat: scalars and arrays,
-    alone or in one flat container; or a call ``(method, args, kwargs[, meta])`` whose
-    args and kwargs are such containers and whose meta is builtins only."""
+    ``obj`` is an array, one flat container, or a call ``(method, args, kwargs[, meta])``
+    whose args and kwargs are flat and whose meta (``_serialization.encode`` checked it)
+    is builtins only. Every container is checked here: only builtin scalars and arrays
+    in it, so that each tuple the receiver finds in it is a hole."""
     enc = _FlatEncoding(conn)
     t = type(obj)
-    if t is tuple and 3 <= len(obj) <= 4 and type(obj[1]) is tuple and type(obj[2]) is dict:
+    if t is tuple and 3 <= len(obj) <= 4 and type(obj[0]) is str and type(obj[1]) is tuple \
+            and type(obj[2]) is dict:
         args = _holed(enc, obj[1])
         kwargs = _holed(enc, obj[2]) if args is not None else None
         if kwargs is None:
@@ -116,9 +125,9 @@ def encode_flat(obj: Any, conn):
         body = (1, _hole(enc, obj))
         if body[1] is None:
             return None
-    else:
+    else:  # one flat container (anything else, e.g. a call-shaped tuple, is not flat)
         sk = _holed(enc, obj)
-        if sk is None or sk is obj:
+        if sk is None:
             return None
         body = (2, sk)
     data = _dumps(body, 5)

@@ -34,7 +34,7 @@ import cloudpickle
 import numpy as np
 
 from . import _encoding, _leases, _results, _shm
-from ._encoding import Encoding, MessageTooBig, add_wait, arena_fd, check_size
+from ._encoding import SCALARS, Encoding, MessageTooBig, add_wait, arena_fd, check_size
 from ._flat import decode_flat, encode_flat
 from ._inband import INLINE_BUDGET, INLINE_MAX, dtype_token, inline_array, rebuild_inline
 from ._errors import ProtocolError
@@ -304,7 +304,7 @@ def _adopt_table(ctx: _DecodeCtx, table) -> None:
         raise failed
 
 
-_SIMPLE = frozenset({int, float, str, bytes, bool, type(None), complex})
+_SIMPLE = SCALARS
 _dumps = pickle.dumps
 _loads = pickle.loads
 _NO_FDS: tuple = ()

@@ -352,6 +352,14 @@ def _flat_cases():
         # a call made in an actor carries its chain (meta): builtins, so flat too
         (("step", (w,), {"g": g}, {"chain": ((1, "A.m", 2),), "run_ahead": 3}), True),
         (("step", (w,), {}, {"x": [1]}), False),  # meta of another shape: pickled
+        # results shaped like calls but nested: pickled, their arrays still shared
+        (("img", w.shape, w), False),
+        (("n", (w,), g), False),
+        (("n", [w], g), False),
+        (("s", (1, 2), w, {}), False),
+        (("x", (0, 0, 2, "<f8", 8), w), False),  # a user tuple shaped like a hole
+        (["x", (0, 0, 2, "<f8", 8), w], False),
+        ({"a": w, "b": {"c": g}}, False),
     ]
 
 
@@ -423,6 +431,15 @@ async def test_flat_calls_write_through_and_count_no_copy(rt):
     # (this process's counts: the arguments it sent by reference)
     assert after["bytes_zero_copy"] - before["bytes_zero_copy"] == 20 * (4000 + 24)
     assert after["blocks_live"] == before["blocks_live"]
+
+
+async def test_results_and_items_shaped_like_calls_keep_their_nested_arrays_shared(rt):
+    w = await Arrays.spawn()
+    a, b = actorshm.zeros((2, 3)), actorshm.zeros(4)
+    for sent in [("img", a.shape, a), ("n", (a,), b), ("n", [a], b), ("s", (1, 2), a, {}),
+                 ("x", (0, 0, 2, "<f8", 8), a)]:
+        _same(await w.echo(sent), sent)  # (each shared array: the same memory)
+    assert await w.sum(b) == 0.0  # the connection is fine
 
 
 async def test_a_malformed_flat_message_closes_only_that_connection():
