@@ -68,34 +68,36 @@ def _hole(enc: _FlatEncoding, a: np.ndarray):
     return hole
 
 
+_NOT_FLAT = object()
+
+
+def _item(enc: _FlatEncoding, x):
+    """Item ``x`` of a flat container as the message carries it: a builtin scalar as it
+    is, a shared array as its hole; ``_NOT_FLAT`` for anything else (a nested container,
+    which plain pickle would copy arrays out of; a tuple, which would read as a hole)."""
+    tx = type(x)
+    if tx is _ndarray:
+        hole = _hole(enc, x)
+        return _NOT_FLAT if hole is None else hole
+    return x if tx in SCALARS else _NOT_FLAT
+
+
 def _holed(enc: _FlatEncoding, c):
-    """Flat container ``c`` with each array a hole (``_hole``), or None: it holds
-    something other than builtin scalars and shared arrays (a nested container, which
-    plain pickle would copy arrays out of; a tuple, which would read as a hole)."""
+    """Flat container ``c`` with each array a hole (``_item``), or None: not flat."""
     t = type(c)
     if t is tuple or t is list:
         out = []
         for x in c:
-            tx = type(x)
-            if tx is _ndarray:
-                x = _hole(enc, x)
-                if x is None:
-                    return None
-            elif tx not in SCALARS:
+            x = _item(enc, x)
+            if x is _NOT_FLAT:
                 return None
             out.append(x)
         return tuple(out) if t is tuple else out
     if t is dict:
         out = {}
         for k, x in c.items():
-            tx = type(x)
-            if type(k) is not str:
-                return None
-            if tx is _ndarray:
-                x = _hole(enc, x)
-                if x is None:
-                    return None
-            elif tx not in SCALARS:
+            x = _item(enc, x)
+            if x is _NOT_FLAT or type(k) is not str:
                 return None
             out[k] = x
         return out
