@@ -87,19 +87,25 @@ async def test_releases_ride_ahead_of_the_reply(rt):
     assert actorshm.stats()["pool_allocs"] == allocs  # the same block, 50 times
 
 
-async def test_bad_releases_close_only_that_connection(rt):
-    loop = asyncio.get_running_loop()
+async def _receive_raw(frame: bytes):
+    """A connection that reads ``frame`` (header included) off its socket: (it, its host),
+    once it closed or a second passed."""
     c, d = socket.socketpair()
     host = Recorder()
-    receiver = P.Connection(loop, host, c, "receiver")
-    junk = b"\xff\xff\x00\x00not a pickle"  # says 65535 bytes of releases follow
-    frame = P.HEADER.pack(len(junk), P.CALL, P.HAS_RELEASES, 0, 1) + junk
+    receiver = P.Connection(asyncio.get_running_loop(), host, c, "receiver")
     with d:
         d.sendall(frame)
         for _ in range(100):
             if receiver.closed:
                 break
             await asyncio.sleep(0.01)
+    return receiver, host
+
+
+async def test_bad_releases_close_only_that_connection(rt):
+    junk = b"\xff\xff\x00\x00not a pickle"  # says 65535 bytes of releases follow
+    receiver, host = await _receive_raw(P.HEADER.pack(len(junk), P.CALL, P.HAS_RELEASES, 0, 1)
+                                        + junk)
     assert receiver.closed and "truncated releases" in str(receiver.close_exc)
     assert not host.calls
 
@@ -363,35 +369,43 @@ def _flat_cases():
     ]
 
 
-async def test_flat_messages_round_trip_as_views_of_the_same_memory():
-    from actorshm import _serialization as ser
+@pytest.fixture
+async def pair():
+    """A sender and a receiver connection over a socket pair, in this process."""
     loop = asyncio.get_running_loop()
     a, b = socket.socketpair()
     sender = P.Connection(loop, Recorder(), a, "sender")
     receiver = P.Connection(loop, Recorder(), b, "receiver")
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def _trip(msg, sender, receiver):
+    """``msg`` encoded on ``sender`` and decoded on ``receiver`` (the frame's payload and
+    fds as they would arrive): (what arrived, its frame flags, the encoder)."""
+    from actorshm import _serialization as ser
+    payload, fds, enc, flags = ser.encode(msg, sender)
+    sender.ledger.commit(enc, sender)
+    data = b"".join(bytes(p) for p in payload) if type(payload) is list else payload
+    return ser.decode(data, [os.dup(fd) for fd in fds], receiver, flags), flags, enc
+
+
+async def test_flat_messages_round_trip_as_views_of_the_same_memory(pair):
     w, g, cases = _flat_cases()
-    try:
-        for msg, flat in cases:
-            payload, fds, enc, flags = ser.encode(msg, sender)
-            assert bool(flags & W.FLAT) == flat, msg
-            sender.ledger.commit(enc, sender)
-            data = b"".join(bytes(p) for p in payload) if type(payload) is list else payload
-            got = ser.decode(data, [os.dup(fd) for fd in fds], receiver, flags)
-            _same(got, msg)
-        # an array that recurs arrives once; in kwargs and in a list alike
-        payload, fds, enc, flags = ser.encode(("f", (w, w), {"k": w}), sender)
-        assert flags & W.FLAT and len(enc.table) == 1
-        data = b"".join(bytes(p) for p in payload)
-        _, (x, y), kw = ser.decode(data, [os.dup(fd) for fd in fds], receiver, flags)
-        assert x is y is kw["k"] and x.flags.writeable
-        # a call with meta and only scalars is a plain pickle (no pickler, no context)
-        meta = {"chain": ((3, "B.relay", 7),)}
-        payload, fds, enc, flags = ser.encode(("f", (1, "x"), {"k": None}, meta), sender)
-        assert flags == P.PLAIN and enc is None and not fds
-        assert ser.decode(payload, [], receiver, flags) == ("f", (1, "x"), {"k": None}, meta)
-    finally:
-        sender.close()
-        receiver.close()
+    for msg, flat in cases:
+        got, flags, _ = _trip(msg, *pair)
+        assert bool(flags & W.FLAT) == flat, msg
+        _same(got, msg)
+    # an array that recurs arrives once; in kwargs and in a list alike
+    (_, (x, y), kw), flags, enc = _trip(("f", (w, w), {"k": w}), *pair)
+    assert flags & W.FLAT and len(enc.table) == 1
+    assert x is y is kw["k"] and x.flags.writeable
+    # a call with meta and only scalars is a plain pickle (no pickler, no context)
+    meta = {"chain": ((3, "B.relay", 7),)}
+    got, flags, enc = _trip(("f", (1, "x"), {"k": None}, meta), *pair)
+    assert flags == P.PLAIN and enc is None
+    assert got == ("f", (1, "x"), {"k": None}, meta)
 
 
 def _same(got, sent):
@@ -443,33 +457,20 @@ async def test_results_and_items_shaped_like_calls_keep_their_nested_arrays_shar
 
 
 async def test_a_malformed_flat_message_closes_only_that_connection():
-    loop = asyncio.get_running_loop()
-    c, d = socket.socketpair()
-    host = Recorder()
-    receiver = P.Connection(loop, host, c, "receiver")
     table = pickle.dumps([], 5)
     body = pickle.dumps((0, ("m", ((7, 0, (3,), "<f8", (8,)),), {})), 5)  # no row 7
     payload = P.LEN.pack(len(table)) + table + body
-    with d:
-        d.sendall(P.HEADER.pack(len(payload), P.CALL, P.HAS_BLOCKS | W.FLAT, 0, 1) + payload)
-        for _ in range(100):
-            if receiver.closed:
-                break
-            await asyncio.sleep(0.01)
+    receiver, host = await _receive_raw(
+        P.HEADER.pack(len(payload), P.CALL, P.HAS_BLOCKS | W.FLAT, 0, 1) + payload)
     assert receiver.closed and "malformed flat message" in str(receiver.close_exc)
     assert not host.calls
 
 
-async def test_any_mix_of_scalars_arrays_and_containers_round_trips_flat_or_not():
+async def test_any_mix_of_scalars_arrays_and_containers_round_trips_flat_or_not(pair):
     # Random nestings (seeded) of scalars, shared and ordinary arrays, containers and
     # call-shaped tuples: whichever path encodes each, it arrives as sent, every shared
     # array as a view of the same memory.
     import random
-    from actorshm import _serialization as ser
-    loop = asyncio.get_running_loop()
-    a, b = socket.socketpair()
-    sender = P.Connection(loop, Recorder(), a, "sender")
-    receiver = P.Connection(loop, Recorder(), b, "receiver")
     rng = random.Random(7)
     shared = [actorshm.zeros(5), actorshm.zeros((2, 3), np.int8), actorshm.zeros(7)[::2]]
     atoms = [1, 2.5, "s", b"b", None, True, 1j, np.ones(2)] + shared
@@ -491,15 +492,9 @@ async def test_any_mix_of_scalars_arrays_and_containers_round_trips_flat_or_not(
         return ("m", make(depth - 1), make(depth - 1), *meta)
 
     flat = 0
-    try:
-        for _ in range(500):
-            msg = make(3)
-            payload, fds, enc, flags = ser.encode(msg, sender)
-            sender.ledger.commit(enc, sender)
-            flat += bool(flags & W.FLAT)
-            data = b"".join(bytes(p) for p in payload) if type(payload) is list else payload
-            _same(ser.decode(data, [os.dup(fd) for fd in fds], receiver, flags), msg)
-        assert flat > 10  # (the flat path was taken too)
-    finally:
-        sender.close()
-        receiver.close()
+    for _ in range(500):
+        msg = make(3)
+        got, flags, _ = _trip(msg, *pair)
+        flat += bool(flags & W.FLAT)
+        _same(got, msg)
+    assert flat > 10  # (the flat path was taken too)
