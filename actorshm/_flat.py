@@ -14,6 +14,10 @@ array that recurs is one hole, and arrives as one array.
 
 A message with an array that is not in shared memory (it is copied, or pickled in band
 when small) is not flat: ``encode_flat`` returns None and the full encoder makes it.
+
+Plug-in objects that lie in shared memory travel flat too (a torch tensor:
+``_registry.register_flat``): their hole is ``(maker, row, ...)``, and the receiver calls
+``maker(blocks, row, ...)``; ``maker`` goes by name, so its plug-in loads where it lands.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import numpy as np
 from . import _leases, _shm
 from ._encoding import SCALARS, Encoding, arena_fd, check_size
 from ._errors import ProtocolError
+from ._registry import _flat_holes, _flat_makers
 from ._inband import dtype_token
 from ._wire import ARENA, FLAT, HAS_BLOCKS, LEN
 
@@ -79,7 +84,18 @@ def _item(enc: _FlatEncoding, x):
     if tx is _ndarray:
         hole = _hole(enc, x)
         return _NOT_FLAT if hole is None else hole
-    return x if tx in SCALARS else _NOT_FLAT
+    if tx in SCALARS:
+        return x
+    make_hole = _flat_holes.get(tx)  # a plug-in's object (a torch tensor)
+    if make_hole is None:
+        return _NOT_FLAT
+    hole = enc.holes.get(id(x))
+    if hole is None:
+        hole = make_hole(enc, x)
+        if hole is None:
+            return _NOT_FLAT
+        enc.holes[id(x)] = hole
+    return hole
 
 
 def _holed(enc: _FlatEncoding, c):
@@ -123,9 +139,9 @@ def encode_flat(obj: Any, conn):
         if kwargs is None:
             return None
         body = (0, (obj[0], args, kwargs, *obj[3:]))
-    elif t is _ndarray:
-        body = (1, _hole(enc, obj))
-        if body[1] is None:
+    elif t is _ndarray or t in _flat_holes:
+        body = (1, _item(enc, obj))
+        if body[1] is _NOT_FLAT:
             return None
     else:  # one flat container (anything else, e.g. a call-shaped tuple, is not flat)
         sk = _holed(enc, obj)
@@ -158,12 +174,19 @@ def _unholed(c, blocks: list, made: dict):
     return c
 
 
-def _flat_array(hole: tuple, blocks: list, made: dict) -> np.ndarray:
+def _flat_array(hole: tuple, blocks: list, made: dict):
     a = made.get(id(hole))  # (the same hole twice: one array sent twice)
     if a is None:
-        row, aoff, shape, dtype, strides = hole
-        a = made[id(hole)] = _ndarray(shape, dtype, buffer=np.asarray(blocks[row]),
-                                      offset=aoff, strides=strides)
+        row = hole[0]
+        if type(row) is int:
+            row, aoff, shape, dtype, strides = hole
+            a = _ndarray(shape, dtype, buffer=np.asarray(blocks[row]), offset=aoff,
+                         strides=strides)
+        elif row in _flat_makers:  # a plug-in's object: ``(maker, row, ...)``
+            a = row(blocks, *hole[1:])
+        else:
+            raise ValueError(f"a hole names {row!r}, which is no registered maker")
+        made[id(hole)] = a
     return a
 
 

@@ -24,6 +24,10 @@ _not_reduced: set[type] = set()  # types seen with no registered base
 # Module name -> loader, called once when that module is first seen imported.
 _lazy_plugins: dict[str, Any] = {}
 _OPENERS: dict[int, Any] = {}
+# Flat messages (``_flat``): exact type -> ``hole(enc, obj)``, for plug-in objects that may
+# travel in a flat message; and the makers that their holes name.
+_flat_holes: dict[type, Any] = {}
+_flat_makers: set = set()
 
 
 def register_reducer(cls: type, reducer) -> None:
@@ -48,6 +52,27 @@ def register_reducer(cls: type, reducer) -> None:
         raise TypeError("register_reducer(cls, reducer) needs a type and a callable")
     _reducers[cls] = reducer
     _not_reduced.clear()
+
+
+def register_flat(cls: type, hole, maker) -> None:
+    """Let instances of exactly ``cls`` travel in flat messages (``_flat``) when they lie
+    in shared memory, with no pickler: ``cls`` must also have a reducer
+    (``register_reducer``), which sends them in every other message.
+
+    Args:
+        cls: the exact type (a subclass is not flat unless registered too).
+        hole: called as ``hole(enc, obj)``; returns None when ``obj`` cannot go flat
+            (nothing leased then), else a tuple ``(maker, *args)`` of builtin scalars and
+            tuples of them after ``maker``, having leased ``obj``'s block with
+            ``enc.lease`` (which gives the row in ``args``) and added its bytes and one
+            object to ``enc.nbytes`` and ``enc.narrays``.
+        maker: a module-level function (it travels by name), called on the receiving
+            side as ``maker(blocks, *args)`` with the message's adopted blocks.
+    """
+    if not isinstance(cls, type) or not callable(hole) or not callable(maker):
+        raise TypeError("register_flat(cls, hole, maker) needs a type and two callables")
+    _flat_holes[cls] = hole
+    _flat_makers.add(maker)
 
 
 def register_region_kind(kind: int, opener) -> None:

@@ -41,13 +41,13 @@ from ._errors import ProtocolError
 from ._wire import ARENA, FLAT, GPU_SLAB, HAS_BLOCKS, LEN, PLAIN  # noqa: F401
 
 __all__ = ["encode", "encode_plain_call", "decode", "Unsendable", "MessageTooBig", "PassFd",
-           "register_reducer", "register_region_kind", "register_lazy_plugin",
+           "register_reducer", "register_region_kind", "register_lazy_plugin", "register_flat",
            "leased_block", "lease_host_block", "ARENA", "GPU_SLAB", "FILE_TYPES",
            "refuse_file"]
 
-from ._registry import (_OPENERS, _lazy_plugins, _not_reduced, _plugin_reducer,  # noqa: F401
-                        _reducers, register_lazy_plugin, register_reducer,
-                        register_region_kind)
+from ._registry import (_OPENERS, _flat_holes, _lazy_plugins,  # noqa: F401
+                        _not_reduced, _plugin_reducer, _reducers, register_flat,
+                        register_lazy_plugin, register_reducer, register_region_kind)
 
 _ndarray = np.ndarray
 _memmap = np.memmap
@@ -126,18 +126,22 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
 
 
 class _ArrayEncoder(_Encoding, pickle.Pickler):
-    """A message of builtin scalars and plain numpy arrays only (``_scalars_and_arrays``):
-    the C pickler does it all but the arrays, with no cloudpickle work per message."""
+    """A message of builtin scalars, plain numpy arrays and plug-in objects that may go
+    flat (``_scalars_and_arrays``) that did not go flat: the C pickler does it all but
+    the arrays and those objects, with no cloudpickle work per message."""
 
     def __init__(self, file, conn) -> None:
         pickle.Pickler.__init__(self, file, 5)
         self._start(conn)
 
     def reducer_override(self, obj):
-        if type(obj) is _ndarray:
+        t = type(obj)
+        if t is _ndarray:
             r = self.array(obj)
             if r is not None:
                 return r
+        elif t in _flat_holes:  # (a torch tensor: its plug-in's reducer)
+            return _plugin_reducer(t)(self, obj)
         return NotImplemented
 
 
@@ -179,9 +183,10 @@ def _rebuild_masked(cls, data, mask, fill_value, hard_mask):
     return cls(data, mask=mask, fill_value=fill_value, hard_mask=hard_mask, copy=False)
 
 
-def lease_host_block(enc: _Encoder, block) -> int:
-    """Lease a host block in the message ``enc`` is encoding; returns its table row (for
-    plug-ins sending objects that live in host shared memory, e.g. torch tensors)."""
+def lease_host_block(enc: Encoding, block) -> int:
+    """Lease a host block in the message ``enc`` is encoding (by a reducer, or flat);
+    returns its table row (for plug-ins sending objects that live in host shared memory,
+    e.g. torch tensors)."""
     return enc.lease(block, ARENA, arena_fd)
 
 
@@ -329,10 +334,11 @@ def _simple(obj: Any) -> bool:
 
 
 def _scalars_and_arrays(obj: Any) -> bool:
-    """Builtin scalars and numpy arrays of plain dtypes, alone or in a flat tuple, list
-    or dict (str keys): the C pickler and ``_ArrayEncoder`` do them right."""
+    """Builtin scalars, numpy arrays of plain dtypes and plug-in objects that may go flat
+    (``register_flat``: torch tensors), alone or in a flat tuple, list or dict (str
+    keys): the C pickler and ``_ArrayEncoder`` do them right."""
     t = type(obj)
-    if t in _SIMPLE or (t is _ndarray and not obj.dtype.hasobject):
+    if t in _SIMPLE or (t is _ndarray and not obj.dtype.hasobject) or t in _flat_holes:
         return True
     if t is tuple or t is list:
         items = obj
@@ -345,7 +351,8 @@ def _scalars_and_arrays(obj: Any) -> bool:
         return False
     for x in items:
         tx = type(x)
-        if tx not in _SIMPLE and (tx is not _ndarray or x.dtype.hasobject):
+        if tx not in _SIMPLE and (tx is not _ndarray or x.dtype.hasobject) and \
+                tx not in _flat_holes:
             return False
     return True
 

@@ -2,7 +2,8 @@
 
 Loaded once torch is imported in a process that sends a message (``_plugins``), or when
 a message carrying a tensor is unpickled; it registers a reducer for ``torch.Tensor``
-with ``_serialization``. A CPU tensor whose storage lies in an actorshm host block goes
+with ``_serialization``, and a flat hole for shared CPU tensors (``register_flat``: a
+call of shared tensors, arrays and scalars then goes with no pickler). A CPU tensor whose storage lies in an actorshm host block goes
 by reference to that block: the receiver rebuilds a tensor of the same dtype, shape,
 strides and storage offset over the same memory, writable. Any other CPU tensor's
 storage is first copied into this process's pool (counted in ``bytes_copied``), as
@@ -178,19 +179,52 @@ def _reduce_tensor(enc, t: torch.Tensor):
         counters["bytes_zero_copy"] += t.numel() * t.element_size()
         counters["arrays_zero_copy"] += 1
         base = st.data_ptr()
+    return _rebuild_tensor, _where(enc, t, block, base, n, kind, requires_grad)
+
+
+def _where(enc, t: torch.Tensor, block, base: int, n: int, kind, requires_grad: bool):
+    """What the receiver needs to rebuild CPU tensor ``t`` over its ``n`` storage bytes
+    at ``base`` in ``block``, which this leases in ``enc``: (row, start, n, dtype, size,
+    stride, storage offset, parameter, requires_grad, view bits)."""
     row = _serialization.lease_host_block(enc, block)
-    start = base - block.region.addr - block.offset
-    return _rebuild_tensor, (row, start, n, str(t.dtype), tuple(t.shape), t.stride(),
-                             t.storage_offset(), kind is _Parameter, requires_grad,
-                             view_bits(t))
+    return (row, base - block.region.addr - block.offset, n, str(t.dtype), tuple(t.shape),
+            t.stride(), t.storage_offset(), kind is _Parameter, requires_grad, view_bits(t))
 
 
-def _rebuild_tensor(row, start, n, dtype, size, stride, offset, parameter, requires_grad,
-                    bits=0):
-    block = _serialization.leased_block(row)
+def _tensor_hole(enc, t: torch.Tensor):
+    """A shared CPU tensor in a flat message (``_flat``): ``(_flat_tensor, *where)``;
+    None for any other tensor (the full encoder sends it, or refuses it)."""
+    if not t.is_cpu or (t.requires_grad and not t.is_leaf) or \
+            t.layout is not torch.strided or t.is_quantized or t.is_nested:
+        return None
+    st = t.untyped_storage()
+    n = st.nbytes()
+    block = _block_of(st.data_ptr(), n) if n else None
+    if block is None:
+        return None
+    enc.nbytes += t.numel() * t.element_size()
+    enc.narrays += 1
+    return (_flat_tensor, *_where(enc, t, block, st.data_ptr(), n, type(t),
+                                  t.requires_grad))
+
+
+def _tensor_on(block, start, n, dtype, size, stride, offset, parameter, requires_grad,
+               bits):
     t = tensor_over(np.asarray(block)[start:start + n], _DTYPES[dtype], size, stride, offset,
                     block)
     return finish(t, parameter, requires_grad, bits)
 
 
+def _rebuild_tensor(row, start, n, dtype, size, stride, offset, parameter, requires_grad,
+                    bits=0):
+    return _tensor_on(_serialization.leased_block(row), start, n, dtype, size, stride,
+                      offset, parameter, requires_grad, bits)
+
+
+def _flat_tensor(blocks, row, *where):
+    return _tensor_on(blocks[row], *where)
+
+
 _serialization.register_reducer(torch.Tensor, _reduce_tensor)
+for _kind in (torch.Tensor, _Parameter):
+    _serialization.register_flat(_kind, _tensor_hole, _flat_tensor)

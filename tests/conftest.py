@@ -1,9 +1,11 @@
+import asyncio
 import gc
 import os
 
 import pytest
 
 import actorshm
+from recorder import connection_pair
 
 
 def pytest_addoption(parser):
@@ -52,6 +54,15 @@ async def rt():
     async with actorshm.Runtime(shutdown_grace=1.0) as runtime:
         yield runtime
     gc.collect()
+
+
+@pytest.fixture
+async def pair():
+    """A sender and a receiver connection over a socket pair, in this process."""
+    sender, receiver = connection_pair(asyncio.get_running_loop())
+    yield sender, receiver
+    sender.close()
+    receiver.close()
 
 
 @pytest.fixture(params=["spawn", "forkserver"])

@@ -14,7 +14,7 @@ import actorshm
 from actorshm import _protocol as P
 from actorshm import _wire as W
 from actors import Arrays, Counter
-from recorder import Recorder
+from recorder import Recorder, receive_raw, trip
 
 
 async def _wire_bytes(loop, calls):
@@ -63,7 +63,7 @@ async def test_frames_cut_anywhere_arrive_whole(piece):
     receiver.close()
 
 
-async def test_big_in_band_arguments_round_trip(rt):
+async def test_big_in_band_arguments_roundtrip(rt):
     c = await Counter.spawn()
     blob = np.random.default_rng(0).bytes(3 << 20)  # many reads each way
     for _ in range(3):
@@ -87,24 +87,9 @@ async def test_releases_ride_ahead_of_the_reply(rt):
     assert actorshm.stats()["pool_allocs"] == allocs  # the same block, 50 times
 
 
-async def _receive_raw(frame: bytes):
-    """A connection that reads ``frame`` (header included) off its socket: (it, its host),
-    once it closed or a second passed."""
-    c, d = socket.socketpair()
-    host = Recorder()
-    receiver = P.Connection(asyncio.get_running_loop(), host, c, "receiver")
-    with d:
-        d.sendall(frame)
-        for _ in range(100):
-            if receiver.closed:
-                break
-            await asyncio.sleep(0.01)
-    return receiver, host
-
-
 async def test_bad_releases_close_only_that_connection(rt):
     junk = b"\xff\xff\x00\x00not a pickle"  # says 65535 bytes of releases follow
-    receiver, host = await _receive_raw(P.HEADER.pack(len(junk), P.CALL, P.HAS_RELEASES, 0, 1)
+    receiver, host = await receive_raw(P.HEADER.pack(len(junk), P.CALL, P.HAS_RELEASES, 0, 1)
                                         + junk)
     assert receiver.closed and "truncated releases" in str(receiver.close_exc)
     assert not host.calls
@@ -130,7 +115,6 @@ async def test_a_message_over_the_frame_limit_fails_before_anything_is_sent(rt, 
 
 def _peer_block(upstream, idx):
     """A block of a (made-up) peer's arena, leased to this process over ``upstream``."""
-    import os
     from actorshm import _leases, _shm
     fd = os.memfd_create("peer")
     os.ftruncate(fd, 1 << 16)
@@ -149,7 +133,6 @@ _wire: dict = {}  # socket -> (bytes read so far, frame kinds parsed so far)
 
 def _kinds_on_the_wire(sock):
     """The kinds of the frames written to ``sock``'s peer so far (read, fds closed)."""
-    import os
     sock.setblocking(False)
     data, kinds = _wire.get(sock, (b"", []))
     while True:
@@ -369,41 +352,19 @@ def _flat_cases():
     ]
 
 
-@pytest.fixture
-async def pair():
-    """A sender and a receiver connection over a socket pair, in this process."""
-    loop = asyncio.get_running_loop()
-    a, b = socket.socketpair()
-    sender = P.Connection(loop, Recorder(), a, "sender")
-    receiver = P.Connection(loop, Recorder(), b, "receiver")
-    yield sender, receiver
-    sender.close()
-    receiver.close()
-
-
-def _trip(msg, sender, receiver):
-    """``msg`` encoded on ``sender`` and decoded on ``receiver`` (the frame's payload and
-    fds as they would arrive): (what arrived, its frame flags, the encoder)."""
-    from actorshm import _serialization as ser
-    payload, fds, enc, flags = ser.encode(msg, sender)
-    sender.ledger.commit(enc, sender)
-    data = b"".join(bytes(p) for p in payload) if type(payload) is list else payload
-    return ser.decode(data, [os.dup(fd) for fd in fds], receiver, flags), flags, enc
-
-
 async def test_flat_messages_round_trip_as_views_of_the_same_memory(pair):
     w, g, cases = _flat_cases()
     for msg, flat in cases:
-        got, flags, _ = _trip(msg, *pair)
+        got, flags, _ = trip(msg, *pair)
         assert bool(flags & W.FLAT) == flat, msg
         _same(got, msg)
     # an array that recurs arrives once; in kwargs and in a list alike
-    (_, (x, y), kw), flags, enc = _trip(("f", (w, w), {"k": w}), *pair)
+    (_, (x, y), kw), flags, enc = trip(("f", (w, w), {"k": w}), *pair)
     assert flags & W.FLAT and len(enc.table) == 1
     assert x is y is kw["k"] and x.flags.writeable
     # a call with meta and only scalars is a plain pickle (no pickler, no context)
     meta = {"chain": ((3, "B.relay", 7),)}
-    got, flags, enc = _trip(("f", (1, "x"), {"k": None}, meta), *pair)
+    got, flags, enc = trip(("f", (1, "x"), {"k": None}, meta), *pair)
     assert flags == P.PLAIN and enc is None
     assert got == ("f", (1, "x"), {"k": None}, meta)
 
@@ -460,9 +421,20 @@ async def test_a_malformed_flat_message_closes_only_that_connection():
     table = pickle.dumps([], 5)
     body = pickle.dumps((0, ("m", ((7, 0, (3,), "<f8", (8,)),), {})), 5)  # no row 7
     payload = P.LEN.pack(len(table)) + table + body
-    receiver, host = await _receive_raw(
+    receiver, host = await receive_raw(
         P.HEADER.pack(len(payload), P.CALL, P.HAS_BLOCKS | W.FLAT, 0, 1) + payload)
     assert receiver.closed and "malformed flat message" in str(receiver.close_exc)
+    assert not host.calls
+
+
+async def test_a_flat_hole_naming_no_registered_maker_closes_only_that_connection():
+    # A plug-in's hole is (maker, row, ...): the receiver calls only registered makers.
+    table = pickle.dumps([], 5)
+    body = pickle.dumps((1, (print, 0, "not a maker")), 5)
+    payload = P.LEN.pack(len(table)) + table + body
+    receiver, host = await receive_raw(
+        P.HEADER.pack(len(payload), P.CALL, P.HAS_BLOCKS | W.FLAT, 0, 1) + payload)
+    assert receiver.closed and "no registered maker" in str(receiver.close_exc)
     assert not host.calls
 
 
@@ -494,7 +466,7 @@ async def test_any_mix_of_scalars_arrays_and_containers_round_trips_flat_or_not(
     flat = 0
     for _ in range(500):
         msg = make(3)
-        got, flags, _ = _trip(msg, *pair)
+        got, flags, _ = trip(msg, *pair)
         flat += bool(flags & W.FLAT)
         _same(got, msg)
     assert flat > 10  # (the flat path was taken too)

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (the torch e
 
 import actorshm  # noqa: E402
 import actorshm.torch as at  # noqa: E402
+from recorder import trip  # noqa: E402
 from torch_actors import TorchWorker  # noqa: E402
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool,
@@ -110,6 +111,63 @@ async def test_tensors_in_containers_at_any_depth(rt):
     assert back["x"][0].untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
     back["x"][1][1]["deep"][0] = 5.0  # a view of a, rebuilt over the same memory
     assert a[1] == 5.0
+
+
+def _same_tensors(got, sent):
+    """``got`` is ``sent`` rebuilt: each shared tensor (or array) over the same memory,
+    with the same dtype, shape, strides, storage offset, type and autograd and view
+    bits; an ordinary one an equal copy; scalars equal."""
+    if isinstance(sent, torch.Tensor):
+        assert type(got) is type(sent) and got.dtype == sent.dtype
+        assert (got.shape, got.stride(), got.storage_offset()) == (
+            sent.shape, sent.stride(), sent.storage_offset())
+        assert (got.requires_grad, got.is_conj(), got.is_neg()) == (
+            sent.requires_grad, sent.is_conj(), sent.is_neg())
+        if at.is_shared(sent):
+            assert got.untyped_storage().data_ptr() == sent.untyped_storage().data_ptr()
+        assert torch.equal(got.detach().resolve_conj().resolve_neg(),
+                           sent.detach().resolve_conj().resolve_neg())
+    elif isinstance(sent, np.ndarray):
+        assert type(got) is np.ndarray and np.shares_memory(got, sent)
+    elif isinstance(sent, (tuple, list, dict)):
+        assert type(got) is type(sent) and len(got) == len(sent)
+        for k in (sent if isinstance(sent, dict) else range(len(sent))):
+            _same_tensors(got[k], sent[k])
+    else:
+        assert got == sent
+
+
+async def test_shared_tensors_travel_flat_and_the_rest_by_the_full_encoder(pair):
+    from actorshm import _wire as W
+    base = at.zeros(6, 8)
+    z = at.share(torch.tensor([1 + 2j, 3 - 1j]))
+    p = torch.nn.Parameter(at.zeros(4))
+    leaf = at.zeros(3).requires_grad_(True)
+    bf = at.zeros(10, dtype=torch.bfloat16)[3:9:2]
+    cases = [
+        (("f", (base,), {}), True),
+        (("f", (base[1:5, ::2].t(), 2.5), {"z": z.conj(), "n": z.imag}), True),
+        (("f", (p, leaf, bf, actorshm.zeros(5)), {}), True),
+        ([base, 1, "x"], True),
+        (bf, True),
+        (("f", (torch.ones(3),), {}), False),  # ordinary: copied into shared memory
+        (("f", ([base],), {}), False),  # nested
+        (("f", (torch.nn.Parameter(torch.ones(2)),), {}), False),
+    ]
+    for msg, flat in cases:
+        got, flags, _ = trip(msg, *pair)
+        assert bool(flags & W.FLAT) == flat, msg
+        _same_tensors(got, msg)
+    # a tensor that recurs arrives once, and a flat message counts what it shares
+    s0 = actorshm.stats()
+    (_, (x, y, q), kw), flags, enc = trip(("f", (bf, bf, p), {"k": bf}), *pair)
+    assert flags & W.FLAT and x is y is kw["k"] and type(q) is torch.nn.Parameter
+    s1 = actorshm.stats()
+    assert s1["bytes_zero_copy"] - s0["bytes_zero_copy"] == 3 * 2 + 4 * 4
+    assert s1["bytes_copied"] == s0["bytes_copied"]
+    # a tensor in an autograd graph is still refused, before anything is sent
+    with pytest.raises(TypeError, match=r"detach\(\)"):
+        trip(("f", (leaf * 2,), {}), *pair)
 
 
 async def test_ordinary_tensor_is_copied_once_and_counted(rt):
