@@ -150,6 +150,8 @@ def encode_flat(obj: Any, conn):
         body = (2, sk)
     data = _dumps(body, 5)
     check_size(len(data))
+    for fn, items in enc.waits.items():  # (a plug-in's hole may ask, ``before_send``)
+        fn(items)
     counters = _leases.counters
     counters["bytes_zero_copy"] += enc.nbytes
     counters["arrays_zero_copy"] += enc.narrays
@@ -174,16 +176,29 @@ def _unholed(c, blocks: list, made: dict):
     return c
 
 
+class _MakerFailed(Exception):
+    """A plug-in's maker raised ``exc``: that message fails as an object whose unpickling
+    raises does (the call fails), not as a malformed frame (the connection closes)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
 def _flat_array(hole: tuple, blocks: list, made: dict):
     a = made.get(id(hole))  # (the same hole twice: one array sent twice)
     if a is None:
         row = hole[0]
         if type(row) is int:
             row, aoff, shape, dtype, strides = hole
+            if row < 0:
+                raise ValueError(f"a hole names row {row}")
             a = _ndarray(shape, dtype, buffer=np.asarray(blocks[row]), offset=aoff,
                          strides=strides)
         elif row in _flat_makers:  # a plug-in's object: ``(maker, row, ...)``
-            a = row(blocks, *hole[1:])
+            try:
+                a = row(blocks, *hole[1:])
+            except Exception as exc:  # (its library lacks a dtype, say)
+                raise _MakerFailed(exc) from None
         else:
             raise ValueError(f"a hole names {row!r}, which is no registered maker")
         made[id(hole)] = a
@@ -191,9 +206,16 @@ def _flat_array(hole: tuple, blocks: list, made: dict):
 
 
 def decode_flat(payload, blocks: list):
-    """What ``encode_flat`` made, its block table already adopted as ``blocks``."""
+    """What ``encode_flat`` made, its block table already adopted as ``blocks``.
+
+    Raises:
+        ProtocolError: the message is malformed (the connection closes).
+        Exception: what unpickling it raised (a plug-in that cannot be imported here), or
+            a plug-in's maker: as for any message, only that call fails.
+    """
+    body = _loads(payload)
     try:
-        kind, sk = _loads(payload)
+        kind, sk = body
         made: dict = {}
         if kind == 0:  # a call (with its meta)
             method, args, kwargs, *meta = sk
@@ -202,5 +224,7 @@ def decode_flat(payload, blocks: list):
         if kind == 1:
             return _flat_array(sk, blocks, made)
         return _unholed(sk, blocks, made)
+    except _MakerFailed as failed:
+        raise failed.exc from None
     except Exception as exc:
         raise ProtocolError(f"malformed flat message: {exc!r}") from None

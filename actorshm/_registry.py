@@ -56,18 +56,22 @@ def register_reducer(cls: type, reducer) -> None:
 
 def register_flat(cls: type, hole, maker) -> None:
     """Let instances of exactly ``cls`` travel in flat messages (``_flat``) when they lie
-    in shared memory, with no pickler: ``cls`` must also have a reducer
-    (``register_reducer``), which sends them in every other message.
+    in shared memory, with no pickler. In every other message they go through
+    cloudpickle, with the reducer registered for ``cls`` (``register_reducer``), if any.
 
     Args:
         cls: the exact type (a subclass is not flat unless registered too).
         hole: called as ``hole(enc, obj)``; returns None when ``obj`` cannot go flat
-            (nothing leased then), else a tuple ``(maker, *args)`` of builtin scalars and
-            tuples of them after ``maker``, having leased ``obj``'s block with
-            ``enc.lease`` (which gives the row in ``args``) and added its bytes and one
-            object to ``enc.nbytes`` and ``enc.narrays``.
+            (the whole message then goes through cloudpickle), else a tuple
+            ``(maker, *args)`` of builtin scalars and tuples of them after ``maker``,
+            having leased ``obj``'s block with ``enc.lease`` (which gives the row in
+            ``args``) and added its bytes and one object to ``enc.nbytes`` and
+            ``enc.narrays``; what it asks with ``enc.before_send`` runs before the
+            message leaves.
         maker: a module-level function (it travels by name), called on the receiving
-            side as ``maker(blocks, *args)`` with the message's adopted blocks.
+            side as ``maker(blocks, *args)`` with the message's adopted blocks. What it
+            raises fails that message only (the call), as an unpickling error would; a
+            hole that names no registered maker is a malformed frame.
     """
     if not isinstance(cls, type) or not callable(hole) or not callable(maker):
         raise TypeError("register_flat(cls, hole, maker) needs a type and two callables")

@@ -41,8 +41,8 @@ from ._errors import ProtocolError
 from ._wire import ARENA, FLAT, GPU_SLAB, HAS_BLOCKS, LEN, PLAIN  # noqa: F401
 
 __all__ = ["encode", "encode_plain_call", "decode", "Unsendable", "MessageTooBig", "PassFd",
-           "register_reducer", "register_region_kind", "register_lazy_plugin", "register_flat",
-           "leased_block", "lease_host_block", "ARENA", "GPU_SLAB", "FILE_TYPES",
+           "register_reducer", "register_region_kind", "register_lazy_plugin",
+           "register_flat", "leased_block", "lease_host_block", "ARENA", "GPU_SLAB", "FILE_TYPES",
            "refuse_file"]
 
 from ._registry import (_OPENERS, _flat_holes, _lazy_plugins,  # noqa: F401
@@ -126,22 +126,19 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
 
 
 class _ArrayEncoder(_Encoding, pickle.Pickler):
-    """A message of builtin scalars, plain numpy arrays and plug-in objects that may go
-    flat (``_scalars_and_arrays``) that did not go flat: the C pickler does it all but
-    the arrays and those objects, with no cloudpickle work per message."""
+    """A message of builtin scalars and plain numpy arrays only (``_scalars_and_arrays``
+    is 1):
+    the C pickler does it all but the arrays, with no cloudpickle work per message."""
 
     def __init__(self, file, conn) -> None:
         pickle.Pickler.__init__(self, file, 5)
         self._start(conn)
 
     def reducer_override(self, obj):
-        t = type(obj)
-        if t is _ndarray:
+        if type(obj) is _ndarray:
             r = self.array(obj)
             if r is not None:
                 return r
-        elif t in _flat_holes:  # (a torch tensor: its plug-in's reducer)
-            return _plugin_reducer(t)(self, obj)
         return NotImplemented
 
 
@@ -333,28 +330,34 @@ def _simple(obj: Any) -> bool:
     return False
 
 
-def _scalars_and_arrays(obj: Any) -> bool:
-    """Builtin scalars, numpy arrays of plain dtypes and plug-in objects that may go flat
-    (``register_flat``: torch tensors), alone or in a flat tuple, list or dict (str
-    keys): the C pickler and ``_ArrayEncoder`` do them right."""
+def _scalars_and_arrays(obj: Any) -> int:
+    """Whether ``obj`` may be a flat message (``_flat``), and which encoder makes it when
+    it is not: builtin scalars and numpy arrays of plain dtypes, alone or in a flat
+    tuple, list or dict (str keys), are 1 (the C pickler and ``_ArrayEncoder`` do them
+    right); with plug-in objects among them (``register_flat``: torch tensors), 2
+    (cloudpickle: their library's own pickling may need it); anything else 0."""
     t = type(obj)
-    if t in _SIMPLE or (t is _ndarray and not obj.dtype.hasobject) or t in _flat_holes:
-        return True
+    if t in _SIMPLE or (t is _ndarray and not obj.dtype.hasobject):
+        return 1
+    if t in _flat_holes:
+        return 2
     if t is tuple or t is list:
         items = obj
     elif t is dict:
         for k in obj:
             if type(k) is not str:
-                return False
+                return 0
         items = obj.values()
     else:
-        return False
+        return 0
+    kinds = 1
     for x in items:
         tx = type(x)
-        if tx not in _SIMPLE and (tx is not _ndarray or x.dtype.hasobject) and \
-                tx not in _flat_holes:
-            return False
-    return True
+        if tx not in _SIMPLE and (tx is not _ndarray or x.dtype.hasobject):
+            if tx not in _flat_holes:
+                return 0
+            kinds = 2
+    return kinds
 
 
 def _plain_meta(meta: Any) -> bool:
@@ -404,10 +407,13 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     n = len(obj) if type(obj) is tuple else 0
     if (n == 3 or (n == 4 and _plain_meta(obj[3]))) and type(obj[0]) is str:  # a call
         plain = _simple(obj[1]) and _simple(obj[2])
-        flat = plain or (_scalars_and_arrays(obj[1]) and _scalars_and_arrays(obj[2]))
+        flat = 0 if plain else _scalars_and_arrays(obj[1])
+        if flat:
+            kwargs = _scalars_and_arrays(obj[2])
+            flat = kwargs and max(flat, kwargs)
     else:
         plain = _simple(obj)
-        flat = plain or _scalars_and_arrays(obj)
+        flat = 0 if plain else _scalars_and_arrays(obj)
     if plain:
         data = _dumps(obj, 5)
         check_size(len(data))
@@ -417,7 +423,7 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
         if out is not None:
             return out
     f = io.BytesIO()
-    enc = (_ArrayEncoder if flat else _Encoder)(f, conn)
+    enc = (_ArrayEncoder if flat == 1 else _Encoder)(f, conn)
     enc.dump(obj)
     check_size(f.tell())  # before anything is committed: no lease is taken
     if enc.n_inlined:

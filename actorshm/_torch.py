@@ -3,9 +3,10 @@
 Loaded once torch is imported in a process that sends a message (``_plugins``), or when
 a message carrying a tensor is unpickled; it registers a reducer for ``torch.Tensor``
 with ``_serialization``, and a flat hole for shared CPU tensors (``register_flat``: a
-call of shared tensors, arrays and scalars then goes with no pickler). A CPU tensor whose storage lies in an actorshm host block goes
-by reference to that block: the receiver rebuilds a tensor of the same dtype, shape,
-strides and storage offset over the same memory, writable. Any other CPU tensor's
+call of shared tensors, arrays and scalars then goes with no pickler). A CPU tensor
+whose storage lies in an actorshm host block goes by reference to that block: the
+receiver rebuilds a tensor of the same dtype, shape, strides and storage offset over
+the same memory, writable. Any other CPU tensor's
 storage is first copied into this process's pool (counted in ``bytes_copied``), as
 ``torch.multiprocessing`` moves a tensor to shared memory.
 
@@ -210,8 +211,8 @@ def _tensor_hole(enc, t: torch.Tensor):
 
 def _tensor_on(block, start, n, dtype, size, stride, offset, parameter, requires_grad,
                bits):
-    t = tensor_over(np.asarray(block)[start:start + n], _DTYPES[dtype], size, stride, offset,
-                    block)
+    t = tensor_over(np.asarray(block)[start:start + n], _DTYPES[dtype], size, stride,
+                    offset, block)
     return finish(t, parameter, requires_grad, bits)
 
 
@@ -222,6 +223,8 @@ def _rebuild_tensor(row, start, n, dtype, size, stride, offset, parameter, requi
 
 
 def _flat_tensor(blocks, row, *where):
+    if row < 0:
+        raise ValueError(f"a tensor's hole names row {row}")
     return _tensor_on(blocks[row], *where)
 
 

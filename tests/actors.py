@@ -591,3 +591,17 @@ class Quirks:
 
     def ping(self):
         return "pong"
+
+
+@actor
+class WithoutTorch:
+    """An actor whose process cannot import torch (as where torch is not installed)."""
+
+    def __init__(self):
+        sys.modules["torch"] = None  # ``import torch`` raises ImportError from now on
+
+    def kind(self, x):
+        return type(x).__name__
+
+    def ping(self):
+        return "alive"

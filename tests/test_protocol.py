@@ -438,6 +438,25 @@ async def test_a_flat_hole_naming_no_registered_maker_closes_only_that_connectio
     assert not host.calls
 
 
+def test_a_flat_makers_error_fails_that_message_not_the_connection():
+    # What a registered maker raises is the message's own failure (as an unpickling
+    # error), not a malformed frame: the call fails, the connection carries on.
+    from actorshm import _flat, _registry
+    body = pickle.dumps((1, (_raising_maker, 0, "x")), 5)
+    _registry._flat_makers.add(_raising_maker)
+    try:
+        with pytest.raises(KeyError, match="no such dtype"):
+            _flat.decode_flat(body, [])
+    finally:
+        _registry._flat_makers.discard(_raising_maker)
+    with pytest.raises(P.ProtocolError, match="no registered maker"):
+        _flat.decode_flat(body, [])
+
+
+def _raising_maker(blocks, row, what):
+    raise KeyError("no such dtype")
+
+
 async def test_any_mix_of_scalars_arrays_and_containers_round_trips_flat_or_not(pair):
     # Random nestings (seeded) of scalars, shared and ordinary arrays, containers and
     # call-shaped tuples: whichever path encodes each, it arrives as sent, every shared

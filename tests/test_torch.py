@@ -146,18 +146,32 @@ async def test_shared_tensors_travel_flat_and_the_rest_by_the_full_encoder(pair)
     bf = at.zeros(10, dtype=torch.bfloat16)[3:9:2]
     cases = [
         (("f", (base,), {}), True),
-        (("f", (base[1:5, ::2].t(), 2.5), {"z": z.conj(), "n": z.imag}), True),
+        (("f", (base[1:5, ::2].t(), 2.5), {"z": z.conj(), "n": z.conj().imag}), True),
         (("f", (p, leaf, bf, actorshm.zeros(5)), {}), True),
         ([base, 1, "x"], True),
         (bf, True),
         (("f", (torch.ones(3),), {}), False),  # ordinary: copied into shared memory
         (("f", ([base],), {}), False),  # nested
         (("f", (torch.nn.Parameter(torch.ones(2)),), {}), False),
+        (("f", (base, torch.ones(3)), {}), False),  # one shared, one to copy
     ]
+    assert cases[1][0][2]["n"].is_neg() and cases[1][0][2]["z"].is_conj()
     for msg, flat in cases:
         got, flags, _ = trip(msg, *pair)
         assert bool(flags & W.FLAT) == flat, msg
         _same_tensors(got, msg)
+    # a shared tensor leased before the message fell back is counted once, not twice
+    s0 = actorshm.stats()
+    trip(("f", (base, torch.ones(3)), {}), *pair)
+    s1 = actorshm.stats()
+    assert s1["bytes_zero_copy"] - s0["bytes_zero_copy"] == 6 * 8 * 4
+    assert s1["bytes_copied"] - s0["bytes_copied"] == 3 * 4
+    # a tensor that torch pickles itself goes through cloudpickle, as any message
+    sp = torch.eye(2).to_sparse()
+    sp.note = lambda: 5  # (plain pickle cannot send a lambda)
+    (_, (got,), _), flags, _ = trip(("f", (sp,), {}), *pair)
+    assert not flags & W.FLAT and torch.equal(got.to_dense(), torch.eye(2))
+    assert got.note() == 5
     # a tensor that recurs arrives once, and a flat message counts what it shares
     s0 = actorshm.stats()
     (_, (x, y, q), kw), flags, enc = trip(("f", (bf, bf, p), {"k": bf}), *pair)
@@ -168,6 +182,18 @@ async def test_shared_tensors_travel_flat_and_the_rest_by_the_full_encoder(pair)
     # a tensor in an autograd graph is still refused, before anything is sent
     with pytest.raises(TypeError, match=r"detach\(\)"):
         trip(("f", (leaf * 2,), {}), *pair)
+    assert actorshm.stats()["bytes_zero_copy"] == s1["bytes_zero_copy"]
+
+
+async def test_a_receiver_without_torch_fails_that_call_and_carries_on(rt):
+    from actors import WithoutTorch
+    w = await WithoutTorch.spawn()
+    t = at.zeros(4)
+    for _ in range(2):  # flat (the maker cannot be imported there): the call fails
+        with pytest.raises(TypeError, match="could not deserialize"):
+            await w.kind(t)
+    assert await w.ping() == "alive"
+    assert await w.kind(actorshm.zeros(3)) == "ndarray"
 
 
 async def test_ordinary_tensor_is_copied_once_and_counted(rt):
