@@ -327,11 +327,11 @@ def reduce_cupy(enc, a):
         # name the whole allocation, so copy once into a block of ours.
         a = share(a)
         view = find_block(a)
-        _stats["cuda_bytes_copied"] += a.nbytes
-        _stats["cuda_arrays_copied"] += 1
+        enc.count("cuda_bytes_copied", a.nbytes)
+        enc.count("cuda_arrays_copied", 1)
     else:
-        _stats["cuda_bytes_zero_copy"] += a.nbytes
-        _stats["cuda_arrays_zero_copy"] += 1
+        enc.count("cuda_bytes_zero_copy", a.nbytes)
+        enc.count("cuda_arrays_zero_copy", 1)
     enc.before_send(wait_for_senders_work, view.region.device)
     row = lease_block(enc, view)
     return _rebuild, (row, a.data.ptr - view.ptr, a.shape, dtype_token(a.dtype), a.strides)

@@ -31,11 +31,23 @@ class Encoding:
         self.waits: dict = {}  # ``before_send``: fn -> the items it waits for
         self.inlined = 0  # bytes of small ordinary arrays pickled in band so far
         self.n_inlined = 0  # and how many (counted as copies once the message is made)
+        self.counts: dict = {}  # ``count``: this message's traffic, for ``stats()``
 
     def before_send(self, fn, item) -> None:
         """Call ``fn(items)`` once, before the message leaves, with every ``item`` given
         for it (e.g. the GPUs whose queued work the receiver must see)."""
         add_wait(self.waits, fn, item)
+
+    def count(self, key: str, n: int) -> None:
+        """Add ``n`` to the ``stats()`` counter ``key`` once the message is made
+        (``settle_counts``): a message that fails to encode counts nothing."""
+        counts = self.counts
+        counts[key] = counts.get(key, 0) + n
+
+    def settle_counts(self, counters: dict) -> None:
+        """Add what this message counted (``count``) to ``counters``: it is made."""
+        for key, n in self.counts.items():
+            counters[key] += n
 
     def lease(self, view, kind: int, intro) -> int:
         """The row of ``view``'s block in this message's table, added (with its grant)

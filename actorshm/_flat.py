@@ -48,8 +48,6 @@ class _FlatEncoding(Encoding):
 
     def __init__(self, conn) -> None:
         self._start(conn)
-        self.nbytes = 0  # bytes of the arrays leased (by reference)
-        self.narrays = 0
         self.holes: dict = {}  # id(array) -> its hole: an array sent twice arrives once
 
 
@@ -65,8 +63,8 @@ def _hole(enc: _FlatEncoding, a: np.ndarray):
     if view is None or not a.size:
         return None
     row = enc.lease(view, ARENA, arena_fd)
-    enc.nbytes += a.nbytes
-    enc.narrays += 1
+    enc.count("bytes_zero_copy", a.nbytes)
+    enc.count("arrays_zero_copy", 1)
     hole = enc.holes[id(a)] = (
         row, a.__array_interface__["data"][0] - view.region.addr - view.offset, a.shape,
         dtype_token(a.dtype), a.strides)
@@ -152,9 +150,7 @@ def encode_flat(obj: Any, conn):
     check_size(len(data))
     for fn, items in enc.waits.items():  # (a plug-in's hole may ask, ``before_send``)
         fn(items)
-    counters = _leases.counters
-    counters["bytes_zero_copy"] += enc.nbytes
-    counters["arrays_zero_copy"] += enc.narrays
+    enc.settle_counts(_leases.counters)
     table = _dumps(enc.table, 5)
     return [_LEN.pack(len(table)), table, data], enc.fds, enc, HAS_BLOCKS | FLAT
 

@@ -39,7 +39,9 @@ def register_reducer(cls: type, reducer) -> None:
     message's block table, and returns a rebuild function (importable by name) whose
     arguments include that row; on the receiving side the rebuild function gets the block
     with ``leased_block(row)``. Work the receiver must see before it reads the memory
-    (a GPU stream) is waited for with ``enc.before_send(fn, item)``.
+    (a GPU stream) is waited for with ``enc.before_send(fn, item)``. What it sends is
+    counted with ``enc.count(key, n)`` (``"bytes_zero_copy"``, ``"bytes_copied"``, ...),
+    which ``stats()`` shows once the whole message is made.
 
     Args:
         cls: the type, exactly as the plug-in's library defines it.
@@ -65,9 +67,9 @@ def register_flat(cls: type, hole, maker) -> None:
             (the whole message then goes through cloudpickle), else a tuple
             ``(maker, *args)`` of builtin scalars and tuples of them after ``maker``,
             having leased ``obj``'s block with ``enc.lease`` (which gives the row in
-            ``args``) and added its bytes and one object to ``enc.nbytes`` and
-            ``enc.narrays``; what it asks with ``enc.before_send`` runs before the
-            message leaves.
+            ``args``) and counted it (``enc.count("bytes_zero_copy", nbytes)``,
+            ``enc.count("arrays_zero_copy", 1)``); what it asks with ``enc.before_send``
+            runs before the message leaves.
         maker: a module-level function (it travels by name), called on the receiving
             side as ``maker(blocks, *args)`` with the message's adopted blocks. What it
             raises fails that message only (the call), as an unpickling error would; a

@@ -154,7 +154,6 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     if dtype.hasobject or a.size == 0:
         return None  # by value, in band (object arrays hold Python objects, not bytes)
     view = _shm.find_block(a)
-    stats = _leases.counters
     if view is None:
         n = a.nbytes
         if n <= INLINE_MAX and enc.inlined + n <= INLINE_BUDGET and \
@@ -164,11 +163,11 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
             return inline_array(a)
         a = _shm.copy_to_shared(a)
         view = _shm.find_block(a)
-        stats["bytes_copied"] += a.nbytes
-        stats["arrays_copied"] += 1
+        enc.count("bytes_copied", a.nbytes)
+        enc.count("arrays_copied", 1)
     else:
-        stats["bytes_zero_copy"] += a.nbytes
-        stats["arrays_zero_copy"] += 1
+        enc.count("bytes_zero_copy", a.nbytes)
+        enc.count("arrays_zero_copy", 1)
     row = enc.lease(view, ARENA, arena_fd)
     data = a.__array_interface__["data"][0]
     sub = None if (t is _ndarray or t is _memmap) else t
@@ -427,9 +426,9 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     enc.dump(obj)
     check_size(f.tell())  # before anything is committed: no lease is taken
     if enc.n_inlined:
-        counters = _leases.counters
-        counters["bytes_copied"] += enc.inlined
-        counters["arrays_copied"] += enc.n_inlined
+        enc.count("bytes_copied", enc.inlined)
+        enc.count("arrays_copied", enc.n_inlined)
+    enc.settle_counts(_leases.counters)
     if not enc.table:
         return f.getvalue(), enc.fds, enc, 0
     for fn, items in enc.waits.items():

@@ -33,11 +33,10 @@ from __future__ import annotations
 import cupy
 import torch
 
-from . import _cuda, _leases, _serialization, _torch
+from . import _cuda, _serialization, _torch
 
 __all__ = ["empty", "storage_block", "reduce_cuda_tensor", "as_tensor", "current_device"]
 
-_stats = _leases.counters
 # Storage base address -> the lease of the GPU block holding that storage (as
 # ``_torch._known``).
 _known: dict = {}
@@ -151,12 +150,12 @@ def reduce_cuda_tensor(enc, t):
         copy = _copy_into_pool(t, lo, n, dev)
         block = _cuda.find_block(copy)
         start = copy.data.ptr - block.ptr
-        _stats["cuda_bytes_copied"] += n
-        _stats["cuda_arrays_copied"] += 1
+        enc.count("cuda_bytes_copied", n)
+        enc.count("cuda_arrays_copied", 1)
     else:
         start = lo - block.ptr
-        _stats["cuda_bytes_zero_copy"] += t.numel() * t.element_size()
-        _stats["cuda_arrays_zero_copy"] += 1
+        enc.count("cuda_bytes_zero_copy", t.numel() * t.element_size())
+        enc.count("cuda_arrays_zero_copy", 1)
     enc.before_send(_wait_for_senders_work, dev)
     row = _cuda.lease_block(enc, block)
     return _rebuild_cuda_tensor, (row, start, n, str(t.dtype), tuple(t.shape),

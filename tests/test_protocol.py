@@ -417,6 +417,25 @@ async def test_results_and_items_shaped_like_calls_keep_their_nested_arrays_shar
     assert await w.sum(b) == 0.0  # the connection is fine
 
 
+async def test_a_message_that_fails_to_encode_counts_nothing(pair):
+    # stats() counts what was sent: a shared array, an ordinary one (copied) and a small
+    # one (in band) before an item that cannot be sent move no counter.
+    import threading
+    keys = ("bytes_zero_copy", "arrays_zero_copy", "bytes_copied", "arrays_copied")
+    shared, big, small = actorshm.zeros(1000), np.ones(100_000), np.ones(10)
+    before = {k: actorshm.stats()[k] for k in keys}
+    for msg in [("f", (shared, big, small, threading.Lock()), {}),
+                [shared, {"k": big}, small, threading.Lock()],
+                ("f", (shared,), {"k": lambda: 1, "lock": threading.Lock()})]:
+        with pytest.raises(TypeError):
+            trip(msg, *pair)
+    assert {k: actorshm.stats()[k] for k in keys} == before
+    trip(("f", (shared, big, small), {}), *pair)  # (and one that is sent counts all)
+    after = actorshm.stats()
+    assert after["bytes_zero_copy"] - before["bytes_zero_copy"] == 8000
+    assert after["bytes_copied"] - before["bytes_copied"] == 800_000 + 80
+
+
 async def test_a_malformed_flat_message_closes_only_that_connection():
     table = pickle.dumps([], 5)
     body = pickle.dumps((0, ("m", ((7, 0, (3,), "<f8", (8,)),), {})), 5)  # no row 7
