@@ -45,9 +45,10 @@ class Encoding:
         counts[key] = counts.get(key, 0) + n
 
     def settle_counts(self, counters: dict) -> None:
-        """Add what this message counted (``count``) to ``counters``: it is made."""
+        """Add what this message counted (``count``) to ``counters``: it is made. (A key
+        that ``counters`` lacks, a plug-in's own, starts at 0.)"""
         for key, n in self.counts.items():
-            counters[key] += n
+            counters[key] = counters.get(key, 0) + n
 
     def lease(self, view, kind: int, intro) -> int:
         """The row of ``view``'s block in this message's table, added (with its grant)

@@ -30,8 +30,8 @@ import numpy as np
 from . import _leases, _shm
 from ._encoding import SCALARS, Encoding, arena_fd, check_size
 from ._errors import ProtocolError
-from ._registry import _flat_holes, _flat_makers
 from ._inband import dtype_token
+from ._registry import _flat_holes, _flat_makers
 from ._wire import ARENA, FLAT, HAS_BLOCKS, LEN
 
 __all__ = ["encode_flat", "decode_flat"]

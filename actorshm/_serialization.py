@@ -428,11 +428,11 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     if enc.n_inlined:
         enc.count("bytes_copied", enc.inlined)
         enc.count("arrays_copied", enc.n_inlined)
+    for fn, items in enc.waits.items():
+        fn(items)
     enc.settle_counts(_leases.counters)
     if not enc.table:
         return f.getvalue(), enc.fds, enc, 0
-    for fn, items in enc.waits.items():
-        fn(items)
     table = _dumps(enc.table, 5)
     # Parts, not one bytes object: the frame writer joins them with the header in one copy.
     return [_TLEN.pack(len(table)), table, f.getbuffer()], enc.fds, enc, HAS_BLOCKS

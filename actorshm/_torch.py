@@ -18,8 +18,9 @@ its graph cannot travel.
 
 CUDA tensors go through ``_torch_cuda`` (actorshm's GPU pool, CUDA IPC), which needs
 CuPy; it registers itself here (``set_cuda_path``) and ``_plugins`` sets how to load it.
-Without CuPy, and for tensors on other devices (MPS) or of other layouts (sparse,
-quantized), torch pickles the tensor itself (by value).
+A sparse tensor travels as its parts (indices and values: tensors like any other) and
+is rebuilt over them. Without CuPy, and for tensors on other devices (MPS) or of other
+layouts (quantized, nested), torch pickles the tensor itself (by value).
 """
 
 from __future__ import annotations
@@ -152,10 +153,9 @@ def _reduce_tensor(enc, t: torch.Tensor):
         return NotImplemented  # another subclass: torch pickles it
     check_sendable(t)
     if t.layout is not torch.strided or t.is_quantized or t.is_nested:
-        if t.layout in _SPARSE and _validation_queue is not None:
-            # torch's own pickling, whose parts (indices, values) are strided tensors
-            # that travel as any (by reference when shared, else copied once)
-            return _rebuild_sparse, t.__reduce_ex__(5)
+        if t.layout in _SPARSE:
+            return _rebuild_sparse, (t.layout, _sparse_parts(t.detach()), kind is _Parameter,
+                                     t.requires_grad, getattr(t, "__dict__", None) or None)
         return NotImplemented  # torch pickles it, by value
     if not t.is_cpu:
         reducer = _cuda_path() if t.is_cuda else None
@@ -188,21 +188,35 @@ def _reduce_tensor(enc, t: torch.Tensor):
 
 _SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
                      torch.sparse_bsc})
-# Where torch's unpickling of a sparse tensor queues it for ``torch.load`` to check; only
-# ``torch.load`` ever empties it.
-_validation_queue = getattr(torch._utils, "_sparse_tensors_to_validate", None)
 
 
-def _rebuild_sparse(rebuild, args):
-    """A sparse tensor rebuilt by torch's own function (``Tensor.__reduce_ex__``), taken
-    out of the queue of tensors torch keeps for ``torch.load`` to check: outside
-    ``torch.load`` nothing empties it, so every sparse tensor received would stay alive,
-    and its shared memory leased, for the life of the process."""
-    queue = _validation_queue
-    n = len(queue)
-    t = rebuild(*args)
-    del queue[n:]  # (what this rebuild queued: messages are decoded on one thread)
-    return t
+def _sparse_parts(t: torch.Tensor) -> tuple:
+    """What makes sparse ``t`` (detached): its index and value tensors (strided, so they
+    travel as any tensor: by reference when shared, else copied once) and its size."""
+    size = tuple(t.shape)
+    if t.layout is torch.sparse_coo:
+        return t._indices(), t._values(), size, t.is_coalesced()
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return t.crow_indices(), t.col_indices(), t.values(), size
+    return t.ccol_indices(), t.row_indices(), t.values(), size
+
+
+def _rebuild_sparse(layout, parts: tuple, parameter: bool, requires_grad: bool, state):
+    """A sparse tensor over the parts ``_sparse_parts`` sent. (Not torch's own
+    unpickling: that queues each sparse tensor for ``torch.load`` to check, and outside
+    ``torch.load`` nothing empties the queue, so every tensor received would stay alive,
+    its shared memory leased.) The sender's invariants held; they are not checked again."""
+    if layout is torch.sparse_coo:
+        indices, values, size, coalesced = parts
+        t = torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced,
+                                    check_invariants=False)
+    else:
+        compressed, plain, values, size = parts
+        t = torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout,
+                                           check_invariants=False)
+    if state:
+        t.__dict__.update(state)
+    return finish(t, parameter, requires_grad)
 
 
 def _where(enc, t: torch.Tensor, block, base: int, n: int, kind, requires_grad: bool):

@@ -424,16 +424,21 @@ async def test_a_message_that_fails_to_encode_counts_nothing(pair):
     keys = ("bytes_zero_copy", "arrays_zero_copy", "bytes_copied", "arrays_copied")
     shared, big, small = actorshm.zeros(1000), np.ones(100_000), np.ones(10)
     before = {k: actorshm.stats()[k] for k in keys}
+    live = actorshm.stats()["blocks_live"]
     for msg in [("f", (shared, big, small, threading.Lock()), {}),
                 [shared, {"k": big}, small, threading.Lock()],
                 ("f", (shared,), {"k": lambda: 1, "lock": threading.Lock()})]:
         with pytest.raises(TypeError):
             trip(msg, *pair)
     assert {k: actorshm.stats()[k] for k in keys} == before
+    gc.collect()
+    assert actorshm.stats()["blocks_live"] == live  # (the copy made went home)
     trip(("f", (shared, big, small), {}), *pair)  # (and one that is sent counts all)
     after = actorshm.stats()
     assert after["bytes_zero_copy"] - before["bytes_zero_copy"] == 8000
+    assert after["arrays_zero_copy"] - before["arrays_zero_copy"] == 1
     assert after["bytes_copied"] - before["bytes_copied"] == 800_000 + 80
+    assert after["arrays_copied"] - before["arrays_copied"] == 2
 
 
 async def test_a_malformed_flat_message_closes_only_that_connection():

@@ -90,7 +90,7 @@ async def test_conjugate_and_negative_views_keep_their_values(rt):
     assert torch.equal(z, torch.tensor([-1j, -1j]))
 
 
-async def test_nested_and_other_layouts_travel_by_value(rt):
+async def test_nested_and_sparse_tensors_travel(rt):
     w = await TorchWorker.spawn()
     for layout in (torch.strided, torch.jagged):
         with warnings.catch_warnings():
@@ -111,14 +111,21 @@ async def test_received_sparse_tensors_are_not_kept_alive(pair):
     # its parts' shared memory leased with it.
     queue = torch._utils._sparse_tensors_to_validate
     queued, live = len(queue), actorshm.stats()["blocks_live"]
-    coo = torch.tensor([[0, 0, 1.0], [2, 0, 0], [0, 3, 0]]).to_sparse()
+    dense = torch.tensor([[0, 0, 1.0, 0], [2, 0, 0, 0], [0, 3, 0, 4], [0, 0, 0, 0]])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sparse CSR is a beta API
-        for sent in (coo, coo.to_sparse_csr(), coo.to_sparse_csc()):
+        noted = dense.to_sparse()
+        noted.note = "kept"
+        for sent in (dense.to_sparse(), dense.to_sparse_csr(), dense.to_sparse_csc(),
+                     dense.to_sparse_bsr((2, 2)), dense.to_sparse_csc().requires_grad_(True),
+                     dense.to_sparse().requires_grad_(True),
+                     torch.nn.Parameter(dense.to_sparse()), noted):
             for _ in range(3):
                 (_, (got,), _), _, _ = trip(("f", (sent,), {}), *pair)
-                assert got.layout == sent.layout
-                assert torch.equal(got.to_dense(), sent.to_dense())
+                assert type(got) is type(sent) and got.layout == sent.layout
+                assert got.requires_grad == sent.requires_grad  # (a leaf's flag is kept)
+                assert torch.equal(got.detach().to_dense(), sent.detach().to_dense())
+                assert getattr(got, "note", None) == getattr(sent, "note", None)
                 del got
     assert len(queue) == queued
     gc.collect()
@@ -191,7 +198,7 @@ async def test_shared_tensors_travel_flat_and_the_rest_by_the_full_encoder(pair)
     s1 = actorshm.stats()
     assert s1["bytes_zero_copy"] - s0["bytes_zero_copy"] == 6 * 8 * 4
     assert s1["bytes_copied"] - s0["bytes_copied"] == 3 * 4
-    # a tensor that torch pickles itself goes through cloudpickle, as any message
+    # a message with a tensor that is not flat goes through cloudpickle, as any message
     sp = torch.eye(2).to_sparse()
     sp.note = lambda: 5  # (plain pickle cannot send a lambda)
     (_, (got,), _), flags, _ = trip(("f", (sp,), {}), *pair)
