@@ -48,27 +48,20 @@ class _FlatEncoding(Encoding):
 
     def __init__(self, conn) -> None:
         self._start(conn)
-        self.holes: dict = {}  # id(array) -> its hole: an array sent twice arrives once
+        self.holes: dict = {}  # id(object) -> its hole: one sent twice arrives once
 
 
 def _hole(enc: _FlatEncoding, a: np.ndarray):
     """Where shared array ``a`` lies: ``(row, offset in its block, shape, dtype, strides)``,
-    its block leased in ``enc``; None when ``a`` is not in shared memory (or is empty).
-    The same hole object each time ``a`` recurs, so the receiver makes one array of it,
-    as pickle's memo does for the other messages."""
-    hole = enc.holes.get(id(a))
-    if hole is not None:
-        return hole
+    its block leased in ``enc``; None when ``a`` is not in shared memory (or is empty)."""
     view = _find_block(a)
     if view is None or not a.size:
         return None
     row = enc.lease(view, ARENA, arena_fd)
     enc.count("bytes_zero_copy", a.nbytes)
     enc.count("arrays_zero_copy", 1)
-    hole = enc.holes[id(a)] = (
-        row, a.__array_interface__["data"][0] - view.region.addr - view.offset, a.shape,
-        dtype_token(a.dtype), a.strides)
-    return hole
+    return (row, a.__array_interface__["data"][0] - view.region.addr - view.offset, a.shape,
+            dtype_token(a.dtype), a.strides)
 
 
 _NOT_FLAT = object()
@@ -76,17 +69,19 @@ _NOT_FLAT = object()
 
 def _item(enc: _FlatEncoding, x):
     """Item ``x`` of a flat container as the message carries it: a builtin scalar as it
-    is, a shared array as its hole; ``_NOT_FLAT`` for anything else (a nested container,
-    which plain pickle would copy arrays out of; a tuple, which would read as a hole)."""
+    is, a shared array (or a plug-in's object in shared memory) as its hole; ``_NOT_FLAT``
+    for anything else (a nested container, which plain pickle would copy arrays out of; a
+    tuple, which would read as a hole). The same hole object each time ``x`` recurs, so
+    the receiver makes one object of it, as pickle's memo does for the other messages."""
     tx = type(x)
     if tx is _ndarray:
-        hole = _hole(enc, x)
-        return _NOT_FLAT if hole is None else hole
-    if tx in SCALARS:
+        make_hole = _hole
+    elif tx in SCALARS:
         return x
-    make_hole = _flat_holes.get(tx)  # a plug-in's object (a torch tensor)
-    if make_hole is None:
-        return _NOT_FLAT
+    else:
+        make_hole = _flat_holes.get(tx)  # a plug-in's object (a torch tensor)
+        if make_hole is None:
+            return _NOT_FLAT
     hole = enc.holes.get(id(x))
     if hole is None:
         hole = make_hole(enc, x)
@@ -121,13 +116,14 @@ def _holed(enc: _FlatEncoding, c):
 def encode_flat(obj: Any, conn):
     """A message of builtin scalars and shared arrays, flat (a call with such arguments,
     such a result), as a block table and a plain pickle with the arrays as holes
-    (``FLAT``): no pickler subclass, no decoding context. None when an array is not in
-    shared memory (``_ArrayEncoder`` does those).
+    (``FLAT``): no pickler subclass, no decoding context. None when an array or plug-in
+    object is not in shared memory (``_serialization``'s picklers do those).
 
-    ``obj`` is an array, one flat container, or a call ``(method, args, kwargs[, meta])``
-    whose args and kwargs are flat and whose meta (``_serialization.encode`` checked it)
-    is builtins only. Every container is checked here: only builtin scalars and arrays
-    in it, so that each tuple the receiver finds in it is a hole."""
+    ``obj`` is an array (or plug-in object), one flat container, or a call ``(method,
+    args, kwargs[, meta])`` whose args and kwargs are flat and whose meta
+    (``_serialization.encode`` checked it) is builtins only. Every container is checked
+    here: only builtin scalars, arrays and registered plug-in objects in it, so that each
+    tuple the receiver finds in it is a hole."""
     enc = _FlatEncoding(conn)
     t = type(obj)
     if t is tuple and 3 <= len(obj) <= 4 and type(obj[0]) is str and type(obj[1]) is tuple \
@@ -156,19 +152,19 @@ def encode_flat(obj: Any, conn):
 
 
 def _unholed(c, blocks: list, made: dict):
-    """Container ``c`` of a flat message, each hole (a tuple) an array again."""
+    """Container ``c`` of a flat message, each hole (a tuple) its object again."""
     t = type(c)
     if t is tuple:
-        return tuple([_flat_array(x, blocks, made) if type(x) is tuple else x for x in c])
+        return tuple([_from_hole(x, blocks, made) if type(x) is tuple else x for x in c])
     if t is list:
         for i, x in enumerate(c):
             if type(x) is tuple:
-                c[i] = _flat_array(x, blocks, made)
+                c[i] = _from_hole(x, blocks, made)
         return c
     if t is dict:
         for k, x in list(c.items()):
             if type(x) is tuple:
-                c[k] = _flat_array(x, blocks, made)
+                c[k] = _from_hole(x, blocks, made)
     return c
 
 
@@ -180,8 +176,9 @@ class _MakerFailed(Exception):
         self.exc = exc
 
 
-def _flat_array(hole: tuple, blocks: list, made: dict):
-    a = made.get(id(hole))  # (the same hole twice: one array sent twice)
+def _from_hole(hole: tuple, blocks: list, made: dict):
+    """The array (or plug-in object) ``hole`` names, over its adopted block."""
+    a = made.get(id(hole))  # (the same hole twice: one object sent twice)
     if a is None:
         row = hole[0]
         if type(row) is int:
@@ -218,7 +215,7 @@ def decode_flat(payload, blocks: list):
             return (method, _unholed(args, blocks, made), _unholed(kwargs, blocks, made),
                     *meta)
         if kind == 1:
-            return _flat_array(sk, blocks, made)
+            return _from_hole(sk, blocks, made)
         return _unholed(sk, blocks, made)
     except _MakerFailed as failed:
         raise failed.exc from None

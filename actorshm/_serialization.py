@@ -42,8 +42,8 @@ from ._wire import ARENA, FLAT, GPU_SLAB, HAS_BLOCKS, LEN, PLAIN  # noqa: F401
 
 __all__ = ["encode", "encode_plain_call", "decode", "Unsendable", "MessageTooBig", "PassFd",
            "register_reducer", "register_region_kind", "register_lazy_plugin",
-           "register_flat", "leased_block", "lease_host_block", "ARENA", "GPU_SLAB", "FILE_TYPES",
-           "refuse_file"]
+           "register_flat", "leased_block", "lease_host_block", "ARENA", "GPU_SLAB",
+           "FILE_TYPES", "refuse_file"]
 
 from ._registry import (_OPENERS, _flat_holes, _lazy_plugins,  # noqa: F401
                         _not_reduced, _plugin_reducer, _reducers, register_flat,
@@ -127,8 +127,8 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
 
 class _ArrayEncoder(_Encoding, pickle.Pickler):
     """A message of builtin scalars and plain numpy arrays only (``_scalars_and_arrays``
-    is 1):
-    the C pickler does it all but the arrays, with no cloudpickle work per message."""
+    is 1): the C pickler does it all but the arrays, with no cloudpickle work per
+    message."""
 
     def __init__(self, file, conn) -> None:
         pickle.Pickler.__init__(self, file, 5)

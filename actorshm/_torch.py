@@ -6,9 +6,9 @@ with ``_serialization``, and a flat hole for shared CPU tensors (``register_flat
 call of shared tensors, arrays and scalars then goes with no pickler). A CPU tensor
 whose storage lies in an actorshm host block goes by reference to that block: the
 receiver rebuilds a tensor of the same dtype, shape, strides and storage offset over
-the same memory, writable. Any other CPU tensor's
-storage is first copied into this process's pool (counted in ``bytes_copied``), as
-``torch.multiprocessing`` moves a tensor to shared memory.
+the same memory, writable. Any other CPU tensor's storage is first copied into this
+process's pool (counted in ``bytes_copied``), as ``torch.multiprocessing`` moves a
+tensor to shared memory.
 
 The bytes travel dtype-blind (a uint8 view of the storage), so every torch dtype
 travels, those numpy lacks (``bfloat16``, the float8 kinds) included. An
@@ -164,26 +164,36 @@ def _reduce_tensor(enc, t: torch.Tensor):
     n = st.nbytes()
     if n == 0:
         return NotImplemented
+    where = _shared(enc, t)
+    if where is not None:
+        return _rebuild_tensor, where
     requires_grad = t.requires_grad  # (a clone below would drop it)
-    block = _block_of(st.data_ptr(), n)
+    if n > 2 * t.numel() * t.element_size() + 4096:
+        t = t.detach().clone()  # a small view of a large storage: copy the view only
+        st = t.untyped_storage()
+        n = st.nbytes()
+    copy = _shm.empty(n, np.uint8)
+    # numpy's memcpy, not torch's copy_: torch splits a copy over its intra-op
+    # threads, which on a busy machine took 10 ms for 1 MiB instead of 50 µs.
+    np.copyto(copy, torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,)).numpy())
+    enc.count("bytes_copied", n)
+    enc.count("arrays_copied", 1)
+    return _rebuild_tensor, _where(enc, t, _shm.find_block(copy),
+                                   copy.__array_interface__["data"][0], n, kind,
+                                   requires_grad)
+
+
+def _shared(enc, t: torch.Tensor):
+    """``_where`` of strided CPU tensor ``t`` when its storage lies in a host block (that
+    block leased in ``enc``, the tensor counted as passed by reference), else None."""
+    st = t.untyped_storage()
+    n = st.nbytes()
+    block = _block_of(st.data_ptr(), n) if n else None
     if block is None:
-        if n > 2 * t.numel() * t.element_size() + 4096:
-            t = t.detach().clone()  # a small view of a large storage: copy the view only
-            st = t.untyped_storage()
-            n = st.nbytes()
-        copy = _shm.empty(n, np.uint8)
-        # numpy's memcpy, not torch's copy_: torch splits a copy over its intra-op
-        # threads, which on a busy machine took 10 ms for 1 MiB instead of 50 µs.
-        np.copyto(copy, torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,)).numpy())
-        block = _shm.find_block(copy)
-        enc.count("bytes_copied", n)
-        enc.count("arrays_copied", 1)
-        base = copy.__array_interface__["data"][0]
-    else:
-        enc.count("bytes_zero_copy", t.numel() * t.element_size())
-        enc.count("arrays_zero_copy", 1)
-        base = st.data_ptr()
-    return _rebuild_tensor, _where(enc, t, block, base, n, kind, requires_grad)
+        return None
+    enc.count("bytes_zero_copy", t.numel() * t.element_size())
+    enc.count("arrays_zero_copy", 1)
+    return _where(enc, t, block, st.data_ptr(), n, type(t), t.requires_grad)
 
 
 _SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
@@ -234,19 +244,13 @@ def _tensor_hole(enc, t: torch.Tensor):
     if not t.is_cpu or (t.requires_grad and not t.is_leaf) or \
             t.layout is not torch.strided or t.is_quantized or t.is_nested:
         return None
-    st = t.untyped_storage()
-    n = st.nbytes()
-    block = _block_of(st.data_ptr(), n) if n else None
-    if block is None:
-        return None
-    enc.count("bytes_zero_copy", t.numel() * t.element_size())
-    enc.count("arrays_zero_copy", 1)
-    return (_flat_tensor, *_where(enc, t, block, st.data_ptr(), n, type(t),
-                                  t.requires_grad))
+    where = _shared(enc, t)
+    return None if where is None else (_flat_tensor, *where)
 
 
 def _tensor_on(block, start, n, dtype, size, stride, offset, parameter, requires_grad,
                bits):
+    """The tensor ``_where`` described, over received ``block``."""
     t = tensor_over(np.asarray(block)[start:start + n], _DTYPES[dtype], size, stride,
                     offset, block)
     return finish(t, parameter, requires_grad, bits)

@@ -47,7 +47,7 @@ HAS_BLOCKS = 1  # the payload starts with a block table (``_serialization``)
 PLAIN = 2  # the payload is a plain pickle of builtin scalars and containers
 HAS_RELEASES = 4  # releases (and forward notices) ride ahead of the payload
 # With HAS_BLOCKS: after the block table, a plain pickle of builtin scalars in which each
-# array is a hole, a tuple naming its place in a block (``_serialization``'s flat calls).
+# array is a hole, a tuple naming its place in a block (a flat message: ``_flat``).
 FLAT = 8
 MAX_FLAGS = HAS_BLOCKS | PLAIN | HAS_RELEASES | FLAT  # a header with other bits set is corrupt
 LEN = struct.Struct("<I")  # length prefix of what rides ahead of a payload
