@@ -63,7 +63,7 @@ async def test_frames_cut_anywhere_arrive_whole(piece):
     receiver.close()
 
 
-async def test_big_in_band_arguments_roundtrip(rt):
+async def test_big_in_band_arguments_round_trip(rt):
     c = await Counter.spawn()
     blob = np.random.default_rng(0).bytes(3 << 20)  # many reads each way
     for _ in range(3):
