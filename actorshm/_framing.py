@@ -1,14 +1,14 @@
 """Frames over a Unix socket: the write queue, holds, corking, reads and SCM_RIGHTS.
 
-``FramedSocket`` moves ``_wire`` frames and knows nothing of what they mean. Writing:
-frames queue in ``_out`` and go out in as few ``sendmsg`` calls as the socket takes; file
-descriptors ride as SCM_RIGHTS ancillary data on the ``sendmsg`` that carries the first
-byte of their frame. A frame's fds may be closed here once it is written
-(``close_after_send``), and a callback may wait for it (``after_item``). Frames can be
-held back (``hold``) until something that must go first is out, and the writer can be
-corked while a burst is made. Reading: what the socket has is parsed into whole frames,
-each handed to ``_frame`` with the number of fds its header announces (received fds
-queue in arrival order).
+``FramedSocket`` moves ``_wire`` frames and knows nothing of what they mean, except that
+a call is never held back to go with others. Writing: frames queue in ``_out`` and go
+out in as few ``sendmsg`` calls as the socket takes; file descriptors ride as SCM_RIGHTS
+ancillary data on the ``sendmsg`` that carries the first byte of their frame. A frame's
+fds may be closed here once it is written (``close_after_send``), and a callback may
+wait for it (``after_item``). Frames can be held back (``hold``) until something that
+must go first is out, and the writer can be corked while a burst is made. Reading: what
+the socket has is parsed into whole frames, each handed to ``_frame`` with the number of
+fds its header announces (received fds queue in arrival order).
 
 "Flush" here means one thing: write what is queued to the socket, as far as it takes it.
 A subclass (``_protocol.Connection``) gives frames their meaning, and decides what a
@@ -26,7 +26,7 @@ import struct
 import threading
 
 from ._framereader import FrameReader
-from ._wire import ANC_SIZE, HEADER, MARK, MAX_FRAME, RECV_SIZE  # noqa: F401
+from ._wire import ANC_SIZE, CALL, HEADER, MARK, MAX_FRAME, RECV_SIZE  # noqa: F401
 
 logger = logging.getLogger("actorshm")
 
@@ -37,6 +37,12 @@ _recv_tls = threading.local()
 
 
 _pack_header = struct.Struct.pack.__get__(HEADER)  # the marker given by the caller
+
+# The rest of a burst (frames made in one loop iteration after the first: an actor's
+# replies to the calls of one read, a stream's items) goes out every this many queued
+# buffers, and when the iteration's callback returns: the peer starts on the first ones
+# while the rest are made. A call is never held back: it is written when it is made.
+BURST_ITEMS = 16
 
 
 def _recv_view() -> memoryview:
@@ -179,10 +185,15 @@ class FramedSocket(FrameReader):
                 out[-1].close_fds = close_fds
         if self.sock is not None and not self._writing and not self._corked:
             if self._burst:
-                # A second frame in the same loop iteration: a burst (pipelined calls).
-                # The first frame went out at once; the rest go together in one sendmsg
-                # when this iteration's callback returns, instead of one syscall each.
-                if not self._burst_flush:
+                # A second frame in the same loop iteration: a burst (an actor's replies
+                # to one read's calls). The first frame went out at once; the rest go
+                # together, one sendmsg per ``BURST_ITEMS`` buffers and one when this
+                # iteration's callback returns, instead of one syscall each. A call goes
+                # now (with what is queued ahead of it): "sent when made" holds even if
+                # the caller then blocks its event loop.
+                if kind == CALL or len(out) >= BURST_ITEMS:
+                    self._flush()
+                elif not self._burst_flush:
                     self._burst_flush = True
                     self.loop.call_soon(self._end_burst)
             else:
@@ -204,7 +215,9 @@ class FramedSocket(FrameReader):
             return True
         if self._burst:  # as in ``write_frame``: the rest of a burst goes together
             self._out.append(OutItem(frame))
-            if not self._burst_flush:
+            if kind == CALL or len(self._out) >= BURST_ITEMS:
+                self._flush()
+            elif not self._burst_flush:
                 self._burst_flush = True
                 self.loop.call_soon(self._end_burst)
             return True

@@ -9,7 +9,7 @@ import pytest
 
 from actorshm import RemoteError
 import actorshm
-from actors import BreaksOnArrival, Caller, Concurrent, Counter, CustomError, Faulty
+from actors import BreaksOnArrival, Caller, Concurrent, Counter, CustomError, Faulty, PoolWorker
 
 
 async def test_spawn_call_and_local_use(rt_each):
@@ -37,6 +37,19 @@ async def test_call_is_sent_without_await(rt):
     log_fut = c.get_log()
     assert await log_fut == [0, 1, 2, 3, 4]
     assert [await f for f in futs] == [0, 1, 2, 3, 4]
+
+
+async def test_every_call_is_sent_when_made_even_if_the_caller_then_blocks(rt):
+    # Several calls made in one go, then the caller's event loop blocks (its own work,
+    # or a bug): each call is already on its way, the actor runs all of them.
+    s = await PoolWorker.spawn()
+    a = actorshm.zeros(4)
+    futs = [s.write_at(a, i, i + 1) for i in range(4)]
+    deadline = time.monotonic() + 10
+    while a[3] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # blocks the event loop: nothing more is written from here
+    assert list(a) == [1, 2, 3, 4]
+    assert await asyncio.gather(*futs) == [True] * 4
 
 
 async def test_order_with_max_concurrency_1(rt):
