@@ -1,13 +1,14 @@
 """Lifecycle events on the Ray backend: the runtime watches each actor it spawned.
 
 Each actor that ``RayRuntime`` spawns gets a watcher: a task in the driver that keeps a
-call pending on the actor's host (``Host.watch_death``, which never returns). Ray fails
+call pending on the actor's host (``Host.watch_death``, which returns only when the
+process starts leaving on SIGTERM, and is then asked again: ``_ray_watched``). Ray fails
 that call when the actor's process dies (``ActorUnavailableError``, or ``ActorDiedError``
 where Ray already knows the actor is gone for good), and the restarts left
 (``max_restarts``) say whether a new process comes. The watcher then reports ``"died"``
-(``_events.emit``); where a new process comes,
-it holds the calls made meanwhile (``RayClient.watch_restart``), waits for it
-(``Host.ready`` answers with its pid), reports ``"restarted"`` and watches again.
+(``_events.emit``); where a new process comes, it holds the calls made meanwhile
+(``RayClient.watch_restart``), waits for it (``Host.ready`` answers with its pid),
+reports ``"restarted"`` and watches again.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ._remote_errors import decode_exception
 
 __all__ = ["watch", "describe"]
 
+LEAVING_POLL = 0.05  # seconds between the questions to a process that is leaving
 
 
 class _Record:
@@ -66,12 +68,14 @@ async def _children(runtime: Any, host: Any) -> None:
         try:
             children = await host.next_children.remote()
         except unavailable_error():  # restarting: ask its next process (Ray queues the call)
-            await asyncio.sleep(0.1)
+            children = ()
+        except Exception:  # the actor is gone: its watcher reports it
+            return
+        if not children:  # (its process is leaving, or restarting): ask again
+            await asyncio.sleep(LEAVING_POLL)
             if runtime._closing:
                 return
             continue
-        except Exception:  # the actor is gone: its watcher reports it
-            return
         for handle, options in children:
             if runtime._closing:
                 return
@@ -84,9 +88,13 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
     while True:
         try:
             await host.watch_death.remote()
-            return  # (it never returns)
         except Exception as exc:
             death = exc
+        else:  # its process is leaving (SIGTERM): Ray fails the next call once it is gone
+            await asyncio.sleep(LEAVING_POLL)
+            if runtime._closing:
+                return
+            continue
         if runtime._closing:
             return
         killed = key in client._dead

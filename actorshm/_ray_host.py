@@ -25,7 +25,9 @@ from typing import Any
 from . import _client, _introspect, _shm
 from ._errors import ActorDiedError, init_exit_error
 from ._ray_errors import check_result
-from ._remote_errors import call_in_thread, encode_exception
+from ._ray_watched import Watched
+from ._remote_errors import call_in_thread
+from ._remote_errors import encode_exception as _encode_exception
 from ._streams import CANCELLED_BY_CALLER
 
 __all__ = ["Host", "freeze_arrays", "simple", "pack"]
@@ -52,6 +54,13 @@ def simple(obj: Any, depth: int = 0) -> bool:
         return len(obj) <= 64 and all(
             type(k) is str and simple(v, depth + 1) for k, v in obj.items())
     return False
+
+
+def encode_exception(exc: BaseException) -> bytes:
+    """An error reply's exception, pickled as Ray pickled the actor's class (Ray's copy of
+    cloudpickle): a class from the caller's ``__main__`` is the caller's own there."""
+    from ray import cloudpickle  # (this module runs in Ray's workers only)
+    return _encode_exception(exc, cloudpickle.dumps)
 
 
 def pack(pair: tuple) -> Any:
@@ -131,7 +140,7 @@ class _Turns:
             w.set_result(None)
 
 
-class Host:
+class Host(Watched):
     """Wraps the user's class inside a Ray actor process (made remote by ``_ray``).
 
     Ray runs async actor tasks in arrival order at best, so each call carries its
@@ -143,9 +152,7 @@ class Host:
                  get_client: Any, meta: tuple) -> None:
         client = get_client()
         _client.set_worker(client)  # calls made in here go through Ray
-        self._children: list = []  # (handle, options) spawned here, for ``next_children``
-        self._children_added: asyncio.Event | None = None
-        client.on_spawn(self._child_spawned)
+        self._watched(client)
         self._meta = meta
         self._cls_name = cls.__qualname__
         self._executor = None
@@ -206,27 +213,6 @@ class Host:
         """``(class name, public methods, streaming methods, max_pending_calls,
         max_restarts)``."""
         return self._meta
-
-    async def watch_death(self) -> None:
-        """Never returns: the runtime that spawned the actor keeps this call pending, and
-        Ray failing it tells that runtime of the process's death (lifecycle events)."""
-        await asyncio.get_running_loop().create_future()
-
-    def _child_spawned(self, handle: Any, options: Any) -> None:
-        self._children.append((handle, options))
-        if self._children_added is not None:
-            self._loop.call_soon_threadsafe(self._children_added.set)
-
-    async def next_children(self) -> list:
-        """The actors spawned in this actor since the last call, once there are any:
-        the runtime keeps this call pending to watch them too (lifecycle events)."""
-        if self._children_added is None:
-            self._children_added = asyncio.Event()
-        while not self._children:
-            self._children_added.clear()
-            await self._children_added.wait()
-        out, self._children = self._children, []
-        return out
 
     async def probe(self, what: str) -> Any:
         """Answer the driver's ``rt.stats()`` (``"stats"``), ``rt.memory()``

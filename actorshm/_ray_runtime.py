@@ -10,7 +10,7 @@ import asyncio
 import os
 from typing import Any
 
-from . import _client, _events, _ray_events
+from . import _client, _events, _ray_events, _shm
 from ._actor import ActorHandle, ActorOptions
 from ._errors import ActorDiedError
 from ._ray import CLIENT, RayActorId, import_ray, ray_env
@@ -135,7 +135,8 @@ class RayRuntime(_events.EventSource, RayInspectable):
                 CLIENT.fixed_cluster = False
         finally:
             self._open = False
-            _client.runtime_closed(self)
+            if not _client.runtime_closed(self):
+                _shm.release_budget(id(self), trim=True)  # idle shared memory, as locally
 
     def _check_open(self) -> None:
         if not self._open:

@@ -30,13 +30,18 @@ def _type_name(t: type) -> str:
         f"{t.__module__}.{t.__qualname__}"
 
 
-def encode_exception(exc: BaseException) -> bytes:
+def encode_exception(exc: BaseException, dumps=cloudpickle.dumps) -> bytes:
     """Pickle an exception for an error reply: itself where it pickles, and its type
     name, message and traceback text. One over the frame limit (it holds big data)
-    goes as a new exception of its type with its message cut short, or as its text."""
+    goes as a new exception of its type with its message cut short, or as its text.
+
+    ``dumps`` pickles the exception itself: the pickler that brought the actor's class
+    here, so that an exception class defined in the caller's ``__main__`` (pickled by
+    value) is rebuilt there as the caller's own class (Ray's copy of cloudpickle on the
+    Ray backend, which keeps its own record of such classes)."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        blob = cloudpickle.dumps(exc, protocol=5)
+        blob = dumps(exc, protocol=5)
     except Exception:
         blob = None
     t = type(exc)
@@ -52,7 +57,7 @@ def encode_exception(exc: BaseException) -> bytes:
         msg = msg[:_BRIEF] + note
         tb = tb[-_BRIEF:]
         try:
-            blob = cloudpickle.dumps(t(msg), protocol=5)
+            blob = dumps(t(msg), protocol=5)
         except Exception:
             blob = None
         if blob is not None and len(blob) > _BRIEF * 2:

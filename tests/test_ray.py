@@ -8,6 +8,7 @@ copies (see docs/ray.md), which the Ray-only tests below pin down.
 """
 
 import asyncio
+import gc
 import io
 import os
 import pickle
@@ -206,6 +207,16 @@ async def test_env_option_reaches_the_actor(art):
     assert await p.env("ACTORSHM_PROBE") == "yes"
 
 
+async def test_leaving_the_runtime_gives_idle_shared_memory_back(backend):
+    async with actorshm.Runtime(backend=backend):
+        arrs = [actorshm.empty(8 << 20, np.uint8) for _ in range(4)]
+        del arrs
+        gc.collect()
+    st = actorshm.stats()
+    assert st["blocks_live"] == 0
+    assert st["arenas_owned"] == 0 and st["arena_bytes_owned"] == 0
+
+
 # -- Errors --------------------------------------------------------------------------
 async def test_method_errors_keep_their_type_and_remote_traceback(art):
     f = await Faulty.spawn()
@@ -218,6 +229,33 @@ async def test_method_errors_keep_their_type_and_remote_traceback(art):
     with pytest.raises(actorshm.RemoteError, match="Unpicklable"):
         await f.unpicklable()
     assert await f.ok() == "ok"
+
+
+async def test_an_exception_class_pickled_by_value_is_the_callers_own(art):
+    # A class defined in the script (``__main__``) or in a function travels by value: the
+    # exception must come back as the caller's class, or ``except LocalError:`` misses.
+    class LocalError(Exception):
+        pass
+
+    @actorshm.actor
+    class Raiser:
+        def __init__(self, fail=False):
+            if fail:
+                raise LocalError("in __init__")
+
+        def boom(self):
+            raise LocalError("in a method")
+
+        def items(self):
+            yield 1
+            raise LocalError("in a stream")
+
+    with pytest.raises(LocalError, match="in __init__"):
+        await Raiser.spawn(True)
+    r = await Raiser.spawn()
+    with pytest.raises(LocalError, match="in a method"):
+        await r.boom()
+    assert await items_before(r.items(), LocalError, "in a stream") == [1]
 
 
 async def test_an_actors_exit_or_interrupt_does_not_end_the_caller(art):
@@ -322,6 +360,29 @@ async def test_a_restart_fails_pending_calls_at_once_and_later_calls_wait_in_ord
         calls = [p.hit() for _ in range(8)]
         got = await asyncio.wait_for(asyncio.gather(*calls), 60)
         assert [n for _, n, _ in got] == list(range(1, 9))
+
+
+async def test_sigterm_ends_the_actor_and_its_calls_fail_promptly(art):
+    # On Ray a worker that gets SIGTERM waits for its calls in flight before leaving, and
+    # the runtime keeps calls pending on every actor (to learn of its death): the process
+    # stayed, answering nothing, and every later call hung.
+    c = await Counter.spawn()
+    assert await c.incr() == 1
+    running = c.slow_record(1, 0.5)
+    await asyncio.sleep(0.1)
+    os.kill(c.pid, signal.SIGTERM)
+    t0 = time.monotonic()
+    with pytest.raises(actorshm.ActorDiedError):
+        for _ in range(100):  # (on Ray, the calls made while it leaves may still run)
+            await asyncio.wait_for(c.incr(), 10)
+            await asyncio.sleep(0.05)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(c.incr(), 10)
+    try:  # a running sync call finishes on Ray (the process waits for it) or fails
+        assert await asyncio.wait_for(running, 10) == 1
+    except actorshm.ActorDiedError:
+        pass
 
 
 async def test_calls_made_before_the_pending_ones_failed_run_after_the_restart(art):
