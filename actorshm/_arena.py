@@ -137,6 +137,37 @@ def nbytes_of(shape, dtype) -> tuple[tuple, np.dtype, int]:
     return shape, dtype, n
 
 
+# A copy of an ordinary array (or tensor) keeps the sender's layout (strides, the gaps
+# between elements; a tensor's storage offset) when the memory that layout spans is at
+# most twice the array's bytes plus this: a small view of a much larger array is copied
+# compactly instead, in its own axis order, so that sending it does not copy the rest.
+KEEP_LAYOUT_SLACK = 64 << 10
+
+
+def keeps_layout(span: int, nbytes: int) -> bool:
+    """Whether a copy of an array of ``nbytes`` spanning ``span`` bytes keeps its layout."""
+    return span <= 2 * nbytes + KEEP_LAYOUT_SLACK
+
+
+def copy_layout(arr: np.ndarray) -> tuple[int, int, tuple]:
+    """How a copy of ordinary array ``arr`` is laid out in its new memory:
+    ``(offset of its first element, bytes, strides)``. Its own strides (memory order,
+    gaps and negative strides included) where ``keeps_layout`` says so, else compact
+    in its own axis order."""
+    lo = hi = 0
+    for n, st in zip(arr.shape, arr.strides):
+        if n == 0:
+            return 0, 0, arr.strides
+        if st < 0:
+            lo += (n - 1) * st
+        else:
+            hi += (n - 1) * st
+    span = hi - lo + arr.itemsize
+    if keeps_layout(span, arr.nbytes):
+        return -lo, span, arr.strides
+    return 0, arr.nbytes, np.empty_like(arr, order="K").strides
+
+
 def new_arena(key: tuple, size: int, dedicated: bool, pool) -> Arena:
     """A new owned arena of ``size`` bytes for ``pool`` (a ``_shm.HostPool``).
 

@@ -4,7 +4,8 @@ An ordinary array (not in shared memory) of up to ``INLINE_MAX`` bytes travels i
 the pickle itself (protocol 5, in band), up to ``INLINE_BUDGET`` bytes of them per
 message: it is a copy either way, and a shared block would cost more than the bytes it
 carries. The receiver gets a writable copy with the same shape, dtype, strides and
-memory order. ``dtype_token`` is how any array's dtype travels (in band or leased).
+memory order (a small view of a much larger array: compact, ``_arena.copy_layout``).
+``dtype_token`` is how any array's dtype travels (in band or leased).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import pickle
 
 import numpy as np
 
-__all__ = ["INLINE_MAX", "INLINE_BUDGET", "dtype_token", "inline_array", "rebuild_inline"]
+from ._arena import copy_layout
+
+__all__ = ["INLINE_MAX", "INLINE_BUDGET", "dtype_token", "inline_array", "inline_bytes",
+           "rebuild_inline"]
 
 _tokens: dict = {}  # dtype -> its token (a bounded cache)
 
@@ -40,9 +44,16 @@ INLINE_BUDGET = 1 << 20
 _PickleBuffer = pickle.PickleBuffer
 
 
+def inline_bytes(a: np.ndarray) -> int:
+    """The bytes ordinary array ``a`` takes in band (its layout's span: ``copy_layout``)."""
+    fl = a.flags
+    return a.nbytes if fl.c_contiguous or fl.f_contiguous else copy_layout(a)[1]
+
+
 def inline_array(a: np.ndarray):
     """The reduce value of a small ordinary array, its bytes in band: a writable copy
-    on the other side, with the same shape, dtype, strides and memory order."""
+    on the other side, with the same shape, dtype, strides and memory order (a small
+    view of a much larger array compactly, in its own axis order: ``copy_layout``)."""
     fl = a.flags
     if fl.c_contiguous and fl.writeable:  # the common case
         dt = a.dtype
@@ -51,16 +62,17 @@ def inline_array(a: np.ndarray):
         except (ValueError, BufferError):  # datetime64/timedelta64 export no buffer
             buf = _PickleBuffer(a.reshape(-1).view(np.uint8))
         return rebuild_inline, (buf, _tokens.get(dt) or dtype_token(dt), a.shape)
-    if not (fl.c_contiguous or fl.f_contiguous):
-        b = np.empty_like(a, order="K")  # keeps the axis order of a permuted view
-        np.copyto(b, a, casting="no")
-        a = b
-    elif not fl.writeable:
-        a = a.copy(order="K")  # (a read-only buffer would arrive as read-only bytes)
-    return rebuild_inline, (_PickleBuffer(a.ravel(order="K").view(np.uint8)),
-                            dtype_token(a.dtype), a.shape, a.strides)
+    if fl.c_contiguous or fl.f_contiguous:  # read-only, or F order
+        b = a.copy(order="K") if not fl.writeable else a  # (read-only bytes would arrive so)
+        return rebuild_inline, (_PickleBuffer(b.ravel(order="K").view(np.uint8)),
+                                dtype_token(a.dtype), a.shape, a.strides)
+    offset, n, strides = copy_layout(a)
+    b = np.empty(n, np.uint8)
+    np.copyto(np.ndarray(a.shape, a.dtype, buffer=b, offset=offset, strides=strides), a,
+              casting="no")
+    return rebuild_inline, (_PickleBuffer(b), dtype_token(a.dtype), a.shape, strides, offset)
 
 
-def rebuild_inline(buf, dtype, shape, strides=None):
+def rebuild_inline(buf, dtype, shape, strides=None, offset=0):
     """The receiver's copy of an array sent by ``inline_array``."""
-    return np.ndarray(shape, dtype, buffer=buf, strides=strides)
+    return np.ndarray(shape, dtype, buffer=buf, strides=strides, offset=offset)

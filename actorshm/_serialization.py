@@ -36,7 +36,8 @@ import numpy as np
 from . import _encoding, _leases, _results, _shm
 from ._encoding import SCALARS, Encoding, MessageTooBig, add_wait, arena_fd, check_size
 from ._flat import decode_flat, encode_flat
-from ._inband import INLINE_BUDGET, INLINE_MAX, dtype_token, inline_array, rebuild_inline
+from ._inband import (INLINE_BUDGET, INLINE_MAX, dtype_token, inline_array, inline_bytes,
+                      rebuild_inline)
 from ._errors import ProtocolError
 from ._wire import ARENA, FLAT, GPU_SLAB, HAS_BLOCKS, LEN, PLAIN  # noqa: F401
 
@@ -155,7 +156,7 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
         return None  # by value, in band (object arrays hold Python objects, not bytes)
     view = _shm.find_block(a)
     if view is None:
-        n = a.nbytes
+        n = inline_bytes(a)
         if n <= INLINE_MAX and enc.inlined + n <= INLINE_BUDGET and \
                 (type(a) is _ndarray or type(a) is _memmap):
             enc.inlined += n

@@ -24,8 +24,9 @@ import time
 import numpy as np
 
 from . import _leases
-from ._arena import (Arena, HostBlock, array_from_block, find_block,  # noqa: F401
-                     is_shared, map_fd, nbytes_of, new_arena)  # (re-exported)
+from ._arena import (Arena, HostBlock, array_from_block, copy_layout,  # noqa: F401
+                     find_block, is_shared, keeps_layout, map_fd, nbytes_of,
+                     new_arena)  # (re-exported)
 from ._budget import (MIN_BUDGET, SharedBudget, chunk_size_for, default_budget,  # noqa: F401
                       fd_limit)
 from ._errors import SharedMemoryError
@@ -473,14 +474,14 @@ def share(arr) -> np.ndarray:
 
 
 def copy_to_shared(arr: np.ndarray) -> np.ndarray:
-    """Copy an ordinary array into this process's pool, keeping its memory order."""
-    order = "F" if (arr.flags.f_contiguous and not arr.flags.c_contiguous) else "C"
-    if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
-        # Keep the axis order of a permuted view; drop the gaps of a strided one.
-        tmpl = np.empty_like(arr, order="K")
-        out = np.ndarray(tmpl.shape, arr.dtype, buffer=np.asarray(pool().alloc(arr.nbytes)),
-                         strides=tmpl.strides)
-    else:
+    """Copy an ordinary array into this process's pool, keeping its layout (strides and
+    memory order; a small view of a much larger array compactly: ``copy_layout``)."""
+    if arr.flags.c_contiguous or arr.flags.f_contiguous:
+        order = "F" if (arr.flags.f_contiguous and not arr.flags.c_contiguous) else "C"
         out = empty(arr.shape, arr.dtype, order=order)
+    else:
+        offset, n, strides = copy_layout(arr)
+        out = np.ndarray(arr.shape, arr.dtype, buffer=np.asarray(pool().alloc(n)),
+                         offset=offset, strides=strides)
     np.copyto(out, arr, casting="no")
     return out

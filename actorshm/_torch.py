@@ -168,8 +168,16 @@ def _reduce_tensor(enc, t: torch.Tensor):
     if where is not None:
         return _rebuild_tensor, where
     requires_grad = t.requires_grad  # (a clone below would drop it)
-    if n > 2 * t.numel() * t.element_size() + 4096:
-        t = t.detach().clone()  # a small view of a large storage: copy the view only
+    # The storage up to the view's last element, so that strides and storage offset stay;
+    # a small view of a much larger storage: a compact copy of the view only.
+    numel = t.numel()
+    if numel:
+        end = t.storage_offset()
+        for size, stride in zip(t.shape, t.stride()):
+            end += (size - 1) * stride
+        n = min(n, (end + 1) * t.element_size())
+    if not numel or not _shm.keeps_layout(n, numel * t.element_size()):
+        t = t.detach().clone()
         st = t.untyped_storage()
         n = st.nbytes()
     copy = _shm.empty(n, np.uint8)

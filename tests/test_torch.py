@@ -76,6 +76,22 @@ async def test_views_keep_strides_and_storage_offset(rt):
     assert torch.equal(base, expect)
 
 
+async def test_views_of_ordinary_tensors_keep_strides_and_storage_offset(rt):
+    # copied with the storage up to the view's end; a small view of a much larger
+    # storage is copied compactly, not with the rest
+    w = await TorchWorker.spawn()
+    big = torch.randn(300, 300)
+    for v in (big[10:20, 5:], big[5], big[:, ::2], big.t()[:, ::2], torch.arange(3.).expand(4, 3)):
+        info = await w.info(v)
+        assert (info["shape"], info["stride"], info["offset"]) == (
+            tuple(v.shape), v.stride(), v.storage_offset())
+        assert torch.equal(await w.echo(v), v)
+    v = big[:, ::150]
+    info = await w.info(v)
+    assert (info["shape"], info["stride"], info["offset"]) == ((300, 2), (2, 1), 0)
+    assert torch.equal(await w.echo(v), v)
+
+
 async def test_conjugate_and_negative_views_keep_their_values(rt):
     w = await TorchWorker.spawn()
     z = at.share(torch.tensor([1 + 2j, 3 - 1j]))
