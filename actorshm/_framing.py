@@ -183,24 +183,28 @@ class FramedSocket(FrameReader):
                 for part in parts:
                     out.append(OutItem(part))
                 out[-1].close_fds = close_fds
-        if self.sock is not None and not self._writing and not self._corked:
-            if self._burst:
-                # A second frame in the same loop iteration: a burst (an actor's replies
-                # to one read's calls). The first frame went out at once; the rest go
-                # together, one sendmsg per ``BURST_ITEMS`` buffers and one when this
-                # iteration's callback returns, instead of one syscall each. A call goes
-                # now (with what is queued ahead of it): "sent when made" holds even if
-                # the caller then blocks its event loop.
-                if kind == CALL or len(out) >= BURST_ITEMS:
-                    self._flush()
-                elif not self._burst_flush:
-                    self._burst_flush = True
-                    self.loop.call_soon(self._end_burst)
-            else:
-                self._burst = True
-                self.loop.call_soon(self._end_burst)
-                self._burst_flush = True
+        if self.sock is None or self._writing:
+            return
+        if self._corked:
+            # A call goes now, corked or not (with what is queued ahead of it): "sent
+            # when made" holds even if the caller then blocks its event loop.
+            if kind == CALL:
                 self._flush()
+        elif self._burst:
+            # A second frame in the same loop iteration: a burst (an actor's replies to
+            # one read's calls). The first frame went out at once; the rest go together,
+            # one sendmsg per ``BURST_ITEMS`` queued buffers and one when this
+            # iteration's callback returns, instead of one syscall each; a call now.
+            if kind == CALL or len(out) >= BURST_ITEMS:
+                self._flush()
+            elif not self._burst_flush:
+                self._burst_flush = True
+                self.loop.call_soon(self._end_burst)
+        else:
+            self._burst = True
+            self.loop.call_soon(self._end_burst)
+            self._burst_flush = True
+            self._flush()
 
     def write_small(self, kind: int, flags: int, cid: int, payload: bytes) -> bool:
         """Queue a small frame without fds, and write it at once when the writer is idle:
@@ -212,19 +216,24 @@ class FramedSocket(FrameReader):
         frame = _pack_header(len(payload), kind, flags, 0, MARK, cid) + payload
         if self._corked or self._writing:
             self._out.append(OutItem(frame))
+            if kind == CALL and not self._writing:  # as in ``write_frame``: a call goes now
+                self._flush()
             return True
         if self._burst:  # as in ``write_frame``: the rest of a burst goes together
-            self._out.append(OutItem(frame))
-            if kind == CALL or len(self._out) >= BURST_ITEMS:
-                self._flush()
-            elif not self._burst_flush:
-                self._burst_flush = True
-                self.loop.call_soon(self._end_burst)
-            return True
-        if self._out:
+            if kind != CALL or self._out:
+                self._out.append(OutItem(frame))
+                if kind == CALL or len(self._out) >= BURST_ITEMS:
+                    self._flush()
+                elif not self._burst_flush:
+                    self._burst_flush = True
+                    self.loop.call_soon(self._end_burst)
+                return True
+            # (a call with nothing queued ahead of it: straight to the socket, below)
+        elif self._out:
             return False
-        self._burst = self._burst_flush = True
-        self.loop.call_soon(self._end_burst)
+        else:
+            self._burst = self._burst_flush = True
+            self.loop.call_soon(self._end_burst)
         try:
             sent = self.sock.send(frame)
         except (BlockingIOError, InterruptedError):

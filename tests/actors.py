@@ -605,3 +605,24 @@ class WithoutTorch:
 
     def ping(self):
         return "alive"
+
+
+@actor(max_concurrency=2)
+class CalledBack:
+    """Calls an actor that calls it back, from a sync method, over the same connection."""
+
+    async def run(self, other, me, arr):
+        return await other.call_then_wait(me, arr)
+
+    async def mark(self, arr):
+        arr[0] = 1.0
+
+
+@actor
+class CallsBack:
+    def call_then_wait(self, other, arr):
+        other.mark(arr)  # not awaited: it goes now, though this method holds the loop
+        deadline = time.monotonic() + 5
+        while arr[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return float(arr[0])

@@ -9,7 +9,8 @@ import pytest
 
 from actorshm import RemoteError
 import actorshm
-from actors import BreaksOnArrival, Caller, Concurrent, Counter, CustomError, Faulty, PoolWorker
+from actors import (BreaksOnArrival, CalledBack, Caller, CallsBack, Concurrent, Counter,
+                    CustomError, Faulty, PoolWorker)
 
 
 async def test_spawn_call_and_local_use(rt_each):
@@ -50,6 +51,18 @@ async def test_every_call_is_sent_when_made_even_if_the_caller_then_blocks(rt):
         time.sleep(0.01)  # blocks the event loop: nothing more is written from here
     assert list(a) == [1, 2, 3, 4]
     assert await asyncio.gather(*futs) == [True] * 4
+    # ... and right after a cancel (cancels made together go out together)
+    slow = s.work(1, 5.0)
+    await asyncio.sleep(0.1)
+    slow.cancel()
+    fut = s.write_at(a, 0, 9)
+    deadline = time.monotonic() + 10
+    while a[0] != 9 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert a[0] == 9 and await fut
+    # ... and from a sync method, back over the connection it is being called on
+    c, b = await CalledBack.spawn(), await CallsBack.spawn()
+    assert await c.run(b, c, actorshm.zeros(1)) == 1.0
 
 
 async def test_order_with_max_concurrency_1(rt):
