@@ -2,7 +2,7 @@
 
 Each actor that ``RayRuntime`` spawns gets a watcher: a task in the driver that keeps a
 call pending on the actor's host (``Host.watch_death``, which returns only when the
-process starts leaving on SIGTERM, and is then asked again: ``_ray_watched``). Ray fails
+process starts leaving on SIGTERM: ``_ray_watched``; that is a death too). Ray fails
 that call when the actor's process dies (``ActorUnavailableError``, or ``ActorDiedError``
 where Ray already knows the actor is gone for good), and the restarts left
 (``max_restarts``) say whether a new process comes. The watcher then reports ``"died"``
@@ -87,24 +87,25 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
     unavailable, limit = unavailable_error(), rec.options.max_restarts
     while True:
         try:
-            await host.watch_death.remote()
+            # It returns when that process is leaving on SIGTERM, or is gone and another
+            # answered in its place (``_ray_watched``).
+            left = await host.watch_death.remote(rec.pid)
+            death = None
         except Exception as exc:
             death = exc
-        else:  # its process is leaving (SIGTERM): Ray fails the next call once it is gone
-            await asyncio.sleep(LEAVING_POLL)
-            if runtime._closing:
-                return
-            continue
         if runtime._closing:
             return
         killed = key in client._dead
         # Ray says an actor is gone for good (``ActorDiedError``) only once it knows;
         # failing calls at once (``ray_env``), it first says "unavailable" for every
-        # death. So the restarts left decide, and Ray's word where it has one.
+        # death. So the restarts left decide, and Ray's word where it has one (a process
+        # leaving on SIGTERM is restarted as any other that dies).
         again = not killed and (limit == -1 or rec.restarts < limit)
-        if unavailable and not isinstance(death, unavailable):
+        if death is not None and unavailable and not isinstance(death, unavailable):
             again = False
-        reason = "kill()" if killed else describe(death)
+        reason = "kill()" if killed else describe(death) if death is not None else \
+            "its process got SIGTERM" if left == "leaving" else \
+            "its process died (another answered in its place)"
         _events.emit(runtime, "died", rec, reason, will_restart=again)
         if not again:
             runtime._gone.add(key)

@@ -9,14 +9,16 @@ A Ray worker that gets SIGTERM raises ``SystemExit`` from its signal handler and
 waits for every call in flight to end before its process exits, so a call kept pending
 forever would keep it from ever leaving: the actor would answer nothing and die never
 (its callers would hang). So the host hooks Ray's exit on SIGTERM: when the process
-starts leaving, both calls return, the runtime asks again (Ray fails those calls once
-the process is gone, or runs them on the process restarted in its place), and the
-process leaves as any Ray actor does.
+starts leaving, both calls return; the runtime takes it as the process's death (and
+waits for the restarted one where restarts are left), and the process leaves as any
+Ray actor does. A ``watch_death`` sent to a process already leaving runs on the one
+restarted in its place: it names the process it watches, and returns at once there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from typing import Any
 
@@ -36,19 +38,24 @@ class Watched:
         client.on_spawn(self._child_spawned)
         _on_leaving(self._leave)
 
-    async def watch_death(self) -> None:
-        """Returns only once the process starts leaving (SIGTERM): until then the
-        runtime that spawned the actor keeps this call pending, and Ray failing it tells
-        that runtime of the process's death (lifecycle events)."""
+    async def watch_death(self, pid: int | None = None) -> str:
+        """Returns ``"leaving"`` once the process starts leaving (SIGTERM), or
+        ``"replaced"`` at once when this is not process ``pid`` (the one the caller
+        watches died, and Ray ran this call on the process restarted in its place):
+        until then the runtime that spawned the actor keeps this call pending, and Ray
+        failing it tells that runtime of the process's death (lifecycle events)."""
+        if pid is not None and pid != os.getpid():
+            return "replaced"
         while not self._leaving:
-            await self._park()
+            await self._park(lambda: self._leaving)
+        return "leaving"
 
     async def next_children(self) -> list:
         """The actors spawned in this actor since the last call, once there are any
         (none once the process is leaving): the runtime keeps this call pending to watch
         them too (lifecycle events)."""
         while not self._children and not self._leaving:
-            await self._park()
+            await self._park(lambda: self._children or self._leaving)
         out, self._children = self._children, []
         return out
 
@@ -60,10 +67,14 @@ class Watched:
         self._leaving = True
         self._wake()
 
-    async def _park(self) -> None:
+    async def _park(self, ready) -> None:
+        """Wait for the next ``_wake``, unless ``ready()`` already (checked under the
+        lock that ``_wake`` takes, so that a wake from another thread is never lost)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._park_lock:
+            if ready():
+                return
             self._parked.append((loop, fut))
         await fut
 
