@@ -152,20 +152,44 @@ def keeps_layout(span: int, nbytes: int) -> bool:
 def copy_layout(arr: np.ndarray) -> tuple[int, int, tuple]:
     """How a copy of ordinary array ``arr`` is laid out in its new memory:
     ``(offset of its first element, bytes, strides)``. Its own strides (memory order,
-    gaps and negative strides included) where ``keeps_layout`` says so, else compact
-    in its own axis order."""
+    gaps and negative strides included; the gaps are zeroed by whoever copies) where
+    ``keeps_layout`` says so and no two of its elements share memory, else compact in
+    its own axis order (a broadcast or sliding-window view becomes independent
+    elements, as numpy's own copy does)."""
     lo = hi = 0
+    dims = []
     for n, st in zip(arr.shape, arr.strides):
         if n == 0:
             return 0, 0, arr.strides
+        if n > 1:
+            dims.append((abs(st), n))
         if st < 0:
             lo += (n - 1) * st
         else:
             hi += (n - 1) * st
     span = hi - lo + arr.itemsize
-    if keeps_layout(span, arr.nbytes):
+    if keeps_layout(span, arr.nbytes) and _apart(dims, arr.itemsize):
         return -lo, span, arr.strides
     return 0, arr.nbytes, np.empty_like(arr, order="K").strides
+
+
+def copy_nbytes(arr: np.ndarray) -> int:
+    """The bytes a copy of ordinary array ``arr`` takes (``copy_layout``)."""
+    fl = arr.flags
+    return arr.nbytes if fl.c_contiguous or fl.f_contiguous else copy_layout(arr)[1]
+
+
+def _apart(dims: list, itemsize: int) -> bool:
+    """Whether no two elements of a layout (``(abs(stride), size)`` of its dimensions
+    longer than 1) share memory: each dimension, by increasing stride, steps over all
+    that the smaller ones span. (Enough, not necessary: a layout it rejects is copied
+    compactly, which is always right.)"""
+    extent = itemsize
+    for st, n in sorted(dims):
+        if st < extent:
+            return False
+        extent += st * (n - 1)
+    return True
 
 
 def new_arena(key: tuple, size: int, dedicated: bool, pool) -> Arena:

@@ -297,7 +297,7 @@ def _share_once(obj: Any) -> Any:
         if obj.dtype.hasobject or obj.size == 0 or _shm.is_shared(obj):
             return obj
         shared = _shm.copy_to_shared(obj)
-        _shm.counters["bytes_copied"] += obj.nbytes  # copied because it was not shared
+        _shm.counters["bytes_copied"] += _shm.copy_nbytes(obj)  # (it was not shared)
         _shm.counters["arrays_copied"] += 1
         return shared
     if t is list:

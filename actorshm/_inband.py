@@ -16,8 +16,7 @@ import numpy as np
 
 from ._arena import copy_layout
 
-__all__ = ["INLINE_MAX", "INLINE_BUDGET", "dtype_token", "inline_array", "inline_bytes",
-           "rebuild_inline"]
+__all__ = ["INLINE_MAX", "INLINE_BUDGET", "dtype_token", "inline_array", "rebuild_inline"]
 
 _tokens: dict = {}  # dtype -> its token (a bounded cache)
 
@@ -44,12 +43,6 @@ INLINE_BUDGET = 1 << 20
 _PickleBuffer = pickle.PickleBuffer
 
 
-def inline_bytes(a: np.ndarray) -> int:
-    """The bytes ordinary array ``a`` takes in band (its layout's span: ``copy_layout``)."""
-    fl = a.flags
-    return a.nbytes if fl.c_contiguous or fl.f_contiguous else copy_layout(a)[1]
-
-
 def inline_array(a: np.ndarray):
     """The reduce value of a small ordinary array, its bytes in band: a writable copy
     on the other side, with the same shape, dtype, strides and memory order (a small
@@ -67,7 +60,7 @@ def inline_array(a: np.ndarray):
         return rebuild_inline, (_PickleBuffer(b.ravel(order="K").view(np.uint8)),
                                 dtype_token(a.dtype), a.shape, a.strides)
     offset, n, strides = copy_layout(a)
-    b = np.empty(n, np.uint8)
+    b = np.zeros(n, np.uint8) if n > a.nbytes else np.empty(n, np.uint8)  # (gaps zeroed)
     np.copyto(np.ndarray(a.shape, a.dtype, buffer=b, offset=offset, strides=strides), a,
               casting="no")
     return rebuild_inline, (_PickleBuffer(b), dtype_token(a.dtype), a.shape, strides, offset)

@@ -36,8 +36,7 @@ import numpy as np
 from . import _encoding, _leases, _results, _shm
 from ._encoding import SCALARS, Encoding, MessageTooBig, add_wait, arena_fd, check_size
 from ._flat import decode_flat, encode_flat
-from ._inband import (INLINE_BUDGET, INLINE_MAX, dtype_token, inline_array, inline_bytes,
-                      rebuild_inline)
+from ._inband import INLINE_BUDGET, INLINE_MAX, dtype_token, inline_array, rebuild_inline
 from ._errors import ProtocolError
 from ._wire import ARENA, FLAT, GPU_SLAB, HAS_BLOCKS, LEN, PLAIN  # noqa: F401
 
@@ -156,7 +155,7 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
         return None  # by value, in band (object arrays hold Python objects, not bytes)
     view = _shm.find_block(a)
     if view is None:
-        n = inline_bytes(a)
+        n = _shm.copy_nbytes(a)  # (bytes copied, in band or into a block: counted so)
         if n <= INLINE_MAX and enc.inlined + n <= INLINE_BUDGET and \
                 (type(a) is _ndarray or type(a) is _memmap):
             enc.inlined += n
@@ -164,7 +163,7 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
             return inline_array(a)
         a = _shm.copy_to_shared(a)
         view = _shm.find_block(a)
-        enc.count("bytes_copied", a.nbytes)
+        enc.count("bytes_copied", n)
         enc.count("arrays_copied", 1)
     else:
         enc.count("bytes_zero_copy", a.nbytes)

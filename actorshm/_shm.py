@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _leases
 from ._arena import (Arena, HostBlock, array_from_block, copy_layout,  # noqa: F401
-                     find_block, is_shared, keeps_layout, map_fd, nbytes_of,
+                     copy_nbytes, find_block, is_shared, keeps_layout, map_fd, nbytes_of,
                      new_arena)  # (re-exported)
 from ._budget import (MIN_BUDGET, SharedBudget, chunk_size_for, default_budget,  # noqa: F401
                       fd_limit)
@@ -481,7 +481,9 @@ def copy_to_shared(arr: np.ndarray) -> np.ndarray:
         out = empty(arr.shape, arr.dtype, order=order)
     else:
         offset, n, strides = copy_layout(arr)
-        out = np.ndarray(arr.shape, arr.dtype, buffer=np.asarray(pool().alloc(n)),
-                         offset=offset, strides=strides)
+        raw = np.asarray(pool().alloc(n))
+        if n > arr.nbytes:
+            raw[:n] = 0  # the gaps between its elements: nothing of the block's past
+        out = np.ndarray(arr.shape, arr.dtype, buffer=raw, offset=offset, strides=strides)
     np.copyto(out, arr, casting="no")
     return out

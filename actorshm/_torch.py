@@ -171,12 +171,12 @@ def _reduce_tensor(enc, t: torch.Tensor):
     # The storage up to the view's last element, so that strides and storage offset stay;
     # a small view of a much larger storage: a compact copy of the view only.
     numel = t.numel()
+    end = t.storage_offset()  # (an empty tensor: the storage up to its offset)
     if numel:
-        end = t.storage_offset()
         for size, stride in zip(t.shape, t.stride()):
             end += (size - 1) * stride
-        n = min(n, (end + 1) * t.element_size())
-    if not numel or not _shm.keeps_layout(n, numel * t.element_size()):
+    n = min(n, (end + 1) * t.element_size())
+    if not _shm.keeps_layout(n, numel * t.element_size()):
         t = t.detach().clone()
         st = t.untyped_storage()
         n = st.nbytes()

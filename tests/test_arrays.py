@@ -138,6 +138,24 @@ async def test_small_ordinary_arrays_travel_in_band(rt):
     assert sum(actorshm.is_shared(b) for b in out) == 2
 
 
+async def test_a_copy_shows_nothing_between_its_elements_and_no_two_share_memory(rt):
+    a = await Arrays.spawn()
+    junk = actorshm.empty((1 << 17) - 1)
+    junk[:] = 7.0  # its block goes back to the pool, to be reused by the copy below
+    del junk
+    gc.collect()
+    for n in (100, 1 << 16):  # in band; in a shared block
+        x = np.full(2 * n, 5.0)[::2]
+        assert await a.between(x) == [0.0] * (n - 1)
+    # a broadcast or sliding-window view arrives as independent elements (numpy makes
+    # such views read-only; the copy the receiver gets is writable)
+    for x in (np.broadcast_to(np.arange(3.0), (2, 3)),
+              np.lib.stride_tricks.sliding_window_view(np.arange(5.0), 3)):
+        back = await a.echo(x)
+        back[0, 1] = -1.0
+        assert np.array_equal(back[1:], x[1:]) and back[0, 1] == -1.0
+
+
 async def test_ml_dtypes_arrays_keep_their_dtype(rt):
     # ml_dtypes (numpy's bfloat16 and float8 kinds, as JAX uses) name themselves '<V2',
     # '<V1': a dtype sent as its string would arrive as raw void bytes.
