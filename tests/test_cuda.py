@@ -221,6 +221,26 @@ async def test_leases_returned_when_receiver_killed(rt):
     assert actorshm.stats()["cuda_blocks_live"] == base
 
 
+async def test_owner_killed_while_the_driver_holds_its_block(rt):
+    # The owner's memory goes with its process; the driver drops its lease on a dead
+    # owner's slab without an error, and the GPU path keeps working for everyone else.
+    owner, other = await GpuArrays.spawn(), await GpuArrays.spawn()
+    y = await owner.make(1 << 16, 1.0)
+    assert float(y.sum()) == float(1 << 16)
+    label = rt.record(owner.actor_id).label
+    gpu = [r for r in (await rt.memory()).rows if r["device"].startswith("gpu:")]
+    assert len(gpu) == 1 and gpu[0]["owner"] == label and "driver" in gpu[0]["held_by"]
+    await owner.kill()
+    await _settle()
+    del y
+    await _settle()
+    assert not [r for r in (await rt.memory()).rows if r["device"].startswith("gpu:")]
+    x = actorshm.cuda.zeros(1 << 16, cupy.float32)
+    await other.fill(x, 2.0)
+    assert float(x.sum()) == 2.0 * (1 << 16)
+    assert float((await other.make(10, 3.0)).sum()) == 30.0
+
+
 async def test_out_of_gpu_memory_is_clear_error():
     with pytest.raises(actorshm.SharedMemoryError, match="has no room"):
         actorshm.cuda.empty(1 << 50, cupy.uint8)
