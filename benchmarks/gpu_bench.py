@@ -5,7 +5,9 @@
 
 Rows, each the median of interleaved samples:
 - a trivial call (the floor every call pays);
-- a call whose argument is a large CuPy array in an actorshm block, via CUDA IPC;
+- a call whose argument is a large CuPy array in an actorshm block, via CUDA IPC: dropped
+  unread (what the transport and the lease cost), and written by a kernel the actor waits
+  for, beside that kernel's own time in one process;
 - the same bytes staged through host memory: device -> shared host array in the sender,
   host -> device in the receiver (what a CPU-only transport, or Ray's default object store
   path for GPU tensors, amounts to);
@@ -37,6 +39,9 @@ from actorshm import actor  # noqa: E402
 class GpuSink:
     def noop(self):
         return None
+
+    def take(self, x):
+        return None  # the argument arrives and is dropped: transport and leases only
 
     def touch(self, x):
         x[:1] = 1  # a kernel on the received memory, then wait for it
@@ -74,6 +79,18 @@ def _ms(samples):
     return statistics.median(samples) * 1e3
 
 
+def _kernel_floor(x, n: int) -> float:
+    """Median ms of what ``GpuSink.touch`` does on the GPU, in one process: the floor
+    under a call that runs a kernel on its argument and waits for it."""
+    samples = []
+    for _ in range(n):
+        t = time.perf_counter()
+        x[:1] = 1
+        cupy.cuda.get_current_stream().synchronize()
+        samples.append(time.perf_counter() - t)
+    return _ms(samples)
+
+
 def _fmt_bytes(n):
     return f"{n >> 30} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
 
@@ -94,12 +111,16 @@ async def main(argv=None) -> dict:
     h = actorshm.empty(big, np.uint8)
     await sink.touch(x)
     await sink.touch_host(h)  # warm up both paths (handles opened, arenas mapped)
-    trivial, ipc, staged = [], [], []
+    await sink.take(x)
+    trivial, ipc, staged, taken = [], [], [], []
     for _ in range(rounds):
         for _ in range(5):
             t = time.perf_counter()
             await sink.noop()
             trivial.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await sink.take(x)
+            taken.append(time.perf_counter() - t)
         t = time.perf_counter()
         await sink.touch(x)
         ipc.append(time.perf_counter() - t)
@@ -126,8 +147,13 @@ async def main(argv=None) -> dict:
     copied = (s1["cuda_bytes_copied"] - s0["cuda_bytes_copied"]) / n
 
     torch_rows = await _torch_rows(sink, big, rounds, _ms(trivial))
+    kernel = _kernel_floor(x, rounds * 5)
     rows = [
         ("trivial call", _ms(trivial), 1.0),
+        (f"{_fmt_bytes(big)} CuPy argument, dropped unread (transport and lease)",
+         _ms(taken), _ms(taken) / _ms(trivial)),
+        ("one-element kernel + synchronize, in this process (no call)", kernel,
+         kernel / _ms(trivial)),
         (f"{_fmt_bytes(big)} CuPy argument via CUDA IPC", _ms(ipc), _ms(ipc) / _ms(trivial)),
         (f"{_fmt_bytes(big)} staged through host memory", _ms(staged),
          _ms(staged) / _ms(trivial)),
