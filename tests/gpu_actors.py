@@ -1,6 +1,7 @@
 """GPU actor classes for tests/test_cuda.py (imported only where CuPy is present)."""
 
 import gc
+import os
 import time
 
 import cupy
@@ -66,6 +67,9 @@ class GpuArrays:
 
     def stats(self):
         return actorshm.stats()
+
+    def env(self, name):
+        return os.environ.get(name)
 
     def device_bus_id(self):
         return cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.runtime.getDevice())

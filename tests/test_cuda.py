@@ -246,6 +246,26 @@ async def test_out_of_gpu_memory_is_clear_error():
         actorshm.cuda.empty(1 << 50, cupy.uint8)
 
 
+async def test_an_actor_with_a_gpu_of_its_own_shares_arrays_both_ways(rt):
+    # num_gpus=1 sets CUDA_VISIBLE_DEVICES in the actor, whose ordinals then differ from
+    # the driver's: arrays still meet on the same physical GPU, by reference.
+    a = await GpuArrays.options(num_gpus=1).spawn()
+    assert await a.env("CUDA_VISIBLE_DEVICES") is not None
+    mine = cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.runtime.getDevice())
+    assert await a.device_bus_id() == mine
+    before = actorshm.stats()["cuda_bytes_zero_copy"]
+    x = actorshm.cuda.zeros(1 << 20, cupy.float32)
+    await a.fill(x, 4.0)
+    assert float(x.sum()) == 4.0 * (1 << 20)
+    assert actorshm.stats()["cuda_bytes_zero_copy"] == before + x.nbytes
+    info = await a.info(x[::2])
+    assert info[3] and info[4] == mine and info[1] == (8,)
+    y = await a.make(1000, 5.0)  # the actor's own block, on the same GPU
+    assert y.data.device_id == cupy.cuda.runtime.getDevice()
+    y += 1
+    assert await a.sum(y) == 6000.0
+
+
 async def test_two_gpu_actors(rt):
     n = cupy.cuda.runtime.getDeviceCount()
     if n < 2:

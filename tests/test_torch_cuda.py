@@ -104,6 +104,17 @@ async def test_pool_tensor_travels_by_reference_and_is_written_through(rt):
     assert (await a.info(r))[5]
 
 
+async def test_an_actor_with_a_gpu_of_its_own_shares_tensors_both_ways(rt):
+    # num_gpus=1: the actor's CUDA_VISIBLE_DEVICES names our GPU; tensors meet on it
+    a = await TorchGpu.options(num_gpus=1).spawn()
+    t = at.zeros(1000, device="cuda")
+    await a.fill(t, 2.0)
+    assert total(t) == 2000.0
+    assert (await a.info(t[::4]))[1:] == ((250,), (4,), 0, "cuda", True)
+    r = await a.make(10, 1.0)
+    assert r.device == t.device and at.is_shared(r) and total(r) == 10.0
+
+
 async def test_receiver_gets_dtype_shape_strides_offset_and_device(rt):
     a = await TorchGpu.spawn()
     t = at.zeros(8, 6, device="cuda")
