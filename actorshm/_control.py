@@ -51,7 +51,10 @@ class CallControl:
 
         The cancels made in one turn of the event loop go out in one write, after it:
         cancelling a running call and the call queued behind it, the peer reads both
-        before the first has stopped, so the queued one never starts.
+        before the first has stopped, so the queued one never starts. A call made
+        between them in that turn goes at once (calls are sent when made), taking the
+        cancels made before it along: then the later cancel may reach the queued call
+        only once it started.
         """
         self.streams.pop(cid, None)
         if self.pending.pop(cid, None) is None:

@@ -188,7 +188,7 @@ class FramedSocket(FrameReader):
         if self._corked:
             # A call goes now, corked or not (with what is queued ahead of it): "sent
             # when made" holds even if the caller then blocks its event loop.
-            if kind == CALL:
+            if kind == CALL and not self._eof:  # (a broken connection: no more writes)
                 self._flush()
         elif self._burst:
             # A second frame in the same loop iteration: a burst (an actor's replies to
@@ -216,7 +216,8 @@ class FramedSocket(FrameReader):
         frame = _pack_header(len(payload), kind, flags, 0, MARK, cid) + payload
         if self._corked or self._writing:
             self._out.append(OutItem(frame))
-            if kind == CALL and not self._writing:  # as in ``write_frame``: a call goes now
+            # as in ``write_frame``: a call goes now (not to a broken connection)
+            if kind == CALL and not self._writing and not self._eof:
                 self._flush()
             return True
         if self._burst:  # as in ``write_frame``: the rest of a burst goes together
@@ -429,7 +430,7 @@ class FramedSocket(FrameReader):
         self._writing = False
 
     def _broken(self) -> None:
-        if self.sock is not None and not self.closed:
+        if self.sock is not None and not self.closed and not self._eof:
             self._unwatch()
             self._corked += 1  # write nothing more; the owner decides when to close
             self._eof = True

@@ -267,3 +267,38 @@ async def test_a_truncated_frame_followed_by_valid_ones_closes_the_connection(
     assert conn.closed and "protocol error" in str(conn.close_exc)
     with pytest.raises(actorshm.ActorDiedError):
         await asyncio.wait_for(fut, 5)
+
+
+class _KeepsOpenOnEof(Recorder):
+    """A host that, as the driver does while an actor exits, keeps a connection open a
+    while after its peer went away."""
+
+    def __init__(self):
+        super().__init__()
+        self.eofs = 0
+
+    def connection_eof(self, conn):
+        self.eofs += 1
+
+
+@pytest.mark.parametrize("cork", [False, True])
+async def test_a_call_made_after_the_peer_went_away_is_not_written_nor_reported_twice(
+        cork):
+    # A broken connection writes nothing more: not even a call, which otherwise goes
+    # out at once, corked or not; and its end is reported to the host once.
+    a, b = socket.socketpair()
+    host = _KeepsOpenOnEof()
+    conn = P.Connection(asyncio.get_running_loop(), host, a, "caller")
+    try:
+        b.close()
+        await _until(lambda: host.eofs)
+        assert host.eofs == 1
+        if cork:
+            conn.cork()
+        fut = conn.call("ping", (), {})
+        await asyncio.sleep(0.05)
+        assert host.eofs == 1
+        assert not fut.done() or fut.exception() is not None
+        fut.cancel()
+    finally:
+        conn.close()
