@@ -51,7 +51,7 @@ async def test_every_call_is_sent_when_made_even_if_the_caller_then_blocks(rt):
         time.sleep(0.01)  # blocks the event loop: nothing more is written from here
     assert list(a) == [1, 2, 3, 4]
     assert await asyncio.gather(*futs) == [True] * 4
-    # ... and right after a cancel (cancels made together go out together)
+    # ... and right after a cancel (the call takes the cancel made before it along)
     slow = s.work(1, 5.0)
     await asyncio.sleep(0.1)
     slow.cancel()
