@@ -8,7 +8,8 @@ whose storage lies in an actorshm host block goes by reference to that block: th
 receiver rebuilds a tensor of the same dtype, shape, strides and storage offset over
 the same memory, writable. Any other CPU tensor's storage is first copied into this
 process's pool (counted in ``bytes_copied``), as ``torch.multiprocessing`` moves a
-tensor to shared memory.
+tensor to shared memory; a small one (up to ``_inband.INLINE_MAX`` bytes of storage, as
+for numpy arrays) travels inside the message instead, and arrives as a writable copy.
 
 The bytes travel dtype-blind (a uint8 view of the storage), so every torch dtype
 travels, those numpy lacks (``bfloat16``, the float8 kinds) included. An
@@ -25,10 +26,13 @@ layouts (quantized, nested), torch pickles the tensor itself (by value).
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import torch
 
 from . import _leases, _serialization, _shm
+from ._inband import INLINE_BUDGET, INLINE_MAX
 
 __all__ = ["storage_block", "tensor_over", "finish", "set_cuda_path"]
 
@@ -180,15 +184,38 @@ def _reduce_tensor(enc, t: torch.Tensor):
         t = t.detach().clone()
         st = t.untyped_storage()
         n = st.nbytes()
+    if n <= INLINE_MAX and enc.inlined + n <= INLINE_BUDGET:
+        # Small: in band, as a small numpy array goes (a copy either way, and a shared
+        # block would cost more than the bytes it carries); ``encode`` counts the copy.
+        enc.inlined += n
+        enc.n_inlined += 1
+        return _rebuild_inline_tensor, (
+            pickle.PickleBuffer(_bytes_of(st, n)), str(t.dtype), tuple(t.shape), t.stride(),
+            t.storage_offset(), kind is _Parameter, requires_grad, view_bits(t))
     copy = _shm.empty(n, np.uint8)
     # numpy's memcpy, not torch's copy_: torch splits a copy over its intra-op
     # threads, which on a busy machine took 10 ms for 1 MiB instead of 50 µs.
-    np.copyto(copy, torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,)).numpy())
+    np.copyto(copy, _bytes_of(st, n))
     enc.count("bytes_copied", n)
     enc.count("arrays_copied", 1)
     return _rebuild_tensor, _where(enc, t, _shm.find_block(copy),
                                    copy.__array_interface__["data"][0], n, kind,
                                    requires_grad)
+
+
+def _bytes_of(st, n: int) -> np.ndarray:
+    """The first ``n`` bytes of storage ``st``, as a uint8 numpy view."""
+    return torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,)).numpy()
+
+
+def _rebuild_inline_tensor(buf, dtype, size, stride, offset, parameter, requires_grad,
+                           bits):
+    """The receiver's writable copy of a small tensor sent in band: its storage bytes
+    (a bytearray, or bytes from a read-only source, copied so that it is writable)."""
+    if type(buf) is not bytearray:
+        buf = bytearray(buf)
+    t = tensor_over(np.frombuffer(buf, np.uint8), _DTYPES[dtype], size, stride, offset)
+    return finish(t, parameter, requires_grad, bits)
 
 
 def _shared(enc, t: torch.Tensor):

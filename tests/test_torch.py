@@ -248,13 +248,49 @@ async def test_a_receiver_without_torch_fails_that_call_and_carries_on(rt):
 
 async def test_ordinary_tensor_is_copied_once_and_counted(rt):
     w = await TorchWorker.spawn()
-    t = torch.ones(256)
+    t = torch.ones(8192)  # 32 KiB: over the in-band limit
     s0 = actorshm.stats()
     info = await w.info(t)
     s1 = actorshm.stats()
     assert info["shared"]  # the actor got it in shared memory
-    assert s1["bytes_copied"] - s0["bytes_copied"] == 256 * 4
+    assert s1["bytes_copied"] - s0["bytes_copied"] == 8192 * 4
+    assert s1["arrays_copied"] - s0["arrays_copied"] == 1
     assert not at.is_shared(t)
+
+
+async def test_small_ordinary_tensors_travel_in_band_as_writable_copies(rt):
+    from actorshm._inband import INLINE_BUDGET, INLINE_MAX
+    w = await TorchWorker.spawn()
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    small = [torch.ones(10), torch.nn.Parameter(torch.zeros(3)),
+             torch.zeros(5).requires_grad_(True), base[1:, ::2].t(),
+             torch.arange(7, dtype=torch.bfloat16), torch.tensor([True, False]), z.conj(),
+             torch.zeros(4, dtype=torch.float8_e4m3fn)]
+    a0, s0 = await w.stats(), actorshm.stats()
+    back = await w.echo(small)
+    a1, s1 = await w.stats(), actorshm.stats()
+    for got, sent in zip(back, small):
+        _same_tensors(got, sent)
+        assert got.untyped_storage().data_ptr() != sent.untyped_storage().data_ptr()
+    # in band both ways: copies counted, no shared block made or leased on either side
+    # (each storage up to the view's last element: the same bytes back as out)
+    copied = s1["bytes_copied"] - s0["bytes_copied"]
+    assert copied >= sum(x.numel() * x.element_size() for x in small)
+    assert a1["bytes_copied"] - a0["bytes_copied"] == copied
+    assert s1["arrays_copied"] - s0["arrays_copied"] == len(small)
+    for d in (s0, a0):
+        d1 = s1 if d is s0 else a1
+        assert d1["pool_allocs"] == d["pool_allocs"] and d1["pool_reuses"] == d["pool_reuses"]
+    info = await w.info(small[0])
+    assert not info["shared"] and info["type"] == "Tensor"
+    assert await w.add_one(small[0]) == 20.0  # writable there; ours is untouched
+    assert float(small[0].sum()) == 10.0
+    # past the per-message budget, the rest are copied into shared memory
+    n = INLINE_BUDGET // INLINE_MAX + 2
+    many = [torch.ones(INLINE_MAX // 4) for _ in range(n)]
+    shared = await w.count_shared(many)
+    assert 1 <= shared <= 3 and shared + INLINE_BUDGET // INLINE_MAX >= n
 
 
 async def test_parameter_and_requires_grad_travel_and_non_leaf_is_refused(rt):

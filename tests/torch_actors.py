@@ -13,6 +13,13 @@ class TorchWorker:
     def echo(self, x):
         return x
 
+    def add_one(self, t):
+        t += 1
+        return float(t.sum())
+
+    def count_shared(self, ts):
+        return sum(at.is_shared(t) for t in ts)
+
     def fill(self, t, value):
         with torch.no_grad():
             t.fill_(value)
