@@ -23,6 +23,7 @@ Plug-in objects that lie in shared memory travel flat too (a torch tensor:
 from __future__ import annotations
 
 import pickle
+import weakref
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ import numpy as np
 from . import _leases, _shm
 from ._encoding import SCALARS, Encoding, arena_fd, check_size
 from ._errors import ProtocolError
-from ._inband import dtype_token
+from ._inband import _tokens, dtype_token
 from ._registry import _flat_holes, _flat_makers
 from ._wire import ARENA, FLAT, HAS_BLOCKS, LEN
 
@@ -49,19 +50,48 @@ class _FlatEncoding(Encoding):
     def __init__(self, conn) -> None:
         self._start(conn)
         self.holes: dict = {}  # id(object) -> its hole: one sent twice arrives once
+        self.zc_bytes = 0  # numpy arrays passed by reference (settled with ``counts``)
+        self.zc_arrays = 0
+
+
+class _Offset(weakref.ref):
+    """Where an array's data starts in its block (``_offsets``), while it lives."""
+
+    __slots__ = ("key", "block", "offset")
+
+
+def _forget_offset(ref: _Offset) -> None:
+    if _offsets.get(ref.key) is ref:
+        del _offsets[ref.key]
+
+
+# id(array) -> its ``_Offset``: an array sent again (weights every step) skips reading
+# its address (``__array_interface__`` builds a dict: the dearest step of a hole). An
+# array's data never moves (one viewing another's memory cannot be resized), and its
+# entry goes when it dies, before its id can be reused.
+_offsets: dict = {}
 
 
 def _hole(enc: _FlatEncoding, a: np.ndarray):
     """Where shared array ``a`` lies: ``(row, offset in its block, shape, dtype, strides)``,
     its block leased in ``enc``; None when ``a`` is not in shared memory (or is empty)."""
-    view = _find_block(a)
-    if view is None or not a.size:
-        return None
-    row = enc.lease(view, ARENA, arena_fd)
-    enc.count("bytes_zero_copy", a.nbytes)
-    enc.count("arrays_zero_copy", 1)
-    return (row, a.__array_interface__["data"][0] - view.region.addr - view.offset, a.shape,
-            dtype_token(a.dtype), a.strides)
+    ref = _offsets.get(id(a))
+    if ref is not None and ref() is a:
+        view, aoff = ref.block, ref.offset
+    else:
+        view = _find_block(a)
+        if view is None or not a.size:
+            return None
+        aoff = a.__array_interface__["data"][0] - view.region.addr - view.offset
+        ref = _Offset(a, _forget_offset)
+        ref.key, ref.block, ref.offset = id(a), view, aoff
+        _offsets[id(a)] = ref
+    row = enc.index.get(view.key)
+    if row is None:
+        row = enc.lease(view, ARENA, arena_fd)
+    enc.zc_bytes += a.nbytes
+    enc.zc_arrays += 1
+    return (row, aoff, a.shape, _tokens.get(a.dtype) or dtype_token(a.dtype), a.strides)
 
 
 _NOT_FLAT = object()
@@ -82,12 +112,13 @@ def _item(enc: _FlatEncoding, x):
         make_hole = _flat_holes.get(tx)  # a plug-in's object (a torch tensor)
         if make_hole is None:
             return _NOT_FLAT
-    hole = enc.holes.get(id(x))
+    holes = enc.holes
+    hole = holes.get(id(x)) if holes else None
     if hole is None:
         hole = make_hole(enc, x)
         if hole is None:
             return _NOT_FLAT
-        enc.holes[id(x)] = hole
+        holes[id(x)] = hole
     return hole
 
 
@@ -97,17 +128,21 @@ def _holed(enc: _FlatEncoding, c):
     if t is tuple or t is list:
         out = []
         for x in c:
-            x = _item(enc, x)
-            if x is _NOT_FLAT:
-                return None
+            if type(x) not in SCALARS:
+                x = _item(enc, x)
+                if x is _NOT_FLAT:
+                    return None
             out.append(x)
         return tuple(out) if t is tuple else out
     if t is dict:
         out = {}
         for k, x in c.items():
-            x = _item(enc, x)
-            if x is _NOT_FLAT or type(k) is not str:
+            if type(k) is not str:
                 return None
+            if type(x) not in SCALARS:
+                x = _item(enc, x)
+                if x is _NOT_FLAT:
+                    return None
             out[k] = x
         return out
     return None  # (a container is expected here)
@@ -129,7 +164,9 @@ def encode_flat(obj: Any, conn):
     if t is tuple and 3 <= len(obj) <= 4 and type(obj[0]) is str and type(obj[1]) is tuple \
             and type(obj[2]) is dict:
         args = _holed(enc, obj[1])
-        kwargs = _holed(enc, obj[2]) if args is not None else None
+        if args is None:
+            return None
+        kwargs = _holed(enc, obj[2]) if obj[2] else {}
         if kwargs is None:
             return None
         body = (0, (obj[0], args, kwargs, *obj[3:]))
@@ -144,9 +181,15 @@ def encode_flat(obj: Any, conn):
         body = (2, sk)
     data = _dumps(body, 5)
     check_size(len(data))
-    for fn, items in enc.waits.items():  # (a plug-in's hole may ask, ``before_send``)
-        fn(items)
-    enc.settle_counts(_leases.counters)
+    if enc.waits:  # (a plug-in's hole may ask, ``before_send``)
+        for fn, items in enc.waits.items():
+            fn(items)
+    counters = _leases.counters
+    if enc.zc_arrays:
+        counters["bytes_zero_copy"] += enc.zc_bytes
+        counters["arrays_zero_copy"] += enc.zc_arrays
+    if enc.counts:
+        enc.settle_counts(counters)
     table = _dumps(enc.table, 5)
     return [_LEN.pack(len(table)), table, data], enc.fds, enc, HAS_BLOCKS | FLAT
 

@@ -404,23 +404,29 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     # Fast path (most calls): builtin scalars need neither cloudpickle nor our reducers,
     # and the receiver needs no decoding context for them (``PLAIN``).
     n = len(obj) if type(obj) is tuple else 0
-    if (n == 3 or (n == 4 and _plain_meta(obj[3]))) and type(obj[0]) is str:  # a call
-        plain = _simple(obj[1]) and _simple(obj[2])
-        flat = 0 if plain else _scalars_and_arrays(obj[1])
+    call = (n == 3 or (n == 4 and _plain_meta(obj[3]))) and type(obj[0]) is str
+    if _simple(obj[1]) and _simple(obj[2]) if call else _simple(obj):
+        data = _dumps(obj, 5)
+        check_size(len(data))
+        return data, _NO_FDS, None, PLAIN
+    # Arrays too: when all of them are shared, no pickler is needed either. (A call's
+    # arguments go straight to ``_flat``, which checks every item and gives up at the
+    # first that is not flat; then ``flat`` says which pickler makes it.)
+    if call:
+        if type(obj[1]) is tuple and type(obj[2]) is dict:
+            out = encode_flat(obj, conn)
+            if out is not None:
+                return out
+        flat = _scalars_and_arrays(obj[1])
         if flat:
             kwargs = _scalars_and_arrays(obj[2])
             flat = kwargs and max(flat, kwargs)
     else:
-        plain = _simple(obj)
-        flat = 0 if plain else _scalars_and_arrays(obj)
-    if plain:
-        data = _dumps(obj, 5)
-        check_size(len(data))
-        return data, _NO_FDS, None, PLAIN
-    if flat:  # arrays too: when all of them are shared, no pickler is needed either
-        out = encode_flat(obj, conn)
-        if out is not None:
-            return out
+        flat = _scalars_and_arrays(obj)
+        if flat:
+            out = encode_flat(obj, conn)
+            if out is not None:
+                return out
     f = io.BytesIO()
     enc = (_ArrayEncoder if flat == 1 else _Encoder)(f, conn)
     enc.dump(obj)
