@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ._errors import ActorDiedError
+from ._streams import StreamLoop
 
 __all__ = ["RayStream"]
 
@@ -14,7 +15,8 @@ class RayStream:
 
     The actor runs at most ``STREAM_BUFFER`` items ahead (Ray's generator back-pressure).
     Leaving the loop early (``break``, an exception, ``aclose()``, or dropping the
-    iterator) cancels the generator in the actor, whose ``finally`` blocks then run.
+    iterator) cancels the generator in the actor, whose ``finally`` blocks then run
+    (``_streams.StreamLoop``).
     """
 
     def __init__(self, gen: Any, what: str, translate: Callable, outcome: Callable,
@@ -27,8 +29,8 @@ class RayStream:
         self._cancel = cancel
         self._done = False
 
-    def __aiter__(self) -> "RayStream":
-        return self
+    def __aiter__(self) -> StreamLoop:
+        return StreamLoop(self)
 
     async def __anext__(self) -> Any:
         if self._done:
@@ -79,6 +81,9 @@ class RayStream:
         raise TypeError(f"{self._what}() is a streaming method: iterate it with "
                         "`async for item in handle.method(...)` instead of awaiting it")
 
-    def __del__(self) -> None:
+    def _left(self) -> None:
+        """A loop over it was left before the end (``StreamLoop``), or it was dropped."""
         if not self._done:
             self._stop()
+
+    __del__ = _left

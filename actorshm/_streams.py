@@ -24,7 +24,7 @@ from typing import Any
 from ._errors import ReentrantCallError
 from ._util import exit_code, leave_if_forked
 
-__all__ = ["CallStream", "StreamingClient", "Outflow", "StreamSlot", "run_stream", "chain",
+__all__ = ["CallStream", "StreamLoop", "StreamingClient", "Outflow", "StreamSlot", "run_stream", "chain",
            "reentrant_error", "DEFAULT_RUN_AHEAD", "CANCELLED_BY_CALLER"]
 
 DEFAULT_RUN_AHEAD = 16
@@ -99,10 +99,17 @@ class Inbox:
         self.items: collections.deque = collections.deque()
         self.waiter: asyncio.Future | None = None
         self.error: BaseException | None = None
+        self.stopped = False  # left or closed (``stop``)
 
     def push(self, item: Any) -> None:
-        self.items.append(item)
-        self.wake()
+        if not self.stopped:  # (items sent before the actor heard of the stop: dropped)
+            self.items.append(item)
+            self.wake()
+
+    def stop(self) -> None:
+        """The caller left the stream: what it holds and what still arrives is dropped."""
+        self.stopped = True
+        self.items.clear()
 
     def fail(self, exc: BaseException) -> None:
         self.error = exc
@@ -115,13 +122,47 @@ class Inbox:
             w.set_result(None)
 
 
+class StreamLoop:
+    """One ``async for`` over a stream (what a stream's ``__aiter__`` returns).
+
+    A loop left before the stream's end (``break``, an exception) drops this object, and
+    that stops the stream: the generator in the actor is closed, even while the stream
+    itself is still held (``s = handle.batches(10); async for x in s: break``). Python's
+    own generators would stay open there until ``s`` is dropped; a stream's generator
+    holds an actor's resources and its caller's credit, so leaving the loop ends it.
+
+    The stream provides ``__anext__`` and ``_left()`` (stop, once, from any thread).
+    """
+
+    __slots__ = ("stream", "ended")
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.ended = False
+
+    def __aiter__(self) -> "StreamLoop":
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.stream.__anext__()
+        except StopAsyncIteration:  # (after its error, or a cancel, stopping is a no-op)
+            self.ended = True
+            raise
+
+    def __del__(self) -> None:
+        if not self.ended:
+            self.stream._left()
+
+
 class CallStream:
     """The async iterator a streaming method's call returns.
 
     ``async for item in handle.batches(10): ...``. Items arrive as the generator yields
     them; an error the generator raised is raised after the items before it; the
     actor's death raises ``ActorDiedError``. Leaving the loop early (``break``, an
-    exception, ``aclose()``, or dropping the iterator) stops the generator in the actor.
+    exception, ``aclose()``, or dropping the iterator) stops the generator in the actor
+    (``StreamLoop``).
 
     Args:
         what: how errors name the call (``"Cls.method"``).
@@ -149,8 +190,8 @@ class CallStream:
         fut.add_done_callback(self.inbox.wake)
         return self
 
-    def __aiter__(self) -> "CallStream":
-        return self
+    def __aiter__(self) -> StreamLoop:
+        return StreamLoop(self)
 
     def __await__(self):
         self.fut.cancel()
@@ -161,6 +202,8 @@ class CallStream:
     async def __anext__(self) -> Any:
         box = self.inbox
         while True:
+            if box.stopped:
+                raise StopAsyncIteration
             if box.items:
                 self._owed += 1
                 if self._owed >= max(1, self.run_ahead // 2) and box.conn is not None:
@@ -182,17 +225,22 @@ class CallStream:
 
     async def aclose(self) -> None:
         """Stop the stream: the generator in the actor is closed (its ``finally`` runs)."""
-        self.inbox.items.clear()
+        self.inbox.stop()
         if self.fut is not None and not self.fut.done():
             self.fut.cancel()
 
-    def __del__(self) -> None:
+    def _left(self) -> None:
+        """A loop over it was left before the end, or it was dropped: stop the call
+        (from any thread; the cancel goes out at the event loop's next turn)."""
         fut = self.fut
         if fut is not None and not fut.done():
+            self.inbox.stop()
             try:
                 fut.get_loop().call_soon_threadsafe(fut.cancel)
             except RuntimeError:  # the loop is closed: so is the connection
                 pass
+
+    __del__ = _left
 
     def __repr__(self) -> str:
         return f"<stream of {self.what}()>"

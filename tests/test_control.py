@@ -142,13 +142,20 @@ async def test_default_run_ahead_is_16(rt):
     await s.aclose()
 
 
-@pytest.mark.parametrize("how", ["break", "aclose", "exception"])
+@pytest.mark.parametrize("how", ["break", "break, the stream kept", "aclose", "exception"])
 async def test_leaving_early_runs_the_generators_finally(rt, how):
     w = await Worker.spawn()
     if how == "break":
         async for x in w.count(1000):
             if x == 2:
                 break
+    elif how == "break, the stream kept":
+        s = w.count(1000)
+        async for x in s:
+            if x == 2:
+                break
+        assert await _last_log_entry(w) == "count-finally"
+        assert [x async for x in s] == []  # it ended
     elif how == "aclose":
         s = w.count(1000)
         await s.__anext__()

@@ -744,11 +744,15 @@ async def test_streaming_methods(art):
     assert [int(a[0]) for a in arrays] == [0, 1, 2]
 
 
-async def test_leaving_a_stream_early_stops_the_generator(art):
+@pytest.mark.parametrize("kept", [False, True])
+async def test_leaving_a_stream_early_stops_the_generator(art, kept):
     s = await Streamer.spawn()
-    async for x in s.count(1000, 0.01):
+    stream = s.count(1000, 0.01)
+    async for x in stream:
         if x == 2:
             break
+    if not kept:
+        del stream
     for _ in range(100):
         if await s.closed_() == [1000]:
             break
