@@ -36,7 +36,8 @@ class ActorOptions:
         max_restarts: how often the actor is restarted after its process dies
             (-1: without limit).
         max_pending_calls: the most unanswered calls this process may have on the actor
-            at once; one more raises ``PendingCallsLimitError``. -1 (default): no limit.
+            at once; one more raises ``PendingCallsLimitError``. -1 (default) or None:
+            no limit.
         env: environment variables for the actor's process; they win over what
             ``num_cpus`` sets.
 
@@ -64,6 +65,8 @@ class ActorOptions:
         if unknown:
             raise TypeError(f"unknown actor option(s) {sorted(unknown)}; known options: "
                             f"{sorted(self.__dataclass_fields__)}")
+        if "max_pending_calls" in kw and kw["max_pending_calls"] is None:
+            kw["max_pending_calls"] = -1  # (no limit, as by default)
         new = replace(self, **kw)
         if not isinstance(new.max_concurrency, int) or new.max_concurrency < 1:
             raise ValueError("max_concurrency must be an int >= 1")
@@ -77,7 +80,8 @@ class ActorOptions:
                              f"count), not {new.num_cpus!r}")
         if (isinstance(new.max_pending_calls, bool) or not isinstance(new.max_pending_calls, int)
                 or new.max_pending_calls == 0 or new.max_pending_calls < -1):
-            raise ValueError("max_pending_calls must be an int >= 1 (or -1 for no limit)")
+            raise ValueError("max_pending_calls must be an int >= 1 (or -1 or None for no "
+                             "limit)")
         if new.env is not None and not (isinstance(new.env, dict) and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in new.env.items())):
             raise TypeError("env must be a dict of str to str (environment variables)")

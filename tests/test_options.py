@@ -63,6 +63,12 @@ async def test_max_pending_calls_refuses_without_sending(rt):
     assert await c.get_log() == [1, 2, 4, 5]
 
 
+async def test_max_pending_calls_none_means_no_limit(rt):
+    c = await Counter.options(max_pending_calls=None).spawn(0)
+    calls = [c.incr(1) for _ in range(50)]  # none refused
+    assert sorted(await asyncio.gather(*calls)) == list(range(1, 51))
+
+
 async def test_a_call_refused_for_its_arguments_frees_its_place(rt):
     c = await Counter.options(max_pending_calls=1).spawn(0)
     with pytest.raises(TypeError):
