@@ -173,8 +173,7 @@ def _reduce_tensor(enc, t: torch.Tensor):
     where = _shared(enc, t)
     if where is not None:
         return _rebuild_tensor, where
-    if st.resizable() and _CAN_SWAP and not _pinned(st):
-        # Memory torch owns: moved into a block, in place (pinned memory stays pinned).
+    if st.resizable() and _CAN_SWAP:  # memory torch owns: moved into a block, in place
         block = _move_into_block(st, n)
         enc.count("bytes_copied", n)
         enc.count("arrays_copied", 1)
@@ -212,11 +211,6 @@ def _reduce_tensor(enc, t: torch.Tensor):
 
 
 _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-
-
-def _pinned(st) -> bool:
-    """Whether ``st`` is pinned (page-locked for CUDA copies): only once CUDA is up."""
-    return torch.cuda.is_initialized() and st.is_pinned()
 
 
 def _move_into_block(st, n: int):
