@@ -6,12 +6,10 @@ with ``_serialization``, and a flat hole for shared CPU tensors (``register_flat
 call of shared tensors, arrays and scalars then goes with no pickler). A CPU tensor
 whose storage lies in an actorshm host block goes by reference to that block: the
 receiver rebuilds a tensor of the same dtype, shape, strides and storage offset over
-the same memory, writable. Any other CPU tensor's storage is first moved into a block
-of this process's pool, in place (``_move_into_block``, counted in ``bytes_copied``), as
-``torch.multiprocessing`` moves a tensor to shared memory: from then on it is shared.
-Memory torch does not own (``from_numpy``, or a storage numpy views) cannot move: it is
-copied per send, a small one (up to ``_inband.INLINE_MAX`` bytes, as for numpy arrays)
-inside the message itself.
+the same memory, writable. Any other CPU tensor's storage is first copied into this
+process's pool (counted in ``bytes_copied``), as ``torch.multiprocessing`` moves a
+tensor to shared memory; a small one (up to ``_inband.INLINE_MAX`` bytes of storage, as
+for numpy arrays) travels inside the message instead, and arrives as a writable copy.
 
 The bytes travel dtype-blind (a uint8 view of the storage), so every torch dtype
 travels, those numpy lacks (``bfloat16``, the float8 kinds) included. An
@@ -173,11 +171,6 @@ def _reduce_tensor(enc, t: torch.Tensor):
     where = _shared(enc, t)
     if where is not None:
         return _rebuild_tensor, where
-    if st.resizable() and _CAN_SWAP:  # memory torch owns: moved into a block, in place
-        block = _move_into_block(st, n)
-        enc.count("bytes_copied", n)
-        enc.count("arrays_copied", 1)
-        return _rebuild_tensor, _where(enc, t, block, st.data_ptr(), n, kind, t.requires_grad)
     requires_grad = t.requires_grad  # (a clone below would drop it)
     # The storage up to the view's last element, so that strides and storage offset stay;
     # a small view of a much larger storage: a compact copy of the view only.
@@ -208,26 +201,6 @@ def _reduce_tensor(enc, t: torch.Tensor):
     return _rebuild_tensor, _where(enc, t, _shm.find_block(copy),
                                    copy.__array_interface__["data"][0], n, kind,
                                    requires_grad)
-
-
-_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-
-
-def _move_into_block(st, n: int):
-    """Move storage ``st`` (``n`` bytes of memory torch owns) into a new host block, in
-    place, as ``Tensor.share_memory_()`` moves a storage into shared memory: every tensor
-    viewing it, and every later send, then uses the block, which lives as long as the
-    storage; its old memory is freed. Only a resizable storage is moved: torch marks a
-    storage that numpy views (``t.numpy()``) as not resizable, so no array is left
-    pointing at freed memory. Returns the block."""
-    copy = _shm.empty(n, np.uint8)
-    np.copyto(copy, _bytes_of(st, n))
-    new = torch.frombuffer(copy, dtype=torch.uint8).untyped_storage()
-    st._swap_data_ptr_(new)  # ``st`` now views the block; ``new`` the old memory
-    del new
-    block = _shm.find_block(copy)
-    remember(_known, st.data_ptr(), block)
-    return block
 
 
 def _bytes_of(st, n: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The torch rows of ``python -m benchmarks``: tensor arguments and the tensor recycling loop.
 
 A shared tensor argument (``actorshm.torch.empty``) against the same size of ordinary
-tensor on its first send (moved into shared memory, in place: a copy), ``torch.multiprocessing``'s queue with a ``share_memory_()`` tensor,
+tensor (copied once), ``torch.multiprocessing``'s queue with a ``share_memory_()`` tensor,
 and Ray, all in the run's interleaved rounds; then the goal, as ratios: a shared tensor
 argument within 1.5x of a trivial call, and faster than the torch.multiprocessing queue,
 at every size measured.
@@ -16,7 +16,7 @@ import time
 KiB, MiB = 1 << 10, 1 << 20
 GOAL_VS_TRIVIAL = 1.5
 SHARED = "actorshm, shared tensor"
-ORDINARY = "actorshm, ordinary tensor (first send: moved)"
+ORDINARY = "actorshm, ordinary tensor (copied once)"
 TMP_QUEUE = "torch.multiprocessing queue, shared tensor"
 RAY = "Ray, tensor argument"
 
@@ -46,9 +46,8 @@ async def tensor_arguments(c, sizes: list[int], rounds: int) -> dict[str, dict[i
             return pc() - t
 
         async def shm_ordinary():
-            fresh = torch.ones(size, dtype=torch.uint8)  # (later sends: by reference)
             t = pc()
-            await c.sink.touch(fresh)
+            await c.sink.touch(ordinary)
             return pc() - t
         fns[SHARED] = shm_shared
         fns[ORDINARY] = shm_ordinary
