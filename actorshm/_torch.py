@@ -27,6 +27,7 @@ layouts (quantized, nested), torch pickles the tensor itself (by value).
 from __future__ import annotations
 
 import pickle
+import warnings
 
 import numpy as np
 import torch
@@ -97,6 +98,8 @@ def tensor_over(buf: np.ndarray, dtype: torch.dtype, size, stride, offset: int, 
         t.set_(t.untyped_storage(), offset, size, stride)
     return t
 
+
+_warned = [False]  # the warning about tensors shared by torch itself: once per process
 
 _cuda_reducer = None  # ``_torch_cuda.reduce_cuda_tensor`` once that module is loaded
 _cuda_loader = None  # imports ``_torch_cuda`` (set by ``_plugins``; it needs CuPy)
@@ -171,6 +174,14 @@ def _reduce_tensor(enc, t: torch.Tensor):
     where = _shared(enc, t)
     if where is not None:
         return _rebuild_tensor, where
+    if st.is_shared() and not _warned[0]:
+        _warned[0] = True
+        warnings.warn(
+            "a tensor in torch's shared memory (share_memory_(), Module.share_memory()) is "
+            "copied each time actorshm sends it, so an actor's writes to it do not reach "
+            "this process: share it with actorshm instead, actorshm.torch.share_module("
+            "model) or actorshm.torch.share(t) (once), and send what they return",
+            RuntimeWarning, stacklevel=2)
     requires_grad = t.requires_grad  # (a clone below would drop it)
     # The storage up to the view's last element, so that strides and storage offset stay;
     # a small view of a much larger storage: a compact copy of the view only.

@@ -258,6 +258,28 @@ async def test_ordinary_tensor_is_copied_once_and_counted(rt):
     assert not at.is_shared(t)
 
 
+async def test_a_tensor_shared_by_torch_itself_is_copied_with_a_warning_once(rt,
+                                                                             monkeypatch):
+    # torch.multiprocessing's idiom (model.share_memory()) does not share with actors:
+    # say so once, naming what does, instead of training a copy in silence
+    from actorshm import _torch
+    monkeypatch.setattr(_torch, "_warned", [False])
+    w = await TorchWorker.spawn()
+    model = torch.nn.Linear(4, 2)
+    model.share_memory()
+    with pytest.warns(RuntimeWarning, match=r"share_module\(model\)"):
+        await w.sgd_step(model, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the second send says nothing
+        await w.sgd_step(model, 0.5)
+        await w.echo(torch.ones(3))  # (an ordinary tensor: no warning)
+    shared = at.share_module(model)
+    before = [p.detach().clone() for p in shared.parameters()]
+    await w.sgd_step(shared, 0.5)
+    for p, p0 in zip(shared.parameters(), before):
+        assert torch.allclose(p.detach(), p0 - 0.5)
+
+
 async def test_small_ordinary_tensors_travel_in_band_as_writable_copies(rt):
     from actorshm._inband import INLINE_BUDGET, INLINE_MAX
     w = await TorchWorker.spawn()
