@@ -28,11 +28,13 @@ class RayStream:
         self._outcome = outcome
         self._cancel = cancel
         self._done = False
+        self._polls = 0  # ``__anext__`` calls (``StreamLoop``)
 
     def __aiter__(self) -> StreamLoop:
         return StreamLoop(self)
 
     async def __anext__(self) -> Any:
+        self._polls += 1
         if self._done:
             raise StopAsyncIteration
         try:

@@ -130,8 +130,12 @@ class StreamLoop:
     itself is still held (``s = handle.batches(10); async for x in s: break``). Python's
     own generators would stay open there until ``s`` is dropped; a stream's generator
     holds an actor's resources and its caller's credit, so leaving the loop ends it.
+    The stop waits for the event loop's next turn, and is called off if the stream is
+    iterated again before then (``first = await anext(aiter(s))``, then ``async for x
+    in s``: one iteration handed on, not left).
 
-    The stream provides ``__anext__`` and ``_left()`` (stop, once, from any thread).
+    The stream provides ``__anext__``, ``aclose()``, ``_polls`` (how often its
+    ``__anext__`` was called) and ``_left()`` (stop, from any thread).
     """
 
     __slots__ = ("stream", "ended")
@@ -150,9 +154,27 @@ class StreamLoop:
             self.ended = True
             raise
 
+    async def aclose(self) -> None:
+        """Stop the stream (as ``stream.aclose()``)."""
+        self.ended = True
+        await self.stream.aclose()
+
     def __del__(self) -> None:
         if not self.ended:
-            self.stream._left()
+            _leave_later(self.stream)
+
+
+def _leave_later(stream) -> None:
+    """Stop ``stream`` at the event loop's next turn unless it is iterated meanwhile."""
+    polls = stream._polls
+
+    def leave() -> None:
+        if stream._polls == polls:
+            stream._left()
+    try:
+        asyncio.get_running_loop().call_soon(leave)
+    except RuntimeError:  # dropped outside the loop's thread (a garbage collection)
+        stream._left()
 
 
 class CallStream:
@@ -175,6 +197,7 @@ class CallStream:
         self.inbox = Inbox(what)
         self.fut: asyncio.Future | None = None
         self._owed = 0  # items taken and not yet credited back
+        self._polls = 0  # ``__anext__`` calls (``StreamLoop``)
 
     def start(self, fut: Any) -> "CallStream":
         """Follow the call's reply ``fut``.
@@ -200,6 +223,7 @@ class CallStream:
                         "its items with `[x async for x in ...]`")
 
     async def __anext__(self) -> Any:
+        self._polls += 1
         box = self.inbox
         while True:
             if box.stopped:

@@ -170,6 +170,21 @@ async def test_leaving_early_runs_the_generators_finally(rt, how):
     assert sum(1 for e in await w.get_log() if isinstance(e, tuple)) < 100
 
 
+async def test_an_iteration_handed_on_is_not_a_loop_left(rt):
+    # aiter() and a loop over the same stream in turn, without the event loop turning
+    # in between, go on with the same generator (as for any async iterator)
+    w = await Worker.spawn()
+    s = w.count(5)
+    first = await anext(aiter(s))
+    rest = [x async for x in s]
+    assert [first, *rest] == [0, 1, 2, 3, 4]
+    s = w.count(1000)
+    it = aiter(s)
+    assert await anext(it) == 0
+    await it.aclose()  # (what the stream's aclose does)
+    assert await _last_log_entry(w) == "count-finally"
+
+
 async def test_error_mid_stream_after_its_items(rt):
     w = await Worker.spawn()
     got = []

@@ -762,6 +762,14 @@ async def test_leaving_a_stream_early_stops_the_generator(art, kept):
     assert await s.ping() == "pong"
 
 
+async def test_an_iteration_handed_on_is_not_a_loop_left(art):
+    s = await Streamer.spawn()
+    stream = s.count(5)
+    first = await anext(aiter(stream))
+    assert [first, *[x async for x in stream]] == [0, 1, 2, 3, 4]
+    assert await s.closed_() == [5]
+
+
 async def test_a_stream_whose_actor_dies_raises_actor_died(art):
     s = await Streamer.spawn()
     assert await items_before(s.die_after(3), actorshm.ActorDiedError) == [0, 1, 2]
