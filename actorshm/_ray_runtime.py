@@ -96,6 +96,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
             CLIENT.fixed_cluster = self.address is None  # a local Ray: no autoscaler
         self.loop = asyncio.get_running_loop()
         self._open = True
+        _shm.set_budget(None, id(self))  # (no budget of its own: idle memory kept for reuse)
         _client.runtime_opened(self)
         return self
 

@@ -181,22 +181,37 @@ class Pool:
         region.close()
         _leases.region_retired(region)  # (allocation may run in any thread)
 
+    # Set once the last runtime of the process closed (``release_budget``): memory a
+    # user still held then goes back to the system as soon as it is dropped, not at exit.
+    trim_when_idle = False
+
     def block_returned(self, region: Region, offset: int, size: int) -> None:
         """A block of ours died here (any thread, from a ``_Lease`` callback): it goes
-        back on its free list at the next ``drain``."""
+        back on its free list at the next ``drain``; with ``trim_when_idle``, now, and
+        its region to the system if that was its last block. (Not if this or another
+        thread holds the pool's lock meanwhile: the next ``drain`` or ``trim`` does it.)"""
         self._returned.append((region, offset, size))
+        if self.trim_when_idle and self.lock.acquire(blocking=False):
+            try:
+                self._drain_locked()
+                self._retire_free(self.reserved + 1)
+            finally:
+                self.lock.release()
 
     def drain(self) -> None:
         """Move blocks returned (``block_returned``) back onto the free lists."""
-        ret = self._returned
-        if ret:
+        if self._returned:
             with self.lock:
-                while ret:
-                    free = ret.popleft()  # (region, offset, size)
-                    self.free[free[2]].append(free)
-                    self.blocks_live -= 1
-                    self._in_use[free[0].key[1]] -= 1
+                self._drain_locked()
             self._idle_pressure()
+
+    def _drain_locked(self) -> None:
+        ret = self._returned
+        while ret:
+            free = ret.popleft()  # (region, offset, size)
+            self.free[free[2]].append(free)
+            self.blocks_live -= 1
+            self._in_use[free[0].key[1]] -= 1
 
     def _idle_pressure(self) -> None:
         """Hook for subclasses: give idle regions back when a resource runs short."""
@@ -352,6 +367,8 @@ def set_budget(budget: int | None, owner: int = 0) -> None:
         _budgets[owner] = int(budget)
         pool().budget = int(budget)
         _sync_shared()
+    if _pool is not None:
+        _pool.trim_when_idle = False  # a runtime is open: keep idle memory for reuse
 
 
 def release_budget(owner: int, trim: bool = False) -> None:
@@ -367,6 +384,7 @@ def release_budget(owner: int, trim: bool = False) -> None:
         _sync_shared()
     if trim and _pool is not None:
         _pool.trim()
+        _pool.trim_when_idle = True  # and what is still held, once it is dropped
     global _shared
     if trim and _shared is not None:  # the last runtime closed: so does its budget
         _pool.join(None)

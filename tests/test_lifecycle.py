@@ -1,6 +1,7 @@
 """Death, restarts and shutdown: every death reported, nothing left behind."""
 
 import asyncio
+import gc
 import os
 import signal
 import subprocess
@@ -8,6 +9,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
 import actorshm
@@ -108,6 +110,28 @@ async def test_runtime_exit_leaves_nothing_behind(start_method):
     # fds of arenas this process owns may stay (the pool outlives a runtime); nothing else
     leaked = {fd for fd in leaked if "memfd" not in _readlink(fd)}
     assert not leaked, [(_readlink(fd)) for fd in leaked]
+
+
+async def test_memory_held_past_the_runtime_goes_back_once_dropped():
+    # (a notebook: a result kept in a variable after the runtime closed, dropped later)
+    gc.collect()
+    before = actorshm.stats()["arena_bytes_owned"]  # (what earlier tests still hold)
+    async with actorshm.Runtime():
+        kept = actorshm.zeros(16 << 20, np.uint8)  # an arena of its own
+        small = actorshm.zeros(100)  # a block of the chunk arena
+    held = actorshm.stats()["arena_bytes_owned"]
+    assert held >= 16 << 20
+    del kept
+    gc.collect()
+    assert actorshm.stats()["arena_bytes_owned"] <= held - (16 << 20)
+    del small
+    gc.collect()
+    assert actorshm.stats()["arena_bytes_owned"] <= before
+    async with actorshm.Runtime():  # and a new runtime keeps idle memory for reuse again
+        a = actorshm.zeros(16 << 20, np.uint8)
+        del a
+        gc.collect()
+        assert actorshm.stats()["arena_bytes_owned"] >= 16 << 20
 
 
 def _readlink(fd):
