@@ -12,6 +12,7 @@ itself dies (``PR_SET_PDEATHSIG``) and exit on socket EOF.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import socket
@@ -31,6 +32,10 @@ from ._supervise import Supervisor
 from ._util import check_run_args, coalesced_call, install_event_loop_policy
 
 __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
+
+# Actor ids, unique in this process across runtimes: a handle that strays into another
+# runtime (passed to one of its actors) then names no actor there, never another one.
+_actor_ids = itertools.count(1)
 
 
 
@@ -89,7 +94,6 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self.loop: asyncio.AbstractEventLoop | None = None
         self._actors: dict[int, ActorRecord] = {}
         self._names: dict[str, int] = {}
-        self._next_id = 1
         self._open = False
         self._closing = False
         self._finalizer = None
@@ -198,9 +202,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             if other is not None and self._actors[other].has_future:
                 raise ValueError(f"an actor named {options.name!r} already exists; "
                                  "choose another name or kill that actor first")
-        rec = ActorRecord(self._next_id, cls, options)
+        rec = ActorRecord(next(_actor_ids), cls, options)
         rec.methods = public_methods(cls)
-        self._next_id += 1
         rec.spawn_args = (args, kwargs)
         if options.num_gpus:
             rec.gpus = self._gpus.take(options.num_gpus, rec.cls_name)

@@ -92,7 +92,9 @@ class Supervisor:
         rec = self._actors.get(actor_id)
         gone = self.forgotten(actor_id)
         why = rec.death if rec is not None else gone["death"] if gone else None
-        return why or f"no running actor with id {actor_id} in this runtime"
+        return why or (f"no actor with id {actor_id} in this runtime: its handle comes "
+                       "from another Runtime (a handle works only within the runtime "
+                       "that spawned its actor), or the actor ended long ago")
 
     def connection_eof(self, conn: Connection) -> None:
         """An actor's connection broke (``Host``): close it once its process is gone."""

@@ -88,15 +88,28 @@ async def test_a_cancelled_call_frees_its_place_at_once(rt):
 
 
 async def test_runtimes_open_at_once_count_their_actors_apart():
-    # Both runtimes number their first actor 1: each actor has its own count.
+    # Each actor of two runtimes has its own count of pending calls.
     async with actorshm.Runtime(shutdown_grace=1.0):
         a = await Counter.options(max_pending_calls=1).spawn(0)
         async with actorshm.Runtime(shutdown_grace=1.0):
             b = await Counter.options(max_pending_calls=1).spawn(0)
-            assert a._actor_id == b._actor_id
             busy = a.slow_record(1, 0.2)
             assert await b.record(2) == 2
             await busy
+
+
+async def test_a_handle_passed_into_another_runtime_never_reaches_another_actor():
+    # (a notebook whose first cell ran twice: two runtimes, old handles in variables)
+    from actors import Caller
+    async with actorshm.Runtime(shutdown_grace=1.0):
+        first = [await Counter.spawn(10 * i) for i in range(2)]
+        async with actorshm.Runtime(shutdown_grace=1.0):
+            here = [await Counter.spawn(100 + i) for i in range(2)]
+            caller = await Caller.spawn(first[1])
+            with pytest.raises(actorshm.ActorDiedError, match="another Runtime"):
+                await caller.call_other(1)
+            assert await here[1].incr(0) == 101  # ids apart: nothing went to this one
+            assert await first[1].incr(0) == 10  # from its own driver, it still works
 
 
 def test_a_budget_below_one_arena_in_the_environment_is_refused():
