@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ._errors import ActorDiedError
-from ._streams import StreamLoop
+from ._streams import SECOND_CONSUMER, StreamLoop
 
 __all__ = ["RayStream"]
 
@@ -29,6 +29,7 @@ class RayStream:
         self._cancel = cancel
         self._done = False
         self._polls = 0  # ``__anext__`` calls (``StreamLoop``)
+        self._busy = False  # an ``__anext__`` is waiting (one consumer at a time)
 
     def __aiter__(self) -> StreamLoop:
         return StreamLoop(self)
@@ -37,6 +38,9 @@ class RayStream:
         self._polls += 1
         if self._done:
             raise StopAsyncIteration
+        if self._busy:
+            raise RuntimeError(SECOND_CONSUMER.format(self._what))
+        self._busy = True
         try:
             ref = await self._wait(self._gen.__anext__())
             value = await self._wait(ref)
@@ -55,6 +59,8 @@ class RayStream:
         except BaseException:  # cancelled: stop the generator in the actor
             self._stop()
             raise
+        finally:
+            self._busy = False
         item, err = self._outcome(value, self._what)
         if err is not None:
             self._finish()

@@ -24,7 +24,7 @@ from typing import Any
 from ._errors import ReentrantCallError
 from ._util import exit_code, leave_if_forked
 
-__all__ = ["CallStream", "StreamLoop", "StreamingClient", "Outflow", "StreamSlot", "run_stream", "chain",
+__all__ = ["CallStream", "StreamLoop", "SECOND_CONSUMER", "StreamingClient", "Outflow", "StreamSlot", "run_stream", "chain",
            "reentrant_error", "DEFAULT_RUN_AHEAD", "CANCELLED_BY_CALLER"]
 
 DEFAULT_RUN_AHEAD = 16
@@ -120,6 +120,11 @@ class Inbox:
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
+
+
+SECOND_CONSUMER = (
+    "the stream of {}() is already awaited by another task: a stream has one consumer "
+    "at a time (as an async generator does); call the method again for a second stream")
 
 
 class StreamLoop:
@@ -244,6 +249,8 @@ class CallStream:
                 if exc is not None:
                     raise exc
                 raise StopAsyncIteration
+            if box.waiter is not None and not box.waiter.done():
+                raise RuntimeError(SECOND_CONSUMER.format(self.what))
             box.waiter = fut.get_loop().create_future()
             await box.waiter
 

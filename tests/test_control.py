@@ -185,6 +185,16 @@ async def test_an_iteration_handed_on_is_not_a_loop_left(rt):
     assert await _last_log_entry(w) == "count-finally"
 
 
+async def test_a_second_task_awaiting_the_same_stream_is_told_not_left_hanging(rt):
+    w = await Worker.spawn()
+    s = w.acount(3)
+    results = await asyncio.wait_for(
+        asyncio.gather(anext(s), anext(s), return_exceptions=True), 10)
+    assert results[0] == 0
+    assert isinstance(results[1], RuntimeError) and "one consumer" in str(results[1])
+    assert [x async for x in s] == [1, 2]  # the stream itself carries on
+
+
 async def test_error_mid_stream_after_its_items(rt):
     w = await Worker.spawn()
     got = []

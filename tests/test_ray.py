@@ -770,6 +770,16 @@ async def test_an_iteration_handed_on_is_not_a_loop_left(art):
     assert await s.closed_() == [5]
 
 
+async def test_a_second_task_awaiting_the_same_stream_is_told(art):
+    s = await Streamer.spawn()
+    stream = s.count(3, 0.05)
+    results = await asyncio.wait_for(
+        asyncio.gather(anext(stream), anext(stream), return_exceptions=True), 30)
+    assert results[0] == 0
+    assert isinstance(results[1], RuntimeError) and "one consumer" in str(results[1])
+    assert [x async for x in stream] == [1, 2]
+
+
 async def test_a_stream_whose_actor_dies_raises_actor_died(art):
     s = await Streamer.spawn()
     assert await items_before(s.die_after(3), actorshm.ActorDiedError) == [0, 1, 2]
