@@ -70,6 +70,10 @@ def main() -> None:
     die_with(int(driver)) if driver else set_parent_death_signal()  # (a fork server may die first)
     faulthandler.enable()
     faulthandler.register(STACK_SIGNAL, all_threads=True)  # rt.dump_stacks's fallback
+    # Ctrl-C in a terminal reaches every process of the group: the driver alone handles
+    # it (its runtime stops the actors), instead of every actor printing a traceback of
+    # the KeyboardInterrupt it got wherever it was, as torch's DataLoader workers do.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.set_inheritable(fd := int(sys.argv[1]), False)  # (not for programs it starts)
     extra = os.environ.pop("ACTORSHM_SYS_PATH", None)
     if extra:

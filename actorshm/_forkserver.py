@@ -61,6 +61,8 @@ def recv_msg(sock: socket.socket):
 def main() -> None:
     from ._util import set_parent_death_signal
     set_parent_death_signal()
+    # Ctrl-C in a terminal reaches the whole process group: the driver handles it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Import once here what every actor needs, so that forks start warm.
     import asyncio  # noqa: F401
 

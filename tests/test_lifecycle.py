@@ -112,6 +112,17 @@ async def test_runtime_exit_leaves_nothing_behind(start_method):
     assert not leaked, [(_readlink(fd)) for fd in leaked]
 
 
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_ctrl_c_in_a_terminal_is_left_to_the_driver(start_method):
+    # a terminal's Ctrl-C signals the whole process group: actors leave it to the
+    # driver, whose runtime stops them, instead of each printing a KeyboardInterrupt
+    async with actorshm.Runtime(start_method=start_method):
+        c = await Counter.spawn(0)
+        os.kill(c.pid, signal.SIGINT)
+        await asyncio.sleep(0.3)
+        assert await c.incr(1) == 1
+
+
 async def test_memory_held_past_the_runtime_goes_back_once_dropped():
     # (a notebook: a result kept in a variable after the runtime closed, dropped later)
     gc.collect()
