@@ -131,6 +131,19 @@ def call_from_thread(loop, make_call):
     return cf
 
 
+def failed_call(exc: BaseException):
+    """What a call that cannot be made returns: an awaitable that raises ``exc``, on the
+    event loop running in this thread (an asyncio future), or, with none running, a
+    ``ThreadCallFuture`` to block on (a handle kept past its runtime, used from sync code
+    or from the next ``asyncio.run``)."""
+    try:
+        fut = asyncio.get_running_loop().create_future()
+    except RuntimeError:
+        fut = ThreadCallFuture()
+    fut.set_exception(exc)
+    return fut
+
+
 class ThreadCallFuture(concurrent.futures.Future):
     """What a call made from another thread returns: a ``concurrent.futures.Future`` to
     block on (``.result()``), which an event loop running in that thread can also

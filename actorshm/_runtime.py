@@ -279,14 +279,14 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         Raises:
             TypeError: an argument cannot be pickled (raised here, nothing is sent).
         """
+        if not self._open:  # (a handle kept past its runtime: maybe another loop's now)
+            return _client.failed_call(ActorDiedError(self.death_of(actor_id)))
         if threading.get_ident() != self._loop_thread:
             return _client.call_from_thread(self.loop, lambda: self.call(
                 actor_id, method, args, kwargs, what, **kw))
         rec = self._actors.get(actor_id)
         if rec is None or rec.conn is None:
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_exception(ActorDiedError(self.death_of(actor_id)))
-            return fut
+            return _client.failed_call(ActorDiedError(self.death_of(actor_id)))
         return rec.conn.call(method, args, kwargs, what, **kw)
 
     def call_group(self, actor_ids: list, method: str, args: tuple, kwargs: dict,

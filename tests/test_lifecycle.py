@@ -223,6 +223,20 @@ def test_run_returns_result():
     assert actorshm.run(main()) == 2
 
 
+def test_a_handle_kept_past_its_runtime_fails_cleanly_anywhere():
+    # (a module-level handle across asyncio.run calls, or used from sync code later)
+    async def spawn():
+        return await Counter.spawn(0)
+    h = actorshm.run(spawn())  # its runtime closed when run() returned
+
+    async def call_again():
+        with pytest.raises(ActorDiedError, match="runtime"):
+            await h.incr(1)
+    asyncio.run(call_again())
+    with pytest.raises(ActorDiedError, match="runtime"):
+        h.incr(1).result(timeout=5)
+
+
 async def test_max_restarts(rt_each):
     from actors import Phoenix
     p = await Phoenix.spawn("t")
