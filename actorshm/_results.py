@@ -23,6 +23,18 @@ class CallFuture(asyncio.Future):
     conn: Any = None  # set once the call is sent: its connection and call id
     cid = 0
 
+    def result(self, timeout: Any = None) -> Any:
+        """The call's result once it finished (as ``asyncio.Future.result``); before,
+        an error that says to ``await`` it (``timeout`` is accepted and ignored: on the
+        event loop's thread nothing can block for the answer, which that loop brings)."""
+        if not self.done():
+            raise asyncio.InvalidStateError(
+                "this call has not finished, and nothing on the event loop's thread can "
+                "block for it (that loop brings its answer): `await` it in an `async def` "
+                "method or function; or give the actor max_concurrency > 1, whose sync "
+                "methods run in threads and get futures they can block on with .result()")
+        return super().result()
+
     def cancel(self, msg: Any = None) -> bool:
         if not super().cancel(msg):
             return False

@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import os
 from asyncio import Future as _Future
+from concurrent.futures import Future as _ThreadFuture
 import pickle
 import sys
 import threading
@@ -116,6 +117,11 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
             return _rebuild_fd, (len(self.fds) - 1,)
         if isinstance(obj, _Future):  # a call's result as an argument (``_results``)
             return _results.reduce_future(obj)
+        if isinstance(obj, _ThreadFuture):
+            raise Unsendable(
+                "it holds the future of a call made from a thread (a sync method of an "
+                "actor with max_concurrency > 1): block on it with .result() first, and "
+                "send what that returns")
         if t in FILE_TYPES and obj is not sys.stdout and obj is not sys.stderr:
             refuse_file(obj)
         if _reducers or _lazy_plugins:

@@ -181,6 +181,12 @@ class Caller:
     async def call_handle(self, handle, k):
         return await handle.incr(k)
 
+    def block_on(self, handle):  # a Ray habit, in a sync method
+        return handle.incr(1).result(timeout=2)
+
+    def return_unfinished(self, handle):
+        return handle.incr(1)
+
     async def by_name(self, name, k):
         h = await actorshm.get_actor(name)
         return await h.incr(k)

@@ -255,6 +255,18 @@ def test_calls_from_another_thread_can_be_awaited_there_and_fail_once_closed():
         late[0].result(5)
 
 
+async def test_blocking_on_a_call_where_nothing_can_block_says_what_to_do(rt):
+    c = await Counter.spawn(0)
+    on_loop = await Caller.spawn()  # sync methods run on its event loop
+    with pytest.raises(asyncio.InvalidStateError, match="await"):
+        await on_loop.block_on(c)
+    with pytest.raises(TypeError, match=r"block on it with \.result\(\) first"):
+        await (await Caller.options(max_concurrency=3).spawn()).return_unfinished(c)
+    threaded = await Caller.options(max_concurrency=3).spawn()
+    assert await threaded.block_on(c) >= 1  # there, blocking is what works
+    assert await on_loop.call_handle(c, 1) >= 2  # and the actor is fine
+
+
 async def test_a_cancelled_spawn_says_so_in_the_actors_record(rt):
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(Faulty.spawn(), 0.001)

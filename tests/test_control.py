@@ -187,7 +187,7 @@ async def test_an_iteration_handed_on_is_not_a_loop_left(rt):
 
 async def test_a_second_task_awaiting_the_same_stream_is_told_not_left_hanging(rt):
     w = await Worker.spawn()
-    s = w.acount(3)
+    s = w.acount(3, 0.2)  # (nothing has arrived when both tasks ask)
     results = await asyncio.wait_for(
         asyncio.gather(anext(s), anext(s), return_exceptions=True), 10)
     assert results[0] == 0
