@@ -225,13 +225,33 @@ def call_init(rec, config: dict, args: tuple, kwargs: dict) -> asyncio.Future:
     rec.probe = _Probe(ours)
     config["probe"] = PassFd(theirs.fileno())
     rec.oom_baseline = oom_kill_count(rec.pid)
-    fut = rec.conn.call("__init_actor__", (rec.cls, args, kwargs, config), {},
-                        f"{rec.cls_name}.__init__")
+    try:
+        fut = rec.conn.call("__init_actor__", (rec.cls, args, kwargs, config), {},
+                            f"{rec.cls_name}.__init__")
+    except TypeError as exc:
+        ours.close()
+        theirs.close()
+        raise _class_unsendable(rec.cls) or exc
     rec.conn.close_after_send([theirs.detach()])
     probe = rec.probe
     fut.add_done_callback(lambda f: setattr(probe, "ready", not f.cancelled()
                                             and f.exception() is None))
     return fut
+
+
+def _class_unsendable(cls: type) -> TypeError | None:
+    """Why actor class ``cls`` itself cannot travel to its process (a class of
+    ``__main__`` or a notebook goes by value, and some members cannot), or None."""
+    import cloudpickle
+    try:
+        cloudpickle.dumps(cls)
+    except Exception as exc:
+        return TypeError(
+            f"actor class {cls.__qualname__} cannot be sent to its process: it is defined "
+            f"in {cls.__module__!r}, so it travels by value (cloudpickle), and that fails: "
+            f"{exc}. Move the class into a module the actor can import (a .py file next to "
+            "your script), so that it travels by name")
+    return None
 
 
 class MemoryReport:

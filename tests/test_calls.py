@@ -267,6 +267,20 @@ async def test_blocking_on_a_call_where_nothing_can_block_says_what_to_do(rt):
     assert await on_loop.call_handle(c, 1) >= 2  # and the actor is fine
 
 
+async def test_a_class_that_cannot_travel_by_value_is_named_with_the_fix(rt):
+    # a class of __main__ (a script, a notebook) travels by value; one holding a lock
+    # cannot, and the error is about the class, not about __init__'s arguments
+    cls = type("LockHolder", (), {"__module__": "__main__", "lock": threading.Lock(),
+                                  "ping": lambda self: "pong"})
+    actorshm.actor(cls)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(TypeError, match=r"actor class LockHolder cannot be sent.*module"):
+        await cls.spawn()
+    await asyncio.sleep(0.2)  # (its process is being reaped)
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    assert await (await Counter.spawn(1)).incr(1) == 2  # the runtime is fine
+
+
 async def test_a_cancelled_spawn_says_so_in_the_actors_record(rt):
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(Faulty.spawn(), 0.001)
