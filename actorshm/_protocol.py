@@ -276,6 +276,9 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             if inspect.isgenerator(value) or inspect.isasyncgen(value):
                 exc = TypeError("it is a generator object; to stream, make the method "
                                 "itself a generator (a `def` or `async def` with `yield`)")
+            elif inspect.iscoroutine(value):
+                exc = TypeError("it is a coroutine object: the method returned a coroutine "
+                                "without awaiting it (write `return await ...`)")
             err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}")
             err.__cause__ = exc
             self.reply_error(cid, err)

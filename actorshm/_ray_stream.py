@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ._errors import ActorDiedError
-from ._streams import SECOND_CONSUMER, StreamLoop
+from ._streams import SECOND_CONSUMER, StreamLoop, not_iterable, unsendable
 
 __all__ = ["RayStream"]
 
@@ -33,6 +33,12 @@ class RayStream:
 
     def __aiter__(self) -> StreamLoop:
         return StreamLoop(self)
+
+    def __iter__(self):
+        raise TypeError(not_iterable(self._what))
+
+    def __reduce__(self):
+        raise TypeError(unsendable(self._what))
 
     async def __anext__(self) -> Any:
         self._polls += 1

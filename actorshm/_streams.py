@@ -24,7 +24,7 @@ from typing import Any
 from ._errors import ReentrantCallError
 from ._util import exit_code, leave_if_forked
 
-__all__ = ["CallStream", "StreamLoop", "SECOND_CONSUMER", "StreamingClient", "Outflow", "StreamSlot", "run_stream", "chain",
+__all__ = ["CallStream", "StreamLoop", "SECOND_CONSUMER", "not_iterable", "unsendable", "StreamingClient", "Outflow", "StreamSlot", "run_stream", "chain",
            "reentrant_error", "DEFAULT_RUN_AHEAD", "CANCELLED_BY_CALLER"]
 
 DEFAULT_RUN_AHEAD = 16
@@ -127,6 +127,16 @@ SECOND_CONSUMER = (
     "at a time (as an async generator does); call the method again for a second stream")
 
 
+def not_iterable(what: str) -> str:
+    return (f"the stream of {what}() is asynchronous: iterate it with `async for` in an "
+            "`async def` function")
+
+
+def unsendable(what: str) -> str:
+    return (f"the stream of {what}() cannot be sent to another process: iterate it here "
+            "and send its items, or send the actor's handle and call the method there")
+
+
 class StreamLoop:
     """One ``async for`` over a stream (what a stream's ``__aiter__`` returns).
 
@@ -220,6 +230,12 @@ class CallStream:
 
     def __aiter__(self) -> StreamLoop:
         return StreamLoop(self)
+
+    def __iter__(self):
+        raise TypeError(not_iterable(self.what))
+
+    def __reduce__(self):
+        raise TypeError(unsendable(self.what))
 
     def __await__(self):
         self.fut.cancel()

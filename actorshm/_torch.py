@@ -129,7 +129,7 @@ def _cuda_path():
 def check_sendable(t: torch.Tensor) -> None:
     """Refuse a tensor that is part of an autograd graph (before anything is sent)."""
     if t.requires_grad and not t.is_leaf:
-        raise TypeError(
+        raise _serialization.Unsendable(  # (a TypeError whose message says it all)
             "a tensor that requires grad and is not a leaf (it is part of an autograd "
             "graph) cannot be sent: send `t.detach()` (or a leaf, e.g. a Parameter)")
 

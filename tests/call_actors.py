@@ -45,6 +45,9 @@ class Worker:
         finally:
             self.log.append("count-finally")
 
+    def forgot_await(self):
+        return asyncio.sleep(0, "never awaited")
+
     async def acount(self, n, delay=0.0):
         try:
             for i in range(n):

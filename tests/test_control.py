@@ -195,6 +195,19 @@ async def test_a_second_task_awaiting_the_same_stream_is_told_not_left_hanging(r
     assert [x async for x in s] == [1, 2]  # the stream itself carries on
 
 
+async def test_a_stream_misused_says_how_to_use_it(rt):
+    w = await Worker.spawn()
+    s = w.count(3)
+    with pytest.raises(TypeError, match="async for"):
+        for _ in s:
+            pass
+    with pytest.raises(TypeError, match="cannot be sent to another process"):
+        await w.record(s)
+    assert [x async for x in s] == [0, 1, 2]  # (the stream itself is fine)
+    with pytest.raises(TypeError, match=r"returned a coroutine without awaiting it"):
+        await w.forgot_await()
+
+
 async def test_error_mid_stream_after_its_items(rt):
     w = await Worker.spawn()
     got = []
