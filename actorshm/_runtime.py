@@ -197,6 +197,9 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             Exception: whatever ``__init__`` raised, with the actor's traceback.
         """
         self._check_open()
+        if threading.get_ident() != self._loop_thread:  # another thread's event loop
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                self.spawn(cls, options, args, kwargs), self.loop))
         if options.name is not None:
             other = self._names.get(options.name)
             if other is not None and self._actors[other].has_future:

@@ -281,6 +281,22 @@ async def test_a_class_that_cannot_travel_by_value_is_named_with_the_fix(rt):
     assert await (await Counter.spawn(1)).incr(1) == 2  # the runtime is fine
 
 
+def test_spawning_from_another_threads_event_loop_works():
+    got = {}
+
+    async def main():
+        def thread():
+            async def inner():  # an event loop of this thread's own
+                c = await Counter.spawn(5)
+                got["incr"] = await c.incr(1)
+            asyncio.run(inner())
+        t = threading.Thread(target=thread)
+        t.start()
+        await asyncio.get_running_loop().run_in_executor(None, t.join)
+    actorshm.run(main())
+    assert got == {"incr": 6}
+
+
 async def test_a_cancelled_spawn_says_so_in_the_actors_record(rt):
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(Faulty.spawn(), 0.001)
