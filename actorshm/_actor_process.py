@@ -64,6 +64,10 @@ async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
               "you before stopping it.", file=sys.stderr, flush=True)
 
 
+def _ignore_signal(signum, frame) -> None:
+    """SIGINT's handler in an actor: the driver handles a Ctrl-C."""
+
+
 def main() -> None:
     """Run this actor process on the socket fd in ``sys.argv[1]``; exits the process."""
     driver = os.environ.pop("ACTORSHM_DRIVER_PID", None)
@@ -73,7 +77,9 @@ def main() -> None:
     # Ctrl-C in a terminal reaches every process of the group: the driver alone handles
     # it (its runtime stops the actors), instead of every actor printing a traceback of
     # the KeyboardInterrupt it got wherever it was, as torch's DataLoader workers do.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # (A handler that does nothing, not SIG_IGN: an ignored signal stays ignored across
+    # exec, and programs the actor starts should still stop on a Ctrl-C.)
+    signal.signal(signal.SIGINT, _ignore_signal)
     os.set_inheritable(fd := int(sys.argv[1]), False)  # (not for programs it starts)
     extra = os.environ.pop("ACTORSHM_SYS_PATH", None)
     if extra:

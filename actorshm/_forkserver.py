@@ -62,7 +62,8 @@ def main() -> None:
     from ._util import set_parent_death_signal
     set_parent_death_signal()
     # Ctrl-C in a terminal reaches the whole process group: the driver handles it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # (A handler, not SIG_IGN, which would stay ignored in programs actors exec.)
+    signal.signal(signal.SIGINT, lambda *a: None)
     # Import once here what every actor needs, so that forks start warm.
     import asyncio  # noqa: F401
 

@@ -19,6 +19,14 @@ class Counter:
         self.n = start
         self.log = []
 
+    def start_program(self, *argv):
+        import subprocess
+        self.program = subprocess.Popen(argv)
+        return self.program.pid
+
+    def wait_program(self, timeout):
+        return self.program.wait(timeout)
+
     def incr(self, k=1):
         self.n += k
         return self.n

@@ -121,6 +121,11 @@ async def test_ctrl_c_in_a_terminal_is_left_to_the_driver(start_method):
         os.kill(c.pid, signal.SIGINT)
         await asyncio.sleep(0.3)
         assert await c.incr(1) == 1
+        # a program the actor starts still stops on a Ctrl-C (it is not ignored there)
+        pid = await c.start_program("sleep", "30")
+        await asyncio.sleep(0.2)
+        os.kill(pid, signal.SIGINT)
+        assert await c.wait_program(10) == -signal.SIGINT
 
 
 async def test_memory_held_past_the_runtime_goes_back_once_dropped():
