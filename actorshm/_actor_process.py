@@ -80,6 +80,7 @@ def main() -> None:
     # (A handler that does nothing, not SIG_IGN: an ignored signal stays ignored across
     # exec, and programs the actor starts should still stop on a Ctrl-C.)
     signal.signal(signal.SIGINT, _ignore_signal)
+    signal.siginterrupt(signal.SIGINT, False)  # (and blocking calls in C go on, not EINTR)
     os.set_inheritable(fd := int(sys.argv[1]), False)  # (not for programs it starts)
     extra = os.environ.pop("ACTORSHM_SYS_PATH", None)
     if extra:

@@ -64,6 +64,7 @@ def main() -> None:
     # Ctrl-C in a terminal reaches the whole process group: the driver handles it.
     # (A handler, not SIG_IGN, which would stay ignored in programs actors exec.)
     signal.signal(signal.SIGINT, lambda *a: None)
+    signal.siginterrupt(signal.SIGINT, False)
     # Import once here what every actor needs, so that forks start warm.
     import asyncio  # noqa: F401
 

@@ -229,7 +229,7 @@ def call_init(rec, config: dict, args: tuple, kwargs: dict) -> asyncio.Future:
         fut = rec.conn.call("__init_actor__", (rec.cls, args, kwargs, config), {},
                             f"{rec.cls_name}.__init__")
     except TypeError as exc:
-        ours.close()
+        rec.probe.close()
         theirs.close()
         raise _class_unsendable(rec.cls) or exc
     rec.conn.close_after_send([theirs.detach()])

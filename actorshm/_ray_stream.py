@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ._errors import ActorDiedError
-from ._streams import SECOND_CONSUMER, StreamLoop, not_iterable, unsendable
+from ._streams import (SECOND_CONSUMER, SecondConsumer, StreamLoop, not_iterable,
+                       unsendable)
 
 __all__ = ["RayStream"]
 
@@ -45,7 +46,7 @@ class RayStream:
         if self._done:
             raise StopAsyncIteration
         if self._busy:
-            raise RuntimeError(SECOND_CONSUMER.format(self._what))
+            raise SecondConsumer(SECOND_CONSUMER.format(self._what))
         self._busy = True
         try:
             ref = await self._wait(self._gen.__anext__())

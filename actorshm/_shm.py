@@ -140,12 +140,13 @@ class Pool:
         self.reserved += size
         return region
 
-    def _retire_free(self, needed: int) -> None:
+    def _retire_free(self, needed: int, below: int | None = None) -> None:
         """Free idle regions (no live block; largest first) until ``needed`` bytes are
         back: a dedicated region whose block is free, or a chunk all of whose blocks are
-        (so freed small blocks never keep the budget from a larger request)."""
+        (so freed small blocks never keep the budget from a larger request); with
+        ``below``, only regions whose index is below it."""
         idle = [r for i, r in self.regions.items()
-                if not self._in_use.get(i) and r.retirable()]
+                if not self._in_use.get(i) and r.retirable() and (below is None or i < below)]
         idle.sort(key=lambda r: -r.size)
         gone = set()
         for region in idle:
@@ -181,9 +182,10 @@ class Pool:
         region.close()
         _leases.region_retired(region)  # (allocation may run in any thread)
 
-    # Set once the last runtime of the process closed (``release_budget``): memory a
-    # user still held then goes back to the system as soon as it is dropped, not at exit.
-    trim_when_idle = False
+    # Set once the last runtime of the process closed (``release_budget``): the regions
+    # made before (index below it) that a user still held then go back to the system as
+    # soon as they are dropped, not at exit. (Regions made later are kept for reuse.)
+    trim_below = 0
 
     def block_returned(self, region: Region, offset: int, size: int) -> None:
         """A block of ours died here (any thread, from a ``_Lease`` callback): it goes
@@ -191,18 +193,21 @@ class Pool:
         its region to the system if that was its last block. (Not if this or another
         thread holds the pool's lock meanwhile: the next ``drain`` or ``trim`` does it.)"""
         self._returned.append((region, offset, size))
-        if self.trim_when_idle and self.lock.acquire(blocking=False):
+        if self.trim_below and self.lock.acquire(blocking=False):
             try:
                 self._drain_locked()
-                self._retire_free(self.reserved + 1)
+                self._retire_free(self.reserved + 1, self.trim_below)
             finally:
                 self.lock.release()
 
     def drain(self) -> None:
-        """Move blocks returned (``block_returned``) back onto the free lists."""
+        """Move blocks returned (``block_returned``) back onto the free lists (and, after
+        the last runtime closed, the regions ``trim_below`` names that are idle now)."""
         if self._returned:
             with self.lock:
                 self._drain_locked()
+                if self.trim_below:
+                    self._retire_free(self.reserved + 1, self.trim_below)
             self._idle_pressure()
 
     def _drain_locked(self) -> None:
@@ -368,7 +373,7 @@ def set_budget(budget: int | None, owner: int = 0) -> None:
         pool().budget = int(budget)
         _sync_shared()
     if _pool is not None:
-        _pool.trim_when_idle = False  # a runtime is open: keep idle memory for reuse
+        _pool.trim_below = 0  # a runtime is open: keep idle memory for reuse
 
 
 def release_budget(owner: int, trim: bool = False) -> None:
@@ -384,12 +389,14 @@ def release_budget(owner: int, trim: bool = False) -> None:
         _sync_shared()
     if trim and _pool is not None:
         _pool.trim()
-        _pool.trim_when_idle = True  # and what is still held, once it is dropped
     global _shared
     if trim and _shared is not None:  # the last runtime closed: so does its budget
         _pool.join(None)
         _shared.close()
         _shared = None
+    if trim and _pool is not None:  # and what is still held goes once it is dropped
+        with _pool.lock:
+            _pool.trim_below = _pool._next_index
 
 
 # The budget this driver and its actors share, while a runtime is open (``Runtime``).

@@ -24,7 +24,7 @@ from typing import Any
 from ._errors import ReentrantCallError
 from ._util import exit_code, leave_if_forked
 
-__all__ = ["CallStream", "StreamLoop", "SECOND_CONSUMER", "not_iterable", "unsendable", "StreamingClient", "Outflow", "StreamSlot", "run_stream", "chain",
+__all__ = ["CallStream", "StreamLoop", "SecondConsumer", "SECOND_CONSUMER", "not_iterable", "unsendable", "StreamingClient", "Outflow", "StreamSlot", "run_stream", "chain",
            "reentrant_error", "DEFAULT_RUN_AHEAD", "CANCELLED_BY_CALLER"]
 
 DEFAULT_RUN_AHEAD = 16
@@ -137,6 +137,10 @@ def unsendable(what: str) -> str:
             "and send its items, or send the actor's handle and call the method there")
 
 
+class SecondConsumer(RuntimeError):
+    """A task asked a stream for an item while another task waits for one (``__anext__``)."""
+
+
 class StreamLoop:
     """One ``async for`` over a stream (what a stream's ``__aiter__`` returns).
 
@@ -167,6 +171,9 @@ class StreamLoop:
             return await self.stream.__anext__()
         except StopAsyncIteration:  # (after its error, or a cancel, stopping is a no-op)
             self.ended = True
+            raise
+        except SecondConsumer:  # the stream is another loop's: leaving this one is not
+            self.ended = True  # leaving it
             raise
 
     async def aclose(self) -> None:
@@ -266,7 +273,7 @@ class CallStream:
                     raise exc
                 raise StopAsyncIteration
             if box.waiter is not None and not box.waiter.done():
-                raise RuntimeError(SECOND_CONSUMER.format(self.what))
+                raise SecondConsumer(SECOND_CONSUMER.format(self.what))
             box.waiter = fut.get_loop().create_future()
             await box.waiter
 

@@ -193,6 +193,20 @@ async def test_a_second_task_awaiting_the_same_stream_is_told_not_left_hanging(r
     assert results[0] == 0
     assert isinstance(results[1], RuntimeError) and "one consumer" in str(results[1])
     assert [x async for x in s] == [1, 2]  # the stream itself carries on
+    # a second loop turned away leaves the first loop's stream running
+    s = w.acount(5, 0.1)
+
+    async def second():
+        await asyncio.sleep(0.05)
+        with pytest.raises(RuntimeError, match="one consumer"):
+            async for _ in s:
+                pass
+    first, _ = await asyncio.wait_for(asyncio.gather(_items(s), second()), 10)
+    assert first == [0, 1, 2, 3, 4]
+
+
+async def _items(stream):
+    return [x async for x in stream]
 
 
 async def test_a_stream_misused_says_how_to_use_it(rt):

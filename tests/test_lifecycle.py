@@ -143,6 +143,13 @@ async def test_memory_held_past_the_runtime_goes_back_once_dropped():
     del small
     gc.collect()
     assert actorshm.stats()["arena_bytes_owned"] <= before
+    # memory made after the close is kept for reuse, as without a runtime: no new
+    # arena per allocation
+    allocs = actorshm.stats()["pool_allocs"]
+    for _ in range(20):
+        a = actorshm.zeros(100)
+        del a
+    assert actorshm.stats()["pool_allocs"] - allocs <= 1
     async with actorshm.Runtime():  # and a new runtime keeps idle memory for reuse again
         a = actorshm.zeros(16 << 20, np.uint8)
         del a
