@@ -204,11 +204,11 @@ class Pool:
         """Move blocks returned (``block_returned``) back onto the free lists (and, after
         the last runtime closed, the regions ``trim_below`` names that are idle now)."""
         if self._returned:
-            with self.lock:
+            with self.lock:  # (retiring, as allocating, only ever under the lock)
                 self._drain_locked()
                 if self.trim_below:
                     self._retire_free(self.reserved + 1, self.trim_below)
-            self._idle_pressure()
+                self._idle_pressure()
 
     def _drain_locked(self) -> None:
         ret = self._returned
@@ -219,7 +219,8 @@ class Pool:
             self._in_use[free[0].key[1]] -= 1
 
     def _idle_pressure(self) -> None:
-        """Hook for subclasses: give idle regions back when a resource runs short."""
+        """Hook for subclasses: give idle regions back when a resource runs short (called
+        with the pool's lock held)."""
 
     def report(self, out: dict) -> None:
         """Add this pool's gauges to a ``stats()`` dict (summed over pools of a kind)."""
