@@ -15,6 +15,7 @@ import contextvars
 import inspect
 import os
 import socket
+import sys
 import threading
 from time import perf_counter as _clock
 from typing import Any
@@ -220,7 +221,7 @@ class Worker(StreamingClient):
                 result = fn(*args, **kwargs)
             except SystemExit as exc:
                 leave_if_forked(exit_code(exc))
-                self._exit(exc)
+                self._exit(exc, what)
                 return
             except BaseException as exc:
                 leave_if_forked()
@@ -248,7 +249,7 @@ class Worker(StreamingClient):
                 result = await result
         except SystemExit as exc:
             leave_if_forked(exit_code(exc))
-            self._exit(exc)
+            self._exit(exc, what)
             return
         except asyncio.CancelledError as exc:
             if not getattr(asyncio.current_task(), CANCELLED_BY_CALLER, False):
@@ -271,7 +272,7 @@ class Worker(StreamingClient):
                 gen = fn(*args, **kwargs)
             except BaseException as exc:
                 if isinstance(exc, SystemExit):
-                    self._exit(exc)
+                    self._exit(exc, what)
                 else:
                     conn.reply_error(cid, exc)
                 return
@@ -285,7 +286,7 @@ class Worker(StreamingClient):
                 await run_stream(conn, cid, gen, out, what,
                                  self.executor if self.max_concurrency > 1 else None, slot)
             except SystemExit as exc:
-                self._exit(exc)
+                self._exit(exc, what)
         finally:
             self.outflows.pop((conn, cid), None)
 
@@ -323,7 +324,7 @@ class Worker(StreamingClient):
             return
         exc = fut.exception()
         if isinstance(exc, SystemExit):
-            self._exit(exc)
+            self._exit(exc, what)
         elif exc is not None:
             conn.reply_error(cid, exc)
         else:
@@ -354,8 +355,12 @@ class Worker(StreamingClient):
         self.held = False
         self._finished(None)
 
-    def _exit(self, exc: SystemExit) -> None:
+    def _exit(self, exc: SystemExit, what: str = "") -> None:
         self.exit_code = exit_code(exc)
+        if what:  # (its stderr reaches the driver's, where the call's error shows)
+            print(f"actorshm: {what} raised SystemExit({exc.code!r}) (sys.exit): this "
+                  "actor's process exits, and calls on it fail with ActorDiedError",
+                  file=sys.stderr, flush=True)
         if not self.stopped.done():
             self.stopped.set_result(None)
 

@@ -44,6 +44,18 @@ async def test_death_fails_pending_and_later_calls(rt_each, how, expect):
     assert await other.incr() == 1  # a death never disturbs the other actors
 
 
+async def test_sys_exit_in_a_method_says_which_method(rt, capfd):
+    f = await Faulty.spawn()
+    with pytest.raises(ActorDiedError, match="code 3"):
+        await f.exit(3)
+    for _ in range(50):  # (its stderr reaches ours through the driver)
+        err = capfd.readouterr().err
+        if "Faulty.exit raised SystemExit(3)" in err:
+            break
+        await asyncio.sleep(0.02)
+    assert "Faulty.exit raised SystemExit(3) (sys.exit)" in err
+
+
 async def test_pending_calls_name_the_exit_code_when_the_death_is_seen_first(rt):
     # The process's exit is handled before the socket's end (a big reply was still
     # being read): pending calls must still say how it died.
