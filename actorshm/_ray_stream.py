@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ._errors import ActorDiedError
-from ._streams import (SECOND_CONSUMER, SecondConsumer, StreamLoop, not_iterable,
-                       unsendable)
+from ._streams import SecondConsumer, Stream
 
 __all__ = ["RayStream"]
 
 
-class RayStream:
+class RayStream(Stream):
     """What calling a generator method returns on Ray: ``async for item in stream``.
 
     The actor runs at most ``STREAM_BUFFER`` items ahead (Ray's generator back-pressure).
@@ -24,29 +23,19 @@ class RayStream:
                  cancel: Callable, wait: Callable) -> None:
         self._gen = gen
         self._wait = wait  # ``RayClient.wait``: ends if the runtime closes meanwhile
-        self._what = what
+        self.what = what
         self._translate = translate
         self._outcome = outcome
         self._cancel = cancel
         self._done = False
-        self._polls = 0  # ``__anext__`` calls (``StreamLoop``)
         self._busy = False  # an ``__anext__`` is waiting (one consumer at a time)
-
-    def __aiter__(self) -> StreamLoop:
-        return StreamLoop(self)
-
-    def __iter__(self):
-        raise TypeError(not_iterable(self._what))
-
-    def __reduce__(self):
-        raise TypeError(unsendable(self._what))
 
     async def __anext__(self) -> Any:
         self._polls += 1
         if self._done:
             raise StopAsyncIteration
         if self._busy:
-            raise SecondConsumer(SECOND_CONSUMER.format(self._what))
+            raise SecondConsumer(self.what)
         self._busy = True
         try:
             ref = await self._wait(self._gen.__anext__())
@@ -58,7 +47,7 @@ class RayStream:
             self._finish()
             raise
         except Exception as exc:
-            err = self._translate(exc, self._what, "item")
+            err = self._translate(exc, self.what, "item")
             if not isinstance(err, ActorDiedError):  # (see ``RayClient._cancel``)
                 self._cancel(self._gen)
             self._finish()
@@ -68,7 +57,7 @@ class RayStream:
             raise
         finally:
             self._busy = False
-        item, err = self._outcome(value, self._what)
+        item, err = self._outcome(value, self.what)
         if err is not None:
             self._finish()
             raise err
@@ -93,7 +82,7 @@ class RayStream:
         self._done = True
 
     def __await__(self):
-        raise TypeError(f"{self._what}() is a streaming method: iterate it with "
+        raise TypeError(f"{self.what}() is a streaming method: iterate it with "
                         "`async for item in handle.method(...)` instead of awaiting it")
 
     def _left(self) -> None:

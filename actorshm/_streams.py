@@ -24,8 +24,9 @@ from typing import Any
 from ._errors import ReentrantCallError
 from ._util import exit_code, leave_if_forked
 
-__all__ = ["CallStream", "StreamLoop", "SecondConsumer", "SECOND_CONSUMER", "not_iterable", "unsendable", "StreamingClient", "Outflow", "StreamSlot", "run_stream", "chain",
-           "reentrant_error", "DEFAULT_RUN_AHEAD", "CANCELLED_BY_CALLER"]
+__all__ = ["Stream", "CallStream", "StreamLoop", "SecondConsumer", "StreamingClient",
+           "Outflow", "StreamSlot", "run_stream", "chain", "reentrant_error",
+           "DEFAULT_RUN_AHEAD", "CANCELLED_BY_CALLER"]
 
 DEFAULT_RUN_AHEAD = 16
 # Set on the task of a call (or stream) its caller cancelled: no reply is owed to it. A
@@ -122,23 +123,35 @@ class Inbox:
             w.set_result(None)
 
 
-SECOND_CONSUMER = (
-    "the stream of {}() is already awaited by another task: a stream has one consumer "
-    "at a time (as an async generator does); call the method again for a second stream")
-
-
-def not_iterable(what: str) -> str:
-    return (f"the stream of {what}() is asynchronous: iterate it with `async for` in an "
-            "`async def` function")
-
-
-def unsendable(what: str) -> str:
-    return (f"the stream of {what}() cannot be sent to another process: iterate it here "
-            "and send its items, or send the actor's handle and call the method there")
-
-
 class SecondConsumer(RuntimeError):
     """A task asked a stream for an item while another task waits for one (``__anext__``)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"the stream of {what}() is already awaited by another task: a stream has one "
+            "consumer at a time (as an async generator does); call the method again for a "
+            "second stream")
+
+
+class Stream:
+    """What every backend's stream shares: one ``StreamLoop`` per ``async for``, and clear
+    errors for a plain ``for`` and for sending it. A subclass sets ``what`` ("Cls.method")
+    and ``_polls``, and provides ``__anext__``, ``aclose()`` and ``_left()``."""
+
+    what = ""
+    _polls = 0  # ``__anext__`` calls (``StreamLoop``)
+
+    def __aiter__(self) -> "StreamLoop":
+        return StreamLoop(self)
+
+    def __iter__(self):
+        raise TypeError(f"the stream of {self.what}() is asynchronous: iterate it with "
+                        "`async for` in an `async def` function")
+
+    def __reduce__(self):
+        raise TypeError(f"the stream of {self.what}() cannot be sent to another process: "
+                        "iterate it here and send its items, or send the actor's handle "
+                        "and call the method there")
 
 
 class StreamLoop:
@@ -153,8 +166,8 @@ class StreamLoop:
     iterated again before then (``first = await anext(aiter(s))``, then ``async for x
     in s``: one iteration handed on, not left).
 
-    The stream provides ``__anext__``, ``aclose()``, ``_polls`` (how often its
-    ``__anext__`` was called) and ``_left()`` (stop, from any thread).
+    The stream (a ``Stream``) provides ``__anext__``, ``aclose()``, ``_polls`` (how often
+    its ``__anext__`` was called) and ``_left()`` (stop, from any thread).
     """
 
     __slots__ = ("stream", "ended")
@@ -199,7 +212,7 @@ def _leave_later(stream) -> None:
         stream._left()
 
 
-class CallStream:
+class CallStream(Stream):
     """The async iterator a streaming method's call returns.
 
     ``async for item in handle.batches(10): ...``. Items arrive as the generator yields
@@ -219,7 +232,6 @@ class CallStream:
         self.inbox = Inbox(what)
         self.fut: asyncio.Future | None = None
         self._owed = 0  # items taken and not yet credited back
-        self._polls = 0  # ``__anext__`` calls (``StreamLoop``)
 
     def start(self, fut: Any) -> "CallStream":
         """Follow the call's reply ``fut``.
@@ -234,15 +246,6 @@ class CallStream:
         self.fut = self.inbox.fut = fut
         fut.add_done_callback(self.inbox.wake)
         return self
-
-    def __aiter__(self) -> StreamLoop:
-        return StreamLoop(self)
-
-    def __iter__(self):
-        raise TypeError(not_iterable(self.what))
-
-    def __reduce__(self):
-        raise TypeError(unsendable(self.what))
 
     def __await__(self):
         self.fut.cancel()
@@ -273,7 +276,7 @@ class CallStream:
                     raise exc
                 raise StopAsyncIteration
             if box.waiter is not None and not box.waiter.done():
-                raise SecondConsumer(SECOND_CONSUMER.format(self.what))
+                raise SecondConsumer(self.what)
             box.waiter = fut.get_loop().create_future()
             await box.waiter
 
