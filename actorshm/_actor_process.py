@@ -18,8 +18,8 @@ import sys
 
 from . import _client, _leases
 from ._introspect import STACK_SIGNAL
-from ._util import (coalesced_call, die_with, new_event_loop, set_parent_death_signal,
-                    watch_forks)
+from ._util import (coalesced_call, die_with, leave_ctrl_c_to_the_driver, new_event_loop,
+                    set_parent_death_signal, watch_forks)
 from ._worker import Worker
 
 
@@ -64,23 +64,13 @@ async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
               "you before stopping it.", file=sys.stderr, flush=True)
 
 
-def _ignore_signal(signum, frame) -> None:
-    """SIGINT's handler in an actor: the driver handles a Ctrl-C."""
-
-
 def main() -> None:
     """Run this actor process on the socket fd in ``sys.argv[1]``; exits the process."""
     driver = os.environ.pop("ACTORSHM_DRIVER_PID", None)
     die_with(int(driver)) if driver else set_parent_death_signal()  # (a fork server may die first)
     faulthandler.enable()
     faulthandler.register(STACK_SIGNAL, all_threads=True)  # rt.dump_stacks's fallback
-    # Ctrl-C in a terminal reaches every process of the group: the driver alone handles
-    # it (its runtime stops the actors), instead of every actor printing a traceback of
-    # the KeyboardInterrupt it got wherever it was, as torch's DataLoader workers do.
-    # (A handler that does nothing, not SIG_IGN: an ignored signal stays ignored across
-    # exec, and programs the actor starts should still stop on a Ctrl-C.)
-    signal.signal(signal.SIGINT, _ignore_signal)
-    signal.siginterrupt(signal.SIGINT, False)  # (and blocking calls in C go on, not EINTR)
+    leave_ctrl_c_to_the_driver()
     os.set_inheritable(fd := int(sys.argv[1]), False)  # (not for programs it starts)
     extra = os.environ.pop("ACTORSHM_SYS_PATH", None)
     if extra:

@@ -59,12 +59,9 @@ def recv_msg(sock: socket.socket):
 
 
 def main() -> None:
-    from ._util import set_parent_death_signal
+    from ._util import leave_ctrl_c_to_the_driver, set_parent_death_signal
     set_parent_death_signal()
-    # Ctrl-C in a terminal reaches the whole process group: the driver handles it.
-    # (A handler, not SIG_IGN, which would stay ignored in programs actors exec.)
-    signal.signal(signal.SIGINT, lambda *a: None)
-    signal.siginterrupt(signal.SIGINT, False)
+    leave_ctrl_c_to_the_driver()
     # Import once here what every actor needs, so that forks start warm.
     import asyncio  # noqa: F401
 

@@ -12,6 +12,21 @@ import threading
 PR_SET_PDEATHSIG = 1
 
 
+def _no_op_signal(signum, frame) -> None:
+    pass
+
+
+def leave_ctrl_c_to_the_driver() -> None:
+    """In an actor process (or the fork server): a Ctrl-C in a terminal reaches every
+    process of the group; the driver alone handles it (its runtime stops the actors),
+    instead of every actor printing the KeyboardInterrupt it got wherever it was, as
+    torch's DataLoader workers leave it to their main process. A handler that does
+    nothing, not SIG_IGN: an ignored signal stays ignored across exec, and programs an
+    actor starts should still stop on a Ctrl-C; no EINTR for blocking calls in C."""
+    signal.signal(signal.SIGINT, _no_op_signal)
+    signal.siginterrupt(signal.SIGINT, False)
+
+
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send ``sig`` to this process when its parent dies (Linux)."""
     try:
