@@ -31,7 +31,7 @@ import numpy as np
 from . import _leases, _shm
 from ._encoding import SCALARS, Encoding, arena_fd, check_size
 from ._errors import ProtocolError
-from ._inband import _tokens, dtype_token
+from ._inband import dtype_token
 from ._registry import _flat_holes, _flat_makers
 from ._wire import ARENA, FLAT, HAS_BLOCKS, LEN
 
@@ -86,12 +86,10 @@ def _hole(enc: _FlatEncoding, a: np.ndarray):
         ref = _Offset(a, _forget_offset)
         ref.key, ref.block, ref.offset = id(a), view, aoff
         _offsets[id(a)] = ref
-    row = enc.index.get(view.key)
-    if row is None:
-        row = enc.lease(view, ARENA, arena_fd)
+    row = enc.lease(view, ARENA, arena_fd)
     enc.zc_bytes += a.nbytes
     enc.zc_arrays += 1
-    return (row, aoff, a.shape, _tokens.get(a.dtype) or dtype_token(a.dtype), a.strides)
+    return (row, aoff, a.shape, dtype_token(a.dtype), a.strides)
 
 
 _NOT_FLAT = object()

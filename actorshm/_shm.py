@@ -189,9 +189,10 @@ class Pool:
 
     def block_returned(self, region: Region, offset: int, size: int) -> None:
         """A block of ours died here (any thread, from a ``_Lease`` callback): it goes
-        back on its free list at the next ``drain``; with ``trim_when_idle``, now, and
-        its region to the system if that was its last block. (Not if this or another
-        thread holds the pool's lock meanwhile: the next ``drain`` or ``trim`` does it.)"""
+        back on its free list at the next ``drain``; with ``trim_below`` set, now, and
+        its region to the system if that was its last block and is below it. (Not if
+        this or another thread holds the pool's lock meanwhile: the next ``drain`` does
+        it.)"""
         self._returned.append((region, offset, size))
         if self.trim_below and self.lock.acquire(blocking=False):
             try:

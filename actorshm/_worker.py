@@ -355,12 +355,13 @@ class Worker(StreamingClient):
         self.held = False
         self._finished(None)
 
-    def _exit(self, exc: SystemExit, what: str = "") -> None:
+    def _exit(self, exc: SystemExit, what: str) -> None:
+        """Method ``what`` raised SystemExit: this process exits, saying so (its stderr
+        reaches the driver's, where the call's ActorDiedError shows)."""
         self.exit_code = exit_code(exc)
-        if what:  # (its stderr reaches the driver's, where the call's error shows)
-            print(f"actorshm: {what} raised SystemExit({exc.code!r}) (sys.exit): this "
-                  "actor's process exits, and calls on it fail with ActorDiedError",
-                  file=sys.stderr, flush=True)
+        print(f"actorshm: {what} raised SystemExit({exc.code!r}) (sys.exit): this "
+              "actor's process exits, and calls on it fail with ActorDiedError",
+              file=sys.stderr, flush=True)
         if not self.stopped.done():
             self.stopped.set_result(None)
 
