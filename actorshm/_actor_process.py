@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from . import _client, _leases
+from . import _client, _descendants, _leases
 from ._introspect import STACK_SIGNAL
 from ._util import (coalesced_call, die_with, leave_ctrl_c_to_the_driver, new_event_loop,
                     set_parent_death_signal, watch_forks)
@@ -66,6 +66,7 @@ async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
 
 def main() -> None:
     """Run this actor process on the socket fd in ``sys.argv[1]``; exits the process."""
+    _descendants.lead_own_group()  # what it starts ends with it
     driver = os.environ.pop("ACTORSHM_DRIVER_PID", None)
     die_with(int(driver)) if driver else set_parent_death_signal()  # (a fork server may die first)
     faulthandler.enable()

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 
-from . import _forkserver, _leases, _shm
+from . import _descendants, _forkserver, _leases, _shm
 from ._output import OutputForwarder  # noqa: F401  (re-exported)
 from ._errors import ActorDiedError
 from ._serialization import PassFd
@@ -271,19 +271,12 @@ def _exited(on_exit, rec: ActorRecord, pid: int) -> None:
 
 
 def kill_all(actors: dict) -> None:
-    """SIGKILL every live actor process of ``actors`` (actor id -> ``ActorRecord``)."""
+    """SIGKILL every live actor process of ``actors`` (actor id -> ``ActorRecord``),
+    with the processes it started."""
     for rec in list(actors.values()):
-        if rec.popen is not None:
-            if rec.popen.poll() is None:
-                try:
-                    rec.popen.kill()
-                except OSError:
-                    pass
-        elif rec.alive and rec.pid:
-            try:
-                os.kill(rec.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if rec.popen is not None and rec.popen.poll() is None or \
+                rec.popen is None and rec.alive and rec.pid:
+            _descendants.kill_now(rec.pid)
 
 
 def _kill_forked(fut: asyncio.Future) -> None:

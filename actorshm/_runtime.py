@@ -6,7 +6,8 @@ driver watches each child through a pidfd and its socket together, so a death is
 at once and every pending call fails with ``ActorDiedError`` naming the exit code or
 signal. Leaving the runtime asks every actor to stop, waits a grace period, then sends
 SIGTERM and finally SIGKILL; children also get SIGKILL from the kernel if the driver
-itself dies (``PR_SET_PDEATHSIG``) and exit on socket EOF.
+itself dies (``PR_SET_PDEATHSIG``) and exit on socket EOF. What an actor started ends
+with it (``_descendants``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 import weakref
 from typing import Any
 
-from . import _client, _events, _introspect, _leases, _plugins, _services, _shm  # noqa: F401
+from . import _client, _descendants, _events, _introspect, _leases, _plugins, _services, _shm  # noqa: F401
 from . import _multicast
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._backend import BackendChoice
@@ -161,8 +162,10 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             except BaseException:
                 kill_all(self._actors)
                 raise
+            await _descendants.wait_all()  # what they started, SIGKILLed after a grace
         finally:
             kill_all(self._actors)
+            _descendants.kill_remaining()
             for r in list(self._actors.values()):
                 self._reap(r)
             if self._forkserver is not None:

@@ -79,6 +79,31 @@ class Unpicklable(Exception):
 
 
 @actor
+class Starter:
+    """Starts processes, as a method that runs a DataLoader or a tool would."""
+
+    def tree(self, ignore_sigterm=False):
+        """A child that starts a grandchild: their pids. ``ignore_sigterm``: the child
+        ignores SIGTERM (it must be SIGKILLed)."""
+        import subprocess
+        code = ("import signal, subprocess, time\n"
+                + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_sigterm else "")
+                + "p = subprocess.Popen(['sleep', '60'])\n"
+                  "print(p.pid, flush=True)\n"
+                  "time.sleep(60)\n")
+        self.child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        return self.child.pid, int(self.child.stdout.readline())
+
+    def detached(self):
+        """A program that leaves the actor's process group on purpose."""
+        import subprocess
+        return subprocess.Popen(["sleep", "60"], start_new_session=True).pid
+
+    def exit(self, code):
+        os._exit(code)
+
+
+@actor
 class Faulty:
     async def stream(self, n):
         for i in range(n):

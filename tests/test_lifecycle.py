@@ -14,7 +14,7 @@ import pytest
 
 import actorshm
 from actorshm import ActorDiedError
-from actors import Caller, Counter, Dying, Faulty
+from actors import Caller, Counter, Dying, Faulty, Starter
 
 
 @pytest.mark.parametrize("how,expect", [
@@ -126,10 +126,12 @@ async def test_runtime_exit_leaves_nothing_behind(start_method):
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 async def test_ctrl_c_in_a_terminal_is_left_to_the_driver(start_method):
-    # a terminal's Ctrl-C signals the whole process group: actors leave it to the
+    # a terminal's Ctrl-C signals its foreground process group: each actor leads a
+    # group of its own, outside it; and a SIGINT sent to an actor is left to the
     # driver, whose runtime stops them, instead of each printing a KeyboardInterrupt
     async with actorshm.Runtime(start_method=start_method):
         c = await Counter.spawn(0)
+        assert os.getpgid(c.pid) == c.pid != os.getpgid(0)
         os.kill(c.pid, signal.SIGINT)
         await asyncio.sleep(0.3)
         assert await c.incr(1) == 1
@@ -138,6 +140,54 @@ async def test_ctrl_c_in_a_terminal_is_left_to_the_driver(start_method):
         await asyncio.sleep(0.2)
         os.kill(pid, signal.SIGINT)
         assert await c.wait_program(10) == -signal.SIGINT
+
+
+def _running(pid):
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] not in "ZX"
+
+
+async def _until_gone(pids, within):
+    deadline = time.monotonic() + within
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return [p for p in pids if _running(p)]
+
+
+@pytest.mark.parametrize("how", ["kill", "exit", "restart"])
+async def test_processes_an_actor_starts_end_with_it(rt_each, how):
+    # a child and a grandchild: SIGTERMed once the actor is gone, whatever ended it
+    s = await (Starter.options(max_restarts=1) if how == "restart" else Starter).spawn()
+    pids = await s.tree()
+    if how == "kill":
+        await s.kill()
+    else:
+        with pytest.raises(ActorDiedError):
+            await s.exit(3)
+    assert await _until_gone(pids, 5) == []
+    if how == "restart":  # the new process has a group of its own, and works
+        pids = await s.tree()
+        assert os.getpgid(pids[1]) == os.getpgid(s.pid) == s.pid
+        await s.kill()
+        assert await _until_gone(pids, 5) == []
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_close_ends_what_actors_started_even_ignoring_sigterm(start_method):
+    async with actorshm.Runtime(start_method=start_method):
+        s = await Starter.spawn()
+        stubborn = await s.tree(ignore_sigterm=True)  # SIGKILLed after the grace
+        left = await s.detached()  # a new session leaves the group on purpose
+    try:
+        assert [p for p in stubborn if _running(p)] == []  # close waited for them
+        assert _running(left)
+    finally:
+        os.kill(left, signal.SIGKILL)
 
 
 async def test_memory_held_past_the_runtime_goes_back_once_dropped():
