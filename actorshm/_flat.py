@@ -23,12 +23,11 @@ Plug-in objects that lie in shared memory travel flat too (a torch tensor:
 from __future__ import annotations
 
 import pickle
-import weakref
 from typing import Any
 
 import numpy as np
 
-from . import _leases, _shm
+from . import _arena, _leases, _shm
 from ._encoding import SCALARS, Encoding, arena_fd, check_size
 from ._errors import ProtocolError
 from ._inband import dtype_token
@@ -54,22 +53,8 @@ class _FlatEncoding(Encoding):
         self.zc_arrays = 0
 
 
-class _Offset(weakref.ref):
-    """Where an array's data starts in its block (``_offsets``), while it lives."""
-
-    __slots__ = ("key", "block", "offset")
-
-
-def _forget_offset(ref: _Offset) -> None:
-    if _offsets.get(ref.key) is ref:
-        del _offsets[ref.key]
-
-
-# id(array) -> its ``_Offset``: an array sent again (weights every step) skips reading
-# its address (``__array_interface__`` builds a dict: the dearest step of a hole). An
-# array's data never moves (one viewing another's memory cannot be resized), and its
-# entry goes when it dies, before its id can be reused.
-_offsets: dict = {}
+_offsets = _arena.offsets
+_remember_offset = _arena.remember_offset
 
 
 def _hole(enc: _FlatEncoding, a: np.ndarray):
@@ -83,9 +68,7 @@ def _hole(enc: _FlatEncoding, a: np.ndarray):
         if view is None or not a.size:
             return None
         aoff = a.__array_interface__["data"][0] - view.region.addr - view.offset
-        ref = _Offset(a, _forget_offset)
-        ref.key, ref.block, ref.offset = id(a), view, aoff
-        _offsets[id(a)] = ref
+        _remember_offset(a, view, aoff)
     row = enc.lease(view, ARENA, arena_fd)
     enc.zc_bytes += a.nbytes
     enc.zc_arrays += 1
