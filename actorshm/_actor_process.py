@@ -19,7 +19,7 @@ import sys
 from . import _client, _descendants, _leases
 from ._introspect import STACK_SIGNAL
 from ._util import (coalesced_call, die_with, leave_ctrl_c_to_the_driver, new_event_loop,
-                    set_parent_death_signal, watch_forks)
+                    watch_forks)
 from ._worker import Worker
 
 
@@ -66,9 +66,11 @@ async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
 
 def main() -> None:
     """Run this actor process on the socket fd in ``sys.argv[1]``; exits the process."""
-    _descendants.lead_own_group()  # what it starts ends with it
-    driver = os.environ.pop("ACTORSHM_DRIVER_PID", None)
-    die_with(int(driver)) if driver else set_parent_death_signal()  # (a fork server may die first)
+    _descendants.lead_own_session()  # what it starts ends with it
+    # Dies with its driver (not its parent: a fork server may die first), ending what it
+    # started first: a driver killed by a signal never closes its runtime.
+    die_with(int(os.environ.pop("ACTORSHM_DRIVER_PID")),
+             last_words=_descendants.end_own_group)
     faulthandler.enable()
     faulthandler.register(STACK_SIGNAL, all_threads=True)  # rt.dump_stacks's fallback
     leave_ctrl_c_to_the_driver()
@@ -77,8 +79,6 @@ def main() -> None:
     if extra:
         path = json.loads(extra)
         sys.path[:] = path + [p for p in sys.path if p not in path]
-    if not driver and os.getppid() == 1:  # the driver died before we got here
-        os._exit(1)
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
     try:
@@ -89,6 +89,7 @@ def main() -> None:
                 f.flush()
             except (ValueError, OSError):  # a method closed it, or the pipe is gone
                 pass
+        _descendants.end_own_group()  # (the driver does it too, after a crash)
     # Skip interpreter teardown: it can only run user __del__s against closed sockets.
     os._exit(code)
 

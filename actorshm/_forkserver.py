@@ -103,11 +103,10 @@ def main() -> None:
                     _report(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
         if sock in ready:
             msg = recv_msg(sock)
-            if msg is None:  # the driver is gone: children die by their death signal
+            if msg is None:  # the driver is gone: its actors die too (they watch it)
                 os._exit(0)
             (kind, env, cwd, argv), fds = msg
-            # Actors outlive this server (they watch the driver, not their parent).
-            env = dict(env, ACTORSHM_DRIVER_PID=str(os.getppid()))
+            # (Actors may outlive this server: they watch the driver, named in env.)
             pid = os.fork()
             if pid == 0:
                 _actor_process.forked_child_main(sock, rfd, wfd, env, cwd, fds)

@@ -200,6 +200,7 @@ def actor_env(rec: ActorRecord) -> dict:
         [os.fspath(p) or os.getcwd() for p in sys.path
          if isinstance(p, (str, os.PathLike)) and isinstance(os.fspath(p), str)])
     env["PYTHONUNBUFFERED"] = "1"
+    env["ACTORSHM_DRIVER_PID"] = str(os.getpid())  # (it dies with this process)
     if rec.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
     return env
@@ -270,13 +271,13 @@ def _exited(on_exit, rec: ActorRecord, pid: int) -> None:
         _leases.process_gone(pid)
 
 
-def kill_all(actors: dict) -> None:
-    """SIGKILL every live actor process of ``actors`` (actor id -> ``ActorRecord``),
-    with the processes it started."""
+def kill_all(actors: dict, ending: "_descendants.Ending") -> None:
+    """SIGKILL every actor process of ``actors`` (actor id -> ``ActorRecord``) whose exit
+    has not been handled, with what it started, and what ``ending`` is still ending."""
     for rec in list(actors.values()):
-        if rec.popen is not None and rec.popen.poll() is None or \
-                rec.popen is None and rec.alive and rec.pid:
+        if rec.pid and rec.pid in _live_pids:  # (running, or exited but not reaped here)
             _descendants.kill_now(rec.pid)
+    ending.kill()
 
 
 def _kill_forked(fut: asyncio.Future) -> None:

@@ -5,9 +5,8 @@ with threads deadlocks), connected to the driver by a socket pair it inherits. T
 driver watches each child through a pidfd and its socket together, so a death is seen
 at once and every pending call fails with ``ActorDiedError`` naming the exit code or
 signal. Leaving the runtime asks every actor to stop, waits a grace period, then sends
-SIGTERM and finally SIGKILL; children also get SIGKILL from the kernel if the driver
-itself dies (``PR_SET_PDEATHSIG``) and exit on socket EOF. What an actor started ends
-with it (``_descendants``).
+SIGTERM and finally SIGKILL; children also die if the driver itself dies (each watches
+its pidfd) and exit on socket EOF. What an actor started ends with it (``_descendants``).
 """
 
 from __future__ import annotations
@@ -98,6 +97,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self._open = False
         self._closing = False
         self._finalizer = None
+        self._ending: _descendants.Ending | None = None  # (made by start())
         self._forkserver: ForkServerClient | None = None
 
     closing = property(lambda self: self._closing, doc="Whether it is closing or closed.")
@@ -133,7 +133,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         _leases.set_release_hook(coalesced_call(self.loop, _leases.dispatch_releases))
         self._open = True
         _client.runtime_opened(self)
-        self._finalizer = weakref.finalize(self, kill_all, self._actors)
+        self._ending = _descendants.Ending()
+        self._finalizer = weakref.finalize(self, kill_all, self._actors, self._ending)
         return self
 
     __reduce__ = _client.refuse_runtime
@@ -160,12 +161,11 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             try:
                 await asyncio.shield(task)
             except BaseException:
-                kill_all(self._actors)
+                kill_all(self._actors, self._ending)
                 raise
-            await _descendants.wait_all()  # what they started, SIGKILLed after a grace
+            await self._ending.wait()  # what they started: SIGTERM, SIGKILL after a grace
         finally:
-            kill_all(self._actors)
-            _descendants.kill_remaining()
+            kill_all(self._actors, self._ending)
             for r in list(self._actors.values()):
                 self._reap(r)
             if self._forkserver is not None:

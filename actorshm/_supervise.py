@@ -22,7 +22,7 @@ import os
 import signal
 import weakref
 
-from . import _descendants, _events, _oom
+from . import _events, _oom
 from ._errors import ActorDiedError
 from ._launch import ActorRecord
 from ._protocol import Connection
@@ -140,7 +140,7 @@ class Supervisor:
     def _exited(self, rec: ActorRecord, code: int | None) -> None:
         """Its process has exited and been reaped (``code``: its exit code, or None)."""
         rec.alive = False
-        _descendants.end_group(rec.pid)  # what it started goes too
+        self._ending.end(rec.pid)  # what it started goes too
         why = rec.death or f"{rec.label} died: {describe_exit(code)}" \
             f"{_oom.oom_note(rec, code)}"
         if self._closing and rec.death is None:

@@ -17,12 +17,13 @@ def _no_op_signal(signum, frame) -> None:
 
 
 def leave_ctrl_c_to_the_driver() -> None:
-    """In an actor process (or the fork server): a Ctrl-C in a terminal reaches every
-    process of the group; the driver alone handles it (its runtime stops the actors),
-    instead of every actor printing the KeyboardInterrupt it got wherever it was, as
-    torch's DataLoader workers leave it to their main process. A handler that does
-    nothing, not SIG_IGN: an ignored signal stays ignored across exec, and programs an
-    actor starts should still stop on a Ctrl-C; no EINTR for blocking calls in C."""
+    """In the fork server (in the driver's process group, so a terminal's Ctrl-C reaches
+    it) and in actor processes (in sessions of their own, out of a terminal's reach, but
+    a stray SIGINT may still come): the driver alone handles a Ctrl-C (its runtime stops
+    the actors), instead of every process printing the KeyboardInterrupt it got wherever
+    it was, as torch's DataLoader workers leave it to their main process. A handler that
+    does nothing, not SIG_IGN: an ignored signal stays ignored across exec, and programs
+    an actor starts should still stop on a SIGINT; no EINTR for blocking calls in C."""
     signal.signal(signal.SIGINT, _no_op_signal)
     signal.siginterrupt(signal.SIGINT, False)
 
@@ -36,21 +37,33 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         pass
 
 
-def die_with(pid: int) -> None:
+def die_with(pid: int, last_words=None) -> None:
     """SIGKILL this process once process ``pid`` has exited (a daemon thread waits on its
-    pidfd): ``set_parent_death_signal`` for a process whose parent is not ``pid``."""
+    pidfd), after calling ``last_words()`` if given. Unlike ``set_parent_death_signal``
+    (the kernel's, at once) it runs Python first, so it waits for the GIL: a C call that
+    holds it delays the death until it returns."""
     import os
     import select
     import threading
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:  # already gone
-        os.kill(os.getpid(), signal.SIGKILL)
-        return
+        pidfd = -1
 
     def wait() -> None:
-        select.select([pidfd], [], [])
-        os.kill(os.getpid(), signal.SIGKILL)
+        if pidfd >= 0:
+            p = select.poll()
+            p.register(pidfd, select.POLLIN)
+            p.poll()
+        try:
+            if last_words is not None:
+                last_words()
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if pidfd < 0:
+        wait()
+        return
 
     threading.Thread(target=wait, name="actorshm-driver-watch", daemon=True).start()
 

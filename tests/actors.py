@@ -102,6 +102,37 @@ class Starter:
     def exit(self, code):
         os._exit(code)
 
+    def open_terminal(self):
+        """What opening the controlling terminal and setting it up gives here."""
+        import termios
+        try:
+            fd = os.open("/dev/tty", os.O_RDWR)
+        except OSError as exc:
+            return type(exc).__name__
+        try:
+            termios.tcsetattr(fd, termios.TCSANOW, termios.tcgetattr(fd))
+            return "ok"
+        finally:
+            os.close(fd)
+
+    def shm_child(self, ignore_sigterm):
+        """A multiprocessing child that makes a shared-memory segment: its name."""
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        self.mp_child = ctx.Process(target=make_segment, args=(q, ignore_sigterm))
+        self.mp_child.start()
+        return q.get(timeout=60)
+
+
+def make_segment(q, ignore_sigterm):  # (a multiprocessing child of ``Starter``)
+    from multiprocessing import shared_memory
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    seg = shared_memory.SharedMemory(create=True, size=4096)
+    q.put(seg.name)
+    time.sleep(60)
+
 
 @actor
 class Faulty:

@@ -3,6 +3,7 @@
 import asyncio
 import gc
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -131,7 +132,7 @@ async def test_ctrl_c_in_a_terminal_is_left_to_the_driver(start_method):
     # driver, whose runtime stops them, instead of each printing a KeyboardInterrupt
     async with actorshm.Runtime(start_method=start_method):
         c = await Counter.spawn(0)
-        assert os.getpgid(c.pid) == c.pid != os.getpgid(0)
+        assert os.getsid(c.pid) == os.getpgid(c.pid) == c.pid != os.getpgid(0)
         os.kill(c.pid, signal.SIGINT)
         await asyncio.sleep(0.3)
         assert await c.incr(1) == 1
@@ -188,6 +189,86 @@ async def test_close_ends_what_actors_started_even_ignoring_sigterm(start_method
         assert _running(left)
     finally:
         os.kill(left, signal.SIGKILL)
+
+
+_TREE_DRIVER = """
+import asyncio, sys, time
+sys.path.insert(0, %r)
+import actorshm
+from actors import Starter
+async def main():
+    async with actorshm.Runtime(start_method=%r):
+        s = await Starter.spawn()
+        print(*await s.tree(ignore_sigterm=%r), flush=True)
+        time.sleep(60)
+actorshm.run(main())
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+async def test_what_actors_started_ends_when_the_driver_is_killed(start_method, sig):
+    # a driver killed by a signal (a job's SIGTERM, a hang-up, kill -9) never closes its
+    # runtime: its actors end what they started as they die with it
+    code = _TREE_DRIVER % (os.path.dirname(__file__), start_method, sig == signal.SIGKILL)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in p.stdout.readline().split()]
+    finally:
+        p.send_signal(sig)
+        p.wait()
+        p.stdout.close()
+    assert len(pids) == 2
+    assert await _until_gone(pids, 10) == []
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_an_actor_is_off_the_drivers_terminal(start_method):
+    # a driver in a terminal: an actor (or a program it starts) that opens the terminal
+    # gets an error, instead of being stopped for good as a background job (SIGTTOU)
+    import pty
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "import actorshm\n"
+            "from actors import Starter\n"
+            "async def main():\n"
+            "    async with actorshm.Runtime(start_method=%r):\n"
+            "        s = await Starter.spawn()\n"
+            "        print('result', await s.open_terminal(), flush=True)\n"
+            "actorshm.run(main())\n") % (os.path.dirname(__file__), start_method)
+    pid, fd = pty.fork()
+    if pid == 0:  # the driver, with the pty as its controlling terminal
+        os.execv(sys.executable, [sys.executable, "-c", code])
+    out, deadline = b"", time.monotonic() + 60
+    try:
+        while b"\n" not in out.partition(b"result")[2] and time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:  # the driver exited
+                    break
+                if not chunk:
+                    break
+                out += chunk
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(fd)
+    assert b"result OSError" in out, out.decode(errors="replace")
+
+
+@pytest.mark.parametrize("ignore_sigterm", [False, True])
+async def test_shared_memory_of_a_killed_actors_children_is_cleaned_up(rt, ignore_sigterm):
+    # multiprocessing's resource tracker (in the actor's group too) ignores SIGTERM and
+    # unlinks what the dead made; a child that ignores SIGTERM is SIGKILLed before it
+    s = await Starter.spawn()
+    name = await s.shm_child(ignore_sigterm)
+    assert os.path.exists(f"/dev/shm/{name}")
+    await s.kill()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/dev/shm/{name}") and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not os.path.exists(f"/dev/shm/{name}")
 
 
 async def test_memory_held_past_the_runtime_goes_back_once_dropped():
