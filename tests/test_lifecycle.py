@@ -226,8 +226,9 @@ async def test_what_actors_started_ends_when_the_driver_is_killed(start_method, 
 def test_an_actor_is_off_the_drivers_terminal(start_method):
     # a driver in a terminal: an actor (or a program it starts) that opens the terminal
     # gets an error, instead of being stopped for good as a background job (SIGTTOU)
-    import pty
-    code = ("import sys; sys.path.insert(0, %r)\n"
+    code = ("import fcntl, sys, termios\n"
+            "fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # the pty: its controlling terminal\n"
+            "sys.path.insert(0, %r)\n"
             "import actorshm\n"
             "from actors import Starter\n"
             "async def main():\n"
@@ -235,25 +236,25 @@ def test_an_actor_is_off_the_drivers_terminal(start_method):
             "        s = await Starter.spawn()\n"
             "        print('result', await s.open_terminal(), flush=True)\n"
             "actorshm.run(main())\n") % (os.path.dirname(__file__), start_method)
-    pid, fd = pty.fork()
-    if pid == 0:  # the driver, with the pty as its controlling terminal
-        os.execv(sys.executable, [sys.executable, "-c", code])
+    master, slave = os.openpty()
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=slave, stdout=slave,
+                         stderr=slave, start_new_session=True)
+    os.close(slave)
     out, deadline = b"", time.monotonic() + 60
     try:
         while b"\n" not in out.partition(b"result")[2] and time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.1)
-            if ready:
+            if select.select([master], [], [], 0.1)[0]:
                 try:
-                    chunk = os.read(fd, 4096)
+                    chunk = os.read(master, 4096)
                 except OSError:  # the driver exited
                     break
                 if not chunk:
                     break
                 out += chunk
     finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(fd)
+        p.kill()
+        p.wait()
+        os.close(master)
     assert b"result OSError" in out, out.decode(errors="replace")
 
 
