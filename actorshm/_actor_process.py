@@ -18,8 +18,7 @@ import sys
 
 from . import _client, _descendants, _leases
 from ._introspect import STACK_SIGNAL
-from ._util import (coalesced_call, die_with, leave_ctrl_c_to_the_driver, new_event_loop,
-                    watch_forks)
+from ._util import coalesced_call, leave_ctrl_c_to_the_driver, new_event_loop, watch_forks
 from ._worker import Worker
 
 
@@ -66,11 +65,10 @@ async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:
 
 def main() -> None:
     """Run this actor process on the socket fd in ``sys.argv[1]``; exits the process."""
-    _descendants.lead_own_session()  # what it starts ends with it
-    # Dies with its driver (not its parent: a fork server may die first), ending what it
-    # started first: a driver killed by a signal never closes its runtime.
-    die_with(int(os.environ.pop("ACTORSHM_DRIVER_PID")),
-             last_words=_descendants.end_own_group)
+    # Before anything else: a session of its own, and the watchdog that ends it (what
+    # it starts goes with it) when it exits or its driver does (even one killed by a
+    # signal; its parent may be a fork server, which may die first).
+    _descendants.start_watchdog(int(os.environ.pop("ACTORSHM_DRIVER_PID")))
     faulthandler.enable()
     faulthandler.register(STACK_SIGNAL, all_threads=True)  # rt.dump_stacks's fallback
     leave_ctrl_c_to_the_driver()
@@ -89,7 +87,6 @@ def main() -> None:
                 f.flush()
             except (ValueError, OSError):  # a method closed it, or the pipe is gone
                 pass
-        _descendants.end_own_group()  # (the driver does it too, after a crash)
     # Skip interpreter teardown: it can only run user __del__s against closed sockets.
     os._exit(code)
 

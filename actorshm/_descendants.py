@@ -1,27 +1,28 @@
-"""The processes an actor starts end with it.
+"""The processes an actor starts end with it, and an actor ends with its driver.
 
 A method may start processes: a ``subprocess.Popen``, a ``multiprocessing`` pool, a
 DataLoader's workers, and those may start more. Left alone they outlive the actor that
 made them (they are reparented to init), holding memory, GPUs and ports after a
 ``kill()``, a crash or a restart. So each actor process leads a session (and process
-group) of its own (``lead_own_session``, first thing at its start), which everything it
-starts joins unless it leaves on purpose (``start_new_session=True``, ``setsid``, a
-program that makes a group of its own such as ``timeout``).
+group) of its own, which everything it starts joins unless it leaves on purpose
+(``start_new_session=True``, ``setsid``, a program that makes a group of its own such as
+``timeout``); and before anything else it forks a watchdog into that group
+(``start_watchdog``).
 
-A group is ended (``end_group``) in two steps: SIGTERM to the processes found in it,
-so that they may clean up (multiprocessing's resource tracker ignores SIGTERM and
-removes what the dead left behind once they are gone), then, ``GRACE`` seconds later,
-SIGKILL to those still running, a resource tracker last, a moment after the rest. The
-processes are signalled through pidfds opened when they were found, never by a group or
-process id read later, so a number reused meanwhile is never hit.
+The watchdog is a small process that waits on two pidfds, the actor's and the driver's.
+When either exits it ends the group: SIGTERM to all of it (the actor too, if its driver
+died), so that programs may clean up (multiprocessing's resource tracker ignores SIGTERM
+and removes what the dead left behind), then, ``GRACE`` seconds later, SIGKILL to what
+still runs, a resource tracker last, ``TRACKER_GRACE`` seconds after the rest. It needs no
+GIL of the actor's (an actor stuck in a C call still dies), sees what is forked late (the
+last SIGKILL goes to the whole group), and outlives a driver killed by any signal. While
+it lives it is a member of the group, so the group's id cannot be reused: nothing else is
+ever signalled.
 
-Who ends it:
-
-- the driver, once it has reaped an actor process, whatever ended it (``kill()``, a
-  crash, a restart, the runtime's close): ``Ending``, one per runtime, whose ``close``
-  waits until what it signalled has exited;
-- the actor itself when it loses its driver (a driver killed by a signal never closes its
-  runtime) and when it exits in order: ``end_own_group``.
+The driver waits for it: once it has reaped an actor process, it keeps pidfds of what is
+left in the actor's group (the watchdog among them) in its runtime's ``Ending``, whose
+``wait`` (at ``close()``) returns when they have exited; what outlives the watchdog's
+time (it was killed) is SIGKILLed there.
 
 A session of its own also keeps an actor off the driver's terminal: a Ctrl-C or Ctrl-Z
 there reaches the driver alone (its runtime stops the actors), and a program an actor
@@ -39,78 +40,98 @@ import time
 
 GRACE = 1.0  # seconds from SIGTERM to SIGKILL for what an actor left running
 TRACKER_GRACE = 0.5  # then seconds a resource tracker gets to clean up after the rest
+_POLL = 0.02
 
 
-def lead_own_session() -> None:
-    """In a new actor process, before it starts anything: lead a session of its own."""
+def start_watchdog(driver_pid: int) -> None:
+    """In a new actor process, before it starts a thread or anything else: lead a session
+    of its own, and fork the watchdog that ends it when this process or the driver exits.
+    Exits at once if the driver is already gone."""
     try:
         os.setsid()
     except OSError:  # pragma: no cover - already a group leader
         pass
+    try:
+        driver = os.pidfd_open(driver_pid)
+    except OSError:  # the driver is gone
+        os._exit(1)
+    if os.getppid() == 1:  # its parent (the driver, or a fork server that dies with it)
+        os._exit(1)        # died before the pidfd was open: the pid may be another's
+    actor = os.getpid()
+    if os.fork() == 0:
+        try:
+            _watch(actor, driver)
+        finally:
+            os._exit(0)
+    os.close(driver)
 
 
-class _Group:
-    """The processes found in one ended group: ``(pidfd, is a resource tracker)``."""
+def _watch(actor: int, driver: int) -> None:
+    """The watchdog: wait for the actor or the driver to exit, then end the group."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # (its own group's SIGTERM among them)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # hold none of the actor's pipes or sockets open
+        os.dup2(null, fd)
+    keep = sorted({0, 1, 2, driver})
+    for lo, hi in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
+        os.closerange(lo + 1, hi)
+    try:
+        watched = [driver, os.pidfd_open(actor)]
+    except OSError:  # the actor is gone already
+        watched = []
+    if watched and os.getppid() == actor:  # (else it died before the pidfd was open)
+        p = select.poll()
+        for fd in watched:
+            p.register(fd, select.POLLIN)
+        p.poll()
+    _end(actor)
 
-    __slots__ = ("procs", "due", "phase")
 
-    def __init__(self, procs: list) -> None:
-        self.procs = procs
-        self.due = time.monotonic() + GRACE
-        self.phase = 0  # 0: SIGTERMed; 1: SIGKILLed but trackers; 2: all SIGKILLed
-
-    def running(self) -> list:
-        live = [p for p in self.procs if not _exited(p[0])]
-        for p in self.procs:
-            if p not in live:
-                os.close(p[0])
-        self.procs = live
-        return live
-
-    def step(self) -> bool:
-        """Signal what is due; True once nothing it found is running."""
-        live = self.running()
-        if not live:
-            return True
-        if time.monotonic() >= self.due and self.phase < 2:
-            trackers_wait = self.phase == 0 and any(t for _, t in live)
-            for fd, tracker in live:
-                if not (tracker and trackers_wait):
+def _end(pgid: int) -> None:
+    """End group ``pgid`` (the watchdog's own): SIGTERM, then SIGKILL after the grace."""
+    me = os.getpid()
+    os.killpg(pgid, signal.SIGTERM)
+    due, trackers_last = time.monotonic() + GRACE, True
+    while any(pid != me for pid in _members(pgid)):
+        if time.monotonic() >= due:
+            if not trackers_last:
+                break
+            trackers_last = False  # SIGKILL the rest now, the trackers after a moment
+            for pid, fd in _open_members(pgid, pairs=True):
+                if pid != me and not _is_resource_tracker(pid):
                     _send(fd, signal.SIGKILL)
-            self.phase = 1 if trackers_wait else 2
-            self.due = time.monotonic() + (TRACKER_GRACE if trackers_wait else GRACE)
-        elif time.monotonic() >= self.due:  # SIGKILLed a while ago, still there (D state)
-            self.close()
-            return True
-        return False
-
-    def close(self) -> None:
-        for fd, _ in self.procs:
-            os.close(fd)
-        self.procs = []
+                os.close(fd)
+            due = time.monotonic() + TRACKER_GRACE
+        time.sleep(_POLL)
+    os.killpg(pgid, signal.SIGKILL)  # what is left, this watchdog last
 
 
 class Ending:
-    """The driver's side, one per runtime: the groups of its reaped actors being ended,
-    each stepped by a timer on the runtime's loop and, at close, by ``wait``."""
+    """The driver's side, one per runtime: what the groups of its reaped actors still
+    hold, until it has exited (their watchdogs end them; a timer on the runtime's loop
+    and, at close, ``wait`` keep watch, and SIGKILL what outlives them)."""
+
+    # The watchdog's time, and a margin: what is still there then was missed by it.
+    DEADLINE = GRACE + TRACKER_GRACE + 1.0
 
     def __init__(self) -> None:
-        self.groups: dict[int, _Group] = {}
+        self.groups: dict[int, tuple[float, list[int]]] = {}  # pgid -> (due, pidfds)
         self._timer: asyncio.TimerHandle | None = None
 
     def end(self, pgid: int) -> None:
-        """Actor process ``pgid`` has exited and been reaped: SIGTERM what it left."""
+        """Actor process ``pgid`` has exited and been reaped: keep watch on its group."""
         if pgid <= 1 or pgid in self.groups:
             return
-        group = _signal_group(pgid, exclude=0)
-        if group is not None:
-            self.groups[pgid] = group
+        fds = _open_members(pgid)
+        if fds:
+            self.groups[pgid] = (time.monotonic() + self.DEADLINE, fds)
             self._schedule()
 
     def _schedule(self) -> None:
         if self._timer is None and self.groups:
             try:
-                self._timer = asyncio.get_running_loop().call_later(0.1, self._tick)
+                self._timer = asyncio.get_running_loop().call_later(0.25, self._tick)
             except RuntimeError:  # no loop: ``wait`` or ``kill`` finishes them
                 pass
 
@@ -120,52 +141,48 @@ class Ending:
         self._schedule()
 
     def _step(self) -> None:
-        for pgid, group in list(self.groups.items()):
-            if group.step():
+        now = time.monotonic()
+        for pgid, (due, fds) in list(self.groups.items()):
+            live = _running(fds)
+            if live and now >= due:
+                for fd in live:
+                    _send(fd, signal.SIGKILL)
+                live = []
+            if not live:
+                _close(fds)
                 del self.groups[pgid]
+            else:
+                self.groups[pgid] = (due, fds)
 
-    async def wait(self, poll: float = 0.02) -> None:
-        """Until everything signalled has exited (a SIGKILL ``GRACE`` after SIGTERM)."""
+    async def wait(self) -> None:
+        """Until what it watches has exited (at most ``DEADLINE`` and a SIGKILL)."""
         while self.groups:
             self._step()
             if self.groups:
-                await asyncio.sleep(poll)
+                await asyncio.sleep(_POLL)
         self.close()
 
     def kill(self) -> None:
         """SIGKILL what is left at once (a close cut short, a runtime dropped)."""
-        for group in self.groups.values():
-            for fd, _ in group.running():
+        for _, fds in self.groups.values():
+            for fd in _running(fds):
                 _send(fd, signal.SIGKILL)
-            group.close()
+            _close(fds)
         self.groups.clear()
         self.close()
 
     def close(self) -> None:
         if self._timer is not None:
-            self._timer.cancel()
+            try:
+                self._timer.cancel()
+            except Exception:  # pragma: no cover - its loop is gone
+                pass
             self._timer = None
-
-
-def end_own_group(kill_self: bool = False) -> None:
-    """In an actor process, as it exits or loses its driver: end what it started, waiting
-    (at most ``GRACE`` plus ``TRACKER_GRACE``) for it; then SIGKILL itself if asked."""
-    me = os.getpid()
-    group = _signal_group(me, exclude=me) if os.getpgid(0) == me else None
-    if group is not None:  # its resource tracker ends once it has (it holds the tracker's pipe)
-        for fd, tracker in group.procs:
-            if tracker:
-                os.close(fd)
-        group.procs = [p for p in group.procs if not p[1]]
-    while group is not None and not group.step():
-        time.sleep(0.02)
-    if kill_self:
-        os.kill(me, signal.SIGKILL)
 
 
 def kill_now(pid: int) -> None:
     """SIGKILL actor process ``pid`` (running, or exited but not yet reaped, which keeps
-    its number from reuse) and everything in its group, at once."""
+    its number from reuse) and everything in its group, watchdog included, at once."""
     for kill in (os.killpg, os.kill):  # (the actor alone, if it has no group yet)
         try:
             kill(pid, signal.SIGKILL)
@@ -173,17 +190,15 @@ def kill_now(pid: int) -> None:
             pass
 
 
-def _signal_group(pgid: int, exclude: int) -> _Group | None:
-    """SIGTERM the running processes of group ``pgid`` (but ``exclude``), through pidfds
-    kept for what follows; None if there are none."""
+def _open_members(pgid: int, pairs: bool = False) -> list:
+    """Pidfds of the running processes of group ``pgid`` (``(pid, pidfd)`` pairs if
+    ``pairs``)."""
     try:
         os.killpg(pgid, 0)
-    except OSError:  # nothing in it (the common case), or not ours
-        return None
-    procs = []
+    except OSError:  # nothing in it, or not ours
+        return []
+    fds = []
     for pid in _members(pgid):
-        if pid == exclude:
-            continue
         try:
             fd = os.pidfd_open(pid)
         except OSError:  # exited meanwhile
@@ -191,10 +206,9 @@ def _signal_group(pgid: int, exclude: int) -> _Group | None:
         stat = _stat(pid)  # the pid could have been reused between the scan and the open
         if stat is None or stat[2] != pgid:
             os.close(fd)
-            continue
-        procs.append((fd, _is_resource_tracker(pid)))
-        _send(fd, signal.SIGTERM)
-    return _Group(procs) if procs else None
+        else:
+            fds.append((pid, fd) if pairs else fd)
+    return fds
 
 
 def _members(pgid: int) -> list[int]:
@@ -230,10 +244,12 @@ def _is_resource_tracker(pid: int) -> bool:
         return False
 
 
-def _exited(pidfd: int) -> bool:
+def _running(fds: list[int]) -> list[int]:
     p = select.poll()
-    p.register(pidfd, select.POLLIN)
-    return bool(p.poll(0))
+    for fd in fds:
+        p.register(fd, select.POLLIN)
+    exited = {fd for fd, _ in p.poll(0)}
+    return [fd for fd in fds if fd not in exited]
 
 
 def _send(pidfd: int, sig: int) -> None:
@@ -241,3 +257,8 @@ def _send(pidfd: int, sig: int) -> None:
         signal.pidfd_send_signal(pidfd, sig)
     except OSError:  # it has exited
         pass
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

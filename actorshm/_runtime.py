@@ -5,8 +5,9 @@ with threads deadlocks), connected to the driver by a socket pair it inherits. T
 driver watches each child through a pidfd and its socket together, so a death is seen
 at once and every pending call fails with ``ActorDiedError`` naming the exit code or
 signal. Leaving the runtime asks every actor to stop, waits a grace period, then sends
-SIGTERM and finally SIGKILL; children also die if the driver itself dies (each watches
-its pidfd) and exit on socket EOF. What an actor started ends with it (``_descendants``).
+SIGTERM and finally SIGKILL; children also die if the driver itself dies (each actor's
+watchdog watches its pidfd) and exit on socket EOF. What an actor started ends with it
+(``_descendants``).
 """
 
 from __future__ import annotations

@@ -37,37 +37,6 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         pass
 
 
-def die_with(pid: int, last_words=None) -> None:
-    """SIGKILL this process once process ``pid`` has exited (a daemon thread waits on its
-    pidfd), after calling ``last_words()`` if given. Unlike ``set_parent_death_signal``
-    (the kernel's, at once) it runs Python first, so it waits for the GIL: a C call that
-    holds it delays the death until it returns."""
-    import os
-    import select
-    import threading
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:  # already gone
-        pidfd = -1
-
-    def wait() -> None:
-        if pidfd >= 0:
-            p = select.poll()
-            p.register(pidfd, select.POLLIN)
-            p.poll()
-        try:
-            if last_words is not None:
-                last_words()
-        finally:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    if pidfd < 0:
-        wait()
-        return
-
-    threading.Thread(target=wait, name="actorshm-driver-watch", daemon=True).start()
-
-
 _forked = False  # this process is a child that a method of its actor forked
 
 

@@ -102,6 +102,25 @@ class Starter:
     def exit(self, code):
         os._exit(code)
 
+    def pool(self, n):
+        """A multiprocessing pool (which replaces workers that die): their pids."""
+        import multiprocessing as mp
+        self.mp_pool = mp.get_context("fork").Pool(n)
+        return [p.pid for p in self.mp_pool._pool]
+
+    def late_forker(self):
+        """A shell that starts a program when it gets SIGTERM: its pid."""
+        import subprocess
+        self.shell = subprocess.Popen(
+            ["sh", "-c", "trap 'sleep 61 &' TERM; sleep 60 & wait; wait"])
+        time.sleep(0.2)  # (its trap set)
+        return self.shell.pid
+
+    def hold_gil(self, seconds):
+        """Sleep in a C call that keeps the GIL."""
+        import ctypes
+        ctypes.PyDLL(None).sleep(int(seconds))
+
     def open_terminal(self):
         """What opening the controlling terminal and setting it up gives here."""
         import termios

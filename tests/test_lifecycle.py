@@ -191,35 +191,91 @@ async def test_close_ends_what_actors_started_even_ignoring_sigterm(start_method
         os.kill(left, signal.SIGKILL)
 
 
-_TREE_DRIVER = """
-import asyncio, sys, time
+_DRIVER = """
+import asyncio, os, sys, time
 sys.path.insert(0, %r)
 import actorshm
 from actors import Starter
 async def main():
     async with actorshm.Runtime(start_method=%r):
         s = await Starter.spawn()
-        print(*await s.tree(ignore_sigterm=%r), flush=True)
+        what = %r
+        if what == "tree":  # a child that starts a grandchild
+            pids = await s.tree()
+        elif what == "stubborn":  # the same, the child ignoring SIGTERM
+            pids = await s.tree(ignore_sigterm=True)
+        elif what == "pool":  # a pool, which replaces a worker that dies
+            pids = await s.pool(2)
+        elif what == "stuck":  # the actor itself, in a C call holding the GIL
+            pids = []
+            s.hold_gil(60)
+            await asyncio.sleep(0.3)
+        print(s.pid, *pids, flush=True)
+        if what == "stubborn":  # killed within the grace its child has
+            await s.kill()
         time.sleep(60)
 actorshm.run(main())
 """
 
 
+def _group_members(pgid):
+    """The running processes of process group ``pgid``."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] not in "ZX":
+                out.append(int(name))
+    return out
+
+
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-async def test_what_actors_started_ends_when_the_driver_is_killed(start_method, sig):
+@pytest.mark.parametrize("sig,what", [
+    (signal.SIGTERM, "tree"), (signal.SIGKILL, "tree"), (signal.SIGKILL, "pool"),
+    (signal.SIGKILL, "stuck"), (signal.SIGKILL, "stubborn")])
+async def test_what_actors_started_ends_when_the_driver_is_killed(start_method, sig, what):
     # a driver killed by a signal (a job's SIGTERM, a hang-up, kill -9) never closes its
-    # runtime: its actors end what they started as they die with it
-    code = _TREE_DRIVER % (os.path.dirname(__file__), start_method, sig == signal.SIGKILL)
+    # runtime: each actor's watchdog ends the actor and what it started, a pool that
+    # replaces its workers, an actor stuck in C holding the GIL, a child that ignores
+    # SIGTERM whose actor was killed just before
+    code = _DRIVER % (os.path.dirname(__file__), start_method, what)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(x) for x in p.stdout.readline().split()]
+        await asyncio.sleep(0.3)
     finally:
         p.send_signal(sig)
         p.wait()
         p.stdout.close()
-    assert len(pids) == 2
+    assert pids
     assert await _until_gone(pids, 10) == []
+    deadline = time.monotonic() + 5  # and what it started later (a pool's new workers)
+    while _group_members(pids[0]) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert _group_members(pids[0]) == []
+
+
+@pytest.mark.parametrize("how", ["kill", "close"])
+async def test_what_is_started_during_the_grace_ends_too(start_method, how):
+    # a program that starts another when it gets SIGTERM: the SIGKILL after the grace
+    # goes to the whole group
+    async with actorshm.Runtime(start_method=start_method):
+        s = await Starter.spawn()
+        shell = await s.late_forker()
+        group = s.pid
+        if how == "kill":
+            await s.kill()
+    if how == "kill":  # (close waited; after a kill the watchdog works on its own)
+        deadline = time.monotonic() + 10
+        while _group_members(group) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    assert _group_members(group) == []
+    assert not _running(shell)
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
