@@ -156,10 +156,27 @@ class Ending:
 
     async def wait(self) -> None:
         """Until what it watches has exited (at most ``DEADLINE`` and a SIGKILL)."""
-        while self.groups:
+        loop = asyncio.get_running_loop()
+        while True:
             self._step()
-            if self.groups:
-                await asyncio.sleep(_POLL)
+            if not self.groups:
+                break
+            woken = loop.create_future()  # the next exit, or a due SIGKILL
+
+            def wake() -> None:
+                if not woken.done():
+                    woken.set_result(None)
+            fds = [fd for _, fds in self.groups.values() for fd in fds]
+            for fd in fds:
+                loop.add_reader(fd, wake)
+            try:
+                due = min(due for due, _ in self.groups.values())
+                await asyncio.wait_for(woken, max(0.0, due - time.monotonic()) + _POLL)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                for fd in fds:
+                    loop.remove_reader(fd)
         self.close()
 
     def kill(self) -> None:
