@@ -57,35 +57,37 @@ def start_watchdog(driver_pid: int) -> None:
         os._exit(1)
     if os.getppid() == 1:  # its parent (the driver, or a fork server that dies with it)
         os._exit(1)        # died before the pidfd was open: the pid may be another's
-    actor = os.getpid()
-    if os.fork() == 0:
+    actor = os.pidfd_open(os.getpid())
+    # Forked twice, so that it is not the actor's child: code in the actor that waits
+    # for or kills all its children (``os.wait()``, a library's clean-up) never meets it.
+    middle = os.fork()
+    if middle == 0:
         try:
-            _watch(actor, driver)
+            if os.fork() == 0:
+                _watch(actor, driver)
         finally:
             os._exit(0)
+    os.waitpid(middle, 0)
     os.close(driver)
+    os.close(actor)
 
 
 def _watch(actor: int, driver: int) -> None:
-    """The watchdog: wait for the actor or the driver to exit, then end the group."""
+    """The watchdog: wait for the actor (``actor``, ``driver``: pidfds) or the driver to
+    exit, then end the group."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # (its own group's SIGTERM among them)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # hold none of the actor's pipes or sockets open
         os.dup2(null, fd)
-    keep = sorted({0, 1, 2, driver})
+    keep = sorted({0, 1, 2, driver, actor})
     for lo, hi in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
         os.closerange(lo + 1, hi)
-    try:
-        watched = [driver, os.pidfd_open(actor)]
-    except OSError:  # the actor is gone already
-        watched = []
-    if watched and os.getppid() == actor:  # (else it died before the pidfd was open)
-        p = select.poll()
-        for fd in watched:
-            p.register(fd, select.POLLIN)
-        p.poll()
-    _end(actor)
+    p = select.poll()
+    for fd in (actor, driver):
+        p.register(fd, select.POLLIN)
+    p.poll()
+    _end(os.getsid(0))  # (the actor's pid: it leads the session and its group)
 
 
 def _end(pgid: int) -> None:

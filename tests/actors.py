@@ -116,6 +116,14 @@ class Starter:
         time.sleep(0.2)  # (its trap set)
         return self.shell.pid
 
+    def has_children(self):
+        """Whether this process has a child (what ``os.wait()`` would wait for)."""
+        try:
+            os.waitpid(-1, os.WNOHANG)
+            return True
+        except ChildProcessError:
+            return False
+
     def hold_gil(self, seconds):
         """Sleep in a C call that keeps the GIL."""
         import ctypes

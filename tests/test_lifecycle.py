@@ -260,6 +260,16 @@ async def test_what_actors_started_ends_when_the_driver_is_killed(start_method, 
     assert _group_members(pids[0]) == []
 
 
+async def test_the_watchdog_is_in_the_actors_session_but_not_its_child(rt_each):
+    # code in an actor that waits for (or kills) all its children never meets it
+    s = await Starter.spawn()
+    assert await s.has_children() is False
+    watchdogs = [p for p in _group_members(s.pid) if p != s.pid]
+    assert len(watchdogs) == 1 and os.getsid(watchdogs[0]) == s.pid
+    await s.kill()
+    assert await _until_gone(watchdogs, 5) == []  # (it ends with the actor)
+
+
 @pytest.mark.parametrize("how", ["kill", "close"])
 async def test_what_is_started_during_the_grace_ends_too(start_method, how):
     # a program that starts another when it gets SIGTERM: the SIGKILL after the grace
