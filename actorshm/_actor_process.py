@@ -68,7 +68,7 @@ def main() -> None:
     # Before anything else: a session of its own, and the watchdog that ends it (what
     # it starts goes with it) when it exits or its driver does (even one killed by a
     # signal; its parent may be a fork server, which may die first).
-    _descendants.start_watchdog(int(os.environ.pop("ACTORSHM_DRIVER_PID")))
+    _descendants.start_watchdog()  # (a spawned actor's bootstrap did it already)
     faulthandler.enable()
     faulthandler.register(STACK_SIGNAL, all_threads=True)  # rt.dump_stacks's fallback
     leave_ctrl_c_to_the_driver()

@@ -43,20 +43,30 @@ TRACKER_GRACE = 0.5  # then seconds a resource tracker gets to clean up after th
 _POLL = 0.02
 
 
-def start_watchdog(driver_pid: int) -> None:
-    """In a new actor process, before it starts a thread or anything else: lead a session
-    of its own, and fork the watchdog that ends it when this process or the driver exits.
-    Exits at once if the driver is already gone."""
+_started = False
+
+
+def start_watchdog() -> None:
+    """In a new actor process, before it starts a thread (a spawned one calls this from
+    its bootstrap, before numpy is imported): lead a session of its own, and fork the
+    watchdog that ends it when this process or the driver exits. The driver and the
+    expected parent (the driver, or the fork server) are named in the environment
+    (``ACTORSHM_DRIVER_PID``, ``ACTORSHM_PARENT_PID``). Exits at once if the parent is
+    gone already. Once per process."""
+    global _started
+    if _started:
+        return
+    _started = True
     try:
         os.setsid()
     except OSError:  # pragma: no cover - already a group leader
         pass
     try:
-        driver = os.pidfd_open(driver_pid)
+        driver = os.pidfd_open(int(os.environ.pop("ACTORSHM_DRIVER_PID")))
     except OSError:  # the driver is gone
         os._exit(1)
-    if os.getppid() == 1:  # its parent (the driver, or a fork server that dies with it)
-        os._exit(1)        # died before the pidfd was open: the pid may be another's
+    if os.getppid() != int(os.environ.pop("ACTORSHM_PARENT_PID")):
+        os._exit(1)  # its parent died before the pidfd was open: the pid may be another's
     actor = os.pidfd_open(os.getpid())
     # Forked twice, so that it is not the actor's child: code in the actor that waits
     # for or kills all its children (``os.wait()``, a library's clean-up) never meets it.
@@ -125,7 +135,7 @@ class Ending:
         """Actor process ``pgid`` has exited and been reaped: keep watch on its group."""
         if pgid <= 1 or pgid in self.groups:
             return
-        fds = _open_members(pgid)
+        fds = _open_members(pgid, reap=True)
         if fds:
             self.groups[pgid] = (time.monotonic() + self.DEADLINE, fds)
             self._schedule()
@@ -145,7 +155,7 @@ class Ending:
     def _step(self) -> None:
         now = time.monotonic()
         for pgid, (due, fds) in list(self.groups.items()):
-            live = _running(fds)
+            live = _running(fds, reap=True)
             if live and now >= due:
                 for fd in live:
                     _send(fd, signal.SIGKILL)
@@ -209,15 +219,16 @@ def kill_now(pid: int) -> None:
             pass
 
 
-def _open_members(pgid: int, pairs: bool = False) -> list:
+def _open_members(pgid: int, pairs: bool = False, reap: bool = False) -> list:
     """Pidfds of the running processes of group ``pgid`` (``(pid, pidfd)`` pairs if
-    ``pairs``)."""
+    ``pairs``). ``reap``: reap its members that have exited and are this process's
+    children (see ``_running``)."""
     try:
         os.killpg(pgid, 0)
     except OSError:  # nothing in it, or not ours
         return []
     fds = []
-    for pid in _members(pgid):
+    for pid in _members(pgid, zombies_of=os.getpid() if reap else None):
         try:
             fd = os.pidfd_open(pid)
         except OSError:  # exited meanwhile
@@ -230,15 +241,23 @@ def _open_members(pgid: int, pairs: bool = False) -> list:
     return fds
 
 
-def _members(pgid: int) -> list[int]:
+def _members(pgid: int, zombies_of: int | None = None) -> list[int]:
     """The processes of group ``pgid`` that have not exited (a zombie has: in a container
-    whose init reaps nobody it stays one)."""
+    whose init reaps nobody it stays one). Those that have and are children of process
+    ``zombies_of`` (this one) are reaped on the way."""
     out = []
     for name in os.listdir("/proc"):
         if name.isdigit():
             stat = _stat(int(name))
-            if stat is not None and stat[2] == pgid and stat[0] not in ("Z", "X"):
+            if stat is None or stat[2] != pgid:
+                continue
+            if stat[0] not in ("Z", "X"):
                 out.append(int(name))
+            elif stat[1] == zombies_of:
+                try:
+                    os.waitpid(int(name), os.WNOHANG)
+                except ChildProcessError:
+                    pass
     return out
 
 
@@ -263,11 +282,20 @@ def _is_resource_tracker(pid: int) -> bool:
         return False
 
 
-def _running(fds: list[int]) -> list[int]:
+def _running(fds: list[int], reap: bool = False) -> list[int]:
+    """Those of ``fds`` (pidfds) whose process has not exited. ``reap``: reap those that
+    have and are this process's children (orphans come to a driver that is PID 1 or a
+    subreaper: the watchdog always, as it is forked twice)."""
     p = select.poll()
     for fd in fds:
         p.register(fd, select.POLLIN)
     exited = {fd for fd, _ in p.poll(0)}
+    if reap:
+        for fd in exited:
+            try:
+                os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
+            except (ChildProcessError, AttributeError, OSError):  # not ours to reap
+                pass
     return [fd for fd in fds if fd not in exited]
 
 

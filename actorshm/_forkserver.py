@@ -107,6 +107,7 @@ def main() -> None:
                 os._exit(0)
             (kind, env, cwd, argv), fds = msg
             # (Actors may outlive this server: they watch the driver, named in env.)
+            env = dict(env, ACTORSHM_PARENT_PID=str(os.getpid()))
             pid = os.fork()
             if pid == 0:
                 _actor_process.forked_child_main(sock, rfd, wfd, env, cwd, fds)

@@ -27,18 +27,28 @@ from ._serialization import PassFd
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _bootstrap(module: str) -> str:
+def _bootstrap(module: str, first: str = "") -> str:
     """``python -c`` code that runs ``actorshm.<module>.main()`` from the driver's own
     copy of actorshm, even where another is installed or in the working directory, and
-    then leaves ``sys.path`` as it was (the driver's order is applied later)."""
+    then leaves ``sys.path`` as it was (the driver's order is applied later). ``first``:
+    code to run before actorshm is imported."""
     # ``python -c`` puts '' (the working directory) first: drop it, so that a file there
     # cannot shadow the standard library before the driver's own path is in place.
-    return (f"import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
+    return (f"import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; {first}"
             f"sys.path.insert(0, {_PKG_PARENT!r}); "
             f"import actorshm.{module} as m; sys.path.remove({_PKG_PARENT!r}); m.main()")
 
 
-_WORKER_CMD = _bootstrap("_actor_process")
+# An actor forks its watchdog before importing actorshm (and numpy, whose BLAS may start
+# threads): ``_descendants`` needs only the standard library, so it is loaded by path,
+# as the module the package will find when it is imported.
+_WATCHDOG_FIRST = (
+    "import importlib.util as u; "
+    f"s = u.spec_from_file_location('actorshm._descendants', "
+    f"{os.path.join(_PKG_PARENT, 'actorshm', '_descendants.py')!r}); "
+    "d = sys.modules[s.name] = u.module_from_spec(s); s.loader.exec_module(d); "
+    "d.start_watchdog(); ")
+_WORKER_CMD = _bootstrap("_actor_process", first=_WATCHDOG_FIRST)
 
 
 def worker_command(fd: int) -> list[str]:
@@ -200,7 +210,8 @@ def actor_env(rec: ActorRecord) -> dict:
         [os.fspath(p) or os.getcwd() for p in sys.path
          if isinstance(p, (str, os.PathLike)) and isinstance(os.fspath(p), str)])
     env["PYTHONUNBUFFERED"] = "1"
-    env["ACTORSHM_DRIVER_PID"] = str(os.getpid())  # (it dies with this process)
+    # It dies with this process, its parent (a fork server names itself instead).
+    env["ACTORSHM_DRIVER_PID"] = env["ACTORSHM_PARENT_PID"] = str(os.getpid())
     if rec.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
     return env
@@ -271,9 +282,13 @@ def _exited(on_exit, rec: ActorRecord, pid: int) -> None:
         _leases.process_gone(pid)
 
 
-def kill_all(actors: dict, ending: "_descendants.Ending") -> None:
+def kill_all(actors: dict, ending: "_descendants.Ending", owner: int) -> None:
     """SIGKILL every actor process of ``actors`` (actor id -> ``ActorRecord``) whose exit
-    has not been handled, with what it started, and what ``ending`` is still ending."""
+    has not been handled, with what it started, and what ``ending`` is still ending.
+    Only in process ``owner``, the driver: a copy of it made by ``os.fork()`` inherits
+    the runtime's finalizer, and must not end the driver's actors as it exits."""
+    if os.getpid() != owner:
+        return
     for rec in list(actors.values()):
         if rec.pid and rec.pid in _live_pids:  # (running, or exited but not reaped here)
             _descendants.kill_now(rec.pid)

@@ -99,6 +99,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self._closing = False
         self._finalizer = None
         self._ending: _descendants.Ending | None = None  # (made by start())
+        self._owner = 0  # the driver's pid (set by start())
         self._forkserver: ForkServerClient | None = None
 
     closing = property(lambda self: self._closing, doc="Whether it is closing or closed.")
@@ -135,7 +136,9 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self._open = True
         _client.runtime_opened(self)
         self._ending = _descendants.Ending()
-        self._finalizer = weakref.finalize(self, kill_all, self._actors, self._ending)
+        self._owner = os.getpid()
+        self._finalizer = weakref.finalize(self, kill_all, self._actors, self._ending,
+                                           self._owner)
         return self
 
     __reduce__ = _client.refuse_runtime
@@ -150,9 +153,15 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         """Stop every actor (ask, grace period, SIGTERM, SIGKILL) and reap them.
 
         Leaving ``async with`` calls it; after ``start()``, call it yourself. Calling it
-        again does nothing.
+        again does nothing, and so does calling it in a copy of the driver made by
+        ``os.fork()`` (a child leaving ``async with`` through ``sys.exit``): the actors
+        are the driver's.
         """
         if not self._open or self._closing:
+            return
+        if os.getpid() != self._owner:
+            self._open, self._closing = False, True
+            self._finalizer.detach()
             return
         self._closing = True
         try:
@@ -162,11 +171,11 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             try:
                 await asyncio.shield(task)
             except BaseException:
-                kill_all(self._actors, self._ending)
+                kill_all(self._actors, self._ending, self._owner)
                 raise
             await self._ending.wait()  # what they started: SIGTERM, SIGKILL after a grace
         finally:
-            kill_all(self._actors, self._ending)
+            kill_all(self._actors, self._ending, self._owner)
             for r in list(self._actors.values()):
                 self._reap(r)
             if self._forkserver is not None:

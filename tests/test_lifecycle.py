@@ -260,6 +260,89 @@ async def test_what_actors_started_ends_when_the_driver_is_killed(start_method, 
     assert _group_members(pids[0]) == []
 
 
+_FORK_DRIVER = """
+import asyncio, os, sys
+sys.path.insert(0, %r)
+import actorshm
+from actors import Counter
+async def main():
+    async with actorshm.Runtime(start_method=%r) as rt:
+        c = await Counter.spawn(0)
+        pid = os.fork()
+        if pid == 0:  # a copy of the driver that exits as programs do (sys.exit)
+            try:
+                rt._finalizer()  # what runs at its exit
+                await rt.close()  # leaving ``async with`` on the way
+            finally:
+                os._exit(0)  # (an event loop does not survive a fork: no further)
+        os.waitpid(pid, 0)
+        print("after the fork", await c.incr(1), flush=True)
+actorshm.run(main())
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_a_forked_copy_of_the_driver_leaves_its_actors_alone(start_method):
+    code = _FORK_DRIVER % (os.path.dirname(__file__), start_method)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert "after the fork 1" in out.stdout, out.stdout + out.stderr
+
+
+_REAPER_DRIVER = """
+import asyncio, ctypes, os, sys
+sys.path.insert(0, %r)
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here
+import actorshm
+from actors import Counter
+def zombies():
+    out = 0
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out += fields[0] == "Z" and int(fields[1]) == os.getpid()
+    return out
+async def main():
+    async with actorshm.Runtime(start_method=%r):
+        for _ in range(3):  # (each restart or kill leaves a watchdog to end)
+            c = await Counter.spawn(0)
+            await c.kill()
+    print("zombies", zombies(), flush=True)
+actorshm.run(main())
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_a_driver_that_reaps_orphans_gets_no_zombie_watchdogs(start_method):
+    # a driver that is PID 1 (a container without an init) or a subreaper is where the
+    # watchdogs end up: it reaps them
+    code = _REAPER_DRIVER % (os.path.dirname(__file__), start_method)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert "zombies 0" in out.stdout, out.stdout + out.stderr
+
+
+def _can_unshare():
+    try:
+        return subprocess.run(["unshare", "-Urpf", "--mount-proc", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="no user namespaces here (unshare)")
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_a_driver_that_is_pid_1_starts_actors(start_method):
+    # ``docker run image python app.py``: the driver is the namespace's init
+    code = _REAPER_DRIVER % (os.path.dirname(__file__), start_method)
+    out = subprocess.run(["unshare", "-Urpf", "--mount-proc", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=120)
+    assert "zombies 0" in out.stdout, out.stdout + out.stderr
+
+
 async def test_the_watchdog_is_in_the_actors_session_but_not_its_child(rt_each):
     # code in an actor that waits for (or kills) all its children never meets it
     s = await Starter.spawn()
