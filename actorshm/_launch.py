@@ -34,20 +34,25 @@ def _bootstrap(module: str, first: str = "") -> str:
     code to run before actorshm is imported."""
     # ``python -c`` puts '' (the working directory) first: drop it, so that a file there
     # cannot shadow the standard library before the driver's own path is in place.
-    return (f"import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; {first}"
+    return (f"import sys; sys.path[:1] = [p for p in sys.path[:1] if p]\n{first}"
             f"sys.path.insert(0, {_PKG_PARENT!r}); "
             f"import actorshm.{module} as m; sys.path.remove({_PKG_PARENT!r}); m.main()")
 
 
 # An actor forks its watchdog before importing actorshm (and numpy, whose BLAS may start
 # threads): ``_descendants`` needs only the standard library, so it is loaded by path,
-# as the module the package will find when it is imported.
+# as the module the package will find when it is imported. Where it is no plain file
+# (a .pyc-only or zipped install), ``main()`` starts the watchdog after the imports.
 _WATCHDOG_FIRST = (
-    "import importlib.util as u; "
-    f"s = u.spec_from_file_location('actorshm._descendants', "
-    f"{os.path.join(_PKG_PARENT, 'actorshm', '_descendants.py')!r}); "
-    "d = sys.modules[s.name] = u.module_from_spec(s); s.loader.exec_module(d); "
-    "d.start_watchdog(); ")
+    "import importlib.util as u\n"
+    "try:\n"
+    f" s = u.spec_from_file_location('actorshm._descendants', "
+    f"{os.path.join(_PKG_PARENT, 'actorshm', '_descendants.py')!r})\n"
+    " d = sys.modules[s.name] = u.module_from_spec(s); s.loader.exec_module(d)\n"
+    "except OSError:\n"
+    " sys.modules.pop('actorshm._descendants', None)\n"
+    "else:\n"
+    " d.start_watchdog()\n")
 _WORKER_CMD = _bootstrap("_actor_process", first=_WATCHDOG_FIRST)
 
 

@@ -162,6 +162,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         if os.getpid() != self._owner:
             self._open, self._closing = False, True
             self._finalizer.detach()
+            _client.runtime_closed(self)  # (no longer current here)
             return
         self._closing = True
         try:
