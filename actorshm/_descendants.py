@@ -294,7 +294,7 @@ def _running(fds: list[int], reap: bool = False) -> list[int]:
         for fd in exited:
             try:
                 os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
-            except (ChildProcessError, AttributeError, OSError):  # not ours to reap
+            except (OSError, AttributeError):  # not ours to reap (no P_PIDFD: old)
                 pass
     return [fd for fd in fds if fd not in exited]
 

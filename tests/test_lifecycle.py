@@ -143,14 +143,21 @@ async def test_ctrl_c_in_a_terminal_is_left_to_the_driver(start_method):
         assert await c.wait_program(10) == -signal.SIGINT
 
 
-def _running(pid):
-    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+def _stat(pid):
+    """``(state, ppid, pgrp)`` of process ``pid``, or None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] not in "ZX"
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def _running(pid):
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in "ZX"
 
 
 async def _until_gone(pids, within):
@@ -222,16 +229,19 @@ def _group_members(pgid):
     """The running processes of process group ``pgid``."""
     out = []
     for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(")") + 2:].split()
-            if int(fields[2]) == pgid and fields[0] not in "ZX":
-                out.append(int(name))
+        stat = _stat(name) if name.isdigit() else None
+        if stat is not None and stat[2] == pgid and stat[0] not in "ZX":
+            out.append(int(name))
     return out
+
+
+def _run_driver(template, start_method, *prefix, timeout=120):
+    """Run driver script ``template`` (``%r`` slots: the tests' directory, the start
+    method) with ``prefix`` before the interpreter: its stdout and stderr."""
+    code = template % (os.path.dirname(__file__), start_method)
+    out = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True,
+                         text=True, timeout=timeout)
+    return out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
@@ -283,10 +293,8 @@ actorshm.run(main())
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 def test_a_forked_copy_of_the_driver_leaves_its_actors_alone(start_method):
-    code = _FORK_DRIVER % (os.path.dirname(__file__), start_method)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
-    assert "after the fork 1" in out.stdout, out.stdout + out.stderr
+    out = _run_driver(_FORK_DRIVER, start_method, timeout=60)
+    assert "after the fork 1" in out, out
 
 
 _REAPER_DRIVER = """
@@ -319,10 +327,8 @@ actorshm.run(main())
 def test_a_driver_that_reaps_orphans_gets_no_zombie_watchdogs(start_method):
     # a driver that is PID 1 (a container without an init) or a subreaper is where the
     # watchdogs end up: it reaps them
-    code = _REAPER_DRIVER % (os.path.dirname(__file__), start_method)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert "zombies 0" in out.stdout, out.stdout + out.stderr
+    out = _run_driver(_REAPER_DRIVER, start_method)
+    assert "zombies 0" in out, out
 
 
 def _can_unshare():
@@ -337,10 +343,8 @@ def _can_unshare():
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 def test_a_driver_that_is_pid_1_starts_actors(start_method):
     # ``docker run image python app.py``: the driver is the namespace's init
-    code = _REAPER_DRIVER % (os.path.dirname(__file__), start_method)
-    out = subprocess.run(["unshare", "-Urpf", "--mount-proc", sys.executable, "-c", code],
-                         capture_output=True, text=True, timeout=120)
-    assert "zombies 0" in out.stdout, out.stdout + out.stderr
+    out = _run_driver(_REAPER_DRIVER, start_method, "unshare", "-Urpf", "--mount-proc")
+    assert "zombies 0" in out, out
 
 
 async def test_the_watchdog_is_in_the_actors_session_but_not_its_child(rt_each):
