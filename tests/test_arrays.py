@@ -23,6 +23,18 @@ async def test_write_through_both_directions(rt):
     assert actorshm.is_shared(y) and y.flags.writeable
 
 
+def test_an_array_from_empty_knows_its_place_before_it_is_sent():
+    # (a fresh batch each step is sent once: it must not pay for finding its block)
+    from actorshm import _arena
+    a = actorshm.empty((3, 4), np.float32, order="F")
+    entry = _arena.offsets[id(a)]
+    assert entry() is a and entry.offset == 0 and entry.block is _arena.find_block(a)
+    key = id(a)
+    del a, entry
+    gc.collect()
+    assert key not in _arena.offsets or _arena.offsets[key]() is not None
+
+
 async def test_result_is_same_memory(rt):
     a = await Arrays.spawn()
     x = actorshm.zeros((4, 5), dtype=np.int32)

@@ -331,6 +331,33 @@ def test_a_driver_that_reaps_orphans_gets_no_zombie_watchdogs(start_method):
     assert "zombies 0" in out, out
 
 
+def test_a_package_without_source_files_spawns_actors(tmp_path):
+    # a .pyc-only install (slim images): the bootstrap cannot load _descendants.py by
+    # path, so the actor starts its watchdog after the imports instead
+    import compileall
+    import shutil
+    pkg = tmp_path / "actorshm"
+    shutil.copytree(os.path.join(os.path.dirname(actorshm.__file__)), pkg,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    assert compileall.compile_dir(str(pkg), legacy=True, quiet=1)
+    for py in pkg.rglob("*.py"):
+        py.unlink()
+    code = ("import os, actorshm\n"
+            "@actorshm.actor\n"
+            "class C:\n"
+            "    def f(self):\n"
+            "        return os.getsid(0) == os.getpid()\n"
+            "async def main():\n"
+            "    c = await C.spawn()\n"
+            "    print('from', actorshm.__file__, 'own session', await c.f(), flush=True)\n"
+            "actorshm.run(main())\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=tmp_path)
+    assert f"from {pkg}" in out.stdout and "own session True" in out.stdout, \
+        out.stdout + out.stderr
+
+
 def _can_unshare():
     try:
         return subprocess.run(["unshare", "-Urpf", "--mount-proc", "true"],
