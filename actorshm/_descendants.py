@@ -121,92 +121,71 @@ def _end(pgid: int) -> None:
 
 class Ending:
     """The driver's side, one per runtime: what the groups of its reaped actors still
-    hold, until it has exited (their watchdogs end them; a timer on the runtime's loop
-    and, at close, ``wait`` keep watch, and SIGKILL what outlives them)."""
+    hold, until it has exited. Their watchdogs end them; the runtime's loop watches each
+    process's pidfd (closed, and the process reaped if it is ours, as soon as it exits),
+    SIGKILLs what outlives ``DEADLINE`` (the watchdog was killed), and ``wait`` (at
+    ``close()``) returns once nothing is left."""
 
     # The watchdog's time, and a margin: what is still there then was missed by it.
     DEADLINE = GRACE + TRACKER_GRACE + 1.0
 
     def __init__(self) -> None:
-        self.groups: dict[int, tuple[float, list[int]]] = {}  # pgid -> (due, pidfds)
-        self._timer: asyncio.TimerHandle | None = None
+        self.groups: dict[int, tuple[list[int], asyncio.TimerHandle]] = {}  # pgid ->
+        self._loop: asyncio.AbstractEventLoop | None = None       # (pidfds, deadline)
+        self._idle: asyncio.Future | None = None  # (``wait``: set once groups is empty)
 
     def end(self, pgid: int) -> None:
-        """Actor process ``pgid`` has exited and been reaped: keep watch on its group."""
+        """Actor process ``pgid`` has exited and been reaped (on the runtime's loop):
+        watch what is left in its group."""
         if pgid <= 1 or pgid in self.groups:
             return
         fds = _open_members(pgid, reap=True)
-        if fds:
-            self.groups[pgid] = (time.monotonic() + self.DEADLINE, fds)
-            self._schedule()
+        if not fds:
+            return
+        self._loop = loop = asyncio.get_running_loop()
+        self.groups[pgid] = (fds, loop.call_later(self.DEADLINE, self._overdue, pgid))
+        for fd in fds:
+            loop.add_reader(fd, self._exited, pgid, fd)
 
-    def _schedule(self) -> None:
-        if self._timer is None and self.groups:
-            try:
-                self._timer = asyncio.get_running_loop().call_later(0.25, self._tick)
-            except RuntimeError:  # no loop: ``wait`` or ``kill`` finishes them
-                pass
+    def _exited(self, pgid: int, fd: int) -> None:
+        fds, _ = self.groups[pgid]
+        self._loop.remove_reader(fd)
+        _reap(fd)
+        os.close(fd)
+        fds.remove(fd)
+        if not fds:
+            self._forget(pgid)
 
-    def _tick(self) -> None:
-        self._timer = None
-        self._step()
-        self._schedule()
+    def _overdue(self, pgid: int) -> None:
+        for fd in self.groups[pgid][0]:
+            _send(fd, signal.SIGKILL)
+        self._forget(pgid)  # (a process stuck in the kernel is not waited for)
 
-    def _step(self) -> None:
-        now = time.monotonic()
-        for pgid, (due, fds) in list(self.groups.items()):
-            live = _running(fds, reap=True)
-            if live and now >= due:
-                for fd in live:
-                    _send(fd, signal.SIGKILL)
-                live = []
-            if not live:
-                _close(fds)
-                del self.groups[pgid]
-            else:
-                self.groups[pgid] = (due, fds)
+    def _forget(self, pgid: int) -> None:
+        fds, timer = self.groups.pop(pgid)
+        try:
+            timer.cancel()
+            for fd in fds:
+                self._loop.remove_reader(fd)
+        except Exception:  # pragma: no cover - the loop is closed (a finalizer)
+            pass
+        _close(fds)
+        if not self.groups and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
 
     async def wait(self) -> None:
         """Until what it watches has exited (at most ``DEADLINE`` and a SIGKILL)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            self._step()
-            if not self.groups:
-                break
-            woken = loop.create_future()  # the next exit, or a due SIGKILL
-
-            def wake() -> None:
-                if not woken.done():
-                    woken.set_result(None)
-            fds = [fd for _, fds in self.groups.values() for fd in fds]
-            for fd in fds:
-                loop.add_reader(fd, wake)
-            try:
-                due = min(due for due, _ in self.groups.values())
-                await asyncio.wait_for(woken, max(0.0, due - time.monotonic()) + _POLL)
-            except asyncio.TimeoutError:
-                pass
-            finally:
-                for fd in fds:
-                    loop.remove_reader(fd)
-        self.close()
+        if self.groups:
+            if self._idle is None or self._idle.done():
+                self._idle = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._idle)
 
     def kill(self) -> None:
         """SIGKILL what is left at once (a close cut short, a runtime dropped)."""
-        for _, fds in self.groups.values():
-            for fd in _running(fds):
+        for pgid in list(self.groups):
+            for fd in self.groups[pgid][0]:
                 _send(fd, signal.SIGKILL)
-            _close(fds)
-        self.groups.clear()
-        self.close()
-
-    def close(self) -> None:
-        if self._timer is not None:
-            try:
-                self._timer.cancel()
-            except Exception:  # pragma: no cover - its loop is gone
-                pass
-            self._timer = None
+            self._forget(pgid)
 
 
 def kill_now(pid: int) -> None:
@@ -282,21 +261,14 @@ def _is_resource_tracker(pid: int) -> bool:
         return False
 
 
-def _running(fds: list[int], reap: bool = False) -> list[int]:
-    """Those of ``fds`` (pidfds) whose process has not exited. ``reap``: reap those that
-    have and are this process's children (orphans come to a driver that is PID 1 or a
-    subreaper: the watchdog always, as it is forked twice)."""
-    p = select.poll()
-    for fd in fds:
-        p.register(fd, select.POLLIN)
-    exited = {fd for fd, _ in p.poll(0)}
-    if reap:
-        for fd in exited:
-            try:
-                os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
-            except (OSError, AttributeError):  # not ours to reap (no P_PIDFD: old)
-                pass
-    return [fd for fd in fds if fd not in exited]
+def _reap(pidfd: int) -> None:
+    """Reap the exited process of ``pidfd`` if it is this process's child (orphans come
+    to a driver that is PID 1 or a subreaper: the watchdog always, as it is forked
+    twice)."""
+    try:
+        os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+    except (OSError, AttributeError):  # not ours to reap (no P_PIDFD: Python < 3.9)
+        pass
 
 
 def _send(pidfd: int, sig: int) -> None:
