@@ -148,7 +148,10 @@ class Ending:
             loop.add_reader(fd, self._exited, pgid, fd)
 
     def _exited(self, pgid: int, fd: int) -> None:
-        fds, _ = self.groups[pgid]
+        entry = self.groups.get(pgid)
+        if entry is None or fd not in entry[0]:
+            return  # (already forgotten: a callback queued before its reader went)
+        fds = entry[0]
         self._loop.remove_reader(fd)
         _reap(fd)
         os.close(fd)
