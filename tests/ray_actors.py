@@ -14,8 +14,9 @@ class Streamer:
         self.closed = []
         self.produced = 0
 
-    async def count(self, n, delay=0.0):
+    async def count(self, n, delay=0.0, first_after=0.0):
         try:
+            await asyncio.sleep(first_after)
             for i in range(n):
                 self.produced = i + 1
                 yield i

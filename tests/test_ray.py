@@ -772,7 +772,8 @@ async def test_an_iteration_handed_on_is_not_a_loop_left(art):
 
 async def test_a_second_task_awaiting_the_same_stream_is_told(art):
     s = await Streamer.spawn()
-    stream = s.count(3, 0.05)
+    # (the first item comes late, so both tasks are waiting when it does)
+    stream = s.count(3, 0.05, first_after=0.3)
     results = await asyncio.wait_for(
         asyncio.gather(anext(stream), anext(stream), return_exceptions=True), 30)
     assert results[0] == 0
