@@ -16,7 +16,8 @@ class Streamer:
 
     async def count(self, n, delay=0.0, first_after=0.0):
         try:
-            await asyncio.sleep(first_after)
+            if first_after:
+                await asyncio.sleep(first_after)
             for i in range(n):
                 self.produced = i + 1
                 yield i
