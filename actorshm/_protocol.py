@@ -346,6 +346,9 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
                 parts = [_RLEN.pack(len(rel)), rel, *parts]
             else:
                 self.queue_whole(HEADER.pack(len(rel), RELEASE, 0, 0, 0) + rel)
+        if kind and not fds and close_fds is None and \
+                self.write_small(kind, flags, cid, b"".join(parts)):
+            return  # (a small frame, nothing queued ahead of it: the short way)
         self.write_frame(kind, flags, cid, parts, fds, close_fds)
 
     # -- receiving -------------------------------------------------------------
@@ -360,6 +363,20 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             peer_gone=False)
 
     def _frame(self, kind: int, flags: int, cid: int, payload, fds) -> None:
+        if flags & HAS_RELEASES:
+            # Releases ride ahead of the payload: <I length, pickle>.
+            mv = memoryview(payload)
+            if len(mv) < 4:
+                self._protocol_error("truncated releases")
+                return
+            (rlen,) = _RLEN.unpack_from(mv)
+            if 4 + rlen > len(mv):
+                self._protocol_error("truncated releases")
+                return
+            if not self._apply_releases(mv[4:4 + rlen]):
+                return
+            payload = mv[4 + rlen:]
+            flags &= ~HAS_RELEASES
         if kind == RESULT and flags == PLAIN and not fds:
             # The common reply (builtin scalars, nothing riding ahead): straight to its call.
             fut = self.pending.pop(cid, None)
@@ -378,20 +395,6 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
                 close_fd(fd)
             self._protocol_error(f"a frame of kind {kind} carried {len(fds)} file descriptor(s)")
             return
-        if flags & HAS_RELEASES:
-            # Releases ride ahead of the payload: <I length, pickle>.
-            mv = memoryview(payload)
-            if len(mv) < 4:
-                self._protocol_error("truncated releases")
-                return
-            (rlen,) = _RLEN.unpack_from(mv)
-            if 4 + rlen > len(mv):
-                self._protocol_error("truncated releases")
-                return
-            if not self._apply_releases(mv[4:4 + rlen]):
-                return
-            payload = mv[4 + rlen:]
-            flags &= ~HAS_RELEASES
         if kind == CALL:
             _leases.counters["calls_received"] += 1
             try:

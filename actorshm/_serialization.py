@@ -318,21 +318,54 @@ _NO_FDS: tuple = ()
 
 
 def _simple(obj: Any) -> bool:
-    """Scalars, and flat tuples/lists/dicts of scalars: plain pickle does them right."""
+    """Builtin scalars, and builtin containers of them (tuples, lists, dicts with scalar
+    keys), nested a few levels and not too big: plain pickle does them right."""
     t = type(obj)
     if t in _SIMPLE:
         return True
     if t is tuple or t is list:
         for x in obj:
             if type(x) not in _SIMPLE:
-                return False
+                return _nested(obj, _NESTED_DEPTH, [_NESTED_ITEMS])
         return True
     if t is dict:
         for k, v in obj.items():
             if type(v) not in _SIMPLE or type(k) is not str:
-                return False
+                return _nested(obj, _NESTED_DEPTH, [_NESTED_ITEMS])
         return True
     return False
+
+
+# How far ``_simple`` looks into nested containers: deeper or bigger ones (and cycles)
+# go the general way, whose per-message cost is small beside their own.
+_NESTED_DEPTH = 8
+_NESTED_ITEMS = 1000
+
+
+def _nested(obj: Any, depth: int, budget: list) -> bool:
+    """Whether container ``obj`` holds only builtin scalars and such containers, within
+    ``depth`` levels and ``budget[0]`` items in all (what is left is written back)."""
+    if depth <= 0:
+        return False
+    t = type(obj)
+    if t is dict:
+        items = obj.values()
+        for k in obj:
+            if type(k) not in _SIMPLE:
+                return False
+    elif t is tuple or t is list:
+        items = obj
+    else:
+        return False
+    budget[0] -= len(obj)
+    if budget[0] < 0:
+        return False
+    for x in items:
+        tx = type(x)
+        if tx not in _SIMPLE and not ((tx is tuple or tx is list or tx is dict)
+                                      and _nested(x, depth - 1, budget)):
+            return False
+    return True
 
 
 def _scalars_and_arrays(obj: Any) -> int:

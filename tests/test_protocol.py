@@ -369,6 +369,34 @@ async def test_flat_messages_round_trip_as_views_of_the_same_memory(pair):
     assert got == ("f", (1, "x"), {"k": None}, meta)
 
 
+async def test_nested_builtins_are_plain_pickles_and_the_rest_is_not(pair):
+    cfg = {"lr": 0.1, "ids": [1, 2, 3], "shape": (4, 5), 7: {"deep": [(None, b"x")]}}
+    for msg in [("step", ([1, 2, 3],), {}), ("step", (cfg,), {"opts": cfg}), cfg,
+                [(1, 2), [3, {"a": 4}]]]:
+        got, flags, enc = trip(msg, *pair)
+        assert flags == P.PLAIN and enc is None, msg
+        assert got == msg and type(got) is type(msg)
+    # cycles, great depth, great size, and anything not builtin go the general way
+    cyc: list = [1]
+    cyc.append(cyc)
+    deep: list = [1]
+    for _ in range(20):
+        deep = [deep]
+    big = [[i] for i in range(2000)]
+
+    class Mine(int):
+        pass
+    for msg in [cyc, deep, big, [Mine(3)], {"a": [Mine(3)]}, {(1, 2): [1]}]:
+        got, flags, _ = trip(msg, *pair)
+        assert flags != P.PLAIN, msg
+    got, _, _ = trip(cyc, *pair)
+    assert got[1] is got
+    got, _, _ = trip(deep, *pair)
+    assert got == deep
+    got, _, _ = trip({"a": [Mine(3)]}, *pair)
+    assert type(got["a"][0]) is Mine
+
+
 def _same(got, sent):
     """``got`` is ``sent`` rebuilt: equal scalars, each shared array a view of the same
     memory (an ordinary one an equal copy)."""
