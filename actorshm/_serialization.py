@@ -325,13 +325,17 @@ def _simple(obj: Any) -> bool:
         return True
     if t is tuple or t is list:
         for x in obj:
-            if type(x) not in _SIMPLE:
-                return _nested(obj, _NESTED_DEPTH, [_NESTED_ITEMS])
+            tx = type(x)
+            if tx not in _SIMPLE:
+                return (tx is tuple or tx is list or tx is dict) and \
+                    _nested(obj, _NESTED_DEPTH, [_NESTED_ITEMS])
         return True
     if t is dict:
         for k, v in obj.items():
-            if type(v) not in _SIMPLE or type(k) is not str:
-                return _nested(obj, _NESTED_DEPTH, [_NESTED_ITEMS])
+            tv = type(v)
+            if tv not in _SIMPLE or type(k) is not str:
+                return (tv is tuple or tv is list or tv is dict or tv in _SIMPLE) and \
+                    _nested(obj, _NESTED_DEPTH, [_NESTED_ITEMS])
         return True
     return False
 
