@@ -201,9 +201,9 @@ class FramedSocket(FrameReader):
                 self._burst_flush = True
                 self.loop.call_soon(self._end_burst)
         else:
-            self._burst = True
-            self.loop.call_soon(self._end_burst)
-            self._burst_flush = True
+            if kind != CALL:  # (calls go at once in a burst too: none starts one)
+                self._burst = self._burst_flush = True
+                self.loop.call_soon(self._end_burst)
             self._flush()
 
     def write_small(self, kind: int, flags: int, cid: int, payload: bytes) -> bool:
@@ -232,7 +232,7 @@ class FramedSocket(FrameReader):
             # (a call with nothing queued ahead of it: straight to the socket, below)
         elif self._out:
             return False
-        else:
+        elif kind != CALL:  # (calls go at once in a burst too: none starts one)
             self._burst = self._burst_flush = True
             self.loop.call_soon(self._end_burst)
         try:
