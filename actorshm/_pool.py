@@ -62,6 +62,7 @@ class ActorPool:
     def __init__(self, handles: Iterable[ActorHandle]) -> None:
         self._members: list[ActorHandle] = check_handles(handles, "ActorPool")
         self._idle: collections.deque = collections.deque(self._members)
+        self._dispatching = False  # (an item that fails at once loops, not recurses)
         self._queue: collections.deque = collections.deque()  # (fn, value, future)
         self._busy: dict[ActorHandle, asyncio.Future] = {}
         self._dead: list[str] = []  # why members left the pool by dying
@@ -261,11 +262,17 @@ class ActorPool:
                 fut.set_exception(self._empty_error())
 
     def _dispatch(self) -> None:
-        while self._queue and self._idle:
-            fn, value, fut = self._queue.popleft()
-            if fut.done():  # cancelled while queued
-                continue
-            self._start(self._idle.popleft(), fn, value, fut)
+        if self._dispatching:  # an item failed at once: the loop below goes on
+            return
+        self._dispatching = True
+        try:
+            while self._queue and self._idle:
+                fn, value, fut = self._queue.popleft()
+                if fut.done():  # cancelled while queued
+                    continue
+                self._start(self._idle.popleft(), fn, value, fut)
+        finally:
+            self._dispatching = False
 
     def _start(self, h: ActorHandle, fn: Callable, value: Any, fut: asyncio.Future) -> None:
         try:

@@ -17,6 +17,7 @@ import concurrent.futures
 import inspect
 import os
 import pickle
+import time
 from typing import Any
 
 from ._actor import ActorHandle, ActorOptions, public_methods
@@ -63,6 +64,7 @@ class RayActorId:
         self.streams = streams
         self.named = named  # calls carry their identity in Ray's task name
         self.restarts = restarts  # its max_restarts: whether a new process may come
+        self.pid = 0  # its first process's pid (``RayClient._pids`` has later ones)
         self._methods: tuple | None = None  # (call0, call1) of the Ray actor handle
 
     def call_methods(self) -> tuple:
@@ -257,10 +259,11 @@ class RayClient(CallOrder):
                what: str = "", run_ahead: int = STREAM_BUFFER):
         """Call generator method ``method``: an async iterator of its items
         (``RayStream``), the actor running at most ``run_ahead`` items ahead (Ray's
-        generator back-pressure). Not counted in ``max_pending_calls``, as locally."""
+        generator back-pressure). Not counted in ``max_pending_calls``, as locally.
+        On a killed actor, an iterator whose first item raises ``ActorDiedError``."""
         what = what or method
         if actor_id.key in self._dead:
-            raise ActorDiedError(f"{what}: the actor was killed")
+            return _failed_stream(ActorDiedError(f"{what}: the actor was killed"))
         remote = actor_id.handle.stream.options(
             num_returns="streaming", _generator_backpressure_num_objects=run_ahead)
         gen, seq = self._submit(actor_id, remote, method, args, kwargs, what)
@@ -279,6 +282,8 @@ class RayClient(CallOrder):
         if not ray_up():  # the runtime shut Ray down, and every actor with it
             self._release(actor_id, None)
             return
+        pid = self._pids.get(actor_id.key, actor_id.pid)
+        started = process_start(pid)  # (None: not a process of this machine)
         ray.kill(actor_id.handle, no_restart=True)
         self._release(actor_id, None)  # calls waiting for a restart fail now
         self._open.pop(actor_id.key, None)
@@ -286,6 +291,11 @@ class RayClient(CallOrder):
             await asyncio.wait_for(actor_id.handle.ready.remote(), 10)
         except Exception:
             pass
+        # and, when it ran on this machine, until its process is gone, as locally
+        deadline = time.monotonic() + 5
+        while started is not None and process_start(pid) == started and \
+                time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
 
     # -- spawning ----------------------------------------------------------------
     async def spawn(self, cls: type, options: ActorOptions, args: tuple,
@@ -349,6 +359,7 @@ class RayClient(CallOrder):
             raise decode_exception(payload, f"{cls.__qualname__}.__init__")
         aid = RayActorId(handle, handle._actor_id.hex(), streams, named,
                          options.max_restarts)
+        aid.pid = payload
         h = ActorHandle(self, aid, cls.__qualname__, methods, options.name, payload,
                         options.max_pending_calls)
         for fn in self._spawn_listeners:
@@ -393,8 +404,9 @@ class RayClient(CallOrder):
             named = await self._names_work(handle)
         except Exception as exc:
             raise ValueError(f"no live actor named {name!r} ({exc})") from None
-        return ActorHandle(self, RayActorId(handle, key, streams, named, restarts),
-                           cls_name, methods, name, pid, max_pending)
+        aid = RayActorId(handle, key, streams, named, restarts)
+        aid.pid = pid
+        return ActorHandle(self, aid, cls_name, methods, name, pid, max_pending)
 
     async def _names_work(self, handle: Any) -> bool:
         """Whether an actor task reads its own Ray task name (asked once per process):
@@ -403,6 +415,27 @@ class RayClient(CallOrder):
             probe = "actorshm:probe:0"
             self._names_ok = await handle.task_name.options(name=probe).remote() == probe
         return self._names_ok
+
+
+def process_start(pid: int) -> bytes | None:
+    """When process ``pid`` of this machine started (its clock ticks since boot), or
+    None when there is none (or only its zombie): what tells a process from a later
+    one given the same pid."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return None if fields[0] in (b"Z", b"X") else fields[19]
+
+
+async def _failed_stream(exc: BaseException):
+    """A stream whose first item raises ``exc`` (a streaming call on a dead actor)."""
+    raise exc
+    yield  # (an async generator)
 
 
 def _is_generator(cls: type, name: str) -> bool:

@@ -72,6 +72,20 @@ async def test_errors_reach_the_awaitable_and_the_pool_goes_on(rt):
     assert pool.has_free()
 
 
+async def test_many_queued_items_that_fail_at_once_each_fail_and_the_pool_goes_on(rt):
+    # An item whose fn fails at once frees its actor for the next item at once: 3,000 of
+    # them queued behind a busy actor must not recurse (RecursionError lost an actor).
+    pool = ActorPool(await workers(1))
+    busy = pool.submit(lambda a, v: a.work(v, 0.3), "busy")
+    bad = [pool.submit(lambda a, v: v, i) for i in range(3000)]
+    assert await busy == (0, "busy")
+    done, pending = await asyncio.wait(bad, timeout=10)
+    assert not pending
+    assert all(isinstance(f.exception(), TypeError) for f in done)
+    assert await asyncio.wait_for(pool.submit(work, "after"), 10) == (0, "after")
+    assert pool.has_free()
+
+
 async def test_member_dying_mid_map_fails_with_actor_died_not_a_hang(rt):
     ws = await workers(2)
     pool = ActorPool(ws)
