@@ -432,6 +432,12 @@ class ForkServerClient:
             except Exception:
                 pass
             sock.close()
+            # Spawns waiting for the server fail now, not at their start timeout.
+            for fut in self._fs_waiting:
+                if not fut.done():
+                    fut.set_exception(ActorDiedError(
+                        "the runtime closed while the actor was starting"))
+            self._fs_waiting.clear()
             try:
                 popen.wait(timeout=5)
             except subprocess.TimeoutExpired:  # pragma: no cover

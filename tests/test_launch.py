@@ -22,6 +22,16 @@ async def test_stdout_stderr_prefixed(rt_each, capfd):
     assert f"(Counter pid={c.pid}) err:hello from actor" in err
 
 
+async def test_a_spawn_waiting_for_the_fork_server_fails_at_once_when_the_runtime_closes():
+    rt = actorshm.Runtime(start_method="forkserver", start_timeout=30)
+    await rt.__aenter__()
+    spawn = asyncio.ensure_future(Counter.spawn())  # the fork server is still starting
+    await asyncio.sleep(0)
+    await rt.close()
+    with pytest.raises(ActorDiedError, match="runtime closed"):
+        await asyncio.wait_for(spawn, 10)  # (it waited its whole start timeout)
+
+
 async def test_forkserver_start_method(capfd):
     async with actorshm.Runtime(start_method="forkserver", shutdown_grace=0.5):
         cs = await asyncio.gather(*(Counter.spawn(i) for i in range(4)))
