@@ -12,6 +12,7 @@ import collections
 import inspect
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -59,7 +60,7 @@ class _EventStream:
         self._queue: collections.deque = collections.deque()
         self._wake = asyncio.Event()
         self._closed = False
-        source._event_state()[1].append(self)
+        source._event_state()[1].add(self)
 
     def _put(self, ev: ActorEvent | None) -> None:
         if ev is None:
@@ -83,19 +84,19 @@ class _EventStream:
         """Stop receiving events (leaving ``async for`` with ``break`` is enough too)."""
         self._closed = True
         self._queue.clear()
-        streams = self._source._event_state()[1]
-        if self in streams:
-            streams.remove(self)
+        self._source._event_state()[1].discard(self)
         self._wake.set()
 
 
 class EventSource:
     """Mixed into ``Runtime``: subscribe to its actors' lifecycle events."""
 
-    def _event_state(self) -> tuple[list, list]:
+    def _event_state(self) -> tuple[list, weakref.WeakSet]:
         st = self.__dict__.get("_actorshm_events")
         if st is None:
-            st = self.__dict__["_actorshm_events"] = ([], [])  # (callbacks, streams)
+            # (callbacks, streams): a stream is held weakly, so one left with ``break``
+            # (nothing refers to it any more) stops receiving events and goes
+            st = self.__dict__["_actorshm_events"] = ([], weakref.WeakSet())
         return st
 
     def on_actor_event(self, callback: Callable[[ActorEvent], Any]) -> Callable[[], None]:
@@ -157,7 +158,7 @@ def close(runtime: Any) -> None:
     """The runtime closed: every ``events()`` iterator ends."""
     st = runtime.__dict__.get("_actorshm_events")
     if st is not None:
-        for s in st[1]:
+        for s in list(st[1]):
             s._put(None)
         st[1].clear()
         st[0].clear()

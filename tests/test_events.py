@@ -1,6 +1,7 @@
 """Lifecycle events: the owner hears of deaths and restarts without calling the actor."""
 
 import asyncio
+import gc
 import os
 import signal
 
@@ -78,3 +79,25 @@ async def test_events_end_when_the_runtime_closes_and_closing_is_not_reported():
         await Counter.spawn(0)
     assert [ev async for ev in stream] == []  # ended, with no "died" for the shutdown
     assert [ev async for ev in rt.events()] == []  # made after the close: ended at once
+
+
+async def test_a_stream_left_with_break_stops_receiving_events(rt):
+    # The "wait for the next death" loop, many times: each stream it leaves must go, not
+    # keep every later event (they piled up, one more subscriber per round).
+    async def next_death():
+        async for ev in rt.events():
+            if ev.kind == "died":
+                return ev
+    for _ in range(5):
+        waiter = asyncio.ensure_future(next_death())
+        await asyncio.sleep(0)
+        c = await Counter.spawn(0)
+        await c.kill()
+        assert (await asyncio.wait_for(waiter, 10)).kind == "died"
+    del waiter
+    gc.collect()
+    assert len(rt._event_state()[1]) == 0
+    kept = rt.events()  # one still referred to keeps receiving
+    c = await Counter.spawn(0)
+    await c.kill()
+    assert (await next_event(kept)).kind == "died"
