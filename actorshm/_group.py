@@ -289,9 +289,16 @@ def _brief(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _share_once(obj: Any) -> Any:
+def _share_once(obj: Any, memo: dict | None = None) -> Any:
     """``obj`` with every ordinary ndarray in it (through lists, tuples and dicts) replaced
-    by a shared copy, made once: each member's call then passes that copy by reference."""
+    by a shared copy, made once: each member's call then passes that copy by reference.
+    What recurs (an array passed twice, a list that holds itself) is rebuilt once, as
+    pickle keeps it in a single call."""
+    if memo is None:
+        memo = {}
+    done = memo.get(id(obj))
+    if done is not None:
+        return done[1]
     t = type(obj)
     if t is np.ndarray:
         if obj.dtype.hasobject or obj.size == 0 or _shm.is_shared(obj):
@@ -299,13 +306,22 @@ def _share_once(obj: Any) -> Any:
         shared = _shm.copy_to_shared(obj)
         _shm.counters["bytes_copied"] += _shm.copy_nbytes(obj)  # (it was not shared)
         _shm.counters["arrays_copied"] += 1
+        memo[id(obj)] = (obj, shared)  # (``obj`` kept: its id stays its own meanwhile)
         return shared
     if t is list:
-        return [_share_once(x) for x in obj]
+        out: Any = []
+        memo[id(obj)] = (obj, out)  # before its items: one of them may be this list
+        out.extend([_share_once(x, memo) for x in obj])
+        return out
     if t is dict:
-        return {k: _share_once(v) for k, v in obj.items()}
-    if t is tuple:
-        return tuple(_share_once(x) for x in obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return t(*(_share_once(x) for x in obj))
+        out = {}
+        memo[id(obj)] = (obj, out)
+        for k, v in obj.items():
+            out[k] = _share_once(v, memo)
+        return out
+    if t is tuple or (isinstance(obj, tuple) and hasattr(obj, "_fields")):  # namedtuple
+        items = [_share_once(x, memo) for x in obj]
+        out = tuple(items) if t is tuple else t(*items)
+        memo[id(obj)] = (obj, out)
+        return out
     return obj

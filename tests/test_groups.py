@@ -105,6 +105,18 @@ async def test_ordinary_array_is_copied_once_for_the_whole_group(rt):
     assert actorshm.stats()["blocks_live"] <= before["blocks_live"]
 
 
+async def test_what_recurs_in_a_group_call_arrives_once_as_in_a_single_call(rt):
+    g = await ActorGroup.spawn(PoolWorker, 2)
+    x, lst = np.ones(1000), [1, 2]
+    cyc: list = [1]
+    cyc.append(cyc)  # a list that holds itself: no RecursionError
+    msg = [x, x, [lst, lst], cyc]
+    assert await g[0].aliases(msg) == (True, True, True)
+    before = actorshm.stats()["bytes_copied"]
+    assert await g.aliases(msg) == [(True, True, True)] * 2
+    assert actorshm.stats()["bytes_copied"] - before == x.nbytes  # one copy, not two
+
+
 async def test_cancelling_a_group_call_ends_the_await_at_once(rt):
     g = await ActorGroup.spawn(PoolWorker.options(max_pending_calls=1), 2)
     fut = g.work(1, 30)
