@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ._errors import PendingCallsLimitError
+from ._util import THREAD_VARS
 
 __all__ = ["actor", "ActorHandle", "ActorOptions"]
 
@@ -102,9 +103,6 @@ class ActorOptions:
         return {var: n for var in THREAD_VARS}
 
 
-# Thread-count variables set from ``num_cpus``, as Ray sets them for its actors.
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 
 
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, not built in

@@ -120,6 +120,7 @@ def forked_child_main(server_sock, rfd, wfd, env, cwd, fds) -> None:
         os.close(devnull)
         os.environ.clear()
         os.environ.update(env)
+        _blas_threads(env)
         os.chdir(cwd)
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
@@ -127,6 +128,20 @@ def forked_child_main(server_sock, rfd, wfd, env, cwd, fds) -> None:
         main()
     finally:
         os._exit(1)
+
+
+def _blas_threads(env: dict) -> None:
+    """Give the BLAS that the fork server loaded (with one thread) the count this actor's
+    environment asks for, when it is not one: numpy read it before the fork. Needs
+    threadpoolctl (scikit-learn brings it); without it such an actor keeps one thread."""
+    n = env.get("OPENBLAS_NUM_THREADS") or env.get("OMP_NUM_THREADS")
+    if n is None or n.strip() == "1":
+        return
+    try:
+        import threadpoolctl
+        threadpoolctl.threadpool_limits(int(n), user_api="blas")
+    except Exception:  # (no threadpoolctl, a count that is no number): as it was
+        pass
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from . import _descendants, _forkserver, _leases, _shm
 from ._output import OutputForwarder  # noqa: F401  (re-exported)
 from ._errors import ActorDiedError
 from ._serialization import PassFd
+from ._util import THREAD_VARS
 
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -345,6 +346,10 @@ class ForkServerClient:
             a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             fs_env = dict(os.environ)
             fs_env["ACTORSHM_SYS_PATH"] = env["ACTORSHM_SYS_PATH"]
+            # The server imports numpy, whose BLAS fixes its thread count then, for every
+            # actor forked from it: one, as ``num_cpus`` defaults to (a child that asks
+            # for more sets it again, ``_actor_process.forked_child_main``).
+            fs_env.update(dict.fromkeys(THREAD_VARS, "1"))
             popen = subprocess.Popen([sys.executable, "-c", _bootstrap("_forkserver"),
                                       str(b.fileno())],
                                      pass_fds=(b.fileno(),), stdin=subprocess.DEVNULL,

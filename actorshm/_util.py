@@ -160,3 +160,8 @@ def coalesced_call(loop, fn):
             pass
 
     return hook
+
+
+# Thread-count variables set from an actor's ``num_cpus``, as Ray sets them for its actors.
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+               "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")

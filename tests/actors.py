@@ -528,6 +528,13 @@ class EnvReader:
         import os
         return {n: os.environ.get(n) for n in names}
 
+    def blas_threads(self):
+        """The thread counts of the BLAS libraries numpy loaded here (threadpoolctl)."""
+        import numpy  # noqa: F401  (loaded, so that its BLAS is listed)
+        import threadpoolctl
+        return sorted({i["num_threads"] for i in threadpoolctl.threadpool_info()
+                       if i["user_api"] == "blas"})
+
 
 @actor(max_concurrency=8)
 class PoolWorker:

@@ -22,6 +22,16 @@ async def test_num_cpus_sets_thread_counts_and_env_wins(rt):
                                     "OPENBLAS_NUM_THREADS": "3"}
 
 
+async def test_num_cpus_sets_the_blas_thread_count_with_either_start_method(rt_each):
+    # With forkserver numpy (and its BLAS) is loaded before the fork: the count must
+    # still be the actor's, not the machine's.
+    pytest.importorskip("threadpoolctl")
+    one = await EnvReader.spawn()
+    assert await one.blas_threads() in ([1], [])  # ([]: a numpy with no BLAS listed)
+    two = await EnvReader.options(num_cpus=2).spawn()
+    assert await two.blas_threads() in ([2], [])
+
+
 @pytest.mark.parametrize("bad", [
     {"num_cpus": 0}, {"num_cpus": float("inf")}, {"num_cpus": 1e30},
     {"max_pending_calls": 0}, {"max_pending_calls": 1.5}, {"env": {"A": 1}},
