@@ -20,6 +20,7 @@ import inspect
 import os
 import pickle
 import threading
+import time
 from typing import Any
 
 from . import _client, _introspect, _shm
@@ -29,6 +30,10 @@ from ._ray_watched import Watched
 from ._remote_errors import call_in_thread
 from ._remote_errors import encode_exception as _encode_exception
 from ._streams import CANCELLED_BY_CALLER
+
+# How long after a result was handed to Ray a sync method's first run waits (for Ray's
+# thread to send it: that run may end the process), and an exit waits.
+_FIRST_RUN_GRACE = 0.05
 
 __all__ = ["Host", "freeze_arrays", "simple", "pack"]
 
@@ -178,6 +183,8 @@ class Host(Watched):
         self._loop = None  # the actor's event loop, where every call runs
         self._tasks: dict = {}  # (caller, seq) -> the task running that call
         self._calls = 0  # calls received (``rt.stats()``)
+        self._ran: set = set()  # the sync methods that ran here at least once
+        self._handed = 0.0  # time.monotonic() when a call last handed its result to Ray
         try:
             import ray
             self._ctx = ray.get_runtime_context()
@@ -386,7 +393,13 @@ class Host(Watched):
                 self._sem = asyncio.Semaphore(self._max_concurrency)
             async with self._sem:
                 if owed is not None:
-                    await asyncio.sleep(0)
+                    # Ray sends the results handed to it from a thread of its own: before
+                    # a method's first run (the one that may end the process: an exit,
+                    # a crash), give that thread time to send them.
+                    wait = 0.0 if method in self._ran else \
+                        self._handed + _FIRST_RUN_GRACE - time.monotonic()
+                    await asyncio.sleep(max(0.0, wait))
+                    self._ran.add(method)
                     owed.advance()
                     owed = None
                 if self._requested and key in self._requested:  # cancelled while queued
@@ -400,6 +413,7 @@ class Host(Watched):
             if owed is not None:  # (cancelled before it started)
                 owed.advance()
             del self._tasks[key]
+            self._handed = time.monotonic()
 
     async def _run(self, method: str, args: tuple, kwargs: dict) -> tuple:
         try:
@@ -418,6 +432,7 @@ class Host(Watched):
                     f"{self._cls_name}.{method}")
             check_result(result, f"{self._cls_name}.{method}")
         except SystemExit:
+            await asyncio.sleep(_FIRST_RUN_GRACE)  # (the results already handed to Ray)
             os._exit(0)
         except asyncio.CancelledError as exc:
             if getattr(asyncio.current_task(), CANCELLED_BY_CALLER, False):

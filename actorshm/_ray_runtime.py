@@ -27,7 +27,7 @@ def _user_paths() -> list[str]:
             if os.path.isdir(p or ".") and not os.path.abspath(p or ".").startswith(skip)]
 
 
-_LOCAL_ONLY = {"start_method", "shm_budget", "shutdown_grace", "start_timeout", "gpus"}
+_LOCAL_ONLY = {"shutdown_grace", "start_timeout", "gpus"}
 
 
 class RayRuntime(_events.EventSource, RayInspectable):
@@ -43,15 +43,32 @@ class RayRuntime(_events.EventSource, RayInspectable):
         **ray_init_options: passed to ``ray.init`` (for example ``num_cpus``,
             ``object_store_memory``, ``runtime_env``).
 
+        start_method, shm_budget: the local backend's options, checked as there and
+            then left to Ray, so that code written for either backend runs on both: Ray
+            starts its own worker processes, and its object store (``ray.init``'s
+            ``object_store_memory``) is its shared memory.
+
     Raises:
-        TypeError: an option of the local backend (``start_method``, ``shm_budget``,
-            ...), which has no meaning on Ray.
+        TypeError: another option of the local backend only (``shutdown_grace``,
+            ``start_timeout``, ``gpus``), which has no meaning on Ray.
+        ValueError: a ``start_method`` or ``shm_budget`` the local backend refuses.
     """
 
     backend = "ray"
     shares_memory = False
 
-    def __init__(self, address: str | None = None, **ray_init_options: Any) -> None:
+    def __init__(self, address: str | None = None, *, start_method: str = "spawn",
+                 shm_budget: int | None = None, **ray_init_options: Any) -> None:
+        if start_method not in ("spawn", "forkserver"):
+            raise ValueError(f"start_method must be 'spawn' or 'forkserver', not "
+                             f"{start_method!r}")
+        if shm_budget is not None:
+            if type(shm_budget) is not int:
+                raise TypeError(f"Runtime(shm_budget=...) must be a number (bytes), not "
+                                f"{shm_budget!r}")
+            if shm_budget <= 0:
+                raise ValueError(f"Runtime(shm_budget=...) must be positive, not "
+                                 f"{shm_budget!r}")
         local_only = sorted(set(ray_init_options) & _LOCAL_ONLY)
         if local_only:
             raise TypeError(f"{local_only}: options of the local backend; with "

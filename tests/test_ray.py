@@ -90,11 +90,20 @@ async def test_current_runtime_is_the_open_runtime(art, backend):
                                      "pool_reuses", "blocks_live"}
 
 
-def test_unknown_backend_and_local_options_on_ray_are_refused():
+def test_unknown_backend_and_local_only_options_on_ray_are_refused():
     with pytest.raises(ValueError, match="backend"):
         actorshm.Runtime(backend="dask")
-    with pytest.raises(TypeError, match="start_method"):
-        actorshm.Runtime(backend="ray", start_method="forkserver")
+    with pytest.raises(TypeError, match="shutdown_grace"):
+        actorshm.Runtime(backend="ray", shutdown_grace=1.0)
+    # the options API.md lists are checked as locally, then left to Ray
+    for kw, err in (({"start_method": "fork"}, ValueError), ({"shm_budget": -1}, ValueError),
+                    ({"shm_budget": "1G"}, TypeError)):
+        with pytest.raises(err):
+            actorshm.Runtime(backend="ray", **kw)
+        with pytest.raises(err):
+            actorshm.Runtime(**kw)
+    rt = actorshm.Runtime(backend="ray", start_method="forkserver", shm_budget=1 << 30)
+    assert rt.backend == "ray" and "start_method" not in rt.ray_init_options
 
 
 def test_ray_backend_without_ray_says_how_to_install_it():
@@ -313,6 +322,38 @@ async def test_kill_fails_pending_and_later_calls_promptly(art):
     with pytest.raises(actorshm.ActorDiedError):
         await asyncio.wait_for(c.incr(), 5)
     assert time.monotonic() - t0 < 5
+
+
+async def test_kill_returns_once_the_process_is_gone_and_streams_fail_in_the_loop(art):
+    # As API.md has it: kill() ends the process; a stream's call returns an iterator,
+    # and the actor's death raises in the `async for`.
+    for _ in range(2):
+        c = await Counter.spawn()
+        pid = c.pid
+        await c.kill()
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                assert f.read().split(") ")[1][0] in "ZX"  # at most a zombie left
+        except FileNotFoundError:
+            pass
+    s = await Streamer.spawn()
+    await s.kill()
+    it = s.count(3)
+    with pytest.raises(actorshm.ActorDiedError):
+        async for _ in it:
+            pass
+
+
+async def test_a_result_is_not_lost_to_the_exit_of_the_call_queued_behind_it(art):
+    # calls run one at a time in order: the first finished, so its caller gets its result
+    for ending in ("crash", "exit"):
+        f = await Faulty.spawn()
+        first = f.ok()
+        last = f.call(os._exit, 1) if ending == "crash" else f.exit(3)
+        results = await asyncio.wait_for(
+            asyncio.gather(first, last, return_exceptions=True), 30)
+        assert results[0] == "ok", (ending, results)
+        assert isinstance(results[1], actorshm.ActorDiedError), (ending, results)
 
 
 async def test_a_crash_raises_actor_died(art):
