@@ -241,6 +241,9 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             self._reap(rec)
             self._maybe_forget(rec)
             raise
+        if self._closing:  # it started as the runtime closed, which stops it: say so here
+            raise ActorDiedError(rec.death or
+                                 f"{rec.label} was stopped because its runtime closed")
         return self.track_handle(ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods,
                                              options.name, rec.pid,
                                              options.max_pending_calls), rec)

@@ -32,6 +32,18 @@ async def test_a_spawn_waiting_for_the_fork_server_fails_at_once_when_the_runtim
         await asyncio.wait_for(spawn, 10)  # (it waited its whole start timeout)
 
 
+@pytest.mark.parametrize("delay", [0, 0.05])
+async def test_a_spawn_under_way_when_the_runtime_closes_raises(delay):
+    # (it returned a handle to an actor that was already stopped)
+    rt = actorshm.Runtime()
+    await rt.__aenter__()
+    spawn = asyncio.ensure_future(Counter.spawn())
+    await asyncio.sleep(delay)
+    await rt.close()
+    with pytest.raises(ActorDiedError, match="runtime closed"):
+        await asyncio.wait_for(spawn, 10)
+
+
 async def test_forkserver_start_method(capfd):
     async with actorshm.Runtime(start_method="forkserver", shutdown_grace=0.5):
         cs = await asyncio.gather(*(Counter.spawn(i) for i in range(4)))
