@@ -243,15 +243,33 @@ def _members(pgid: int, zombies_of: int | None = None) -> list[int]:
     return out
 
 
-def _stat(pid: int) -> tuple | None:
-    """``(state, ppid, pgrp)`` of process ``pid``, or None if it is gone."""
+def _stat_fields(pid: int) -> list | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None
+    if the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rfind(b")") + 2:].split()
+    return stat[stat.rfind(b")") + 2:].split()
+
+
+def _stat(pid: int) -> tuple | None:
+    """``(state, ppid, pgrp)`` of process ``pid``, or None if it is gone."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
     return fields[0].decode(), int(fields[1]), int(fields[2])
+
+
+def process_start(pid: int) -> bytes | None:
+    """When process ``pid`` of this machine started (clock ticks since boot), or None when
+    there is none (or only its zombie): what tells a process from a later one given the
+    same pid."""
+    fields = _stat_fields(pid) if pid else None
+    if fields is None or fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19]
 
 
 def _is_resource_tracker(pid: int) -> bool:

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from ._actor import ActorHandle, ActorOptions, public_methods
+from ._descendants import process_start
 from ._client import ThreadCallFuture
 from ._errors import ActorDiedError
 from ._ray_errors import check_args, outcome, translate, unavailable_error
@@ -415,21 +416,6 @@ class RayClient(CallOrder):
             probe = "actorshm:probe:0"
             self._names_ok = await handle.task_name.options(name=probe).remote() == probe
         return self._names_ok
-
-
-def process_start(pid: int) -> bytes | None:
-    """When process ``pid`` of this machine started (its clock ticks since boot), or
-    None when there is none (or only its zombie): what tells a process from a later
-    one given the same pid."""
-    if not pid:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    return None if fields[0] in (b"Z", b"X") else fields[19]
 
 
 async def _failed_stream(exc: BaseException):
