@@ -44,6 +44,10 @@ _pack_header = struct.Struct.pack.__get__(HEADER)  # the marker given by the cal
 # while the rest are made. A call is never held back: it is written when it is made.
 BURST_ITEMS = 16
 
+# A frame under this many bytes is queued as one buffer (header and payload joined) and
+# may go the short way (``write_small``); a bigger one is queued part by part, uncopied.
+SMALL_FRAME = 65536
+
 
 def _recv_view() -> memoryview:
     view = getattr(_recv_tls, "view", None)
@@ -176,7 +180,7 @@ class FramedSocket(FrameReader):
             if size > MAX_FRAME:
                 raise ValueError(f"message of {size} bytes exceeds the frame limit")
             header = _pack_header(size, kind, flags, len(fds), MARK, cid)
-            if size < 65536:
+            if size < SMALL_FRAME:
                 out.append(OutItem(b"".join((header, *parts)), list(fds) or None, close_fds))
             else:
                 out.append(OutItem(header, list(fds) or None))
@@ -211,7 +215,7 @@ class FramedSocket(FrameReader):
         ``write_frame`` with less work per frame, for the common call and reply. False
         when it cannot go that way (frames held back, no socket yet, a big payload): then
         the caller queues it with ``write_frame``."""
-        if len(payload) >= 65536 or self.sock is None or self._holds:
+        if len(payload) >= SMALL_FRAME or self.sock is None or self._holds:
             return False
         frame = _pack_header(len(payload), kind, flags, 0, MARK, cid) + payload
         if self._corked or self._writing:

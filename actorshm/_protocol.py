@@ -33,7 +33,7 @@ from ._remote_errors import UNPICKLING_ERRORS, copy_exc, result_undecodable
 from . import _serialization as ser
 from ._errors import ActorDiedError, ProtocolError
 from ._control import CallControl
-from ._framing import FramedSocket, close_fd, run_callbacks
+from ._framing import SMALL_FRAME, FramedSocket, close_fd, run_callbacks
 from ._lease_traffic import LeaseTraffic
 from ._ledger import Ledger
 from ._wire import (CALL, CANCEL, CREDIT, ERROR, HAS_BLOCKS, HAS_RELEASES,  # noqa: F401
@@ -346,7 +346,7 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
                 parts = [_RLEN.pack(len(rel)), rel, *parts]
             else:
                 self.queue_whole(HEADER.pack(len(rel), RELEASE, 0, 0, 0) + rel)
-        if kind and not fds and close_fds is None and \
+        if kind and not fds and close_fds is None and sum(map(len, parts)) < SMALL_FRAME and \
                 self.write_small(kind, flags, cid, b"".join(parts)):
             return  # (a small frame, nothing queued ahead of it: the short way)
         self.write_frame(kind, flags, cid, parts, fds, close_fds)
