@@ -160,8 +160,8 @@ def _reduce_tensor(enc, t: torch.Tensor):
         return NotImplemented  # another subclass: torch pickles it
     check_sendable(t)
     if t.layout is not torch.strided or t.is_quantized or t.is_nested:
-        if t.layout in _SPARSE:
-            return _rebuild_sparse, (t.layout, _sparse_parts(t.detach()), kind is _Parameter,
+        if t.layout in SPARSE:
+            return _rebuild_sparse, (t.layout, sparse_parts(t.detach()), kind is _Parameter,
                                      t.requires_grad, getattr(t, "__dict__", None) or None)
         return NotImplemented  # torch pickles it, by value
     if not t.is_cpu:
@@ -242,11 +242,11 @@ def _shared(enc, t: torch.Tensor):
     return _where(enc, t, block, st.data_ptr(), n, type(t), t.requires_grad)
 
 
-_SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
+SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
                      torch.sparse_bsc})
 
 
-def _sparse_parts(t: torch.Tensor) -> tuple:
+def sparse_parts(t: torch.Tensor) -> tuple:
     """What makes sparse ``t`` (detached): its index and value tensors (strided, so they
     travel as any tensor: by reference when shared, else copied once) and its size."""
     size = tuple(t.shape)
@@ -258,21 +258,26 @@ def _sparse_parts(t: torch.Tensor) -> tuple:
 
 
 def _rebuild_sparse(layout, parts: tuple, parameter: bool, requires_grad: bool, state):
-    """A sparse tensor over the parts ``_sparse_parts`` sent. (Not torch's own
+    """A sparse tensor over the parts ``sparse_parts`` sent. (Not torch's own
     unpickling: that queues each sparse tensor for ``torch.load`` to check, and outside
     ``torch.load`` nothing empties the queue, so every tensor received would stay alive,
     its shared memory leased.) The sender's invariants held; they are not checked again."""
-    if layout is torch.sparse_coo:
-        indices, values, size, coalesced = parts
-        t = torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced,
-                                    check_invariants=False)
-    else:
-        compressed, plain, values, size = parts
-        t = torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout,
-                                           check_invariants=False)
+    t = sparse_over(layout, parts)
     if state:
         t.__dict__.update(state)
     return finish(t, parameter, requires_grad)
+
+
+def sparse_over(layout, parts: tuple) -> torch.Tensor:
+    """The sparse tensor of ``layout`` made of ``parts`` (as ``sparse_parts`` gives
+    them), viewing their memory; invariants not checked again."""
+    if layout is torch.sparse_coo:
+        indices, values, size, coalesced = parts
+        return torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced,
+                                       check_invariants=False)
+    compressed, plain, values, size = parts
+    return torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout,
+                                          check_invariants=False)
 
 
 def _where(enc, t: torch.Tensor, block, base: int, n: int, kind, requires_grad: bool):

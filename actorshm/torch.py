@@ -88,7 +88,8 @@ def zeros(*size, dtype=None, device="cpu"):
 
 def is_shared(tensor) -> bool:
     """Whether ``tensor``'s storage lies in actorshm shared memory (it travels by
-    reference).
+    reference); for a sparse tensor, whether its index and value tensors all do. A
+    nested or quantized tensor never does (torch pickles it, by value).
 
     Args:
         tensor: a ``torch.Tensor``.
@@ -98,6 +99,11 @@ def is_shared(tensor) -> bool:
     """
     if not isinstance(tensor, _t.Tensor):
         raise TypeError(f"is_shared takes a torch.Tensor, not {type(tensor).__name__}")
+    if tensor.layout in _torch.SPARSE:
+        return all(is_shared(p) for p in _torch.sparse_parts(tensor)
+                   if isinstance(p, _t.Tensor))
+    if tensor.layout is not _t.strided or tensor.is_nested or tensor.is_quantized:
+        return False
     if tensor.device.type == "cuda":
         try:
             from . import _torch_cuda
@@ -110,26 +116,41 @@ def is_shared(tensor) -> bool:
 def share(tensor):
     """``tensor`` itself if it is already shared, else a shared copy of it (same dtype,
     shape, device and values; a contiguous layout). A CUDA tensor's copy lies in the
-    GPU pool on the same device.
+    GPU pool on the same device; a sparse tensor's copy has shared index and value
+    tensors.
 
     Args:
         tensor: a ``torch.Tensor`` on the CPU or a CUDA device.
 
     Raises:
-        TypeError: not a tensor.
+        TypeError: not a tensor, or a nested or quantized one (torch pickles those).
         ValueError: on another device (e.g. MPS).
         ImportError: a CUDA tensor without CuPy installed.
         SharedMemoryError: over budget, as ``empty``.
     """
     if is_shared(tensor):
         return tensor
-    if tensor.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"actorshm.torch.share takes CPU or CUDA tensors, not "
-                         f"{tensor.device.type!r} ones; move it with .cpu()")
+    _check_shareable(tensor, "share")
+    if tensor.layout in _torch.SPARSE:
+        parts = _torch.sparse_parts(tensor.detach())
+        return _torch.sparse_over(tensor.layout, tuple(
+            share(p) if isinstance(p, _t.Tensor) else p for p in parts))
     out = empty(*tensor.shape, dtype=tensor.dtype, device=tensor.device)
     with _t.no_grad():
         out.copy_(tensor)
     return out
+
+
+def _check_shareable(tensor, what: str) -> None:
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"actorshm.torch.{what} takes CPU or CUDA tensors, not "
+                         f"{tensor.device.type!r} ones; move it with .cpu()")
+    if tensor.is_nested or tensor.is_quantized:
+        kind = "nested" if tensor.is_nested else "quantized"
+        raise TypeError(
+            f"actorshm.torch.{what}: a {kind} tensor cannot live in shared memory (it "
+            "travels by value, pickled by torch); share a dense tensor instead "
+            f"({'unbind() its parts' if tensor.is_nested else 'dequantize() it'})")
 
 
 def share_module(module):
@@ -155,11 +176,41 @@ def share_module(module):
     """
     if not isinstance(module, _t.nn.Module):
         raise TypeError(f"share_module takes an nn.Module, not {type(module).__name__}")
-    for m in module.modules():
-        for p in m._parameters.values():
-            if p is not None:
-                p.data = share(p.data)
-        for name, b in list(m._buffers.items()):
-            if b is not None:
-                m._buffers[name] = share(b)
+    # By storage, as torch's in-place share_memory_() goes: tensors that view one
+    # storage (tied weights, one buffer registered twice, views of a flat parameter
+    # vector) view one shared copy of it afterwards, with their own offsets and strides.
+    copies: dict = {}  # (device, storage address) -> the shared uint8 copy of it
+    moved: dict = {}  # id(tensor) -> its shared replacement (the same for the same object)
+    with _t.no_grad():
+        for m in module.modules():
+            for p in m._parameters.values():
+                if p is not None:
+                    p.data = _shared_view(p.data, copies, moved)
+            for name, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[name] = _shared_view(b, copies, moved)
     return module
+
+
+def _shared_view(t, copies: dict, moved: dict):
+    """``t`` in shared memory, viewing a shared copy of its whole storage (``copies``)
+    with its own offset, shape and strides; ``t`` itself if already shared."""
+    if id(t) in moved:
+        return moved[id(t)][1]
+    if is_shared(t):
+        return t
+    _check_shareable(t, "share_module")
+    if t.layout is not _t.strided:
+        new = share(t)
+    else:
+        st = t.untyped_storage()
+        key = (t.device, st.data_ptr())
+        flat = copies.get(key) if st.nbytes() else None
+        if flat is None:
+            flat = empty(st.nbytes(), dtype=_t.uint8, device=t.device)
+            flat.copy_(_t.empty(0, dtype=_t.uint8, device=t.device).set_(st))
+            copies[key] = flat
+        new = _t.empty(0, dtype=t.dtype, device=t.device).set_(
+            flat.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    moved[id(t)] = (t, new)  # (t kept alive: its id is not reused meanwhile)
+    return new

@@ -350,6 +350,79 @@ async def test_share_module_hogwild_updates_the_shared_weights(rt):
     assert s1["bytes_copied"] == s0["bytes_copied"]
 
 
+class _Tied(torch.nn.Module):
+    """Tensors that view one storage: tied weights, one buffer registered in two
+    submodules, parameters that are views of one flat vector, a transposed parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 3)
+        self.out = torch.nn.Linear(3, 5, bias=False)
+        self.out.weight = self.emb.weight  # tied
+        stats = torch.arange(4.0)
+        self.a, self.b = torch.nn.Module(), torch.nn.Module()
+        self.a.register_buffer("stats", stats)
+        self.b.register_buffer("stats", stats)  # the same tensor, twice
+        flat = torch.arange(10.0)
+        self.head = torch.nn.Parameter(flat[:6].view(2, 3))
+        self.tail = torch.nn.Parameter(flat[6:])
+        self.t = torch.nn.Parameter(torch.arange(6.0).view(2, 3).t())
+
+
+async def test_share_module_keeps_tensors_that_view_one_storage_aliased(rt):
+    model = _Tied()
+    before = {k: (v.detach().clone(), v.stride(), v.storage_offset())
+              for k, v in model.state_dict(keep_vars=True).items()}
+    assert at.share_module(model) is model
+    for k, v in model.state_dict(keep_vars=True).items():
+        assert at.is_shared(v), k
+        assert torch.equal(v.detach(), before[k][0]) and v.stride() == before[k][1], k
+        assert v.storage_offset() == before[k][2], k
+    assert model.out.weight is model.emb.weight
+    assert model.a.stats is model.b.stats
+    assert model.head.untyped_storage().data_ptr() == model.tail.untyped_storage().data_ptr()
+    with torch.no_grad():
+        model.tail[0] = -1.0  # a write through one view is seen through the other
+    whole = torch.empty(0).set_(model.head.untyped_storage())
+    assert whole.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, -1.0, 7.0, 8.0, 9.0]
+    ptrs = [v.data_ptr() for v in model.state_dict().values()]
+    at.share_module(model)  # already shared: nothing moves
+    assert [v.data_ptr() for v in model.state_dict().values()] == ptrs
+
+    w = await TorchWorker.spawn()
+    s0 = actorshm.stats()
+    await w.fill_path(model, "a.stats", 7.0)  # the actor's write reaches both holders
+    await w.fill_path(model, "out.weight", 2.0)
+    await w.fill_path(model, "tail", 3.0)
+    assert model.b.stats.tolist() == [7.0] * 4
+    assert model.emb.weight.detach().sum().item() == 30.0
+    assert model.head.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert model.tail.tolist() == [3.0] * 4
+    assert actorshm.stats()["bytes_copied"] == s0["bytes_copied"]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_sparse_tensors_share_their_parts_and_nested_ones_are_refused():
+    dense = torch.eye(4)
+    for s in (dense.to_sparse(), dense.to_sparse_csr(), dense.to_sparse_bsc((2, 2))):
+        assert not at.is_shared(s)
+        shared = at.share(s)
+        assert shared.layout is s.layout and at.is_shared(shared)
+        assert torch.equal(shared.to_dense(), dense) and at.share(shared) is shared
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch: a prototype and a deprecated kind)
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+        quantized = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8)
+    for t, fix in ((nested, r"unbind\(\)"), (quantized, r"dequantize\(\)")):
+        assert not at.is_shared(t)
+        with pytest.raises(TypeError, match=fix):
+            at.share(t)
+        m = torch.nn.Module()
+        m.register_buffer("x", t)
+        with pytest.raises(TypeError, match="share_module.*" + fix):
+            at.share_module(m)
+
+
 async def test_shared_tensors_recycle(rt):
     w = await TorchWorker.spawn()
     for _ in range(3):

@@ -44,6 +44,13 @@ class TorchWorker:
                 p -= lr
         return sum(float(p.sum()) for p in model.parameters())
 
+    def fill_path(self, obj, path, value):
+        """Fill the tensor at dotted attribute ``path`` of ``obj`` (e.g. a module's)."""
+        for name in path.split("."):
+            obj = getattr(obj, name)
+        with torch.no_grad():
+            obj.fill_(value)
+
     def fill_numpy(self, a, value):
         a[...] = value
 
