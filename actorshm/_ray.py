@@ -29,6 +29,7 @@ from ._ray_host import Host, simple
 from ._ray_order import CallOrder, ray_up
 from ._ray_placement import await_ready, check_feasible, requested
 from ._remote_errors import decode_exception
+from ._streams import chain
 
 __all__ = ["RayClient", "RayActorId", "CLIENT", "get_client", "ray_env", "import_ray"]
 
@@ -200,7 +201,8 @@ class RayClient(CallOrder):
                     seq, base, opened = self._next(actor_id.key)
                 else:
                     seq, base = number
-                if remote_method is None and actor_id.named:  # a call: see Host.call0
+                link = chain.get()  # (in an actor: the call this one is made in)
+                if remote_method is None and actor_id.named and not link:  # see Host.call0
                     call0, call1 = actor_id.call_methods()
                     name = f"{method}:{self._caller}:{seq}:{base}"
                     if args or kwargs:
@@ -212,6 +214,8 @@ class RayClient(CallOrder):
                         ref = call0.options(name=name).remote()
                 else:
                     req = (method, args, kwargs, self._caller, seq, base)
+                    if link and remote_method is None:  # the chain, as ``Worker.call``
+                        req += ((*link[0], link[1:]),)
                     if simple(args) and simple(kwargs):
                         req = pickle.dumps(req, protocol=5)
                     ref = (remote_method or actor_id.handle.call).remote(req)

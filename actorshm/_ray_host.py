@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextvars
 import inspect
 import os
 import pickle
@@ -29,7 +30,7 @@ from ._ray_errors import check_result
 from ._ray_watched import Watched
 from ._remote_errors import call_in_thread
 from ._remote_errors import encode_exception as _encode_exception
-from ._streams import CANCELLED_BY_CALLER
+from ._streams import CANCELLED_BY_CALLER, chain, reentrant_error
 
 # How long after a result was handed to Ray a sync method's first run waits (for Ray's
 # thread to send it: that run may end the process), and an exit waits.
@@ -185,6 +186,16 @@ class Host(Watched):
         self._calls = 0  # calls received (``rt.stats()``)
         self._ran: set = set()  # the sync methods that ran here at least once
         self._handed = 0.0  # time.monotonic() when a call last handed its result to Ray
+        # Chains of calls (``_streams.chain``), to refuse a call that would wait forever
+        # for a slot (A -> B -> A), as locally: this host's id in chains, the number of
+        # its last call, its calls in slots -> their numbers, and the chains of the calls
+        # waiting for a slot (their ``reentrant_error`` view: ``holding``, ``queue``).
+        self.actor_id = os.urandom(4).hex()
+        self.cls_name = cls.__qualname__
+        self.max_concurrency = max_concurrency
+        self._run_seq = 0
+        self.holding: dict = {}
+        self._slot_waits: dict = {}  # key -> (key, None, (..., {"chain": links}))
         try:
             import ray
             self._ctx = ray.get_runtime_context()
@@ -349,20 +360,27 @@ class Host(Watched):
         return await self._call(method, args, kwargs, caller, int(seq), int(base))
 
     async def call(self, req: tuple) -> tuple:
-        """Run ``req = (method, args, kwargs, caller, seq, base)``: ``(ok, result or
-        error)``.
+        """Run ``req = (method, args, kwargs, caller, seq, base[, links])``: ``(ok,
+        result or error)``; ``links``: the chain of calls a call made inside an actor
+        carries (``_streams.chain``).
 
         One argument, not six: Ray serializes each argument of a task on its own.
-        (Used where Ray's task names cannot carry the call's identity.)
+        (Used where Ray's task names cannot carry the call's identity, or the chain.)
         """
         if type(req) is bytes:
             req = pickle.loads(req)
-        method, args, kwargs, caller, seq, base = req
+        method, args, kwargs, caller, seq, base, *links = req
         del req
-        return await self._call(method, args, kwargs, caller, seq, base)
+        return await self._call(method, args, kwargs, caller, seq, base,
+                                links[0] if links else ())
+
+    @property
+    def queue(self) -> list:
+        """The calls waiting for a slot, as ``reentrant_error`` reads a queue."""
+        return list(self._slot_waits.values())
 
     async def _call(self, method: str, args: tuple, kwargs: dict, caller: str,
-                    seq: int, base: int) -> Any:
+                    seq: int, base: int, links: tuple = ()) -> Any:
         self._calls += 1
         key = (caller, seq)
         if key in self._cancelled:
@@ -391,7 +409,16 @@ class Host(Watched):
                 owed = None
             if self._sem is None:
                 self._sem = asyncio.Semaphore(self._max_concurrency)
-            async with self._sem:
+            if links and self._sem.locked():
+                err = reentrant_error(links, self, f"{self._cls_name}.{method}")
+                if err is not None:  # it would wait for a slot forever
+                    return pack((False, encode_exception(err)))
+                self._slot_waits[key] = (key, None, (method, None, None, {"chain": links}))
+            try:
+                await self._sem.acquire()
+            finally:
+                self._slot_waits.pop(key, None)
+            try:
                 if owed is not None:
                     # Ray sends the results handed to it from a thread of its own: before
                     # a method's first run (the one that may end the process: an exit,
@@ -406,7 +433,16 @@ class Host(Watched):
                     with self._cancel_lock:
                         self._requested.discard(key)
                     return None, None
-                return pack(await self._run(method, args, kwargs))
+                self._run_seq += 1
+                self.holding[key] = run_seq = self._run_seq
+                token = chain.set((links, self.actor_id, f"{self._cls_name}.{method}", run_seq))
+                try:
+                    return pack(await self._run(method, args, kwargs))
+                finally:
+                    chain.reset(token)
+                    del self.holding[key]
+            finally:
+                self._sem.release()
         except asyncio.CancelledError:
             return None, None  # the caller has stopped waiting
         finally:
@@ -427,8 +463,9 @@ class Host(Watched):
                 if inspect.isawaitable(result):
                     result = await result
             else:
+                ctx = contextvars.copy_context()  # (the chain, for calls it makes)
                 result = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, call_in_thread, fn, args, kwargs,
+                    self._executor, ctx.run, call_in_thread, fn, args, kwargs,
                     f"{self._cls_name}.{method}")
             check_result(result, f"{self._cls_name}.{method}")
         except SystemExit:
