@@ -23,6 +23,7 @@ from typing import Any
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._descendants import process_start
 from ._client import ThreadCallFuture
+from ._results import CallFuture, DependencyFailed, futures_in, with_results
 from ._errors import ActorDiedError
 from ._ray_errors import check_args, outcome, translate, unavailable_error
 from ._ray_host import Host, simple
@@ -107,6 +108,7 @@ class RayClient(CallOrder):
         # node can meet is an error at spawn, not a wait forever (``_ray_placement``).
         self.fixed_cluster = False
         self._waits: set = set()  # ``wait``: awaits on Ray that a closing runtime ends
+        self._waits_for_args: set = set()  # calls waiting for results they take as arguments
 
     async def wait(self, awaitable: Any) -> Any:
         """Await ``awaitable`` (a Ray reference or a coroutine awaiting Ray), unless the
@@ -142,10 +144,26 @@ class RayClient(CallOrder):
             return self.stream(actor_id, method, args, kwargs, what)
         if loop is None:  # a sync method in a thread: block on the concurrent future
             return self._call_from_thread(actor_id, method, args, kwargs, what)
-        fut = loop.create_future()
+        fut = CallFuture(loop=loop)  # (it may be passed to another call unfinished)
         if actor_id.key in self._dead:
             fut.set_exception(ActorDiedError(f"{what}: the actor was killed"))
             return fut
+        deps = futures_in((*args, *kwargs.values())) if args or kwargs else ()
+        if deps:  # results as arguments
+            if all(d.done() for d in deps):  # finished: their results in their places
+                try:
+                    args, kwargs = with_results(args), with_results(kwargs)
+                except DependencyFailed as dep:
+                    fut.set_exception(dep.exc)
+                    return fut
+            else:  # sent once they are in, under the number it takes now
+                check_args(args, kwargs, what)
+                number = self._number(actor_id)
+                task = loop.create_task(self._send_when_ready(
+                    deps, fut, actor_id, method, args, kwargs, what, number, loop))
+                self._waits_for_args.add(task)
+                task.add_done_callback(self._waits_for_args.discard)
+                return fut
         held = self._restarting.get(actor_id.key)
         if held is not None:  # Ray restarts its process: the call waits for the new one
             check_args(args, kwargs, what)
@@ -154,6 +172,38 @@ class RayClient(CallOrder):
         ref, seq = self._submit(actor_id, None, method, args, kwargs, what)
         self._settle_with(actor_id, fut, ref, seq, what, loop)
         return fut
+
+    async def _send_when_ready(self, deps, fut, actor_id, method, args, kwargs, what,
+                               number, loop) -> None:
+        """Send a call whose arguments hold unfinished calls' futures (``deps``) once
+        they are done, with their results in their places, under the number it took
+        when it was made (so the caller's later calls to that actor run after it); a
+        failed dependency fails the call, which then skips its turn."""
+        try:
+            await asyncio.wait([d for d in deps if not d.done()])
+            if fut.done() or actor_id.key in self._dead or not ray_up():
+                if not fut.done():
+                    why = "was killed" if actor_id.key in self._dead else \
+                        "is gone (Ray was shut down)"
+                    fut.set_exception(ActorDiedError(f"{what}: the actor {why}"))
+                raise _Dropped
+            try:
+                args, kwargs = with_results(args), with_results(kwargs)
+            except DependencyFailed as dep:
+                fut.set_exception(dep.exc)
+                raise _Dropped from None
+            held = self._restarting.get(actor_id.key)
+            if held is not None:  # the actor restarts: the call waits for it too
+                held.append((fut, method, args, kwargs, what, number))
+                return
+            ref, seq = self._submit(actor_id, None, method, args, kwargs, what, number)
+        except BaseException as exc:  # (cancelled: the runtime closes)
+            if not isinstance(exc, _Dropped) and not fut.done():
+                fut.set_exception(exc if isinstance(exc, Exception) else
+                                  ActorDiedError(f"{what}: the runtime closed"))
+            self._drop(actor_id, number[0])
+            return
+        self._settle_with(actor_id, fut, ref, seq, what, loop)
 
     def _settle_with(self, actor_id, fut, ref, seq, what, loop) -> None:
         """Give ``fut`` (on ``loop``) the outcome of call ``seq`` (``ref``), and send the
@@ -426,6 +476,10 @@ async def _failed_stream(exc: BaseException):
     """A stream whose first item raises ``exc`` (a streaming call on a dead actor)."""
     raise exc
     yield  # (an async generator)
+
+
+class _Dropped(Exception):
+    """A call that waited for its arguments is not sent (``_send_when_ready``)."""
 
 
 def _is_generator(cls: type, name: str) -> bool:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-__all__ = ["CallFuture", "reduce_future", "Unfinished", "DependencyFailed"]
+__all__ = ["CallFuture", "reduce_future", "Unfinished", "DependencyFailed",
+           "futures_in", "with_results"]
 
 
 class CallFuture(asyncio.Future):
@@ -86,3 +87,47 @@ def reduce_future(fut: asyncio.Future):
     if exc is not None:
         raise DependencyFailed(exc)
     return _identity, (fut.result(),)
+
+
+_CONTAINERS = (list, tuple, dict)
+_PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes})
+_MAX_DEPTH = 8
+
+
+def futures_in(values, depth: int = 0) -> list:
+    """The call futures among ``values`` and in the lists, tuples and dicts they hold,
+    down to eight levels (where a backend that cannot stop its pickling looks for them:
+    the Ray backend; one anywhere else is refused by pickling, as any future).
+
+    Raises:
+        TypeError: one is an asyncio future other than a call's (await it first).
+    """
+    found = []
+    for x in values:
+        t = type(x)
+        if t is CallFuture:
+            found.append(x)
+        elif isinstance(x, asyncio.Future):
+            reduce_future(x)  # (raises the TypeError that says to await it)
+        elif depth < _MAX_DEPTH and t in _CONTAINERS:
+            items = x.values() if t is dict else x
+            if not set(map(type, items)) <= _PLAIN:  # (a long list of numbers: one pass in C)
+                found += futures_in(items, depth + 1)
+    return found
+
+
+def with_results(x, depth: int = 0):
+    """``x`` with each finished call future that ``futures_in`` finds replaced by its
+    result (containers rebuilt, the rest kept as it is).
+
+    Raises:
+        DependencyFailed: one of those calls failed or was cancelled.
+    """
+    t = type(x)
+    if t is CallFuture:
+        return reduce_future(x)[1][0]
+    if depth >= _MAX_DEPTH or t not in _CONTAINERS:
+        return x
+    if t is dict:
+        return {k: with_results(v, depth + 1) for k, v in x.items()}
+    return t(with_results(v, depth + 1) for v in x)

@@ -28,7 +28,7 @@ ray_env()  # what a runtime that starts Ray sets: Ray binds 127.0.0.1, deaths fa
 from actors import (BreaksOnArrival, Caller, Concurrent, Counter, CustomError,  # noqa: E402
                     EnvReader, Faulty, Phoenix, PoolWorker, Probe, Quirks, SlowStart,
                     ThreadedCaller)
-from call_actors import Relay  # noqa: E402
+from call_actors import Relay, Worker  # noqa: E402
 from ray_actors import ArrayUser, Streamer, ThreadCanceller, Ticker  # noqa: E402
 
 ray = pytest.importorskip("ray", reason="the Ray backend tests need Ray: "
@@ -240,6 +240,39 @@ async def test_a_call_back_waits_only_when_every_slot_waits_for_it(art):
     errors = [e for e in out if isinstance(e, actorshm.ReentrantCallError)]
     assert len(errors) == 1 and out.count("pong") == 1, out
     assert "max_concurrency=2" in str(errors[0])
+
+
+async def test_unfinished_calls_as_arguments_are_sent_with_their_results_in_order(art):
+    w, other = await asyncio.gather(Worker.spawn(), Worker.spawn())
+    slow = w.work(0.3)
+    first = other.record({"nested": [slow, (slow,)]})
+    then = other.record("after")  # made later: runs later on `other`, though ready now
+    assert await first == {"nested": [0.3, (0.3,)]}
+    assert await then == "after"
+    assert await other.get_log() == [{"nested": [0.3, (0.3,)]}, "after"]
+    assert await other.record(slow) == 0.3  # a finished call's awaitable: its result
+    bad = w.fails_nonstream()  # a failed one fails the call, which never runs
+    with pytest.raises(ValueError, match="no"):
+        await other.record(bad)
+    waiting = other.record(w.work(0.3))  # cancelled while it waits: never runs
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    assert await other.record("last") == "last"
+    assert (await other.get_log())[-2:] == [0.3, "last"]
+
+
+async def test_unfinished_calls_as_arguments_inside_actors(art):
+    r, w = await asyncio.gather(Relay.spawn(), Worker.spawn())
+    assert await r.pass_along(w, w) == 0.2
+
+
+async def test_a_plain_future_as_an_argument_says_to_await_it(art):
+    w = await Worker.spawn()
+    fut = asyncio.get_running_loop().create_future()
+    with pytest.raises(TypeError, match="await it first"):
+        w.record(fut)
+    fut.cancel()
+    assert await w.record(1) == 1
 
 
 async def test_env_option_reaches_the_actor(art):
