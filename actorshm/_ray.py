@@ -339,7 +339,11 @@ class RayClient(CallOrder):
             return
         pid = self._pids.get(actor_id.key, actor_id.pid)
         started = process_start(pid)  # (None: not a process of this machine)
-        ray.kill(actor_id.handle, no_restart=True)
+        try:
+            ray.kill(actor_id.handle, no_restart=True)
+        except Exception:  # a handle of an earlier Ray session: gone with it
+            self._release(actor_id, None)
+            return
         self._release(actor_id, None)  # calls waiting for a restart fail now
         self._open.pop(actor_id.key, None)
         try:  # wait until Ray reports the death, so pending calls have failed
@@ -454,8 +458,13 @@ class RayClient(CallOrder):
         if key in self._dead:
             raise ValueError(f"no live actor named {name!r} (it was killed)")
         try:
-            ok, pid = await handle.ready.remote()
-            cls_name, methods, streams, max_pending, restarts = await handle.meta.remote()
+            # (in the control group: a sync method running there holds the actor's loop)
+            described = await handle.describe.options(concurrency_group="control").remote()
+            if described is None:  # not started yet: ``ready`` waits for its __init__
+                described = await handle.ready.remote(), await handle.meta.remote()
+            (ok, pid), (cls_name, methods, streams, max_pending, restarts) = described
+            if not ok:
+                raise ActorDiedError("it failed in __init__")
             named = await self._names_work(handle)
         except Exception as exc:
             raise ValueError(f"no live actor named {name!r} ({exc})") from None
@@ -468,7 +477,8 @@ class RayClient(CallOrder):
         then calls carry their identity in it instead of in an argument."""
         if self._names_ok is None:
             probe = "actorshm:probe:0"
-            self._names_ok = await handle.task_name.options(name=probe).remote() == probe
+            self._names_ok = await handle.task_name.options(
+                name=probe, concurrency_group="control").remote() == probe
         return self._names_ok
 
 

@@ -232,6 +232,17 @@ class Host(Watched):
         max_restarts)``."""
         return self._meta
 
+    async def describe(self) -> tuple | None:
+        """What ``get_actor`` needs, answered in the ``control`` concurrency group (so an
+        actor busy in a long sync method answers at once): ``(ready, meta)`` with
+        ``ready`` as ``ready`` gives it, or None while ``__init__`` has yet to run
+        (that waits for ``ready``, on the actor's own loop)."""
+        if self._pending_init is not None:
+            return None
+        ready = (False, self._init_error) if self._init_error is not None else \
+            (True, os.getpid())
+        return ready, self._meta
+
     async def probe(self, what: str) -> Any:
         """Answer the driver's ``rt.stats()`` (``"stats"``), ``rt.memory()``
         (``"memory"``) and ``rt.dump_stacks()`` (``"stacks"``) for this process.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import warnings
 from typing import Any
 
 from . import _client, _events, _ray_events, _shm
@@ -76,6 +77,10 @@ class RayRuntime(_events.EventSource, RayInspectable):
         self.address = address
         self.ray_init_options = ray_init_options
         self._owns_ray = False
+        # Set by ``actorshm.run`` on the runtime it opens around ``main``: Ray starts on
+        # its first spawn, so that a runtime ``main`` opens itself starts it with its
+        # own options (``address``, ``namespace``, ...).
+        self.connect_on_first_use = False
         self._open = False
         self._closing = False
         self._spawned: list[ActorHandle] = []
@@ -96,26 +101,42 @@ class RayRuntime(_events.EventSource, RayInspectable):
             raise RuntimeError("this Runtime was closed; open a new one")
         if self.address is None:
             ray_env()  # read when Ray is imported
-        ray = import_ray()
-        if not ray.is_initialized():
-            opts = dict(self.ray_init_options)
-            if self.address is None:
-                opts.setdefault("include_dashboard", False)
-                opts.setdefault("object_store_memory", 1 << 30)
-            opts.setdefault("log_to_driver", True)
-            if "job_config" not in opts:  # actors import user modules as the driver does
-                from ray.job_config import JobConfig
-                opts["job_config"] = JobConfig(code_search_path=_user_paths())
-            # No address: a Ray of its own ("local"), even where a `ray start` cluster
-            # runs or RAY_ADDRESS is set (``None`` would join that one).
-            ray.init(address=self.address or "local", **opts)
-            self._owns_ray = True
-            CLIENT.fixed_cluster = self.address is None  # a local Ray: no autoscaler
+        import_ray()
+        if not self.connect_on_first_use:
+            self._connect()
         self.loop = asyncio.get_running_loop()
         self._open = True
         _shm.set_budget(None, id(self))  # (no budget of its own: idle memory kept for reuse)
         _client.runtime_opened(self)
         return self
+
+    def _connect(self) -> None:
+        """Start Ray, or join the cluster at ``address``, unless this process is
+        connected already: then the options given here cannot apply, and say so."""
+        self.connect_on_first_use = False
+        ray = import_ray()
+        if ray.is_initialized():
+            given = sorted(self.ray_init_options) + (["address"] if self.address else [])
+            if given and not self._owns_ray:
+                warnings.warn(
+                    f"Runtime(backend='ray', {', '.join(f'{k}=...' for k in given)}): this "
+                    "process is connected to Ray already, so these options do not apply; "
+                    "open this runtime first (outside any other), or pass them to the "
+                    "runtime that starts Ray", RuntimeWarning, stacklevel=4)
+            return
+        opts = dict(self.ray_init_options)
+        if self.address is None:
+            opts.setdefault("include_dashboard", False)
+            opts.setdefault("object_store_memory", 1 << 30)
+        opts.setdefault("log_to_driver", True)
+        if "job_config" not in opts:  # actors import user modules as the driver does
+            from ray.job_config import JobConfig
+            opts["job_config"] = JobConfig(code_search_path=_user_paths())
+        # No address: a Ray of its own ("local"), even where a `ray start` cluster
+        # runs or RAY_ADDRESS is set (``None`` would join that one).
+        ray.init(address=self.address or "local", **opts)
+        self._owns_ray = True
+        CLIENT.fixed_cluster = self.address is None  # a local Ray: no autoscaler
 
     __reduce__ = _client.refuse_runtime
 
@@ -163,6 +184,8 @@ class RayRuntime(_events.EventSource, RayInspectable):
     async def spawn(self, cls: type, options: ActorOptions, args: tuple,
                     kwargs: dict) -> ActorHandle:
         self._check_open()
+        if self.connect_on_first_use:
+            self._connect()
         h = await CLIENT.spawn(cls, options, args, kwargs)
         if not self._open or self._closing:  # closed meanwhile (on a Ray it did not start)
             await h.kill()
@@ -190,6 +213,8 @@ class RayRuntime(_events.EventSource, RayInspectable):
 
     async def get_actor(self, name: str) -> ActorHandle:
         self._check_open()
+        if self.connect_on_first_use:
+            self._connect()
         return await CLIENT.get_actor(name)
 
     def actors(self) -> list[dict]:

@@ -13,6 +13,7 @@ watchdog watches its pidfd) and exit on socket EOF. What an actor started ends w
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import os
 import signal
@@ -468,9 +469,19 @@ def run(main, **runtime_options: Any):
         RuntimeError: called from a running event loop; the message says what to do.
     """
     check_run_args(main)
+    try:
+        rt = Runtime(**runtime_options)
+    except BaseException:
+        if inspect.iscoroutine(main):
+            main.close()  # it will never run: no "never awaited" warning on top
+        raise
 
     async def wrapper():
-        async with Runtime(**runtime_options):
+        # On Ray, one process holds one connection: a runtime ``main`` opens itself
+        # must be the one to start it, with its own options.
+        if rt.backend == "ray":
+            rt.connect_on_first_use = True
+        async with rt:
             return await main
 
     try:

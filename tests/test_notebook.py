@@ -38,6 +38,19 @@ def test_run_with_a_function_says_to_call_it():
     assert not _client._runtimes
 
 
+def test_run_with_a_bad_option_closes_the_coroutine():
+    async def main():
+        return 1
+
+    coro = main()
+    with pytest.raises(TypeError, match="bogus"):
+        actorshm.run(coro, bogus=1)
+    assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED  # no "never awaited"
+    with pytest.raises(ValueError, match="start_method"):
+        actorshm.run(main(), start_method="fork")  # (the warning would fail the test)
+    assert not _client._runtimes
+
+
 def test_a_runtime_kept_open_across_cells():
     """Each cell a separate run on one loop, as a notebook kernel runs them."""
     loop = asyncio.new_event_loop()

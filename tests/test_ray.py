@@ -182,6 +182,16 @@ async def test_names_and_get_actor(art):
         await actorshm.get_actor("ctr")
 
 
+async def test_get_actor_answers_while_a_long_sync_method_runs(art):
+    c = await Counter.options(name="busy").spawn(0)
+    busy = c.slow_record(1, 4.0)
+    await asyncio.sleep(0.5)  # (the sync method holds the actor's loop now)
+    t0 = time.monotonic()
+    same = await asyncio.wait_for(actorshm.get_actor("busy"), 30)
+    assert time.monotonic() - t0 < 3.0 and same == c
+    assert await busy == 1
+
+
 async def test_handles_pickle_and_work_inside_actors(art):
     c = await Counter.options(name="shared").spawn(0)
     again = pickle.loads(pickle.dumps(c))
@@ -1114,6 +1124,51 @@ def _run_script(tmp_path, name: str, template: str, env: dict | None = None) -> 
                          timeout=120, env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
+
+
+NESTED_SCRIPT = textwrap.dedent("""
+    import asyncio, os, sys, warnings
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    sys.path.insert(0, {tests!r})
+    import actorshm
+    from actors import Counter, EnvReader
+
+    async def main():
+        outer = actorshm.current_runtime()
+        async with actorshm.Runtime(backend="ray", num_cpus=2, include_dashboard=False,
+                                    runtime_env={{"env_vars": {{"MYVAR": "mine"}}}}):
+            e = await EnvReader.spawn()
+            print("inner env", (await e.get(["MYVAR"]))["MYVAR"])
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                async with actorshm.Runtime(backend="ray", namespace="other"):
+                    pass
+            print("warned", [str(w.message)[:60] for w in seen])
+            c = await Counter.spawn(1)
+        try:
+            await c.incr(1)
+        except actorshm.ActorDiedError:
+            print("stale call ActorDiedError")
+        assert actorshm.current_runtime() is outer
+        c2 = await Counter.spawn(5)  # the outer runtime starts a Ray of its own now
+        print("outer", await c2.incr(1))
+        await c.kill()  # a handle of the Ray session that ended: already gone
+        print("stale kill returned")
+
+    actorshm.run(main(), backend="ray", num_cpus=2, include_dashboard=False,
+                 log_to_driver=False)
+""")
+
+
+def test_a_runtime_main_opens_inside_run_starts_ray_with_its_own_options(tmp_path):
+    # Before: run() connected to Ray first, so the inner runtime's options (its
+    # runtime_env, an address, a namespace) were silently dropped; and kill() on a
+    # handle of an earlier Ray session raised Ray's own ActorHandleNotFoundError.
+    out = _run_script(tmp_path, "nested.py", NESTED_SCRIPT)
+    assert "inner env mine" in out, out
+    assert "namespace=...): this process is conne" in out, out
+    assert "stale call ActorDiedError" in out and "outer 6" in out, out
+    assert "stale kill returned" in out, out
 
 
 CLOSE_SCRIPT = textwrap.dedent("""
