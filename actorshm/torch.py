@@ -114,16 +114,19 @@ def is_shared(tensor) -> bool:
 
 
 def share(tensor):
-    """``tensor`` itself if it is already shared, else a shared copy of it (same dtype,
-    shape, device and values; a contiguous layout). A CUDA tensor's copy lies in the
-    GPU pool on the same device; a sparse tensor's copy has shared index and value
-    tensors.
+    """``tensor`` itself if it is already shared, else a shared copy of it: same dtype,
+    shape, device and values, the same strides where they cover its elements densely
+    (``channels_last`` stays so; any other view's copy is contiguous), an
+    ``nn.Parameter`` as a Parameter, a leaf's ``requires_grad`` kept. A CUDA tensor's
+    copy lies in the GPU pool on the same device; a sparse tensor's copy has shared
+    index and value tensors.
 
     Args:
         tensor: a ``torch.Tensor`` on the CPU or a CUDA device.
 
     Raises:
-        TypeError: not a tensor, or a nested or quantized one (torch pickles those).
+        TypeError: not a tensor; a nested or quantized one (torch pickles those); or a
+            non-leaf that requires grad (share ``tensor.detach()``).
         ValueError: on another device (e.g. MPS).
         ImportError: a CUDA tensor without CuPy installed.
         SharedMemoryError: over budget, as ``empty``.
@@ -131,14 +134,34 @@ def share(tensor):
     if is_shared(tensor):
         return tensor
     _check_shareable(tensor, "share")
+    if tensor.requires_grad and not tensor.is_leaf:
+        raise TypeError("actorshm.torch.share: the tensor requires grad and is not a leaf "
+                        "(it is part of an autograd graph); share `t.detach()`")
+    src = tensor.detach()
     if tensor.layout in _torch.SPARSE:
-        parts = _torch.sparse_parts(tensor.detach())
-        return _torch.sparse_over(tensor.layout, tuple(
+        parts = _torch.sparse_parts(src)
+        out = _torch.sparse_over(tensor.layout, tuple(
             share(p) if isinstance(p, _t.Tensor) else p for p in parts))
-    out = empty(*tensor.shape, dtype=tensor.dtype, device=tensor.device)
-    with _t.no_grad():
-        out.copy_(tensor)
-    return out
+    else:
+        out = empty(src.numel() if _dense(src) else src.shape, dtype=src.dtype,
+                    device=src.device)
+        if out.shape != src.shape:  # (dense: its own strides over the flat copy)
+            out = out.as_strided(src.shape, src.stride())
+        out.copy_(src)
+    if isinstance(tensor, _t.nn.Parameter):
+        return _t.nn.Parameter(out, requires_grad=tensor.requires_grad)
+    return out.requires_grad_(tensor.requires_grad)
+
+
+def _dense(t) -> bool:
+    """Whether ``t``'s strides cover its elements exactly once each, in some order of
+    its dimensions (contiguous, transposed, ``channels_last``)."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _check_shareable(tensor, what: str) -> None:

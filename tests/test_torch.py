@@ -401,6 +401,27 @@ async def test_share_module_keeps_tensors_that_view_one_storage_aliased(rt):
     assert actorshm.stats()["bytes_copied"] == s0["bytes_copied"]
 
 
+def test_share_keeps_what_sending_keeps():
+    p = torch.nn.Parameter(torch.ones(2, 3))
+    sp = at.share(p)
+    assert type(sp) is torch.nn.Parameter and sp.requires_grad and at.is_shared(sp)
+    leaf = at.share(torch.ones(3, requires_grad=True))
+    assert leaf.requires_grad and leaf.is_leaf and at.is_shared(leaf)
+    with pytest.raises(TypeError, match=r"not a leaf.*t\.detach\(\)"):
+        at.share(torch.ones(3, requires_grad=True) * 2)
+    # strides that cover the elements densely stay (channels_last, a transpose)
+    cl = torch.arange(120.0).view(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    t = torch.arange(6.0).view(2, 3).t()
+    for x in (cl, t):
+        y = at.share(x)
+        assert y.stride() == x.stride() and torch.equal(y, x) and at.is_shared(y)
+    assert at.share(cl).is_contiguous(memory_format=torch.channels_last)
+    # any other view's copy is contiguous
+    for x in (torch.arange(10.0)[::2], torch.ones(2, 1, 3).expand(2, 4, 3)):
+        y = at.share(x)
+        assert y.is_contiguous() and torch.equal(y, x) and at.is_shared(y)
+
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_sparse_tensors_share_their_parts_and_nested_ones_are_refused():
     dense = torch.eye(4)
