@@ -20,6 +20,9 @@ from ._ray_introspect import RayInspectable
 __all__ = ["RayRuntime"]
 
 
+_connected_by: list = [None]  # the runtime whose ray.init made this process's connection
+
+
 def _user_paths() -> list[str]:
     """The driver's import path minus the interpreter's own (as local actors get it)."""
     import sys
@@ -77,9 +80,10 @@ class RayRuntime(_events.EventSource, RayInspectable):
         self.address = address
         self.ray_init_options = ray_init_options
         self._owns_ray = False
-        # Set by ``actorshm.run`` on the runtime it opens around ``main``: Ray starts on
-        # its first spawn, so that a runtime ``main`` opens itself starts it with its
-        # own options (``address``, ``namespace``, ...).
+        # Set by ``actorshm.run`` on the runtime it opens around ``main``: a runtime that
+        # ``main`` opens itself with options of its own takes Ray over from it while it
+        # has no actors (``_take_over``); it then connects again on its next spawn.
+        self.opened_by_run = False
         self.connect_on_first_use = False
         self._open = False
         self._closing = False
@@ -102,13 +106,32 @@ class RayRuntime(_events.EventSource, RayInspectable):
         if self.address is None:
             ray_env()  # read when Ray is imported
         import_ray()
-        if not self.connect_on_first_use:
-            self._connect()
+        self._take_over()
+        self._connect()
         self.loop = asyncio.get_running_loop()
         self._open = True
         _shm.set_budget(None, id(self))  # (no budget of its own: idle memory kept for reuse)
         _client.runtime_opened(self)
         return self
+
+    def _given(self) -> list:
+        return sorted(self.ray_init_options) + (["address"] if self.address else [])
+
+    def _take_over(self) -> None:
+        """Opened inside ``actorshm.run`` with options of its own: if the runtime that
+        ``run`` opened started Ray and has spawned nothing yet, that Ray goes, and this
+        one starts Ray (or joins its cluster) with these options. (One process holds one
+        connection to Ray.)"""
+        owner = _connected_by[0]
+        ray = import_ray()
+        if owner is None or owner is self or not owner.opened_by_run or owner._spawned \
+                or not self._given() or not ray.is_initialized():
+            return
+        ray.shutdown()
+        owner._owns_ray = False
+        owner.connect_on_first_use = True
+        CLIENT.fixed_cluster = False
+        _connected_by[0] = None
 
     def _connect(self) -> None:
         """Start Ray, or join the cluster at ``address``, unless this process is
@@ -116,7 +139,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
         self.connect_on_first_use = False
         ray = import_ray()
         if ray.is_initialized():
-            given = sorted(self.ray_init_options) + (["address"] if self.address else [])
+            given = self._given()
             if given and not self._owns_ray:
                 warnings.warn(
                     f"Runtime(backend='ray', {', '.join(f'{k}=...' for k in given)}): this "
@@ -136,6 +159,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
         # runs or RAY_ADDRESS is set (``None`` would join that one).
         ray.init(address=self.address or "local", **opts)
         self._owns_ray = True
+        _connected_by[0] = self
         CLIENT.fixed_cluster = self.address is None  # a local Ray: no autoscaler
 
     __reduce__ = _client.refuse_runtime
@@ -172,6 +196,9 @@ class RayRuntime(_events.EventSource, RayInspectable):
                     await asyncio.sleep(0)
                 ray.shutdown()
                 CLIENT.fixed_cluster = False
+                self._owns_ray = False
+                if _connected_by[0] is self:
+                    _connected_by[0] = None
         finally:
             self._open = False
             if not _client.runtime_closed(self):

@@ -478,9 +478,9 @@ def run(main, **runtime_options: Any):
 
     async def wrapper():
         # On Ray, one process holds one connection: a runtime ``main`` opens itself
-        # must be the one to start it, with its own options.
+        # with options of its own takes it over while this one has no actors.
         if rt.backend == "ray":
-            rt.connect_on_first_use = True
+            rt.opened_by_run = True
         async with rt:
             return await main
 

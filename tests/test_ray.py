@@ -1135,6 +1135,8 @@ NESTED_SCRIPT = textwrap.dedent("""
 
     async def main():
         outer = actorshm.current_runtime()
+        import ray  # (Ray is up before main's first spawn: run's runtime started it)
+        print("outer cpus", ray.cluster_resources()["CPU"])
         async with actorshm.Runtime(backend="ray", num_cpus=2, include_dashboard=False,
                                     runtime_env={{"env_vars": {{"MYVAR": "mine"}}}}):
             e = await EnvReader.spawn()
@@ -1165,7 +1167,7 @@ def test_a_runtime_main_opens_inside_run_starts_ray_with_its_own_options(tmp_pat
     # runtime_env, an address, a namespace) were silently dropped; and kill() on a
     # handle of an earlier Ray session raised Ray's own ActorHandleNotFoundError.
     out = _run_script(tmp_path, "nested.py", NESTED_SCRIPT)
-    assert "inner env mine" in out, out
+    assert "outer cpus 2.0" in out and "inner env mine" in out, out
     assert "namespace=...): this process is conne" in out, out
     assert "stale call ActorDiedError" in out and "outer 6" in out, out
     assert "stale kill returned" in out, out
