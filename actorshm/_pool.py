@@ -12,7 +12,7 @@ import inspect
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from ._actor import ActorHandle
-from ._errors import ActorDiedError
+from ._errors import ActorDiedError, RemoteTraceback
 
 __all__ = ["ActorPool"]
 
@@ -308,13 +308,23 @@ class ActorPool:
         if h not in self._members:  # removed while busy
             self._dispatch()
             return
-        if isinstance(exc, ActorDiedError):
+        if isinstance(exc, ActorDiedError) and not _lives(h, exc):
             self._members.remove(h)
             self._dead.append(str(exc).splitlines()[0] if str(exc) else repr(h))
             self._fail_queue_if_empty()
             return
         self._idle.append(h)
         self._dispatch()
+
+
+def _lives(h: ActorHandle, exc: ActorDiedError) -> bool:
+    """Whether member ``h`` stays in the pool after its call failed with ``exc``: the
+    error was another actor's death that ``h``'s method raised (it came back from the
+    actor, with its traceback), or ``h``'s actor lives or restarts (its client knows)."""
+    if isinstance(exc.__cause__, RemoteTraceback):
+        return True
+    reachable = getattr(h._client, "reachable", None)
+    return bool(reachable is not None and reachable(h._actor_id))
 
 
 def _cancel_all(futs) -> None:

@@ -328,6 +328,13 @@ class RayClient(CallOrder):
         return RayStream(gen, what, translate, outcome,
                          lambda _gen: self._cancel(actor_id, seq), self.wait)
 
+    def reachable(self, actor_id: RayActorId) -> bool | None:
+        """As ``Runtime.reachable``: False once killed, True while Ray restarts it (calls
+        wait for it), None when this process cannot tell (Ray knows, not us)."""
+        if actor_id.key in self._dead:
+            return False
+        return True if actor_id.key in self._restarting else None
+
     def actor_pid(self, actor_id: RayActorId, pid: int) -> int:
         return self._pids.get(actor_id.key, pid)
 

@@ -87,6 +87,12 @@ class Supervisor:
         or None."""
         return self._gone.get(actor_id) if self._gone else None
 
+    def reachable(self, actor_id: int) -> bool | None:
+        """Whether a call made now on ``actor_id`` can run: its process lives, or a
+        restart is coming (the call waits for it); False once it is dead for good."""
+        rec = self._actors.get(actor_id)
+        return rec is not None and rec.conn is not None and not rec.conn.closed
+
     def death_of(self, actor_id: int) -> str:
         """Why actor ``actor_id`` cannot be called: its death, or that it is unknown."""
         rec = self._actors.get(actor_id)

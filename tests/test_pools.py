@@ -6,7 +6,8 @@ import pytest
 
 import actorshm
 from actorshm import ActorDiedError, ActorPool
-from actors import Counter, PoolWorker
+from actors import Counter, Phoenix, PoolWorker
+from call_actors import Relay
 
 
 def work(a, v):
@@ -107,6 +108,37 @@ async def test_member_dying_mid_map_fails_with_actor_died_not_a_hang(rt):
         await asyncio.wait_for(f2, 10)
     with pytest.raises(ActorDiedError, match="has died"):
         pool.submit(lambda a, v: a.work(v), 3)
+
+
+async def test_another_actors_death_raised_by_a_member_keeps_the_member(rt):
+    # Errors keep their type: a member whose method awaited a dead actor raises
+    # ActorDiedError too, but it lives, and stays in the pool.
+    members = await asyncio.gather(Relay.spawn(), Relay.spawn())
+    gone = await Relay.spawn()
+    await gone.kill()
+    pool = ActorPool(members)
+    for f in [pool.submit(lambda a, v: a.call_back(v), gone) for _ in range(4)]:
+        with pytest.raises(ActorDiedError):
+            await asyncio.wait_for(f, 10)
+    assert len(pool) == 2
+    out = [r async for r in pool.map(lambda a, v: a.ping(), range(4))]
+    assert out == ["pong"] * 4
+
+
+async def test_a_member_that_restarts_stays_and_gets_work_again(rt):
+    members = await asyncio.gather(Phoenix.spawn(0), Phoenix.spawn(1))  # max_restarts=1
+    pool = ActorPool(members)
+    with pytest.raises(ActorDiedError):
+        await asyncio.wait_for(pool.submit(lambda a, v: a.crash(), None), 10)
+    assert len(pool) == 2  # it restarts: still a member; its next call waits for it
+    tags = {r[0] async for r in pool.map(lambda a, v: a.hit(), range(20))}
+    assert tags == {0, 1}
+    one = ActorPool([members[0]])  # out of restarts now: its death is for good
+    with pytest.raises(ActorDiedError):
+        await asyncio.wait_for(one.submit(lambda a, v: a.crash(), None), 10)
+    assert len(one) == 0
+    with pytest.raises(ActorDiedError, match="has died"):
+        one.submit(lambda a, v: a.hit(), None)
 
 
 async def test_leaving_map_early_cancels_the_work_in_flight(rt):
