@@ -42,6 +42,10 @@ def encode_exception(exc: BaseException, dumps=cloudpickle.dumps) -> bytes:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
         blob = dumps(exc, protocol=5)
+        try:
+            pickle.loads(blob)
+        except Exception:  # its type pickles, its __init__ cannot take back its args
+            blob = dumps(_ByState(exc), protocol=5)
     except Exception:
         blob = None
     t = type(exc)
@@ -65,6 +69,27 @@ def encode_exception(exc: BaseException, dumps=cloudpickle.dumps) -> bytes:
     elif len(msg) + len(tb) > MAX_MESSAGE - _BRIEF:  # unpicklable, with a huge text
         msg, tb = msg[:_BRIEF], tb[-_BRIEF:]
     return pickle.dumps((blob, name, msg, tb), protocol=5)
+
+
+class _ByState:
+    """Pickles an exception whose class's ``__init__`` cannot take back its ``args``
+    (keyword-only parameters, none at all, more than it passes up): its type, ``args``
+    and ``__dict__``, rebuilt without calling ``__init__``."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __reduce__(self):
+        exc = self.exc
+        return _rebuild_exception, (type(exc), exc.args, dict(vars(exc)) or None)
+
+
+def _rebuild_exception(cls: type, args: tuple, state: dict | None) -> BaseException:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    if state:
+        exc.__dict__.update(state)
+    return exc
 
 
 def encode_failure(exc: BaseException, why: BaseException) -> bytes:

@@ -74,8 +74,28 @@ class CustomError(Exception):
 
 
 class Unpicklable(Exception):
-    def __init__(self, a, b):  # pickle calls cls(*args) with one arg: fails
+    def __init__(self, a, b):
         super().__init__(f"{a}-{b}")
+        self.lock = threading.Lock()  # (cannot be pickled: the error comes as RemoteError)
+
+
+class KwOnlyError(Exception):
+    """Pickle rebuilds an exception with ``cls(*args)``: each of these refuses that."""
+
+    def __init__(self, *, code):
+        super().__init__(f"code={code}")
+        self.code = code
+
+
+class NoArgsError(Exception):
+    def __init__(self):
+        super().__init__("a fixed message")
+
+
+class TwoArgsError(ValueError):
+    def __init__(self, a, b):
+        super().__init__(f"{a}-{b}")
+        self.a, self.b = a, b
 
 
 @actor
@@ -211,6 +231,10 @@ class Faulty:
 
     def unpicklable(self):
         raise Unpicklable(1, 2)
+
+    def not_rebuilt_by_init(self, which):
+        raise {"kw": lambda: KwOnlyError(code=4), "none": NoArgsError,
+               "two": lambda: TwoArgsError(1, 2)}[which]()
 
     def crash(self):
         os.kill(os.getpid(), signal.SIGSEGV)

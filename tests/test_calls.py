@@ -10,7 +10,8 @@ import pytest
 from actorshm import RemoteError
 import actorshm
 from actors import (BreaksOnArrival, CalledBack, Caller, CallsBack, Concurrent, Counter,
-                    CustomError, Faulty, PoolWorker)
+                    CustomError, Faulty, KwOnlyError, NoArgsError, PoolWorker,
+                    TwoArgsError)
 
 
 async def test_spawn_call_and_local_use(rt_each):
@@ -108,6 +109,21 @@ async def test_same_exception_type_with_remote_traceback(rt):
         await f.unpicklable()
     assert "unpicklable" in str(info.value)
     assert await f.ok() == "ok"  # the actor is unaffected
+
+
+async def test_an_exception_whose_init_cannot_take_back_its_args_keeps_its_type(rt):
+    # Pickle rebuilds an exception with cls(*args): a keyword-only __init__, one with no
+    # parameters, or one with more than it passes up refused that, and the caller got
+    # RemoteError although the type pickles.
+    f = await Faulty.spawn()
+    with pytest.raises(KwOnlyError, match="code=4") as info:
+        await f.not_rebuilt_by_init("kw")
+    assert info.value.code == 4 and "not_rebuilt_by_init" in str(info.value.__cause__)
+    with pytest.raises(NoArgsError, match="a fixed message"):
+        await f.not_rebuilt_by_init("none")
+    with pytest.raises(ValueError, match="1-2") as info:
+        await f.not_rebuilt_by_init("two")
+    assert type(info.value) is TwoArgsError and (info.value.a, info.value.b) == (1, 2)
 
 
 async def test_init_exception_raised_from_spawn(rt):

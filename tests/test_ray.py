@@ -26,8 +26,8 @@ from actorshm._ray import ray_env  # noqa: E402
 
 ray_env()  # what a runtime that starts Ray sets: Ray binds 127.0.0.1, deaths fail calls at once
 from actors import (BreaksOnArrival, Caller, Concurrent, Counter, CustomError,  # noqa: E402
-                    EnvReader, Faulty, Phoenix, PoolWorker, Probe, Quirks, SlowStart,
-                    ThreadedCaller)
+                    EnvReader, Faulty, KwOnlyError, Phoenix, PoolWorker, Probe, Quirks,
+                    SlowStart, ThreadedCaller, TwoArgsError)
 from call_actors import Relay, Worker  # noqa: E402
 from ray_actors import ArrayUser, Streamer, ThreadCanceller, Ticker  # noqa: E402
 
@@ -312,6 +312,12 @@ async def test_method_errors_keep_their_type_and_remote_traceback(art):
     with pytest.raises(actorshm.RemoteError, match="Unpicklable"):
         await f.unpicklable()
     assert await f.ok() == "ok"
+    # a type that pickles, whose __init__ cannot take back its args: still its type
+    with pytest.raises(KwOnlyError, match="code=4") as info:
+        await f.not_rebuilt_by_init("kw")
+    assert info.value.code == 4
+    with pytest.raises(TwoArgsError, match="1-2"):
+        await f.not_rebuilt_by_init("two")
 
 
 async def test_an_exception_class_pickled_by_value_is_the_callers_own(art):
