@@ -1,7 +1,9 @@
 """Error replies: an exception raised by a call, pickled for the caller, and rebuilt there.
 
 The caller gets the same exception type where it pickles, with the remote traceback as
-its ``__cause__`` and a note naming the call; otherwise ``RemoteError`` with the type's
+its ``__cause__`` and a note naming the call: as pickle rebuilds it where that gives it
+back as it was, else from its ``args``, slots and ``__dict__`` without ``__init__``;
+otherwise (its type, or an attribute, does not pickle) ``RemoteError`` with the type's
 name, the message and the traceback text. An exception too big for a frame (it holds
 big data in its arguments) goes back as a new exception of its type with its message
 cut short, so that ``except ValueError:`` still works and the call still finishes.
@@ -10,8 +12,10 @@ cut short, so that ``except ValueError:`` still works and the call still finishe
 from __future__ import annotations
 
 import asyncio
+import copyreg
 import pickle
 import traceback
+import types
 
 import cloudpickle
 
@@ -40,20 +44,10 @@ def encode_exception(exc: BaseException, dumps=cloudpickle.dumps) -> bytes:
     value) is rebuilt there as the caller's own class (Ray's copy of cloudpickle on the
     Ray backend, which keeps its own record of such classes)."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        blob = dumps(exc, protocol=5)
-        try:
-            pickle.loads(blob)
-        except Exception:  # its type pickles, its __init__ cannot take back its args
-            blob = dumps(_ByState(exc), protocol=5)
-    except Exception:
-        blob = None
     t = type(exc)
     name = _type_name(t)
-    try:
-        msg = str(exc)
-    except Exception:
-        msg = "<unprintable exception>"
+    msg = _text(exc)
+    blob = _pickle_exception(exc, dumps, msg)
     if blob is not None and len(blob) + len(msg) + len(tb) > MAX_MESSAGE - _BRIEF:
         size = len(blob)
         note = (f" [actorshm: this {name} was {size / 2**20:.1f} MiB pickled, over the "
@@ -61,9 +55,15 @@ def encode_exception(exc: BaseException, dumps=cloudpickle.dumps) -> bytes:
         msg = msg[:_BRIEF] + note
         tb = tb[-_BRIEF:]
         try:
-            blob = dumps(t(msg), protocol=5)
-        except Exception:
-            blob = None
+            small = t(msg)
+            if type(small) is not t or _text(small) != msg:
+                raise TypeError(msg)
+        except Exception:  # its __init__ takes no message, or formats it again
+            try:
+                small = _rebuild_exception(t, (msg,), None)
+            except Exception:
+                small = None
+        blob = None if small is None else _pickle_exception(small, dumps, msg)
         if blob is not None and len(blob) > _BRIEF * 2:
             blob = None
     elif len(msg) + len(tb) > MAX_MESSAGE - _BRIEF:  # unpicklable, with a huge text
@@ -71,22 +71,123 @@ def encode_exception(exc: BaseException, dumps=cloudpickle.dumps) -> bytes:
     return pickle.dumps((blob, name, msg, tb), protocol=5)
 
 
-class _ByState:
-    """Pickles an exception whose class's ``__init__`` cannot take back its ``args``
-    (keyword-only parameters, none at all, more than it passes up): its type, ``args``
-    and ``__dict__``, rebuilt without calling ``__init__``."""
+def _text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return "<unprintable exception>"
 
-    def __init__(self, exc: BaseException) -> None:
+
+def _pickle_exception(exc: BaseException, dumps, msg: str) -> bytes | None:
+    """``exc`` pickled so that it loads as its own type with its own message: the way
+    pickle does it where that rebuilds it, else by its state (``_ByState``); ``None``
+    where neither pickles (its type cannot be, or an attribute such as a lock)."""
+    try:
+        blob = dumps(exc, protocol=5)
+    except Exception:  # its type or an attribute does not pickle, or its __reduce__ fails
+        blob = None
+    if blob is not None and _rebuilds(blob, exc, msg):
+        return blob
+    try:
+        return dumps(_ByState(exc), protocol=5)
+    except Exception:
+        pass
+    try:  # a slot's value (say, AttributeError.obj) does not pickle: without the slots
+        return dumps(_ByState(exc, slots=False), protocol=5)
+    except Exception:
+        return None
+
+
+def _rebuilds(blob: bytes, exc: BaseException, msg: str) -> bool:
+    """Whether ``blob`` loads back (here) as ``exc``. Pickle rebuilds an exception with
+    ``cls(*args)``: an ``__init__`` with keyword-only parameters, none at all, or more
+    than it passes up refuses that, and one that formats its message formats it again
+    (``code=code=4``). A class with a ``__reduce__`` or ``__setstate__`` of its own
+    decides what it comes back as: for it, only that it loads is checked."""
+    try:
+        back = pickle.loads(blob)
+    except Exception:
+        return False
+    if not _default_reduce(type(exc)):
+        return True
+    try:
+        return type(back) is type(exc) and str(back) == msg
+    except Exception:
+        return False
+
+
+def _default_reduce(t: type) -> bool:
+    """Whether ``t``'s instances pickle as a built-in exception's do."""
+    if t in copyreg.dispatch_table:
+        return False
+    for attr in ("__reduce_ex__", "__reduce__", "__setstate__"):
+        owner = next((k for k in t.__mro__ if attr in k.__dict__), object)
+        if owner.__module__ != "builtins":
+            return False
+    return True
+
+
+# What the exception object keeps outside ``args`` and ``__dict__`` that is not state,
+# or that the caller sets on its own.
+_NOT_SLOTS = frozenset(("args", "__dict__", "__weakref__", "__traceback__", "__context__",
+                        "__cause__", "__suppress_context__", "__notes__"))
+
+
+def _slots(exc: BaseException) -> dict:
+    """The values of ``exc``'s slots: its classes' ``__slots__``, and those of a built-in
+    base (``OSError``'s ``errno``, ``strerror``, ``filename``; ``StopIteration.value``,
+    ``ImportError.name``...), which ``__init__`` sets from its arguments and which a
+    rebuild without ``__init__`` would leave unset."""
+    out: dict = {}
+    for k in type(exc).__mro__:
+        for attr, d in vars(k).items():
+            if attr in out or attr in _NOT_SLOTS or not isinstance(
+                    d, (types.MemberDescriptorType, types.GetSetDescriptorType)):
+                continue
+            try:
+                value = getattr(exc, attr)
+            except AttributeError:  # an empty slot (BlockingIOError.characters_written)
+                continue
+            if value is None and k.__module__ == "builtins":
+                continue  # unset reads as None; set to None, OSError's str shows '-> None'
+            out[attr] = value
+    return out
+
+
+class _ByState:
+    """Pickles an exception that pickle's own way does not rebuild as it was (its
+    class's ``__init__`` cannot take back its ``args``: keyword-only parameters, none at
+    all, more than it passes up; or formats them again; or a ``__reduce__`` that fails):
+    its type (by reference, or by value as ``dumps`` does it), ``args``, slots and
+    ``__dict__``, rebuilt without calling ``__init__``."""
+
+    def __init__(self, exc: BaseException, slots: bool = True) -> None:
         self.exc = exc
+        self.slots = slots
 
     def __reduce__(self):
         exc = self.exc
-        return _rebuild_exception, (type(exc), exc.args, dict(vars(exc)) or None)
+        slots = _slots(exc) if self.slots else None
+        return _rebuild_exception, (type(exc), exc.args, dict(vars(exc)) or None,
+                                    slots or None)
 
 
-def _rebuild_exception(cls: type, args: tuple, state: dict | None) -> BaseException:
-    exc = cls.__new__(cls, *args)
+def _rebuild_exception(cls: type, args: tuple, state: dict | None,
+                       slots: dict | None = None) -> BaseException:
+    try:
+        exc = cls.__new__(cls, *args)
+    except Exception:  # a __new__ of its own that refuses its args
+        exc = None
+    if not isinstance(exc, cls):  # the first __new__ written in C (BaseException's...)
+        base = next(k for k in cls.__mro__ if "__new__" in vars(k) and not isinstance(
+            vars(k)["__new__"], (staticmethod, types.FunctionType)))
+        exc = base.__new__(cls, *args)
     exc.args = args
+    for attr, value in (slots or {}).items():
+        try:
+            setattr(exc, attr, value)
+        except (AttributeError, TypeError, ValueError):  # pragma: no cover - read-only
+            pass
     if state:
         exc.__dict__.update(state)
     return exc

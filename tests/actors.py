@@ -1,6 +1,7 @@
 """Actor classes the tests spawn. Kept free of pytest so actor processes import it fast."""
 
 import asyncio
+import errno
 import os
 import signal
 import sys
@@ -96,6 +97,49 @@ class TwoArgsError(ValueError):
     def __init__(self, a, b):
         super().__init__(f"{a}-{b}")
         self.a, self.b = a, b
+
+
+class FormatsError(Exception):
+    """``cls(*args)`` works, and formats the message again: ``code=code=4``."""
+
+    def __init__(self, code):
+        super().__init__(f"code={code}")
+        self.code = code
+
+
+class PathError(FileNotFoundError):
+    """An ``OSError`` whose ``errno``, ``strerror`` and ``filename`` are not in ``args``'s
+    order an ``__init__`` of its own takes back."""
+
+    def __init__(self, *, path):
+        super().__init__(errno.ENOENT, "no such thing", path)
+
+
+class SlotsError(Exception):
+    __slots__ = ("code",)
+
+    def __init__(self, *, code):
+        super().__init__(f"code={code}")
+        self.code = code
+
+
+class NewKwError(Exception):
+    def __new__(cls, *, code):
+        return super().__new__(cls)
+
+    def __init__(self, *, code):
+        super().__init__(f"code={code}")
+        self.code = code
+
+
+class RefusesReduceError(Exception):
+    def __reduce__(self):
+        raise TypeError("not pickled by its __reduce__")
+
+
+class BigKwError(ValueError):
+    def __init__(self, *, data):
+        super().__init__("payload", data)
 
 
 @actor
@@ -235,6 +279,11 @@ class Faulty:
     def not_rebuilt_by_init(self, which):
         raise {"kw": lambda: KwOnlyError(code=4), "none": NoArgsError,
                "two": lambda: TwoArgsError(1, 2)}[which]()
+
+    def rebuilt_by_state(self, which):
+        raise {"formats": lambda: FormatsError(4), "path": lambda: PathError(path="/x"),
+               "slots": lambda: SlotsError(code=4), "new": lambda: NewKwError(code=4),
+               "reduce": lambda: RefusesReduceError("refused")}[which]()
 
     def crash(self):
         os.kill(os.getpid(), signal.SIGSEGV)
@@ -690,6 +739,9 @@ class Oversized:
 
     def raise_big(self, n):
         raise ValueError("payload", np.ones(n, np.uint8))
+
+    def raise_big_kw(self, n):
+        raise BigKwError(data=np.ones(n, np.uint8))  # its __init__ takes no message
 
     async def araise_big(self, n):
         raise ValueError("payload", np.ones(n, np.uint8))

@@ -10,7 +10,8 @@ import pytest
 from actorshm import RemoteError
 import actorshm
 from actors import (BreaksOnArrival, CalledBack, Caller, CallsBack, Concurrent, Counter,
-                    CustomError, Faulty, KwOnlyError, NoArgsError, PoolWorker,
+                    CustomError, Faulty, FormatsError, KwOnlyError, NewKwError,
+                    NoArgsError, PathError, PoolWorker, RefusesReduceError, SlotsError,
                     TwoArgsError)
 
 
@@ -124,6 +125,31 @@ async def test_an_exception_whose_init_cannot_take_back_its_args_keeps_its_type(
     with pytest.raises(ValueError, match="1-2") as info:
         await f.not_rebuilt_by_init("two")
     assert type(info.value) is TwoArgsError and (info.value.a, info.value.b) == (1, 2)
+
+
+async def test_an_exception_pickle_does_not_rebuild_as_it_was_keeps_type_and_message(rt):
+    # Rebuilt by its state where pickle's cls(*args) gives something else, or fails
+    # elsewhere than __init__: each came back with a wrong message, or as RemoteError.
+    f = await Faulty.spawn()
+    with pytest.raises(FormatsError) as info:  # cls(*args) gave "code=code=4"
+        await f.rebuilt_by_state("formats")
+    assert str(info.value) == "code=4" and info.value.code == 4
+    assert "rebuilt_by_state" in str(info.value.__cause__)
+    assert any("rebuilt_by_state" in n for n in info.value.__notes__)
+    with pytest.raises(FileNotFoundError) as info:  # errno, strerror, filename kept
+        await f.rebuilt_by_state("path")
+    e = info.value
+    assert type(e) is PathError and str(e) == "[Errno 2] no such thing: '/x'"
+    assert (e.errno, e.strerror, e.filename, e.filename2) == (2, "no such thing", "/x", None)
+    with pytest.raises(SlotsError, match="code=4") as info:  # a __slots__ value kept
+        await f.rebuilt_by_state("slots")
+    assert info.value.code == 4
+    with pytest.raises(NewKwError, match="code=4") as info:  # __new__ takes no args
+        await f.rebuilt_by_state("new")
+    assert info.value.code == 4
+    with pytest.raises(RefusesReduceError, match="refused"):  # __reduce__ raises
+        await f.rebuilt_by_state("reduce")
+    assert await f.ok() == "ok"
 
 
 async def test_init_exception_raised_from_spawn(rt):

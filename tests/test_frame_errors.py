@@ -12,7 +12,7 @@ import actorshm
 from actorshm import _protocol as P
 from actorshm import _encoding, _shm
 from actorshm import _wire as W
-from actors import Arrays, Counter, Oversized
+from actors import Arrays, BigKwError, Counter, Oversized
 from recorder import Recorder
 
 
@@ -102,6 +102,17 @@ async def test_an_error_reply_over_the_frame_limit_reaches_the_caller(rt, method
         getattr(info.value, "__notes__", []))
     for _ in range(3):  # the actor's only slot was given back
         assert await asyncio.wait_for(o.ok(), 10) == "ok"
+
+
+async def test_an_error_reply_over_the_frame_limit_keeps_a_type_whose_init_takes_no_message(
+        rt):
+    # The cut-short copy was made with type(exc)(message): a keyword-only __init__
+    # refused it, and the caller got RemoteError.
+    o = await Oversized.spawn()
+    assert await o.lower_frame_limit(100_000)
+    with pytest.raises(BigKwError, match="payload.*frame limit"):
+        await asyncio.wait_for(o.raise_big_kw(1_000_000), 10)
+    assert await asyncio.wait_for(o.ok(), 10) == "ok"
 
 
 async def test_a_reply_the_frame_writer_refuses_becomes_an_error_reply(rt):

@@ -26,8 +26,8 @@ from actorshm._ray import ray_env  # noqa: E402
 
 ray_env()  # what a runtime that starts Ray sets: Ray binds 127.0.0.1, deaths fail calls at once
 from actors import (BreaksOnArrival, Caller, Concurrent, Counter, CustomError,  # noqa: E402
-                    EnvReader, Faulty, KwOnlyError, Phoenix, PoolWorker, Probe, Quirks,
-                    SlowStart, ThreadedCaller, TwoArgsError)
+                    EnvReader, Faulty, FormatsError, KwOnlyError, PathError, Phoenix,
+                    PoolWorker, Probe, Quirks, SlowStart, ThreadedCaller, TwoArgsError)
 from call_actors import Relay, Worker  # noqa: E402
 from ray_actors import ArrayUser, Streamer, ThreadCanceller, Ticker  # noqa: E402
 
@@ -318,6 +318,13 @@ async def test_method_errors_keep_their_type_and_remote_traceback(art):
     assert info.value.code == 4
     with pytest.raises(TwoArgsError, match="1-2"):
         await f.not_rebuilt_by_init("two")
+    # one pickle rebuilds with another message, an OSError with its own __init__
+    with pytest.raises(FormatsError) as info:
+        await f.rebuilt_by_state("formats")
+    assert str(info.value) == "code=4"
+    with pytest.raises(PathError) as info:
+        await f.rebuilt_by_state("path")
+    assert str(info.value) == "[Errno 2] no such thing: '/x'" and info.value.errno == 2
 
 
 async def test_an_exception_class_pickled_by_value_is_the_callers_own(art):
