@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from ._actor import ActorHandle
 from ._errors import ActorDiedError, RemoteTraceback
+from ._util import first_line
 
 __all__ = ["ActorPool"]
 
@@ -46,10 +47,12 @@ class ActorPool:
     (``lambda a, v: a.step(v)``), or be an ``async def`` that awaits calls on it.
     Work waits in a queue, first in first out, until an actor is free.
 
-    A member whose call raises ``ActorDiedError`` leaves the pool (that call's awaitable
-    raises the error; work still queued goes to the others). Once no member is left,
-    queued and new work fails with ``ActorDiedError`` instead of waiting forever.
-    ``push`` a restarted actor back to use it again.
+    A member whose actor is dead for good (killed, out of ``max_restarts``) leaves the
+    pool once a call on it raises ``ActorDiedError`` (that call's awaitable raises the
+    error; work still queued goes to the others). Once no member is left, queued and new
+    work fails with ``ActorDiedError`` instead of waiting forever. A member whose actor
+    restarts stays (its call at the death fails; later work waits for the new process),
+    and so does one whose method raised another actor's ``ActorDiedError``.
 
     Args:
         handles: the actors (a non-empty list of distinct handles).
@@ -66,6 +69,9 @@ class ActorPool:
         self._queue: collections.deque = collections.deque()  # (fn, value, future)
         self._busy: dict[ActorHandle, asyncio.Future] = {}
         self._dead: list[str] = []  # why members left the pool by dying
+        # Members whose actor restarts but cannot take a call yet (``_rest``): neither
+        # idle nor busy, checked again on a timer until it can, or is dead for good.
+        self._resting: dict[ActorHandle, asyncio.TimerHandle] = {}
 
     # -- members -------------------------------------------------------------------
     def __len__(self) -> int:
@@ -114,6 +120,7 @@ class ActorPool:
         self._members.remove(handle)
         if handle in self._idle:
             self._idle.remove(handle)
+        self._stop_resting(handle)
         self._fail_queue_if_empty()
 
     def pop_idle(self) -> ActorHandle | None:
@@ -174,7 +181,8 @@ class ActorPool:
             values: an iterable of values, one call each.
 
         Raises:
-            ActorDiedError: a member died running an item (it leaves the pool).
+            ActorDiedError: a member died running an item (dead for good, it
+                leaves the pool).
             Exception: the first error of ``fn`` or of a call, as ``await`` raises it.
         """
         pending: collections.deque = collections.deque()
@@ -204,7 +212,8 @@ class ActorPool:
             values: an iterable of values, one call each.
 
         Raises:
-            ActorDiedError: a member died running an item (it leaves the pool).
+            ActorDiedError: a member died running an item (dead for good, it
+                leaves the pool).
             Exception: the first error of ``fn`` or of a call, as ``await`` raises it.
         """
         pending: set = set()
@@ -308,23 +317,70 @@ class ActorPool:
         if h not in self._members:  # removed while busy
             self._dispatch()
             return
-        if isinstance(exc, ActorDiedError) and not _lives(h, exc):
-            self._members.remove(h)
-            self._dead.append(str(exc).splitlines()[0] if str(exc) else repr(h))
-            self._fail_queue_if_empty()
-            return
+        if isinstance(exc, ActorDiedError):
+            if not _lives(h, exc):
+                self._drop_dead(h, str(exc).splitlines()[0] if str(exc) else repr(h))
+                return
+            if not _takes_calls(h):  # it restarts, but a call now would fail at once
+                self._rest(h, RESTING_FIRST)
+                return
         self._idle.append(h)
         self._dispatch()
 
+    def _drop_dead(self, h: ActorHandle, why: str) -> None:
+        """Member ``h``'s actor is dead for good: it leaves the pool."""
+        self._members.remove(h)
+        self._dead.append(why)
+        self._fail_queue_if_empty()
 
-def _lives(h: ActorHandle, exc: ActorDiedError) -> bool:
+    def _rest(self, h: ActorHandle, delay: float) -> None:
+        """Keep member ``h`` out of work for ``delay`` seconds, then check it again: on the
+        local backend a restarted process that dies while starting leaves its actor
+        refusing calls at once until the next restart begins (some 50 ms plus a
+        back-off), and work given to it then would fail, item after item."""
+        self._resting[h] = asyncio.get_running_loop().call_later(
+            delay, self._wake, h, min(delay * 2, RESTING_MAX))
+
+    def _wake(self, h: ActorHandle, next_delay: float) -> None:
+        if self._resting.pop(h, None) is None or h not in self._members:
+            return
+        if not _lives(h, None):
+            death_of = getattr(h._client, "death_of", None)
+            self._drop_dead(h, first_line(death_of(h._actor_id)) if death_of is not None
+                            else f"{h!r} could not be restarted")
+        elif not _takes_calls(h):
+            self._rest(h, next_delay)
+        else:
+            self._idle.append(h)
+            self._dispatch()
+
+    def _stop_resting(self, h: ActorHandle) -> None:
+        timer = self._resting.pop(h, None)
+        if timer is not None:
+            timer.cancel()
+
+
+RESTING_FIRST = 0.02  # seconds before a restarting member is checked again (doubling)
+RESTING_MAX = 0.5
+
+
+def _lives(h: ActorHandle, exc: ActorDiedError | None) -> bool:
     """Whether member ``h`` stays in the pool after its call failed with ``exc``: the
     error was another actor's death that ``h``'s method raised (it came back from the
-    actor, with its traceback), or ``h``'s actor lives or restarts (its client knows)."""
-    if isinstance(exc.__cause__, RemoteTraceback):
+    actor, with its traceback), or ``h``'s actor lives or restarts (its client knows:
+    the local runtime's record, or Ray's restart watch; a client that cannot tell, as
+    inside an actor, counts it as dead)."""
+    if exc is not None and isinstance(exc.__cause__, RemoteTraceback):
         return True
     reachable = getattr(h._client, "reachable", None)
     return bool(reachable is not None and reachable(h._actor_id))
+
+
+def _takes_calls(h: ActorHandle) -> bool:
+    """Whether a call on ``h`` made now runs or waits for its actor's restart, rather than
+    failing at once (only the local runtime has such a moment: ``takes_calls``)."""
+    takes = getattr(h._client, "takes_calls", None)
+    return takes is None or bool(takes(h._actor_id))
 
 
 def _cancel_all(futs) -> None:

@@ -88,8 +88,24 @@ class Supervisor:
         return self._gone.get(actor_id) if self._gone else None
 
     def reachable(self, actor_id: int) -> bool | None:
-        """Whether a call made now on ``actor_id`` can run: its process lives, or a
-        restart is coming (the call waits for it); False once it is dead for good."""
+        """Whether actor ``actor_id`` lives or a restart is coming; False once it is dead
+        for good (killed, out of restarts, its ``__init__`` raised on a restart, or the
+        runtime closes). Its connection may be closed for a moment while a restart is
+        coming (a restarted process died while starting; see ``takes_calls``): then the
+        restarts left decide, as ``_after_death`` will."""
+        rec = self._actors.get(actor_id)
+        if rec is None or rec.no_restart or self._closing:
+            return False
+        if rec.conn is not None and not rec.conn.closed:
+            return True
+        limit = rec.options.max_restarts
+        return rec.init_error is None and (limit == -1 or rec.restarts < limit)
+
+    def takes_calls(self, actor_id: int) -> bool:
+        """Whether a call made now on ``actor_id`` runs, or waits for a restart, rather
+        than failing at once: False from the moment a restarted process dies while
+        starting until the runtime starts the next one (``_restart_failed``: some 50 ms,
+        plus the back-off), and once the actor is dead for good."""
         rec = self._actors.get(actor_id)
         return rec is not None and rec.conn is not None and not rec.conn.closed
 

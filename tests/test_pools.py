@@ -6,7 +6,7 @@ import pytest
 
 import actorshm
 from actorshm import ActorDiedError, ActorPool
-from actors import Counter, Phoenix, PoolWorker
+from actors import Counter, FlakyStart, Phoenix, PoolWorker
 from call_actors import Relay
 
 
@@ -139,6 +139,44 @@ async def test_a_member_that_restarts_stays_and_gets_work_again(rt):
     assert len(one) == 0
     with pytest.raises(ActorDiedError, match="has died"):
         one.submit(lambda a, v: a.hit(), None)
+
+
+async def test_a_member_whose_restart_dies_while_starting_stays_and_gets_the_queue(
+        rt, tmp_path):
+    # Between a restarted process dying while it starts and the next restart, calls on
+    # the actor fail at once: the pool neither drops the member (restarts are left) nor
+    # burns its queue on it; the queued work waits for the restart that works.
+    marker = tmp_path / "crash-next-start"
+    a = await FlakyStart.spawn(str(marker))  # max_restarts=3
+    pid1 = await a.ping()
+    pool = ActorPool([a])
+    marker.write_text("x")  # the first restart's __init__ crashes; the second works
+    with pytest.raises(ActorDiedError):
+        await asyncio.wait_for(pool.submit(lambda h, v: h.crash(), None), 10)
+    first = pool.submit(lambda h, v: h.ping(), 0)  # waits for the restart that dies
+    queued = [pool.submit(lambda h, v: h.ping(), v) for v in range(1, 6)]
+    with pytest.raises(ActorDiedError):  # a call pending at a death fails (at most once)
+        await asyncio.wait_for(first, 10)
+    assert len(pool) == 1
+    pids = await asyncio.wait_for(asyncio.gather(*queued), 20)
+    assert len(set(pids)) == 1 and pids[0] != pid1 and not marker.exists()
+
+
+async def test_a_member_whose_restarts_all_die_while_starting_leaves_at_the_last(
+        rt, tmp_path):
+    marker = tmp_path / "crash-every-start"
+    a = await FlakyStart.spawn(str(marker), False)  # max_restarts=3, each restart dies
+    pool = ActorPool([a])
+    marker.write_text("x")
+    futs = [pool.submit(lambda h, v: h.crash(), None)]
+    futs += [pool.submit(lambda h, v: h.ping(), v) for v in range(12)]
+    out = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 30)
+    assert all(isinstance(e, ActorDiedError) for e in out)
+    # the death, then one call per restart that died (each waited for its restart),
+    # then the member left, dead for good, and the rest failed at once
+    died = [str(e) for e in out if "every actor" not in str(e)]
+    assert len(died) == 4 and "code 9" in died[0] and all("code 3" in d for d in died[1:])
+    assert len(pool) == 0
 
 
 async def test_leaving_map_early_cancels_the_work_in_flight(rt):

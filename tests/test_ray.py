@@ -807,6 +807,25 @@ async def test_actor_pool(art):
     assert [(await w.counts())["peak"] for w in ws] == [1, 1]  # one call per actor
 
 
+async def test_actor_pool_keeps_members_that_live(art):
+    # A member that raised another actor's death (errors keep their type) lives; one
+    # that max_restarts brings back stays too, and takes work again.
+    member, gone = await Relay.spawn(), await Relay.spawn()
+    await gone.kill()
+    pool = actorshm.ActorPool([member])
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(pool.submit(lambda h, v: h.call_back(v), gone), 30)
+    assert len(pool) == 1 and await pool.submit(lambda h, v: h.ping(), None) == "pong"
+    await member.kill()
+    p = await Phoenix.spawn("a")  # max_restarts=1
+    pool = actorshm.ActorPool([p])
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(pool.submit(lambda h, v: h.crash(), None), 30)
+    assert len(pool) == 1
+    assert (await asyncio.wait_for(pool.submit(lambda h, v: h.hit(), None), 60))[:2] \
+        == ("a", 1)
+
+
 async def test_actor_group(art):
     g = await actorshm.ActorGroup.spawn(PoolWorker, 3)
     tags = [t for t, _ in await g.work(0)]
