@@ -370,10 +370,11 @@ def _lives(h: ActorHandle, exc: ActorDiedError | None) -> bool:
     actor, with its traceback), or ``h``'s actor lives or restarts (its client knows:
     the local runtime's record, or Ray's restart watch; a client that cannot tell, as
     inside an actor, counts it as dead)."""
-    if exc is not None and isinstance(exc.__cause__, RemoteTraceback):
-        return True
     reachable = getattr(h._client, "reachable", None)
-    return bool(reachable is not None and reachable(h._actor_id))
+    known = reachable(h._actor_id) if reachable is not None else None
+    if exc is not None and isinstance(exc.__cause__, RemoteTraceback):
+        return known is not False  # (an actor's own reply may say it is dead for good)
+    return bool(known)
 
 
 def _takes_calls(h: ActorHandle) -> bool:

@@ -29,7 +29,7 @@ from ._ray_errors import check_args, outcome, translate, unavailable_error
 from ._ray_host import Host, simple
 from ._ray_order import CallOrder, ray_up
 from ._ray_placement import await_ready, check_feasible, requested
-from ._remote_errors import decode_exception
+from ._remote_errors import copy_exc, decode_exception
 from ._streams import chain
 
 __all__ = ["RayClient", "RayActorId", "CLIENT", "get_client", "ray_env", "import_ray"]
@@ -152,9 +152,9 @@ class RayClient(CallOrder):
         if deps:  # results as arguments
             if all(d.done() for d in deps):  # finished: their results in their places
                 try:
-                    args, kwargs = with_results(args), with_results(kwargs)
+                    args, kwargs = _with_results(args, kwargs)
                 except DependencyFailed as dep:
-                    fut.set_exception(dep.exc)
+                    fut.set_exception(copy_exc(dep.exc))
                     return fut
             else:  # sent once they are in, under the number it takes now
                 check_args(args, kwargs, what)
@@ -188,9 +188,9 @@ class RayClient(CallOrder):
                     fut.set_exception(ActorDiedError(f"{what}: the actor {why}"))
                 raise _Dropped
             try:
-                args, kwargs = with_results(args), with_results(kwargs)
+                args, kwargs = _with_results(args, kwargs)
             except DependencyFailed as dep:
-                fut.set_exception(dep.exc)
+                fut.set_exception(copy_exc(dep.exc))
                 raise _Dropped from None
             held = self._restarting.get(actor_id.key)
             if held is not None:  # the actor restarts: the call waits for it too
@@ -328,6 +328,10 @@ class RayClient(CallOrder):
         return RayStream(gen, what, translate, outcome,
                          lambda _gen: self._cancel(actor_id, seq), self.wait)
 
+    def busy(self) -> bool:
+        """Whether anything waits on Ray here (a spawn, a call, a call's arguments)."""
+        return bool(self._waits or self._waits_for_args or any(self._open.values()))
+
     def reachable(self, actor_id: RayActorId) -> bool | None:
         """As ``Runtime.reachable``: False once killed, True while Ray restarts it (calls
         wait for it), None when this process cannot tell (Ray knows, not us)."""
@@ -348,7 +352,9 @@ class RayClient(CallOrder):
         started = process_start(pid)  # (None: not a process of this machine)
         try:
             ray.kill(actor_id.handle, no_restart=True)
-        except Exception:  # a handle of an earlier Ray session: gone with it
+        except Exception as exc:  # a handle of an earlier Ray session: gone with it
+            if "HandleNotFound" not in type(exc).__name__:
+                raise
             self._release(actor_id, None)
             return
         self._release(actor_id, None)  # calls waiting for a restart fail now
@@ -493,6 +499,12 @@ async def _failed_stream(exc: BaseException):
     """A stream whose first item raises ``exc`` (a streaming call on a dead actor)."""
     raise exc
     yield  # (an async generator)
+
+
+def _with_results(args: tuple, kwargs: dict) -> tuple:
+    """``with_results`` of each argument (at the depth ``futures_in`` looked at them)."""
+    return (tuple(with_results(a) for a in args),
+            {k: with_results(v) for k, v in kwargs.items()})
 
 
 class _Dropped(Exception):

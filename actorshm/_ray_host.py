@@ -237,8 +237,8 @@ class Host(Watched):
         actor busy in a long sync method answers at once): ``(ready, meta)`` with
         ``ready`` as ``ready`` gives it, or None while ``__init__`` has yet to run
         (that waits for ``ready``, on the actor's own loop)."""
-        if self._pending_init is not None:
-            return None
+        if self._instance is None and self._init_error is None:
+            return None  # (not built yet, or its __init__ is running)
         ready = (False, self._init_error) if self._init_error is not None else \
             (True, os.getpid())
         return ready, self._meta

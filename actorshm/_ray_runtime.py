@@ -125,7 +125,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
         owner = _connected_by[0]
         ray = import_ray()
         if owner is None or owner is self or not owner.opened_by_run or owner._spawned \
-                or not self._given() or not ray.is_initialized():
+                or not self._given() or not ray.is_initialized() or CLIENT.busy():
             return
         ray.shutdown()
         owner._owns_ray = False

@@ -271,6 +271,23 @@ async def test_unfinished_calls_as_arguments_are_sent_with_their_results_in_orde
     assert (await other.get_log())[-2:] == [0.3, "last"]
 
 
+async def test_results_as_arguments_are_replaced_as_deep_as_they_are_found():
+    # (in-process: the Ray client looks for call futures eight containers down)
+    from actorshm._ray import _with_results
+    from actorshm._results import CallFuture, futures_in
+    f = CallFuture()
+    f.set_result(7)
+    deep = f
+    for _ in range(8):
+        deep = [deep]
+    assert futures_in((deep,)) == [f]
+    args, kwargs = _with_results((deep,), {"k": deep})
+    for got in (args[0], kwargs["k"]):
+        for _ in range(8):
+            got = got[0]
+        assert got == 7
+
+
 async def test_unfinished_calls_as_arguments_inside_actors(art):
     r, w = await asyncio.gather(Relay.spawn(), Worker.spawn())
     assert await r.pass_along(w, w) == 0.2
