@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import actorshm
+import reentrant_cases
 from call_actors import Relay, Worker
 
 
@@ -320,43 +321,15 @@ async def test_awaiting_a_stream_says_to_iterate(rt):
 
 # -- re-entrant chains --------------------------------------------------------------
 async def test_reentrant_chain_raises_at_once(rt):
-    a = await Relay.spawn()
-    b = await Relay.spawn()
-    await a.set_self(a)
-    t0 = time.monotonic()
-    with pytest.raises(actorshm.ReentrantCallError, match=r"Relay.ping_via .*Relay.call_back"):
-        await asyncio.wait_for(a.ping_via(b), 10)
-    assert time.monotonic() - t0 < 1.0
-    assert await a.ping() == "pong"  # both stay usable
-    assert await b.call_back(a) == "pong"
+    await reentrant_cases.chain_is_refused_at_once(limit=1.0)
 
 
 async def test_reentrant_chain_through_every_slot_raises(rt):
-    # A runs two calls at once; both wait for B, whose calls back to A would wait for a
-    # slot of A: the second one to arrive finds every slot held by a call waiting on it
-    a = await Relay.options(max_concurrency=2).spawn()
-    b = await Relay.options(max_concurrency=2).spawn()
-    await a.set_self(a)
-    t0 = time.monotonic()
-    out = await asyncio.wait_for(asyncio.gather(
-        a.ping_via(b, 0.2), a.ping_via(b, 0.2), return_exceptions=True), 10)
-    assert time.monotonic() - t0 < 5
-    errors = [e for e in out if isinstance(e, actorshm.ReentrantCallError)]
-    assert len(errors) == 1 and out.count("pong") == 1, out
-    assert "max_concurrency=2" in str(errors[0])
-    assert await a.ping() == "pong"
+    await reentrant_cases.every_slot_waiting_refuses_the_call_back(limit=5.0)
 
 
 async def test_call_back_into_a_full_actor_whose_other_call_ends_waits(rt):
-    # one slot of A waits for B's call back, the other runs a call that ends by itself:
-    # no deadlock, so no error; the call back runs once that slot frees
-    a = await Relay.options(max_concurrency=2).spawn()
-    b = await Relay.spawn()
-    await a.set_self(a)
-    held = a.hold(0.5)
-    await asyncio.sleep(0.1)
-    assert await asyncio.wait_for(a.ping_via(b, 0.2), 10) == "pong"
-    assert await held == "held"
+    await reentrant_cases.a_call_back_into_a_slot_that_frees_waits(limit=5.0)
 
 
 # -- no noise -------------------------------------------------------------------------

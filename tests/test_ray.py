@@ -28,6 +28,7 @@ ray_env()  # what a runtime that starts Ray sets: Ray binds 127.0.0.1, deaths fa
 from actors import (BreaksOnArrival, Caller, Concurrent, Counter, CustomError,  # noqa: E402
                     EnvReader, Faulty, FormatsError, KwOnlyError, PathError, Phoenix,
                     PoolWorker, Probe, Quirks, SlowStart, ThreadedCaller, TwoArgsError)
+import reentrant_cases  # noqa: E402
 from call_actors import Relay, Worker  # noqa: E402
 from ray_actors import ArrayUser, Streamer, ThreadCanceller, Ticker  # noqa: E402
 
@@ -222,34 +223,16 @@ async def test_sync_method_in_a_thread_may_wait_for_another_actor(art):
     assert await t.call_and_wait(c, 5) == 5
 
 
-async def test_a_reentrant_call_raises_at_once(art):
-    # A -> B -> A, A running one call at a time: refused, naming the chain (Ray itself
-    # would queue the call back behind the call waiting for it, forever)
-    a, b = await asyncio.gather(Relay.spawn(), Relay.spawn())
-    await a.set_self(a)
-    t0 = time.monotonic()
-    with pytest.raises(actorshm.ReentrantCallError, match=r"Relay.ping_via .*Relay.call_back"):
-        await asyncio.wait_for(a.ping_via(b), 60)
-    assert time.monotonic() - t0 < 20
-    assert await a.ping() == "pong"  # both stay usable
-    assert await b.call_back(a) == "pong"
+# (on the local backend: test_control.py runs the same cases)
+async def test_a_reentrant_call_raises_at_once(art, backend):
+    ray_only(backend, "test_control.py")
+    await reentrant_cases.chain_is_refused_at_once(limit=20.0)
 
 
-async def test_a_call_back_waits_only_when_every_slot_waits_for_it(art):
-    a = await Relay.options(max_concurrency=2).spawn()
-    b = await Relay.options(max_concurrency=2).spawn()
-    await a.set_self(a)
-    # one slot of A runs a call that ends by itself: the call back waits for it
-    held = a.hold(1.0)
-    await asyncio.sleep(0.3)
-    assert await asyncio.wait_for(a.ping_via(b, 0.2), 60) == "pong"
-    assert await held == "held"
-    # both slots wait for B, whose calls back would wait for one: the second is refused
-    out = await asyncio.wait_for(asyncio.gather(
-        a.ping_via(b, 0.5), a.ping_via(b, 0.5), return_exceptions=True), 60)
-    errors = [e for e in out if isinstance(e, actorshm.ReentrantCallError)]
-    assert len(errors) == 1 and out.count("pong") == 1, out
-    assert "max_concurrency=2" in str(errors[0])
+async def test_a_call_back_waits_only_when_every_slot_waits_for_it(art, backend):
+    ray_only(backend, "test_control.py")
+    await reentrant_cases.a_call_back_into_a_slot_that_frees_waits(limit=10.0)
+    await reentrant_cases.every_slot_waiting_refuses_the_call_back(limit=10.0)
 
 
 async def test_unfinished_calls_as_arguments_are_sent_with_their_results_in_order(art):
