@@ -202,38 +202,49 @@ def share_module(module):
     # By storage, as torch's in-place share_memory_() goes: tensors that view one
     # storage (tied weights, one buffer registered twice, views of a flat parameter
     # vector) view one shared copy of it afterwards, with their own offsets and strides.
-    copies: dict = {}  # (device, storage address) -> the shared uint8 copy of it
-    moved: dict = {}  # id(tensor) -> its shared replacement (the same for the same object)
+    # Every tensor is checked before any moves, and the storages move one at a time, so
+    # each old one is freed as soon as its tensors have moved (peak: the module plus its
+    # largest storage, not twice the module).
+    groups: dict = {}  # storage key -> [(module, kind, name, tensor)], in module order
+    for m in module.modules():
+        for kind, slots in (("p", m._parameters), ("b", m._buffers)):
+            for name, v in slots.items():
+                t = None if v is None else v.data if kind == "p" else v
+                if t is None or is_shared(t):
+                    continue
+                _check_shareable(t, "share_module")
+                st = t.untyped_storage() if t.layout is _t.strided else None
+                key = ((t.device, st.data_ptr()) if st is not None and st.nbytes()
+                       else id(v))  # (a sparse or empty tensor: on its own)
+                groups.setdefault(key, []).append((m, kind, name, v))
     with _t.no_grad():
-        for m in module.modules():
-            for p in m._parameters.values():
-                if p is not None:
-                    p.data = _shared_view(p.data, copies, moved)
-            for name, b in list(m._buffers.items()):
-                if b is not None:
-                    m._buffers[name] = _shared_view(b, copies, moved)
+        while groups:
+            _move_storage(groups.pop(next(iter(groups))))
     return module
 
 
-def _shared_view(t, copies: dict, moved: dict):
-    """``t`` in shared memory, viewing a shared copy of its whole storage (``copies``)
-    with its own offset, shape and strides; ``t`` itself if already shared."""
-    if id(t) in moved:
-        return moved[id(t)][1]
-    if is_shared(t):
-        return t
-    _check_shareable(t, "share_module")
-    if t.layout is not _t.strided:
-        new = share(t)
-    else:
-        st = t.untyped_storage()
-        key = (t.device, st.data_ptr())
-        flat = copies.get(key) if st.nbytes() else None
-        if flat is None:
-            flat = empty(st.nbytes(), dtype=_t.uint8, device=t.device)
-            flat.copy_(_t.empty(0, dtype=_t.uint8, device=t.device).set_(st))
-            copies[key] = flat
-        new = _t.empty(0, dtype=t.dtype, device=t.device).set_(
-            flat.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-    moved[id(t)] = (t, new)  # (t kept alive: its id is not reused meanwhile)
-    return new
+def _move_storage(group: list) -> None:
+    """Re-make every tensor of ``group`` (the tensors on one storage) over one shared
+    copy of that storage, each with its own offset, shape and strides."""
+    flat = None
+    moved: dict = {}  # id(v) -> its replacement (one buffer registered twice)
+    for m, kind, name, v in group:
+        t = v.data if kind == "p" else v
+        if is_shared(t):  # (one Parameter registered twice: moved already)
+            continue
+        if id(v) in moved:
+            new = moved[id(v)]
+        elif t.layout is not _t.strided:
+            new = share(t)
+        else:
+            if flat is None:
+                st = t.untyped_storage()
+                flat = empty(st.nbytes(), dtype=_t.uint8, device=t.device)
+                flat.copy_(_t.empty(0, dtype=_t.uint8, device=t.device).set_(st))
+            new = _t.empty(0, dtype=t.dtype, device=t.device).set_(
+                flat.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        moved[id(v)] = new
+        if kind == "p":
+            v.data = new
+        else:
+            m._buffers[name] = new

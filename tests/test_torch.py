@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -399,6 +400,39 @@ async def test_share_module_keeps_tensors_that_view_one_storage_aliased(rt):
     assert model.head.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     assert model.tail.tolist() == [3.0] * 4
     assert actorshm.stats()["bytes_copied"] == s0["bytes_copied"]
+
+
+def test_share_module_frees_each_old_storage_as_it_goes(monkeypatch):
+    # Peak memory is the module plus one storage, not twice the module: by the time the
+    # third storage is copied, the first two (held by nothing but the module) are gone.
+    m = torch.nn.Module()
+    for i in range(3):
+        m.register_buffer(f"b{i}", torch.full((4,), float(i)))
+    old = [weakref.ref(b) for b in m.buffers()]
+    alive_at_copy = []
+    real_empty = at.empty
+
+    def counting_empty(*args, **kw):
+        gc.collect()
+        alive_at_copy.append(sum(r() is not None for r in old))
+        return real_empty(*args, **kw)
+
+    monkeypatch.setattr(at, "empty", counting_empty)
+    at.share_module(m)
+    assert alive_at_copy == [3, 2, 1]
+    assert [b.tolist() for b in m.buffers()] == [[float(i)] * 4 for i in range(3)]
+    assert all(at.is_shared(b) for b in m.buffers())
+
+
+def test_share_module_moves_nothing_when_one_tensor_is_refused():
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m[1].register_buffer("q", torch.quantize_per_tensor(torch.ones(3), 0.1, 0,
+                                                            torch.quint8))
+    with pytest.raises(TypeError, match=r"dequantize\(\)"):
+        at.share_module(m)
+    assert not any(at.is_shared(p) for p in m.parameters())
 
 
 def test_share_keeps_what_sending_keeps():
