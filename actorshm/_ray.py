@@ -333,11 +333,17 @@ class RayClient(CallOrder):
         return bool(self._waits or self._waits_for_args or any(self._open.values()))
 
     def reachable(self, actor_id: RayActorId) -> bool | None:
-        """As ``Runtime.reachable``: False once killed, True while Ray restarts it (calls
-        wait for it), None when this process cannot tell (Ray knows, not us)."""
-        if actor_id.key in self._dead:
+        """As ``Runtime.reachable``: False once killed or seen dead for good; True while
+        Ray restarts it (calls wait for it), or while no call of this process has seen
+        it die; None while a death's restart is still being watched."""
+        key = actor_id.key
+        if key in self._dead or not ray_up():
             return False
-        return True if actor_id.key in self._restarting else None
+        if key in self._restarting:
+            return True
+        if key in self._died:
+            return None if key in self._watching else False
+        return True
 
     def actor_pid(self, actor_id: RayActorId, pid: int) -> int:
         return self._pids.get(actor_id.key, pid)

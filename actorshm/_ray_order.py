@@ -65,6 +65,7 @@ class CallOrder:
         self._cancels: dict[str, tuple] = {}  # actor key -> cancels of this loop step
         self._pids: dict[str, int] = {}  # after a restart
         self._watching: set = set()  # actor keys whose restart is watched
+        self._died: set = set()  # actor keys whose death a call saw, not restarted since
         self._watchers: set = set()  # (their tasks)
 
     def _number(self, actor_id: Any) -> tuple:
@@ -187,6 +188,7 @@ class CallOrder:
         key = actor_id.key
         if key in self._dead:
             return
+        self._died.add(key)
         if hold:
             self._restarting.setdefault(key, [])
         if key in self._watching:
@@ -199,8 +201,10 @@ class CallOrder:
                                                  RESTART_WAIT)
                 if ok:
                     self._pids[key] = pid
+                    self._died.discard(key)
                     self._resync(actor_id)
             except asyncio.TimeoutError:  # a slow restart: Ray holds the message for it
+                self._died.discard(key)
                 self._resync(actor_id)
             except BaseException:  # not restarted (or Ray is gone): the pid stays
                 pass

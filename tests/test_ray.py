@@ -816,6 +816,14 @@ async def test_actor_pool_keeps_members_that_live(art):
     with pytest.raises(actorshm.ActorDiedError):
         await asyncio.wait_for(pool.submit(lambda h, v: h.call_back(v), gone), 30)
     assert len(pool) == 1 and await pool.submit(lambda h, v: h.ping(), None) == "pong"
+
+    async def via_the_dead(h, v):  # the other death, raised here in the driver
+        await v.ping()
+        return await h.ping()
+
+    with pytest.raises(actorshm.ActorDiedError, match="killed"):
+        await asyncio.wait_for(pool.submit(via_the_dead, gone), 30)
+    assert len(pool) == 1 and await pool.submit(lambda h, v: h.ping(), None) == "pong"
     await member.kill()
     p = await Phoenix.spawn("a")  # max_restarts=1
     pool = actorshm.ActorPool([p])
@@ -824,6 +832,11 @@ async def test_actor_pool_keeps_members_that_live(art):
     assert len(pool) == 1
     assert (await asyncio.wait_for(pool.submit(lambda h, v: h.hit(), None), 60))[:2] \
         == ("a", 1)
+    with pytest.raises(actorshm.ActorDiedError):  # out of restarts: dead for good,
+        await asyncio.wait_for(pool.submit(lambda h, v: h.crash(), None), 30)
+    with pytest.raises(actorshm.ActorDiedError):  # and gone by its next call at most
+        await asyncio.wait_for(pool.submit(lambda h, v: h.hit(), None), 60)
+    assert len(pool) == 0
 
 
 async def test_actor_group(art):
