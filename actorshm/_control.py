@@ -26,10 +26,16 @@ class CallControl:
     """Cancels, stream items and credit, held calls: see the module's docstring."""
 
     def _hold(self, entry: tuple, waits_for: asyncio.Future) -> None:
-        """Hold ``entry``'s call, and the calls after it, until ``waits_for`` is done."""
+        """Hold ``entry``'s call, and the calls after it, until ``waits_for`` is done,
+        or until that call is cancelled (the calls after it need not wait then)."""
         if not self.held:
             self.held.append(entry)
         waits_for.add_done_callback(self._send_held)
+        entry[0].add_done_callback(self._head_done)
+
+    def _head_done(self, fut: asyncio.Future) -> None:
+        if self.held and self.held[0][0] is fut:  # cancelled while it waited
+            self._send_held()
 
     def _send_held(self, _fut=None) -> None:
         while self.held and not self.closed:
@@ -39,6 +45,7 @@ class CallControl:
                     self._send_call(*entry)
                 except _results.Unfinished as u:
                     u.fut.add_done_callback(self._send_held)
+                    entry[0].add_done_callback(self._head_done)
                     return
                 except Exception as exc:
                     entry[0].set_exception(exc)

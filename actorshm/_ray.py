@@ -108,7 +108,8 @@ class RayClient(CallOrder):
         # node can meet is an error at spawn, not a wait forever (``_ray_placement``).
         self.fixed_cluster = False
         self._waits: set = set()  # ``wait``: awaits on Ray that a closing runtime ends
-        self._waits_for_args: set = set()  # calls waiting for results they take as arguments
+        # calls waiting for results they take as arguments: task -> its actor's key
+        self._waits_for_args: dict = {}
 
     async def wait(self, awaitable: Any) -> Any:
         """Await ``awaitable`` (a Ray reference or a coroutine awaiting Ray), unless the
@@ -161,8 +162,9 @@ class RayClient(CallOrder):
                 number = self._number(actor_id)
                 task = loop.create_task(self._send_when_ready(
                     deps, fut, actor_id, method, args, kwargs, what, number, loop))
-                self._waits_for_args.add(task)
-                task.add_done_callback(self._waits_for_args.discard)
+                self._waits_for_args[task] = actor_id.key
+                task.add_done_callback(lambda t: self._waits_for_args.pop(t, None))
+                fut.add_done_callback(lambda f: f.cancelled() and task.cancel())
                 return fut
         held = self._restarting.get(actor_id.key)
         if held is not None:  # Ray restarts its process: the call waits for the new one
@@ -197,13 +199,25 @@ class RayClient(CallOrder):
                 held.append((fut, method, args, kwargs, what, number))
                 return
             ref, seq = self._submit(actor_id, None, method, args, kwargs, what, number)
-        except BaseException as exc:  # (cancelled: the runtime closes)
+        except BaseException as exc:  # (cancelled: the call, its actor's kill, a close)
             if not isinstance(exc, _Dropped) and not fut.done():
+                why = "the actor was killed" if actor_id.key in self._dead else \
+                    "the runtime closed"
                 fut.set_exception(exc if isinstance(exc, Exception) else
-                                  ActorDiedError(f"{what}: the runtime closed"))
+                                  ActorDiedError(f"{what}: {why}"))
             self._drop(actor_id, number[0])
             return
         self._settle_with(actor_id, fut, ref, seq, what, loop)
+
+    def killed(self, key: str) -> None:
+        """Actor ``key`` was killed: calls made from now on fail, and so do those still
+        waiting for their arguments (now, not once the arguments are in)."""
+        self._dead.add(key)
+        for task in [t for t, k in self._waits_for_args.items() if k == key]:
+            try:
+                task.get_loop().call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # its loop is closed: the task ended with it
+                pass
 
     def _settle_with(self, actor_id, fut, ref, seq, what, loop) -> None:
         """Give ``fut`` (on ``loop``) the outcome of call ``seq`` (``ref``), and send the
@@ -350,7 +364,7 @@ class RayClient(CallOrder):
 
     async def kill(self, actor_id: RayActorId) -> None:
         ray = import_ray()
-        self._dead.add(actor_id.key)
+        self.killed(actor_id.key)
         if not ray_up():  # the runtime shut Ray down, and every actor with it
             self._release(actor_id, None)
             return

@@ -254,6 +254,25 @@ async def test_unfinished_calls_as_arguments_are_sent_with_their_results_in_orde
     assert (await other.get_log())[-2:] == [0.3, "last"]
 
 
+async def test_a_call_waiting_for_its_arguments_ends_at_its_cancel_or_its_actors_kill(art):
+    w, other = await asyncio.gather(Worker.spawn(), Worker.spawn())
+    dep = w.work(5.0)
+    waiting = other.record(dep)
+    await asyncio.sleep(0.05)
+    waiting.cancel()  # its turn on `other` is given up now, not once `dep` is in
+    later = other.record("later")
+    done, _ = await asyncio.wait([later, dep], return_when=asyncio.FIRST_COMPLETED)
+    assert later in done and await later == "later"
+    held = other.record(dep)
+    await asyncio.sleep(0.05)
+    await other.kill()  # it fails now, not once `dep` is in
+    done, _ = await asyncio.wait([held, dep], return_when=asyncio.FIRST_COMPLETED)
+    assert held in done and not dep.done()
+    with pytest.raises(actorshm.ActorDiedError, match="killed"):
+        await held
+    dep.cancel()
+
+
 async def test_results_as_arguments_are_replaced_as_deep_as_they_are_found():
     # (in-process: the Ray client looks for call futures eight containers down)
     from actorshm._ray import _with_results
