@@ -278,7 +278,7 @@ class RayClient(CallOrder):
                         ref = call0.options(name=name).remote()
                 else:
                     req = (method, args, kwargs, self._caller, seq, base)
-                    if link and remote_method is None:  # the chain, as ``Worker.call``
+                    if link:  # the chain, as ``Worker.call``
                         req += ((*link[0], link[1:]),)
                     if simple(args) and simple(kwargs):
                         req = pickle.dumps(req, protocol=5)

@@ -494,7 +494,7 @@ class Host(Watched):
         """Run a generator or async-generator method, yielding ``(ok, item)`` pairs."""
         if type(req) is bytes:
             req = pickle.loads(req)
-        method, args, kwargs, caller, seq, base = req
+        method, args, kwargs, caller, seq, base, *links = req
         del req
         self._calls += 1
         key = (caller, seq)
@@ -513,6 +513,11 @@ class Host(Watched):
         except BaseException:
             del self._tasks[key]
             raise
+        what = f"{self._cls_name}.{method}"
+        self._run_seq += 1
+        # Calls the generator makes carry the chain, this stream last: set around each
+        # step of it, never across a yield (Ray may resume this generator elsewhere).
+        link = (links[0] if links else (), self.actor_id, what, self._run_seq)
         try:
             fn = self._method(method)
             freeze_arrays(args)
@@ -523,15 +528,20 @@ class Host(Watched):
             yield pack((False, encode_exception(exc)))
             return
         try:
-            what = f"{self._cls_name}.{method}"
-            if inspect.isasyncgen(gen):
-                async for item in gen:
-                    check_result(item, what, item=True)
-                    yield pack((True, item))
-            else:
-                for item in gen:
-                    check_result(item, what, item=True)
-                    yield pack((True, item))
+            step = gen.__anext__ if inspect.isasyncgen(gen) else None
+            while True:
+                token = chain.set(link)
+                try:
+                    if step is not None:
+                        item = await step()
+                    else:
+                        item = next(gen)
+                except (StopIteration, StopAsyncIteration):
+                    break
+                finally:
+                    chain.reset(token)
+                check_result(item, what, item=True)
+                yield pack((True, item))
         except Exception as exc:
             yield pack((False, encode_exception(exc)))
         except (asyncio.CancelledError, KeyboardInterrupt) as exc:

@@ -110,6 +110,13 @@ class Relay:
         await asyncio.sleep(delay)  # (two calls started together both hold a slot)
         return await other.call_back(self_handle[0])
 
+    async def pings_back(self, other, n):  # a stream whose items are calls to `other`
+        for _ in range(n):
+            yield await other.ping()
+
+    async def ping_via_stream(self, other):
+        return [x async for x in other.pings_back(self_handle[0], 2)]
+
     async def hold_stream(self, target, n):
         async for _ in target.acount(n):
             await asyncio.sleep(3600)  # takes one item and waits

@@ -23,6 +23,19 @@ async def chain_is_refused_at_once(limit: float) -> None:
     assert await b.call_back(a) == "pong"
 
 
+async def a_chain_through_a_stream_is_refused_at_once(limit: float) -> None:
+    """A, running one call at a time, reads B's stream, whose generator calls A back."""
+    a, b = await asyncio.gather(Relay.spawn(), Relay.spawn())
+    await a.set_self(a)
+    t0 = time.monotonic()
+    with pytest.raises(actorshm.ReentrantCallError,
+                       match=r"Relay.ping_via_stream .*Relay.pings_back"):
+        await asyncio.wait_for(a.ping_via_stream(b), 6 * limit)
+    assert time.monotonic() - t0 < limit
+    assert await a.ping() == "pong"
+    assert [x async for x in b.pings_back(a, 2)] == ["pong", "pong"]
+
+
 async def every_slot_waiting_refuses_the_call_back(limit: float) -> None:
     """A runs two calls at once, both waiting for B, whose calls back to A would wait for
     a slot of A: the second to arrive finds every slot held by a call waiting on it."""

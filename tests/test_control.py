@@ -324,6 +324,10 @@ async def test_reentrant_chain_raises_at_once(rt):
     await reentrant_cases.chain_is_refused_at_once(limit=1.0)
 
 
+async def test_reentrant_chain_through_a_stream_raises_at_once(rt):
+    await reentrant_cases.a_chain_through_a_stream_is_refused_at_once(limit=5.0)
+
+
 async def test_reentrant_chain_through_every_slot_raises(rt):
     await reentrant_cases.every_slot_waiting_refuses_the_call_back(limit=5.0)
 

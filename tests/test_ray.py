@@ -229,6 +229,11 @@ async def test_a_reentrant_call_raises_at_once(art, backend):
     await reentrant_cases.chain_is_refused_at_once(limit=20.0)
 
 
+async def test_a_reentrant_call_through_a_stream_raises_at_once(art, backend):
+    ray_only(backend, "test_control.py")
+    await reentrant_cases.a_chain_through_a_stream_is_refused_at_once(limit=20.0)
+
+
 async def test_a_call_back_waits_only_when_every_slot_waits_for_it(art, backend):
     ray_only(backend, "test_control.py")
     await reentrant_cases.a_call_back_into_a_slot_that_frees_waits(limit=10.0)
