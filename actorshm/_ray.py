@@ -169,7 +169,8 @@ class RayClient(CallOrder):
         held = self._restarting.get(actor_id.key)
         if held is not None:  # Ray restarts its process: the call waits for the new one
             check_args(args, kwargs, what)
-            held.append((fut, method, args, kwargs, what, self._number(actor_id)))
+            held.append((fut, method, args, kwargs, what, self._number(actor_id),
+                         chain.get()))
             return fut
         ref, seq = self._submit(actor_id, None, method, args, kwargs, what)
         self._settle_with(actor_id, fut, ref, seq, what, loop)
@@ -196,7 +197,7 @@ class RayClient(CallOrder):
                 raise _Dropped from None
             held = self._restarting.get(actor_id.key)
             if held is not None:  # the actor restarts: the call waits for it too
-                held.append((fut, method, args, kwargs, what, number))
+                held.append((fut, method, args, kwargs, what, number, chain.get()))
                 return
             ref, seq = self._submit(actor_id, None, method, args, kwargs, what, number)
         except BaseException as exc:  # (cancelled: the call, its actor's kill, a close)
@@ -247,7 +248,8 @@ class RayClient(CallOrder):
                                         loop.call_soon_threadsafe(settle, c)))
         fut.add_done_callback(lambda f: f.cancelled() and self._cancel(actor_id, seq))
 
-    def _submit(self, actor_id, remote_method, method, args, kwargs, what, number=None):
+    def _submit(self, actor_id, remote_method, method, args, kwargs, what, number=None,
+                link=None):
         """Send one call (or stream, ``remote_method``) through Ray: ``(ref, seq)``.
 
         Each call carries its number ``seq`` and ``base``, the number of this caller's
@@ -255,7 +257,8 @@ class RayClient(CallOrder):
         restarts, ``max_restarts``) takes its turns from ``base``, so the calls it gets
         run in the order they were made, whichever Ray delivers first. Every call's end
         must reach ``_finished`` (its caller arranges that). ``number``: the call's
-        ``(seq, base)``, taken earlier (``_number``) by a call that waited.
+        ``(seq, base)``, taken earlier (``_number``) by a call that waited; ``link``:
+        the chain (``_streams.chain``) where such a call was made (default: here).
         """
         if number is None:  # (a call that waited was checked when it was made)
             check_args(args, kwargs, what)
@@ -265,7 +268,8 @@ class RayClient(CallOrder):
                     seq, base, opened = self._next(actor_id.key)
                 else:
                     seq, base = number
-                link = chain.get()  # (in an actor: the call this one is made in)
+                if link is None:  # (in an actor: the call this one is made in)
+                    link = chain.get()
                 if remote_method is None and actor_id.named and not link:  # see Host.call0
                     call0, call1 = actor_id.call_methods()
                     name = f"{method}:{self._caller}:{seq}:{base}"

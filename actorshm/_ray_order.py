@@ -218,7 +218,8 @@ class CallOrder:
 
     def _release(self, actor_id: Any, loop) -> None:
         """Send the calls that waited for the restart (``watch_restart``), in order."""
-        for fut, method, args, kwargs, what, number in self._restarting.pop(actor_id.key, ()):
+        for fut, method, args, kwargs, what, number, link in \
+                self._restarting.pop(actor_id.key, ()):
             if fut.done() or actor_id.key in self._dead or not ray_up():
                 self._drop(actor_id, number[0])  # cancelled while it waited, or killed
                 if not fut.done():
@@ -227,7 +228,8 @@ class CallOrder:
                     fut.set_exception(ActorDiedError(f"{what}: the actor {why}"))
                 continue
             try:
-                ref, seq = self._submit(actor_id, None, method, args, kwargs, what, number)
+                ref, seq = self._submit(actor_id, None, method, args, kwargs, what, number,
+                                        link)  # (the chain it was made in)
             except Exception as exc:
                 self._drop(actor_id, number[0])
                 fut.set_exception(exc)
