@@ -339,12 +339,56 @@ class RayClient(CallOrder):
             return _failed_stream(ActorDiedError(f"{what}: the actor was killed"))
         remote = actor_id.handle.stream.options(
             num_returns="streaming", _generator_backpressure_num_objects=run_ahead)
+        from ._ray_stream import RayStream
+        deps = futures_in((*args, *kwargs.values())) if args or kwargs else ()
+        if deps:  # results as arguments, as in ``call``
+            if all(d.done() for d in deps):
+                try:
+                    args, kwargs = _with_results(args, kwargs)
+                except DependencyFailed as dep:
+                    return _failed_stream(copy_exc(dep.exc))
+            else:  # started once they are in, under the number it takes now
+                check_args(args, kwargs, what)
+                number = self._number(actor_id)
+                start = asyncio.get_running_loop().create_task(self._stream_when_ready(
+                    deps, actor_id, remote, method, args, kwargs, what, number))
+                self._waits_for_args[start] = actor_id.key
+                start.add_done_callback(lambda t: self._waits_for_args.pop(t, None))
+                return RayStream(start, what, translate, outcome,
+                                 lambda _gen: self._cancel(actor_id, number[0]), self.wait)
         gen, seq = self._submit(actor_id, remote, method, args, kwargs, what)
         gen.completed().future().add_done_callback(
             lambda c: self._finished(actor_id, seq, c))
-        from ._ray_stream import RayStream
         return RayStream(gen, what, translate, outcome,
                          lambda _gen: self._cancel(actor_id, seq), self.wait)
+
+    async def _stream_when_ready(self, deps, actor_id, remote, method, args, kwargs, what,
+                                 number):
+        """Start a streaming call whose arguments hold unfinished calls' futures once
+        they are in (as ``_send_when_ready``): its Ray generator. A failed dependency,
+        a kill, or a cancel (the stream left before its start) gives up its turn."""
+        try:
+            try:
+                await asyncio.wait([d for d in deps if not d.done()])
+            except asyncio.CancelledError:
+                if actor_id.key in self._dead:  # (``killed``)
+                    raise ActorDiedError(f"{what}: the actor was killed") from None
+                raise
+            if actor_id.key in self._dead or not ray_up():
+                why = "was killed" if actor_id.key in self._dead else \
+                    "is gone (Ray was shut down)"
+                raise ActorDiedError(f"{what}: the actor {why}")
+            try:
+                args, kwargs = _with_results(args, kwargs)
+            except DependencyFailed as dep:
+                raise copy_exc(dep.exc) from None
+            gen, seq = self._submit(actor_id, remote, method, args, kwargs, what, number)
+        except BaseException:
+            self._drop(actor_id, number[0])
+            raise
+        gen.completed().future().add_done_callback(
+            lambda c: self._finished(actor_id, seq, c))
+        return gen
 
     def busy(self) -> bool:
         """Whether anything waits on Ray here (a spawn, a call, a call's arguments)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Callable
 
 from ._errors import ActorDiedError
@@ -21,6 +22,9 @@ class RayStream(Stream):
 
     def __init__(self, gen: Any, what: str, translate: Callable, outcome: Callable,
                  cancel: Callable, wait: Callable) -> None:
+        # Ray's generator; or, for a call that waits for results it takes as arguments,
+        # the task that starts it once they are in (``RayClient._stream_when_ready``).
+        self._start = gen if isinstance(gen, asyncio.Task) else None
         self._gen = gen
         self._wait = wait  # ``RayClient.wait``: ends if the runtime closes meanwhile
         self.what = what
@@ -37,6 +41,17 @@ class RayStream(Stream):
         if self._busy:
             raise SecondConsumer(self.what)
         self._busy = True
+        if self._start is not None:
+            try:
+                self._gen = await self._wait(self._start)
+            except BaseException as exc:
+                self._busy = False
+                if isinstance(exc, asyncio.CancelledError):
+                    self._stop()
+                else:  # a failed argument, a kill: it never started
+                    self._finish()
+                raise
+            self._start = None
         try:
             ref = await self._wait(self._gen.__anext__())
             value = await self._wait(ref)
@@ -67,15 +82,28 @@ class RayStream(Stream):
         """Stop the generator in the actor; return once it has ended there (its
         ``finally`` blocks ran), so that the next call to the actor runs after them."""
         if not self._done:
+            start, gen = self._start, self._gen
             self._stop()
+            if start is not None:
+                if not _started(start):  # given up before it started: nothing ran
+                    return
+                gen = start.result()
             try:
-                await self._wait(self._gen.completed())
+                await self._wait(gen.completed())
             except Exception:  # it ended anyway: the actor died, or the runtime closed
                 pass
 
     def _stop(self) -> None:
-        """Tell the actor to stop the generator (its ``finally`` blocks run there)."""
-        self._cancel(self._gen)
+        """Tell the actor to stop the generator (its ``finally`` blocks run there); or,
+        before it started, give up its start (from any thread)."""
+        start = self._start
+        if start is not None and not start.done():
+            try:
+                start.get_loop().call_soon_threadsafe(start.cancel)
+            except RuntimeError:  # its loop is closed: the start ended with it
+                pass
+        elif start is None or _started(start):
+            self._cancel(self._gen)
         self._finish()
 
     def _finish(self) -> None:
@@ -91,3 +119,8 @@ class RayStream(Stream):
             self._stop()
 
     __del__ = _left
+
+
+def _started(start: asyncio.Task) -> bool:
+    """Whether a stream's start (``RayClient._stream_when_ready``) sent it to the actor."""
+    return start.done() and not start.cancelled() and start.exception() is None

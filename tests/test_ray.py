@@ -278,6 +278,28 @@ async def test_a_call_waiting_for_its_arguments_ends_at_its_cancel_or_its_actors
     dep.cancel()
 
 
+async def test_a_stream_takes_unfinished_calls_as_arguments(art):
+    w, other = await asyncio.gather(Worker.spawn(), Worker.spawn())
+    assert [x async for x in other.acount(w.record(3), w.work(0.1))] == [0, 1, 2]
+    with pytest.raises(ValueError, match="no"):  # a failed one: the stream never starts
+        async for _ in other.count(w.fails_nonstream()):
+            pass
+    dep = w.awork(5.0)
+    left = other.count(dep)
+    await asyncio.sleep(0.05)
+    await left.aclose()  # left before it started: its turn is given up now
+    later = other.record("later")
+    done, _ = await asyncio.wait([later, dep], return_when=asyncio.FIRST_COMPLETED)
+    assert later in done
+    held = other.count(dep)
+    await asyncio.sleep(0.05)
+    await other.kill()  # it fails now, not once `dep` is in
+    with pytest.raises(actorshm.ActorDiedError, match="killed"):
+        await asyncio.wait_for(held.__anext__(), 3.0)
+    assert not dep.done()
+    dep.cancel()
+
+
 async def test_results_as_arguments_are_replaced_as_deep_as_they_are_found():
     # (in-process: the Ray client looks for call futures eight containers down)
     from actorshm._ray import _with_results
