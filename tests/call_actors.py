@@ -37,6 +37,9 @@ class Worker:
     def get_log(self):
         return list(self.log)
 
+    def clear_log(self):
+        self.log.clear()
+
     def count(self, n):
         try:
             for i in range(n):

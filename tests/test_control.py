@@ -63,6 +63,20 @@ async def test_queued_call_never_runs_once_cancelled(rt):
     assert await w.get_log() == [("work", 0.5), "next"]
 
 
+async def test_hundreds_of_queued_calls_cancelled_at_once_never_run(rt):
+    # The cancels of one turn go out in one write, so the actor reads them together:
+    # none of the queued calls starts in the slot the cancelled running call frees.
+    w = await Worker.spawn()
+    for _ in range(3):
+        calls = [w.awork(1.0) for _ in range(800)]
+        await asyncio.sleep(0.2)
+        for c in calls:
+            c.cancel()
+        await asyncio.sleep(0.2)
+        assert await w.get_log() == ["cancelled"]
+        await w.clear_log()
+
+
 async def test_running_sync_call_finishes_and_its_result_is_dropped(rt):
     w = await Worker.spawn()
     t0 = time.monotonic()
