@@ -41,10 +41,25 @@ async def _amain(fd: int) -> int:
         for c in [*worker.peers.values(), worker.driver]:
             _leases.dispatch_releases()
             c.send_owed()
+            await _written(c, worker.shutdown_grace)
             c.close(peer_gone=False)
         if worker.executor is not None:
             worker.executor.shutdown(wait=False, cancel_futures=True)
     return worker.exit_code
+
+
+async def _written(conn, timeout: float) -> None:
+    """Wait, at most ``timeout`` seconds, until what ``conn`` has queued is written: the
+    last reply (a big ``__init__`` error, say) is not cut off by the exit."""
+    if conn.closed or not conn._out:
+        return
+    done = asyncio.get_running_loop().create_future()
+    conn.after_item(conn._out[-1], lambda ok: done.done() or done.set_result(ok))
+    conn.flush_now()
+    try:
+        await asyncio.wait_for(done, timeout)
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        pass  # the peer does not read: it goes without
 
 
 async def _wait_for_gpu_leases(worker: "Worker", timeout: float) -> None:

@@ -723,6 +723,17 @@ class Shell:
 
 
 @actor
+class BigInitError:
+    """``__init__`` raises an error whose message is ``n`` bytes long."""
+
+    def __init__(self, n):
+        raise ValueError("x" * n)
+
+    def ok(self):
+        return "ok"
+
+
+@actor
 class Oversized:
     """Replies that cannot be sent as they are (the frame limit lowered in the actor)."""
 

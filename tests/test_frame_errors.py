@@ -12,7 +12,7 @@ import actorshm
 from actorshm import _protocol as P
 from actorshm import _encoding, _shm
 from actorshm import _wire as W
-from actors import Arrays, BigKwError, Counter, Oversized
+from actors import Arrays, BigInitError, BigKwError, Counter, Oversized
 from recorder import Recorder
 
 
@@ -113,6 +113,14 @@ async def test_an_error_reply_over_the_frame_limit_keeps_a_type_whose_init_takes
     with pytest.raises(BigKwError, match="payload.*frame limit"):
         await asyncio.wait_for(o.raise_big_kw(1_000_000), 10)
     assert await asyncio.wait_for(o.ok(), 10) == "ok"
+
+
+async def test_a_big_error_from_init_reaches_spawn_before_the_actor_exits(rt):
+    # The actor exits right after its __init__ fails: the error reply (bigger than the
+    # socket's buffer) was cut off by the exit, and spawn said ActorDiedError.
+    for n in (1_000_000, 8_000_000):
+        with pytest.raises(ValueError, match="^x{100}"):
+            await asyncio.wait_for(BigInitError.spawn(n), 30)
 
 
 async def test_a_reply_the_frame_writer_refuses_becomes_an_error_reply(rt):
