@@ -447,6 +447,7 @@ async def run_stream(conn: Any, cid: int, gen: Any, out: Outflow, what: str,
     is_async = inspect.isasyncgen(gen)
     step = None
     try:
+        out.credit -= 1  # the first item's (credit starts at ``run_ahead``, at least 1)
         while True:
             if is_async:
                 try:
@@ -464,19 +465,22 @@ async def run_stream(conn: Any, cid: int, gen: Any, out: Outflow, what: str,
                 if item is _DONE:
                     break
             leave_if_forked()  # (a child the generator forked: not a second stream)
-            if slot is not None and (out.credit <= 0 or slot.wanted()):
-                slot.release()  # parked at its yield: other calls run meanwhile
-                await out.take()
-                conn.send_item(cid, item, what)
-                del item
-                conn.flush_now()
-                await slot.acquire()
-                continue
-            await out.take()
             conn.send_item(cid, item, what)
             del item
-            if not is_async and executor is None:
-                conn.flush_now()  # out before the generator holds the event loop again
+            # Credit for the next item before it is made: the generator waits at its
+            # ``yield`` while it is ``run_ahead`` items ahead, so it never runs further.
+            if out.credit <= 0 or (slot is not None and slot.wanted()):
+                conn.flush_now()  # (the item sent goes out first)
+                if slot is not None:
+                    slot.release()  # parked at its yield: other calls run meanwhile
+                    await out.take()
+                    await slot.acquire()
+                else:
+                    await out.take()
+            else:
+                out.credit -= 1
+                if not is_async and executor is None:
+                    conn.flush_now()  # out before the generator holds the loop again
     except asyncio.CancelledError as exc:
         if not getattr(asyncio.current_task(), CANCELLED_BY_CALLER, False):
             # The generator's own error (it raised it, or awaited a task cancelled in
