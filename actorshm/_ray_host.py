@@ -490,6 +490,27 @@ class Host(Watched):
             return False, encode_exception(exc)
         return True, result
 
+    async def _take_slot(self, key: tuple, links: tuple, what: str, run_seq: int) -> None:
+        """Take one of the actor's ``max_concurrency`` slots for call ``key`` (a stream,
+        for one item), as ``_call`` does; a chain that would wait for it forever raises
+        ``ReentrantCallError``."""
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self._max_concurrency)
+        if self._sem.locked() and links:
+            err = reentrant_error(links, self, what)
+            if err is not None:
+                raise err
+            self._slot_waits[key] = (key, None, (what, None, None, {"chain": links}))
+        try:
+            await self._sem.acquire()
+        finally:
+            self._slot_waits.pop(key, None)
+        self.holding[key] = run_seq
+
+    def _give_slot(self, key: tuple) -> None:
+        del self.holding[key]
+        self._sem.release()
+
     async def stream(self, req: tuple):
         """Run a generator or async-generator method, yielding ``(ok, item)`` pairs."""
         if type(req) is bytes:
@@ -530,6 +551,9 @@ class Host(Watched):
         try:
             step = gen.__anext__ if inspect.isasyncgen(gen) else None
             while True:
+                # Each item is made in one of the actor's slots, as locally: not while
+                # max_concurrency calls run, and no call starts meanwhile beyond them.
+                await self._take_slot(key, links[0] if links else (), what, link[3])
                 token = chain.set(link)
                 try:
                     if step is not None:
@@ -540,6 +564,7 @@ class Host(Watched):
                     break
                 finally:
                     chain.reset(token)
+                    self._give_slot(key)
                 check_result(item, what, item=True)
                 yield pack((True, item))
         except Exception as exc:
@@ -550,8 +575,17 @@ class Host(Watched):
             yield pack((False, encode_exception(exc)))  # the generator's own error
         finally:
             self._tasks.pop(key, None)
-            close = getattr(gen, "aclose", None)
-            if close is not None:
-                await close()
-            else:
-                gen.close()
+            try:  # its finally blocks run in a slot too
+                await self._take_slot(key, (), what, link[3])
+                slot = True
+            except BaseException:  # (cancelled again: closed as it is)
+                slot = False
+            try:
+                close = getattr(gen, "aclose", None)
+                if close is not None:
+                    await close()
+                else:
+                    gen.close()
+            finally:
+                if slot:
+                    self._give_slot(key)

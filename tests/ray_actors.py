@@ -143,3 +143,45 @@ class Ticker:
 
     def ticks_(self):
         return self.ticks
+
+
+@actor
+class SlotLog:
+    """Logs when its calls and its streams' items start and end (streams and slots)."""
+
+    def __init__(self):
+        self.log = []
+        self.active = self.peak = 0
+
+    def _enter(self, what):
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        self.log.append(what + "-start")
+
+    def _leave(self, what):
+        self.active -= 1
+        self.log.append(what + "-end")
+
+    async def slow(self, t=0.5):
+        self._enter("slow")
+        await asyncio.sleep(t)
+        self._leave("slow")
+
+    def quick(self):
+        self.log.append("quick")
+
+    async def items(self, n, t=0.3):
+        for _ in range(n):
+            self._enter("item")
+            await asyncio.sleep(t)
+            self._leave("item")
+            yield 0
+
+    def sync_items(self, n):
+        for _ in range(n):
+            self.log.append("sync-item")
+            yield 0
+
+    def take_log(self):
+        out, self.log = self.log, []
+        return out, self.peak

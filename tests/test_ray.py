@@ -30,7 +30,7 @@ from actors import (BreaksOnArrival, Caller, Concurrent, Counter, CustomError,  
                     PoolWorker, Probe, Quirks, SlowStart, ThreadedCaller, TwoArgsError)
 import reentrant_cases  # noqa: E402
 from call_actors import Relay, Worker  # noqa: E402
-from ray_actors import ArrayUser, Streamer, ThreadCanceller, Ticker  # noqa: E402
+from ray_actors import ArrayUser, SlotLog, Streamer, ThreadCanceller, Ticker  # noqa: E402
 
 ray = pytest.importorskip("ray", reason="the Ray backend tests need Ray: "
                                         "pip install 'actorshm[ray]'")
@@ -442,6 +442,31 @@ async def test_a_result_that_cannot_be_rebuilt_here_is_a_type_error(art):
     with pytest.raises(TypeError, match="could not be deserialized.*RuntimeError"):
         await f.call(BreaksOnArrival)  # made in the actor, it cannot be rebuilt here
     assert await f.ok() == "ok"
+
+
+async def test_a_streams_items_are_made_in_the_actors_slots(art):
+    # max_concurrency=1: an item is made neither while a call runs nor with one beside it
+    s = await SlotLog.spawn()
+    running = s.slow()
+    assert [x async for x in s.items(1)] == [0]
+    await running
+    assert (await s.take_log())[0] == ["slow-start", "slow-end", "item-start", "item-end"]
+    it = s.items(1)
+    first = asyncio.ensure_future(it.__anext__())
+    await asyncio.sleep(0.1)
+    await s.quick()
+    await first
+    assert (await s.take_log())[0] == ["item-start", "item-end", "quick"]
+    running = s.slow()
+    assert [x async for x in s.sync_items(1)] == [0]
+    await running
+    assert (await s.take_log())[0] == ["slow-start", "slow-end", "sync-item"]
+    # max_concurrency=2: two calls and a stream never run three at once
+    s2 = await SlotLog.options(max_concurrency=2).spawn()
+    calls = [s2.slow(0.3), s2.slow(0.3)]
+    assert [x async for x in s2.items(2, 0.1)] == [0, 0]
+    await asyncio.gather(*calls)
+    assert (await s2.take_log())[1] == 2
 
 
 async def test_kill_fails_pending_and_later_calls_promptly(art):
