@@ -89,6 +89,7 @@ class ActorRecord:
         self.restarts = 0
         self.failed_starts = 0  # restarts in a row whose process died while starting
         self.starting = False  # a restart's process is starting (``_restart`` decides)
+        self.spawned = False  # its spawn returned: only then may a death restart it
         self.death_told = False  # its process's death has been reported (``died``)
         self.init_error = None  # what its ``__init__`` raised in the start under way
         self._no_restart = False

@@ -242,6 +242,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             self._reap(rec)
             self._maybe_forget(rec)
             raise
+        rec.spawned = True
         if self._closing:  # it started as the runtime closed, which stops it: say so here
             raise ActorDiedError(rec.death or
                                  f"{rec.label} was stopped because its runtime closed")

@@ -185,7 +185,9 @@ class Supervisor:
         """Its process is gone: say so, and restart it if it may."""
         rec.death_told = True
         limit = rec.options.max_restarts
-        restart = (not self._closing and not rec.no_restart
+        # (a spawn that failed, was cancelled or timed out raised to its caller: nothing
+        # of it restarts, and its __init__ does not run again, as in Ray)
+        restart = (rec.spawned and not self._closing and not rec.no_restart
                    and (limit == -1 or rec.restarts < limit))
         _events.emit(self, "died", rec, why, will_restart=restart)
         if not restart:

@@ -610,6 +610,28 @@ async def test_restart_that_dies_while_starting_is_retried(rt, tmp_path):
     assert rt.actors()[-1]["alive"]
 
 
+async def test_a_spawn_that_fails_is_not_restarted_whatever_its_max_restarts(rt, tmp_path):
+    """A spawn that raised to its caller (its process died in __init__, its __init__
+    raised, or the spawn was cancelled) leaves nothing that restarts: no process nobody
+    holds a handle to, no __init__ run again, as in Ray."""
+    from actors import FlakyStart, SlowStart
+    events = []
+    rt.on_actor_event(lambda e: events.append((e.kind, e.will_restart)))
+    marker = tmp_path / "crash-once"
+    marker.write_text("x")  # its first __init__ exits the process (and removes this)
+    with pytest.raises(ActorDiedError):
+        await FlakyStart.spawn(str(marker), True)
+    slow = tmp_path / "slow"
+    slow.write_text("x")
+    t0 = time.monotonic()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(SlowStart.options(max_restarts=3).spawn(str(slow), 1.0), 0.3)
+    assert time.monotonic() - t0 < 3.0  # (it was ~6 s: the restart machinery ran)
+    await asyncio.sleep(1.5)  # (a restart would have started by now)
+    assert [a for a in rt.actors() if a["alive"]] == []
+    assert ("died", True) not in events and ("restarted", False) not in events
+
+
 async def test_a_restart_whose_init_raises_ends_the_restarts(rt, tmp_path):
     """As at spawn (and on Ray), a constructor that raises is not run again: the calls
     waiting for the restart fail with its error, and the event says no restart follows."""
