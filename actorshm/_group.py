@@ -7,12 +7,15 @@ Written against the public handle API only (calls, ``kill``) and the classes' ow
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from . import _shm
+from . import _client, _shm
 from ._actor import STREAM, ActorHandle, _Spawner
+from ._client import ThreadCallFuture
 from ._errors import ActorGroupError
 from ._pool import check_handles
 
@@ -27,7 +30,8 @@ class ActorGroup:
     every member's call has finished or failed; if any failed it raises
     ``ActorGroupError`` (an ``ExceptionGroup`` and an ``ActorError``) naming the failed
     members, with every result in its ``results``. Cancelling the awaitable cancels
-    every member's call.
+    every member's call. From another thread it returns a ``concurrent.futures.Future``
+    (``.result(timeout=...)``, or ``await`` on that thread's own loop), as a single call.
 
     Arrays: a shared array (``actorshm.empty``/``zeros``/``share``) goes to every member
     by reference, nothing copied. An ordinary ndarray given as an argument, or inside a
@@ -171,8 +175,13 @@ class GroupMethod:
     def __repr__(self) -> str:
         return f"<group method {self._name} of {len(self._handles)} actors>"
 
-    def __call__(self, *args: Any, **kwargs: Any) -> asyncio.Future:
+    def __call__(self, *args: Any, **kwargs: Any) -> asyncio.Future | ThreadCallFuture:
         """Send the call to every member now; return an awaitable of the results list.
+
+        Made from a thread other than the event loop's (a driver thread, a sync method of
+        a ``max_concurrency > 1`` actor), it returns a ``concurrent.futures.Future``, as
+        a single call from a thread does: block on it with ``.result(timeout=...)``, or
+        ``await`` it on an event loop of that thread's own.
 
         Raises:
             TypeError: an argument cannot be serialized (nothing is sent to anyone).
@@ -190,12 +199,11 @@ class GroupMethod:
                 f"`[h.{self._name}(...) for h in group]`, each an async iterator")
         if len(self._handles) > 1 and getattr(self._handles[0]._client, "shares_memory", True):
             args, kwargs = _share_once((args, kwargs))  # not on Ray: it copies arguments
-        loop = asyncio.get_running_loop()
         futs = None if self._send is None else self._send(self._ids, self._name, args,
                                                            kwargs, self._whats)
-        if futs is not None:
+        if futs is not None:  # (only on the event loop's thread: the loop is running)
             del args, kwargs
-            return _gather(loop, futs, self._handles, self._name)
+            return _gather(asyncio.get_running_loop(), futs, self._handles, self._name)
         futs = []
         for i, h in enumerate(self._handles):
             try:
@@ -203,11 +211,14 @@ class GroupMethod:
             except Exception as exc:
                 if i == 0:
                     raise  # nothing was sent: as for a single call
-                f = loop.create_future()
-                f.set_exception(exc)
-                futs.append(f)
+                futs.append(_client.failed_call(exc))
         del args, kwargs  # the members hold what they need (shared copies go home)
-        return _gather(loop, futs, self._handles, self._name)
+        if all(isinstance(f, asyncio.Future) for f in futs):
+            return _gather(futs[0].get_loop(), futs, self._handles, self._name)
+        # Made from a thread other than the event loop's: each call is a
+        # ``concurrent.futures.Future`` that the loop's thread completes, so the results
+        # are gathered into one too, as a single call from a thread returns.
+        return _gather_from_thread(futs, self._handles, self._name)
 
 
 def _gather(loop, futs: list, handles: tuple, name: str) -> asyncio.Future:
@@ -219,27 +230,7 @@ def _gather(loop, futs: list, handles: tuple, name: str) -> asyncio.Future:
         left[0] -= 1
         if left[0] or out.done():
             return
-        results, errors, failed = [], [], []
-        for i, f in enumerate(futs):
-            if f.cancelled():
-                errors.append(asyncio.CancelledError(f"the call to member {i} was cancelled"))
-                failed.append(i)
-                results.append(None)
-            elif f.exception() is not None:
-                errors.append(f.exception())
-                failed.append(i)
-                results.append(None)
-            else:
-                results.append(f.result())
-        if not failed:
-            out.set_result(results)
-            return
-        what = f"{handles[0]._cls_name}.{name}"
-        out.set_exception(ActorGroupError(
-            f"{len(failed)} of {len(futs)} calls of {what} failed: "
-            + "; ".join(f"member {i} ({_who(handles[i])}): {_brief(e)}"
-                        for i, e in zip(failed, errors)),
-            errors, failed, results))
+        _settle(out, futs, handles, name)
 
     def cancel_calls(o: asyncio.Future) -> None:
         if o.cancelled():
@@ -250,6 +241,68 @@ def _gather(loop, futs: list, handles: tuple, name: str) -> asyncio.Future:
         f.add_done_callback(one_done)
     out.add_done_callback(cancel_calls)
     return out
+
+
+def _gather_from_thread(futs: list, handles: tuple, name: str) -> ThreadCallFuture:
+    """``_gather`` for a group call made from a thread other than the event loop's: a
+    ``ThreadCallFuture`` (block on it with ``.result()``, or await it on that thread's
+    own loop). Its calls' futures are completed in the loop's thread (or, one that
+    failed at once, already done), so the count is kept under a lock."""
+    out = ThreadCallFuture()
+    left = [len(futs)]
+    lock = threading.Lock()
+
+    def one_done(_f) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            _settle(out, futs, handles, name)
+        except concurrent.futures.InvalidStateError:  # the thread cancelled it meanwhile
+            pass
+
+    def cancel_calls(o) -> None:  # in the thread that cancelled ``out``
+        if o.cancelled():
+            for f in futs:
+                if isinstance(f, asyncio.Future):  # (one that failed at once: done)
+                    f.get_loop().call_soon_threadsafe(f.cancel)
+                else:
+                    f.cancel()  # (a ThreadCallFuture hands the cancel to its loop)
+
+    for f in futs:
+        if isinstance(f, asyncio.Future) and f.done():
+            one_done(f)  # (failed at once, on this thread's loop, which may be blocked)
+        else:
+            f.add_done_callback(one_done)
+    out.add_done_callback(cancel_calls)
+    return out
+
+
+def _settle(out, futs: list, handles: tuple, name: str) -> None:
+    """Give ``out`` every call's result in member order, or the ``ActorGroupError``
+    naming those that failed; every future of ``futs`` is done."""
+    results, errors, failed = [], [], []
+    for i, f in enumerate(futs):
+        if f.cancelled():
+            errors.append(asyncio.CancelledError(f"the call to member {i} was cancelled"))
+            failed.append(i)
+            results.append(None)
+        elif f.exception() is not None:
+            errors.append(f.exception())
+            failed.append(i)
+            results.append(None)
+        else:
+            results.append(f.result())
+    if not failed:
+        out.set_result(results)
+        return
+    what = f"{handles[0]._cls_name}.{name}"
+    out.set_exception(ActorGroupError(
+        f"{len(failed)} of {len(futs)} calls of {what} failed: "
+        + "; ".join(f"member {i} ({_who(handles[i])}): {_brief(e)}"
+                    for i, e in zip(failed, errors)),
+        errors, failed, results))
 
 
 async def _gather_all(aws: list) -> list[tuple[bool, Any]]:

@@ -545,6 +545,9 @@ class ThreadedCaller:
     def call_and_wait(self, handle, k):
         return handle.incr(k).result(timeout=10)
 
+    def group_and_wait(self, group, value):
+        return group.work(value).result(timeout=10)
+
 
 from dataclasses import dataclass  # noqa: E402
 

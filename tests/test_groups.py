@@ -4,6 +4,7 @@ import asyncio
 import pickle
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -73,6 +74,53 @@ async def test_partial_failure_keeps_the_remote_exception_type(rt):
     assert err.results == [0, 1, None]
     assert "member 2" in str(err) and "ValueError: tag 2 fails" in str(err)
     assert pickle.loads(pickle.dumps(err)).failed == [2]
+
+
+async def test_group_call_from_a_thread_without_a_loop_blocks_on_the_results(rt):
+    g = ActorGroup([await PoolWorker.spawn(i) for i in range(3)])
+
+    def failing():
+        with pytest.raises(ActorGroupError) as info:
+            g.fail_if_tag(1).result(timeout=10)
+        return info.value
+
+    # a driver thread without an event loop, as a single call from a thread
+    assert await asyncio.to_thread(lambda: g.work("b").result(timeout=10)) == [
+        (0, "b"), (1, "b"), (2, "b")]
+    err = await asyncio.to_thread(failing)
+    assert err.failed == [1] and isinstance(err.exceptions[0], ValueError)
+    assert err.results == [0, None, 2] and "member 1 (actor PoolWorker" in str(err)
+    # cancelled from the thread, every member's call is cancelled
+    slow = await asyncio.to_thread(lambda: g.work("slow", 30))
+    await asyncio.sleep(0.1)
+    assert [c["active"] for c in await g.counts()] == [1, 1, 1]
+    assert slow.cancel()
+    for _ in range(200):
+        if not any(c["active"] for c in await g.counts()):
+            break
+        await asyncio.sleep(0.02)
+    assert [c["active"] for c in await g.counts()] == [0, 0, 0]
+
+
+async def test_group_call_awaited_on_a_threads_own_loop_wakes_it(rt):
+    g = ActorGroup([await PoolWorker.spawn(i) for i in range(2)])
+
+    def own_loop():  # a thread with an event loop of its own: awaited there
+        async def go():
+            start = time.monotonic()
+            out = await asyncio.wait_for(g.work("a"), 10)  # (the timer would wake it)
+            return out, time.monotonic() - start
+        return asyncio.run(go())
+
+    out, took = await asyncio.to_thread(own_loop)
+    assert out == [(0, "a"), (1, "a")] and took < 5
+
+
+async def test_group_call_in_a_sync_method_running_in_a_thread_can_block(rt):
+    from actors import ThreadedCaller
+    g = ActorGroup([await PoolWorker.spawn(i) for i in range(2)])
+    t = await ThreadedCaller.spawn()  # max_concurrency=2: its sync methods run in threads
+    assert await t.group_and_wait(g, "t") == [(0, "t"), (1, "t")]
 
 
 async def test_shared_array_goes_by_reference_to_every_member(rt):

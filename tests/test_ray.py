@@ -931,6 +931,20 @@ async def test_a_group_call_of_a_streaming_method_is_refused(art):
     assert [[x async for x in h.count(2)] for h in g] == [[0, 1], [0, 1]]
 
 
+async def test_a_group_call_from_a_thread_blocks_or_is_awaited_there(art):
+    g = actorshm.ActorGroup([await PoolWorker.spawn(i) for i in range(2)])
+    loop = asyncio.get_running_loop()
+    assert await loop.run_in_executor(None, lambda: g.work("b").result(timeout=60)) == [
+        (0, "b"), (1, "b")]
+
+    async def in_own_loop():
+        return await g.work("a")
+    assert await loop.run_in_executor(None, lambda: asyncio.run(in_own_loop())) == [
+        (0, "a"), (1, "a")]
+    t = await ThreadedCaller.spawn()  # a sync method in a thread of the actor's
+    assert await t.group_and_wait(g, "t") == [(0, "t"), (1, "t")]
+
+
 async def test_a_call_made_in_a_plain_thread_is_awaitable_in_its_own_loop(art):
     c = await Counter.spawn(0)
     loop = asyncio.get_running_loop()
