@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 from ._actor import ActorHandle
 from ._errors import ActorDiedError, RemoteTraceback
@@ -38,6 +38,23 @@ def check_handles(handles: Iterable[Any], what: str) -> list[ActorHandle]:
     if len(set(out)) != len(out):
         raise ValueError(f"{what}: the same actor is listed twice")
     return out
+
+
+def _check_fn(fn: Any, call: str) -> None:
+    if not callable(fn):
+        raise TypeError(f"ActorPool.{call}: fn must be callable, like "
+                        f"`lambda actor, v: actor.method(v)`, not {type(fn).__name__}")
+
+
+def _values(values: Any, method: str) -> Iterator[Any]:
+    """An iterator over ``values`` (not read yet), or a TypeError naming the method."""
+    try:
+        return iter(values)
+    except TypeError:
+        raise TypeError(f"ActorPool.{method}(fn, values): values must be an iterable of "
+                        f"values (a list, a range, a generator), one call each, not "
+                        f"{type(values).__name__}; for one value use "
+                        f"`await pool.submit(fn, value)`") from None
 
 
 class ActorPool:
@@ -155,21 +172,33 @@ class ActorPool:
 
         Raises:
             TypeError: ``fn`` is not callable.
+            RuntimeError: called from a thread that runs no event loop (the pool's
+                queue lives on an event loop; a single handle call works from any thread).
             ValueError: the pool has no members (all removed).
             ActorDiedError: every member has died.
         """
-        if not callable(fn):
-            raise TypeError(f"ActorPool.submit(fn, value): fn must be callable, like "
-                            f"`lambda actor, v: actor.method(v)`, not {type(fn).__name__}")
+        _check_fn(fn, "submit(fn, value)")
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            # The queue, the free members and their timers are the event loop's, unlocked
+            # (as every asyncio object): handed over from a thread, work would race them.
+            raise RuntimeError(
+                "ActorPool.submit needs a running event loop: the pool's queue runs on "
+                "the event loop it is used from, and this thread runs none. Call it from "
+                "async code on that loop; from another thread, hand it over with "
+                "`asyncio.run_coroutine_threadsafe(run(), loop).result()` where "
+                "`async def run(): return await pool.submit(fn, value)` (a single call, "
+                "`handle.method(v).result(timeout=...)`, works from any thread)") from None
         if not self._members:
             raise self._empty_error()
-        fut = asyncio.get_running_loop().create_future()
+        fut = loop.create_future()
         self._queue.append((fn, value, fut))
         self._dispatch()
         return fut
 
-    async def map(self, fn: Callable[[ActorHandle, Any], Awaitable],
-                  values: Iterable[Any]) -> AsyncIterator[Any]:
+    def map(self, fn: Callable[[ActorHandle, Any], Awaitable],
+            values: Iterable[Any]) -> AsyncIterator[Any]:
         """Apply ``fn`` to every value on the pool's actors; yield results in input order.
 
         ``values`` is read lazily (it may be a generator), keeping at most twice as many
@@ -180,13 +209,24 @@ class ActorPool:
             fn: as for ``submit``.
             values: an iterable of values, one call each.
 
+        Returns:
+            An async iterator of the results (``async for r in pool.map(...)``).
+
         Raises:
+            TypeError: ``fn`` is not callable, or ``values`` is not iterable (raised
+                by this call, not by the first ``async for`` step).
             ActorDiedError: a member died running an item (dead for good, it
                 leaves the pool).
             Exception: the first error of ``fn`` or of a call, as ``await`` raises it.
         """
+        # Checked here, not in the generator: its body runs only when iterated, and an
+        # error there would name neither this call nor ``map``.
+        _check_fn(fn, "map(fn, values)")
+        return self._map(fn, _values(values, "map"))
+
+    async def _map(self, fn: Callable[[ActorHandle, Any], Awaitable],
+                   it: Iterator[Any]) -> AsyncIterator[Any]:
         pending: collections.deque = collections.deque()
-        it = iter(values)
         exhausted = False
         try:
             while True:
@@ -203,19 +243,29 @@ class ActorPool:
         finally:
             _cancel_all(pending)
 
-    async def map_unordered(self, fn: Callable[[ActorHandle, Any], Awaitable],
-                            values: Iterable[Any]) -> AsyncIterator[Any]:
+    def map_unordered(self, fn: Callable[[ActorHandle, Any], Awaitable],
+                      values: Iterable[Any]) -> AsyncIterator[Any]:
         """Like ``map``, but yield each result as soon as it is ready (completion order).
 
         Args:
             fn: as for ``submit``.
             values: an iterable of values, one call each.
 
+        Returns:
+            An async iterator of the results (``async for r in pool.map_unordered(...)``).
+
         Raises:
+            TypeError: ``fn`` is not callable, or ``values`` is not iterable (raised
+                by this call, as for ``map``).
             ActorDiedError: a member died running an item (dead for good, it
                 leaves the pool).
             Exception: the first error of ``fn`` or of a call, as ``await`` raises it.
         """
+        _check_fn(fn, "map_unordered(fn, values)")
+        return self._map_unordered(fn, _values(values, "map_unordered"))
+
+    async def _map_unordered(self, fn: Callable[[ActorHandle, Any], Awaitable],
+                             it: Iterator[Any]) -> AsyncIterator[Any]:
         pending: set = set()
         done: collections.deque = collections.deque()
         wake = asyncio.Event()
@@ -225,7 +275,6 @@ class ActorPool:
             done.append(f)
             wake.set()
 
-        it = iter(values)
         exhausted = False
         try:
             while True:

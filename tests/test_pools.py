@@ -265,3 +265,41 @@ async def test_bad_input_is_a_clear_error(rt):
         pool.push("x")
     assert "ActorPool 1 actors" in repr(pool)
     assert actorshm.ActorPool.__module__ == "actorshm"
+
+
+async def test_map_checks_fn_and_values_at_the_call(rt):
+    pool = ActorPool([await Counter.spawn(0)])
+    # raised by the call itself, before any `async for`, naming the method and the fix
+    with pytest.raises(TypeError, match=r"ActorPool\.map\(fn, values\): fn must be "
+                                        r"callable, like `lambda actor, v"):
+        pool.map(5, [1])
+    with pytest.raises(TypeError, match=r"ActorPool\.map_unordered\(fn, values\): fn "
+                                        r"must be callable.* not NoneType"):
+        pool.map_unordered(None, [1])
+    for method in ("map", "map_unordered"):
+        with pytest.raises(TypeError, match=rf"ActorPool\.{method}\(fn, values\): values "
+                                            r"must be an iterable.* not int; for one "
+                                            r"value use `await pool\.submit"):
+            getattr(pool, method)(lambda a, v: a.incr(v), 5)
+    # values are still read lazily: only when iterated
+    read = []
+
+    def values():
+        read.append(1)
+        yield 1
+    it = pool.map(lambda a, v: a.incr(v), values())
+    assert read == []
+    assert [r async for r in it] == [1] and read == [1]
+
+
+async def test_submit_from_a_thread_without_a_loop_says_what_to_do(rt):
+    c = await Counter.spawn(0)
+    pool = ActorPool([c])
+
+    def submit():
+        with pytest.raises(RuntimeError, match=r"ActorPool\.submit needs a running event "
+                                               r"loop.*run_coroutine_threadsafe"):
+            pool.submit(lambda a, v: a.incr(v), 1)
+
+    await asyncio.to_thread(submit)
+    assert pool.has_free() and await pool.submit(lambda a, v: a.incr(v), 2) == 2
