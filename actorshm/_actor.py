@@ -141,6 +141,13 @@ class _Spawner:
     def options(self, **kw: Any) -> "_Spawner":
         return _Spawner(self._cls, self._options.merged(**kw))
 
+    def __call__(self, *args: Any, **kwargs: Any):
+        # ``Cls.options(...)(...)`` reads as Ray's ``Cls.options(...).remote(...)``; say
+        # how it is spelled here rather than "'_Spawner' object is not callable".
+        name = self._cls.__qualname__
+        raise TypeError(f"{name}.options(...) returns a spawner, not the class: start "
+                        f"the actor with `await {name}.options(...).spawn(*args)`")
+
 
 class _ClassBinder:
     """A descriptor giving the decorated class ``spawn`` and ``options``."""
@@ -228,8 +235,16 @@ class ActorMethod:
                 may produce beyond those the caller has taken (default 16).
 
         Raises:
+            TypeError: the method does not stream (``run_ahead`` would do nothing).
             ValueError: ``run_ahead`` is not an int >= 1.
         """
+        # (Every backend's handles come through here, Ray's too.)
+        if self._handle._methods.get(self._name) != STREAM:
+            raise TypeError(
+                f"{self._what}.options(run_ahead=...): run_ahead applies to streaming "
+                f"methods (generators) only, and {self._what} is not one: it returns one "
+                f"result, so there is nothing to run ahead of; call it without "
+                f"options: `handle.{self._name}(...)`")
         if isinstance(run_ahead, bool) or not isinstance(run_ahead, int) or run_ahead < 1:
             raise ValueError("run_ahead must be an int >= 1")
         return ActorMethod(self._handle, self._name, run_ahead)

@@ -131,3 +131,20 @@ def test_a_budget_below_one_arena_in_the_environment_is_refused():
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "ACTORSHM_SHM_BUDGET='1000'" in out.stderr and "at least" in out.stderr
+
+
+async def test_run_ahead_on_a_method_that_does_not_stream_is_refused(rt):
+    c = await Counter.spawn(0)
+    with pytest.raises(TypeError, match=r"Counter\.incr\.options\(run_ahead=\.\.\.\): "
+                                        r"run_ahead applies to streaming methods "
+                                        r"\(generators\) only"):
+        c.incr.options(run_ahead=2)
+    assert [x async for x in c.logged_stream.options(run_ahead=2)(3)] == [0, 1, 2]
+    assert await c.incr(1) == 1  # nothing was sent by the refused call
+
+
+def test_calling_options_instead_of_spawn_says_to_spawn():
+    with pytest.raises(TypeError, match=r"Counter\.options\(\.\.\.\) returns a spawner, "
+                                        r"not the class.*`await Counter\.options\(\.\.\.\)"
+                                        r"\.spawn\(\*args\)`"):
+        Counter.options(name="x")()

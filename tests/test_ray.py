@@ -1067,6 +1067,8 @@ async def test_run_ahead_bounds_the_items_made_ahead(art):
     await asyncio.sleep(1.0)
     assert await s.produced_() <= 8  # (Ray ignored it: 17)
     await stream.aclose()
+    with pytest.raises(TypeError, match="run_ahead applies to streaming methods"):
+        s.produced_.options(run_ahead=4)  # refused as on the local backend
 
 
 async def test_after_aclose_the_next_call_runs_after_the_generators_finally(art):
