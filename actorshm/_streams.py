@@ -159,7 +159,9 @@ class StreamLoop:
 
     A loop left before the stream's end (``break``, an exception) drops this object, and
     that stops the stream: the generator in the actor is closed, even while the stream
-    itself is still held (``s = handle.batches(10); async for x in s: break``). Python's
+    itself is still held (``s = handle.batches(10); async for x in s: break``). A
+    cancel (or a timeout) while it waits for an item stops it too, without waiting for
+    this object to be dropped (a traceback kept, or the cancelled task, holds it). Python's
     own generators would stay open there until ``s`` is dropped; a stream's generator
     holds an actor's resources and its caller's credit, so leaving the loop ends it.
     The stop waits for the event loop's next turn, and is called off if the stream is
@@ -187,6 +189,10 @@ class StreamLoop:
             raise
         except SecondConsumer:  # the stream is another loop's: leaving this one is not
             self.ended = True  # leaving it
+            raise
+        except asyncio.CancelledError:  # (a timeout too) while waiting for an item: the
+            # loop is left, even while the error or the task keeps this object alive
+            _leave_later(self.stream)
             raise
 
     async def aclose(self) -> None:

@@ -195,6 +195,31 @@ async def test_leaving_early_runs_the_generators_finally(rt, how):
     assert sum(1 for e in await w.get_log() if isinstance(e, tuple)) < 100
 
 
+@pytest.mark.parametrize("how", ["timeout", "task cancelled"])
+async def test_a_loop_cancelled_while_waiting_stops_the_stream(rt, how):
+    # the error (a traceback) or the cancelled task keeps the loop's frame alive: the
+    # stream stops anyway, not only once they are dropped
+    w = await Worker.options(max_concurrency=4).spawn()
+    kept = []
+
+    async def consume():
+        async for _ in w.acount(1000, 1.0):
+            pass
+    if how == "timeout":
+        try:
+            async with asyncio.timeout(0.3):
+                await consume()
+        except TimeoutError as exc:
+            kept.append(exc)
+    else:
+        kept.append(asyncio.ensure_future(consume()))
+        await asyncio.sleep(0.3)
+        kept[0].cancel()
+    assert await _last_log_entry(w) == "acount-finally"
+    assert await w.made() <= 1
+    kept.clear()
+
+
 async def test_an_iteration_handed_on_is_not_a_loop_left(rt):
     # aiter() and a loop over the same stream in turn, without the event loop turning
     # in between, go on with the same generator (as for any async iterator)
