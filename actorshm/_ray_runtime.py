@@ -16,6 +16,7 @@ from ._actor import ActorHandle, ActorOptions
 from ._errors import ActorDiedError
 from ._ray import CLIENT, RayActorId, import_ray, ray_env
 from ._ray_introspect import RayInspectable
+from ._runtime import check_start_options
 
 __all__ = ["RayRuntime"]
 
@@ -63,16 +64,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
 
     def __init__(self, address: str | None = None, *, start_method: str = "spawn",
                  shm_budget: int | None = None, **ray_init_options: Any) -> None:
-        if start_method not in ("spawn", "forkserver"):
-            raise ValueError(f"start_method must be 'spawn' or 'forkserver', not "
-                             f"{start_method!r}")
-        if shm_budget is not None:
-            if type(shm_budget) is not int:
-                raise TypeError(f"Runtime(shm_budget=...) must be a number (bytes), not "
-                                f"{shm_budget!r}")
-            if shm_budget <= 0:
-                raise ValueError(f"Runtime(shm_budget=...) must be positive, not "
-                                 f"{shm_budget!r}")
+        check_start_options(start_method, shm_budget)  # (as the local backend does)
         local_only = sorted(set(ray_init_options) & _LOCAL_ONLY)
         if local_only:
             raise TypeError(f"{local_only}: options of the local backend; with "

@@ -51,6 +51,18 @@ def _check_number(name: str, value: Any, least: float, kind: type, unit: str) ->
     return kind(value)
 
 
+def check_start_options(start_method: str, shm_budget: Any) -> int | None:
+    """Check ``Runtime``'s ``start_method`` and ``shm_budget`` (on every backend); the
+    budget as an int (or None)."""
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', not "
+                         f"{start_method!r}: a bare fork deadlocks with threads and "
+                         "cannot re-initialize CUDA")
+    return None if shm_budget is None else _check_number(
+        "shm_budget", shm_budget, _shm.MIN_BUDGET, int,
+        "bytes: room for one 4 MiB arena at least, e.g. 8 << 30")
+
+
 class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendChoice,
               StreamingClient):
     """Owns actor processes and shared memory. Use as ``async with Runtime() as rt``.
@@ -78,14 +90,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
     def __init__(self, *, backend: str = "local", start_method: str = "spawn",
                  shm_budget: int | None = None, shutdown_grace: float = 2.0,
                  start_timeout: float = 60.0, gpus: list[int | str] | None = None) -> None:
-        if start_method not in ("spawn", "forkserver"):
-            raise ValueError(f"start_method must be 'spawn' or 'forkserver', not "
-                             f"{start_method!r}: a bare fork deadlocks with threads and "
-                             "cannot re-initialize CUDA")
+        self.shm_budget = check_start_options(start_method, shm_budget)
         self.start_method = start_method
-        self.shm_budget = None if shm_budget is None else _check_number(
-            "shm_budget", shm_budget, _shm.MIN_BUDGET, int,
-            "bytes: room for one 4 MiB arena at least, e.g. 8 << 30")
         self.shutdown_grace = _check_number("shutdown_grace", shutdown_grace, 0, float,
                                             "seconds")
         self.start_timeout = _check_number("start_timeout", start_timeout, 0, float, "seconds")

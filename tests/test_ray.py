@@ -108,6 +108,20 @@ def test_unknown_backend_and_local_only_options_on_ray_are_refused():
     assert rt.backend == "ray" and "start_method" not in rt.ray_init_options
 
 
+@pytest.mark.parametrize("budget", [2e9, 8 << 30, 1000, float("inf"), True, "1G"])
+def test_shm_budget_on_ray_is_checked_as_on_the_local_backend(budget):
+    def outcome(backend):
+        try:
+            actorshm.Runtime(backend=backend, shm_budget=budget)
+        except (TypeError, ValueError) as exc:
+            return type(exc), str(exc)
+        return None
+    assert outcome("ray") == outcome("local")
+    if budget == 1000:  # (below one 4 MiB arena)
+        err, msg = outcome("ray")
+        assert err is ValueError and "at least 4194304" in msg
+
+
 def test_ray_backend_without_ray_says_how_to_install_it():
     code = textwrap.dedent("""
         import asyncio, sys
