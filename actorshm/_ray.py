@@ -110,6 +110,7 @@ class RayClient(CallOrder):
         self._waits: set = set()  # ``wait``: awaits on Ray that a closing runtime ends
         # calls waiting for results they take as arguments: task -> its actor's key
         self._waits_for_args: dict = {}
+        self._calls: dict = {}  # pending calls' futures -> (actor key, what): ``close_calls``
 
     async def wait(self, awaitable: Any) -> Any:
         """Await ``awaitable`` (a Ray reference or a coroutine awaiting Ray), unless the
@@ -133,6 +134,17 @@ class RayClient(CallOrder):
             task.actorshm_abort = why
             task.cancel()
 
+    def close_calls(self, keys: set | None, why: str) -> None:
+        """Fail the calls of this event loop still pending on the actors ``keys`` (None:
+        on every actor) with ``ActorDiedError`` (``why``), as retrieved: a runtime that
+        closes ends them without asyncio's "exception was never retrieved" for each (an
+        ``await`` still raises), as a connection that ends does on the local backend."""
+        loop = asyncio.get_running_loop()
+        for fut, (key, what) in list(self._calls.items()):
+            if (keys is None or key in keys) and not fut.done() and fut.get_loop() is loop:
+                fut.set_exception(ActorDiedError(f"{what}: {why}"))
+                fut.exception()  # (retrieved)
+
     # -- calls -------------------------------------------------------------------
     def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
              what: str = ""):
@@ -149,6 +161,8 @@ class RayClient(CallOrder):
         if actor_id.key in self._dead:
             fut.set_exception(ActorDiedError(f"{what}: the actor was killed"))
             return fut
+        self._calls[fut] = (actor_id.key, what)
+        fut.add_done_callback(lambda f: self._calls.pop(f, None))
         deps = futures_in((*args, *kwargs.values())) if args or kwargs else ()
         if deps:  # results as arguments
             if all(d.done() for d in deps):  # finished: their results in their places

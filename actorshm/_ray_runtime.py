@@ -179,6 +179,10 @@ class RayRuntime(_events.EventSource, RayInspectable):
                     ray.kill(h._actor_id.handle, no_restart=True)
                 except Exception:
                     pass
+            # Calls still pending end now, saying why (a Ray it started ends them all)
+            CLIENT.close_calls(None if self._owns_ray else
+                               {h._actor_id.key for h in self._spawned},
+                               "the actor's runtime closed")
             self._spawned.clear()
             if self._owns_ray:
                 # Streams read and spawns waiting on Ray end now, while Ray still runs:

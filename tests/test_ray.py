@@ -1365,6 +1365,43 @@ def test_closing_while_a_stream_is_read_and_a_spawn_waits_ends_both(tmp_path):
     assert "the driver goes on" in out
 
 
+PENDING_AT_CLOSE_SCRIPT = textwrap.dedent("""
+    import asyncio, os, sys
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    sys.path.insert(0, {tests!r})
+    import actorshm
+    from ray_actors import SlotLog
+
+    async def main():
+        s = await SlotLog.spawn()
+        s.slow(30)  # never awaited
+        waited = s.slow(30)
+        await asyncio.sleep(0.5)
+        await actorshm.current_runtime().close()
+        try:
+            await waited
+        except actorshm.ActorDiedError as exc:
+            print("awaited:", exc)
+
+    actorshm.run(main(), backend="ray", num_cpus=2, include_dashboard=False,
+                 log_to_driver=False)
+    print("the driver goes on")
+""")
+
+
+def test_calls_pending_when_the_runtime_closes_fail_quietly(tmp_path):
+    # Before: the call never awaited printed asyncio's "CallFuture exception was never
+    # retrieved ... the actor died" at close (the local backend prints nothing)
+    script = tmp_path / "pending.py"
+    script.write_text(PENDING_AT_CLOSE_SCRIPT.format(tests=os.path.dirname(__file__)))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "never retrieved" not in out.stderr, out.stderr[-3000:]
+    assert "awaited: SlotLog.slow: the actor's runtime closed" in out.stdout, out.stdout
+    assert "the driver goes on" in out.stdout
+
+
 async def test_a_spawn_that_ends_after_its_runtime_closed_leaves_no_actor(ray_session):
     rt = await actorshm.Runtime(backend="ray").start()  # on the module's Ray: it stays up
     await Counter.options(num_cpus=2).spawn()  # every CPU: the next spawn waits for it
