@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+from typing import Any
 
 from . import _descendants, _forkserver, _leases, _shm
 from ._output import OutputForwarder  # noqa: F401  (re-exported)
@@ -60,6 +61,29 @@ _WORKER_CMD = _bootstrap("_actor_process", first=_WATCHDOG_FIRST)
 def worker_command(fd: int) -> list[str]:
     """The argv that starts an actor process on inherited socket ``fd`` ("spawn")."""
     return [sys.executable, "-c", _WORKER_CMD, str(fd)]
+
+
+
+def check_number(name: str, value: Any, least: float, kind: type, unit: str) -> Any:
+    """A Runtime option that must be a number of at least ``least``, as ``kind``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Runtime({name}=...) must be a number ({unit}), not {value!r}")
+    if not least <= value < float("inf"):
+        raise ValueError(f"Runtime({name}=...) must be at least {least} ({unit}), not "
+                         f"{value!r}")
+    return kind(value)
+
+
+def check_start_options(start_method: str, shm_budget: Any) -> int | None:
+    """Check ``Runtime``'s ``start_method`` and ``shm_budget`` (on every backend); the
+    budget as an int (or None)."""
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', not "
+                         f"{start_method!r}: a bare fork deadlocks with threads and "
+                         "cannot re-initialize CUDA")
+    return None if shm_budget is None else check_number(
+        "shm_budget", shm_budget, _shm.MIN_BUDGET, int,
+        "bytes: room for one 4 MiB arena at least, e.g. 8 << 30")
 
 
 class ActorRecord:

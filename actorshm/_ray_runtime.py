@@ -16,7 +16,7 @@ from ._actor import ActorHandle, ActorOptions
 from ._errors import ActorDiedError
 from ._ray import CLIENT, RayActorId, import_ray, ray_env
 from ._ray_introspect import RayInspectable
-from ._runtime import check_start_options
+from ._launch import check_start_options
 
 __all__ = ["RayRuntime"]
 

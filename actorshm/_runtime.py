@@ -27,7 +27,8 @@ from . import _multicast
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._backend import BackendChoice
 from ._errors import ActorDiedError
-from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, kill_all, start_process)
+from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, check_number,
+                      check_start_options, kill_all, start_process)
 from ._protocol import Connection
 from ._streams import StreamingClient
 from ._supervise import Supervisor
@@ -39,28 +40,6 @@ __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 # runtime (passed to one of its actors) then names no actor there, never another one.
 _actor_ids = itertools.count(1)
 
-
-
-def _check_number(name: str, value: Any, least: float, kind: type, unit: str) -> Any:
-    """A Runtime option that must be a number of at least ``least``, as ``kind``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"Runtime({name}=...) must be a number ({unit}), not {value!r}")
-    if not least <= value < float("inf"):
-        raise ValueError(f"Runtime({name}=...) must be at least {least} ({unit}), not "
-                         f"{value!r}")
-    return kind(value)
-
-
-def check_start_options(start_method: str, shm_budget: Any) -> int | None:
-    """Check ``Runtime``'s ``start_method`` and ``shm_budget`` (on every backend); the
-    budget as an int (or None)."""
-    if start_method not in ("spawn", "forkserver"):
-        raise ValueError(f"start_method must be 'spawn' or 'forkserver', not "
-                         f"{start_method!r}: a bare fork deadlocks with threads and "
-                         "cannot re-initialize CUDA")
-    return None if shm_budget is None else _check_number(
-        "shm_budget", shm_budget, _shm.MIN_BUDGET, int,
-        "bytes: room for one 4 MiB arena at least, e.g. 8 << 30")
 
 
 class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendChoice,
@@ -92,9 +71,9 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                  start_timeout: float = 60.0, gpus: list[int | str] | None = None) -> None:
         self.shm_budget = check_start_options(start_method, shm_budget)
         self.start_method = start_method
-        self.shutdown_grace = _check_number("shutdown_grace", shutdown_grace, 0, float,
+        self.shutdown_grace = check_number("shutdown_grace", shutdown_grace, 0, float,
                                             "seconds")
-        self.start_timeout = _check_number("start_timeout", start_timeout, 0, float, "seconds")
+        self.start_timeout = check_number("start_timeout", start_timeout, 0, float, "seconds")
         if gpus is not None and (isinstance(gpus, (str, bytes)) or not hasattr(gpus, "__iter__")):
             raise TypeError(f"gpus must be a list of GPU indices or UUIDs (e.g. [0, 1]), not "
                             f"{gpus!r}")
