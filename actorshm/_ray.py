@@ -388,6 +388,9 @@ class RayClient(CallOrder):
                 if actor_id.key in self._dead:  # (``killed``)
                     raise ActorDiedError(f"{what}: the actor was killed") from None
                 raise
+            if getattr(asyncio.current_task(), "actorshm_given_up", False):
+                # (``RayStream._stop``: left as its arguments came in, its cancel queued)
+                raise asyncio.CancelledError
             if actor_id.key in self._dead or not ray_up():
                 why = "was killed" if actor_id.key in self._dead else \
                     "is gone (Ray was shut down)"

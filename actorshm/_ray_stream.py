@@ -98,6 +98,9 @@ class RayStream(Stream):
         before it started, give up its start (from any thread)."""
         start = self._start
         if start is not None and not start.done():
+            # Marked first: its arguments may have come in this very turn, its wakeup
+            # already queued ahead of the cancel; it then sees the mark and sends nothing.
+            start.actorshm_given_up = True
             try:
                 start.get_loop().call_soon_threadsafe(start.cancel)
             except RuntimeError:  # its loop is closed: the start ended with it
