@@ -227,6 +227,11 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             self._reap(rec)
             self._maybe_forget(rec)
             raise
+        if not rec.alive and not self._closing:
+            # Its process died after __init__ answered, before this spawn resumed: that
+            # death was told as a failed spawn's (nothing restarts it, the record is
+            # gone), so the spawn fails, rather than return a handle to a dead actor.
+            raise ActorDiedError(rec.death or f"{rec.label} died as it started")
         rec.spawned = True
         if self._closing:  # it started as the runtime closed, which stops it: say so here
             raise ActorDiedError(rec.death or

@@ -719,3 +719,28 @@ async def test_restarts_that_keep_failing_back_off_and_say_so(rt, tmp_path, capl
     assert rec.restarts == n and not rec.alive
     with pytest.raises(ActorDiedError, match="kill"):
         await a.ping()
+
+
+async def test_a_death_just_after_init_answered_fails_the_spawn(rt, monkeypatch):
+    """The process dies after its __init__ answered but before spawn resumed (the exit
+    is handled first): that death is told as a failed spawn's, so no restart follows,
+    and spawn must not return a handle to that dead actor as if it had started."""
+    from actorshm import _runtime
+    start = _runtime.Runtime._start_process
+
+    async def start_then_die(self, rec):
+        await start(self, rec)
+        if rec.restarts == 0:
+            os.kill(rec.pid, signal.SIGKILL)
+            await rec.exited.wait()  # (handled before the spawn goes on)
+
+    monkeypatch.setattr(_runtime.Runtime, "_start_process", start_then_die)
+    try:
+        h = await Counter.options(max_restarts=2).spawn()
+    except ActorDiedError as exc:
+        assert "SIGKILL" in str(exc)
+        await asyncio.sleep(0.5)
+        assert [a for a in rt.actors() if a["alive"]] == []  # and nothing restarted
+    else:  # (or it restarts, as any death after a spawn that returned)
+        await asyncio.sleep(1.0)
+        assert await asyncio.wait_for(h.incr(), 10) == 1  # (it was dead for good)
