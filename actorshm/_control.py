@@ -49,7 +49,8 @@ class CallControl:
                     return
                 except Exception as exc:
                     entry[0].set_exception(exc)
-            self.held.popleft()
+            if self.held and self.held[0] is entry:  # (a send that broke the connection
+                self.held.popleft()  # closed it: its held calls failed, the queue is new)
 
     _cancels_corked = False
 

@@ -541,3 +541,25 @@ async def test_any_mix_of_scalars_arrays_and_containers_round_trips_flat_or_not(
         flat += bool(flags & W.FLAT)
         _same(got, msg)
     assert flat > 10  # (the flat path was taken too)
+
+
+async def test_a_held_call_sent_to_a_peer_gone_meanwhile_fails_quietly():
+    # The held call's send found the socket broken: the connection closed inside
+    # _send_held, which then popped from the new, empty queue (IndexError in a callback).
+    from actorshm._results import CallFuture
+    loop = asyncio.get_running_loop()
+    errors = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    a, b = socket.socketpair()
+    with b:
+        conn = P.Connection(loop, Recorder(), a, "sender")
+        dep = CallFuture(loop=loop)
+        held = conn.call("m", (dep,), {})
+        later = conn.call("m2", (1,), {})
+        b.shutdown(socket.SHUT_RD)  # it reads no more: writes fail, no EOF to read here
+        dep.set_result(5)
+        for fut in (held, later):
+            with pytest.raises(actorshm.ActorDiedError):
+                await asyncio.wait_for(fut, 5)
+        await asyncio.sleep(0.05)
+    assert errors == []
