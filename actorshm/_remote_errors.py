@@ -257,9 +257,19 @@ def call_in_thread(fn, args: tuple, kwargs: dict, what: str):
 
 
 def copy_exc(exc: BaseException) -> BaseException:
-    """A fresh instance per waiter, so tracebacks do not pile up on one object."""
+    """A fresh instance per waiter, so tracebacks do not pile up on one object: the same
+    type, ``args``, slots and attributes, made without ``__init__`` (as ``_ByState``
+    rebuilds: one that formats its message would format it twice), with the same
+    cause (an actor's error: its remote traceback) and its own copy of the notes."""
     try:
-        new = type(exc)(*exc.args)
+        state = dict(vars(exc))
+        if isinstance(state.get("__notes__"), list):
+            state["__notes__"] = list(state["__notes__"])
+        new = _rebuild_exception(type(exc), exc.args, state or None,
+                                 _slots(exc) or None)
+        new.__cause__ = exc.__cause__
+        new.__context__ = exc.__context__
+        new.__suppress_context__ = exc.__suppress_context__
     except Exception:
         return exc
     return new

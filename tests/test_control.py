@@ -422,6 +422,23 @@ async def test_failed_call_as_argument_fails_the_call(rt):
     assert await other.get_log() == []
 
 
+async def test_a_failed_call_as_argument_fails_the_call_with_that_error_as_it_was(rt):
+    # Its copy was made with type(exc)(*exc.args): an __init__ that formats its message
+    # formatted it again ("code=code=4"), and the remote traceback and note were lost.
+    from actors import Faulty, FormatsError
+    f = await Faulty.spawn()
+    w = await Worker.spawn()
+    bad = f.rebuilt_by_state("formats")
+    for aw in (w.record(bad), w.record([bad])):
+        with pytest.raises(FormatsError) as info:
+            await aw
+        e = info.value
+        assert str(e) == "code=4" and e.code == 4
+        assert "rebuilt_by_state" in str(e.__cause__)  # the remote traceback
+        assert any("rebuilt_by_state" in n for n in e.__notes__)
+    assert await w.get_log() == []
+
+
 async def test_plain_future_as_argument_says_await_it_first(rt):
     w = await Worker.spawn()
     fut = asyncio.get_running_loop().create_future()
