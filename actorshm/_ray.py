@@ -395,10 +395,13 @@ class RayClient(CallOrder):
                 why = "was killed" if actor_id.key in self._dead else \
                     "is gone (Ray was shut down)"
                 raise ActorDiedError(f"{what}: the actor {why}")
+            failed = None
             try:
                 args, kwargs = _with_results(args, kwargs)
             except DependencyFailed as dep:
-                raise copy_exc(dep.exc) from None
+                failed = copy_exc(dep.exc)
+            if failed is not None:  # (raised as it is: its cause, the remote traceback, kept)
+                raise failed
             gen, seq = self._submit(actor_id, remote, method, args, kwargs, what, number)
         except BaseException:
             self._drop(actor_id, number[0])

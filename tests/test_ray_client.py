@@ -58,3 +58,27 @@ async def test_a_stream_left_as_its_arguments_come_in_is_never_started():
         assert sent == []
         assert [seqs for _, seqs in controls] == [[0]]  # its turn given up in the actor
         assert not client._open["actor-B"] and not client._waits_for_args
+
+
+async def test_a_stream_whose_argument_failed_raises_that_error_with_its_traceback():
+    # ``raise copy_exc(...) from None`` dropped the remote traceback (its __cause__).
+    from actorshm._errors import RemoteTraceback
+    handle = mock.Mock(stream=_Remote([]), cancel=_Remote([]))
+    client = _ray.RayClient()
+    aid = _ray.RayActorId(handle, "actor-C", frozenset({"gen"}))
+    client._submit = mock.Mock(side_effect=AssertionError("nothing is sent"))
+    with mock.patch.object(_ray, "ray_up", lambda: True), \
+            mock.patch.object(_ray_order, "ray_up", lambda: True):
+        dep = CallFuture()
+        s = client.stream(aid, "gen", (dep,), {}, "C.gen")
+        await asyncio.sleep(0)
+        err = ValueError("bad input")
+        err.__cause__ = RemoteTraceback("Traceback ...: in A.f")
+        dep.set_exception(err)
+        try:
+            await s.__anext__()
+        except ValueError as exc:
+            assert str(exc) == "bad input" and exc is not err
+            assert isinstance(exc.__cause__, RemoteTraceback)
+        else:
+            raise AssertionError("no error")
