@@ -548,6 +548,7 @@ class Host(Watched):
             self._tasks.pop(key, None)
             yield pack((False, encode_exception(exc)))
             return
+        started = False  # (a generator that never ran closes without running any code)
         try:
             step = gen.__anext__ if inspect.isasyncgen(gen) else None
             while True:
@@ -555,6 +556,7 @@ class Host(Watched):
                 # max_concurrency calls run, and no call starts meanwhile beyond them.
                 await self._take_slot(key, links[0] if links else (), what, link[3])
                 token = chain.set(link)
+                started = True
                 try:
                     if step is not None:
                         item = await step()
@@ -575,11 +577,16 @@ class Host(Watched):
             yield pack((False, encode_exception(exc)))  # the generator's own error
         finally:
             self._tasks.pop(key, None)
-            try:  # its finally blocks run in a slot too
-                await self._take_slot(key, (), what, link[3])
-                slot = True
-            except BaseException:  # (cancelled again: closed as it is)
-                slot = False
+            slot = False
+            # Its finally blocks run in a slot too. One that never started has none to
+            # run: it must not wait for a slot (its first item may have been refused as
+            # re-entrant, the slot held by a call that waits for this stream's end).
+            if started:
+                try:
+                    await self._take_slot(key, (), what, link[3])
+                    slot = True
+                except BaseException:  # (cancelled again: closed as it is)
+                    pass
             try:
                 close = getattr(gen, "aclose", None)
                 if close is not None:

@@ -82,3 +82,40 @@ async def test_a_stream_whose_argument_failed_raises_that_error_with_its_traceba
             assert isinstance(exc.__cause__, RemoteTraceback)
         else:
             raise AssertionError("no error")
+
+
+async def test_a_stream_refused_at_its_first_item_ends_without_waiting_for_a_slot():
+    # The host (in this process) of an actor A with max_concurrency=1 runs A.m, which
+    # made a stream of A: its first item is refused (re-entrant), and its close waited
+    # for A's slot, held by A.m, which waits for the stream's end (aclose): a deadlock.
+    import sys
+    from actorshm import _ray_host, _ray_watched
+    from actorshm._errors import ReentrantCallError
+    from actorshm._ray_errors import outcome
+
+    hold = asyncio.Event()
+
+    class A:
+        async def m(self):
+            await hold.wait()  # (as `await stream.aclose()` waits for its end)
+
+        async def gen(self):
+            yield 1
+
+    with mock.patch.dict(sys.modules, {"ray": None}), \
+            mock.patch.object(_ray_watched, "_on_leaving", lambda f: None):
+        host = _ray_host.Host(A, (), {}, 1, mock.Mock, ())
+    assert await host.ready() == (True, mock.ANY)
+    m = asyncio.ensure_future(host.call(("m", (), {}, "driver", 0, 0)))
+    try:
+        await asyncio.sleep(0.05)
+        link = (host.actor_id, "A.m", host.holding[("driver", 0)])
+        items = host.stream(("gen", (), {}, "a", 0, 0, (link,)))
+        _, err = outcome(await asyncio.wait_for(items.__anext__(), 5), "A.gen")
+        assert isinstance(err, ReentrantCallError)
+        done, _ = await asyncio.wait([asyncio.ensure_future(items.__anext__())],
+                                     timeout=2)
+        assert done and isinstance(done.pop().exception(), StopAsyncIteration)
+    finally:
+        hold.set()
+        await m
