@@ -89,7 +89,7 @@ async def test_a_stream_refused_at_its_first_item_ends_without_waiting_for_a_slo
     # made a stream of A: its first item is refused (re-entrant), and its close waited
     # for A's slot, held by A.m, which waits for the stream's end (aclose): a deadlock.
     import sys
-    from actorshm import _ray_host, _ray_watched
+    from actorshm import _client, _ray_host, _ray_watched
     from actorshm._errors import ReentrantCallError
     from actorshm._ray_errors import outcome
 
@@ -103,7 +103,8 @@ async def test_a_stream_refused_at_its_first_item_ends_without_waiting_for_a_slo
             yield 1
 
     with mock.patch.dict(sys.modules, {"ray": None}), \
-            mock.patch.object(_ray_watched, "_on_leaving", lambda f: None):
+            mock.patch.object(_ray_watched, "_on_leaving", lambda f: None), \
+            mock.patch.object(_client, "_worker", [None]):  # (the host sets this process's)
         host = _ray_host.Host(A, (), {}, 1, mock.Mock, ())
     assert await host.ready() == (True, mock.ANY)
     m = asyncio.ensure_future(host.call(("m", (), {}, "driver", 0, 0)))
