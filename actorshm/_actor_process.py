@@ -38,10 +38,16 @@ async def _amain(fd: int) -> int:
         # passed them: closing keeps those, and our forward notices for them stand, so
         # their owners keep them too. (Closing the peers may let go of more: the
         # driver's connection goes last.)
+        # One time limit for them all, within the driver's grace (it asked us to stop,
+        # and sends SIGTERM once that has passed); peers that do not read take at most
+        # half of it, so the driver's last frames get the rest.
+        now = loop.time()
+        end = now + worker.shutdown_grace / 2
+        peers_end = now + worker.shutdown_grace / 4
         for c in [*worker.peers.values(), worker.driver]:
             _leases.dispatch_releases()
             c.send_owed()
-            await _written(c, worker.shutdown_grace)
+            await _written(c, (end if c is worker.driver else peers_end) - loop.time())
             c.close(peer_gone=False)
         if worker.executor is not None:
             worker.executor.shutdown(wait=False, cancel_futures=True)
@@ -53,6 +59,7 @@ async def _written(conn, timeout: float) -> None:
     last reply (a big ``__init__`` error, say) is not cut off by the exit."""
     if conn.closed or not conn._out:
         return
+    timeout = max(timeout, 0.0)
     done = asyncio.get_running_loop().create_future()
     conn.after_item(conn._out[-1], lambda ok: done.done() or done.set_result(ok))
     conn.flush_now()
