@@ -228,7 +228,7 @@ class RayClient(CallOrder):
         """Actor ``key`` was killed: calls made from now on fail, and so do those still
         waiting for their arguments (now, not once the arguments are in)."""
         self._dead.add(key)
-        for task in [t for t, k in self._waits_for_args.items() if k == key]:
+        for task in [t for t, k in list(self._waits_for_args.items()) if k == key]:
             try:
                 task.get_loop().call_soon_threadsafe(task.cancel)
             except RuntimeError:  # its loop is closed: the task ended with it
@@ -441,9 +441,9 @@ class RayClient(CallOrder):
         try:
             ray.kill(actor_id.handle, no_restart=True)
         except Exception as exc:  # a handle of an earlier Ray session: gone with it
+            self._release(actor_id, None)  # (either way: calls held for a restart fail)
             if "HandleNotFound" not in type(exc).__name__:
                 raise
-            self._release(actor_id, None)
             return
         self._release(actor_id, None)  # calls waiting for a restart fail now
         self._open.pop(actor_id.key, None)
