@@ -6,6 +6,7 @@ import asyncio
 from typing import Any, Callable
 
 from ._errors import ActorDiedError
+from ._ray_order import ray_up
 from ._streams import SecondConsumer, Stream
 
 __all__ = ["RayStream"]
@@ -40,6 +41,10 @@ class RayStream(Stream):
             raise StopAsyncIteration
         if self._busy:
             raise SecondConsumer(self.what)
+        if not ray_up():  # the runtime that started Ray closed (and shut it down) since
+            # the last item: Ray's generator went with it, so its actor has ended
+            self._finish()
+            raise ActorDiedError(f"{self.what}: the actor's runtime closed")
         self._busy = True
         if self._start is not None:
             try:

@@ -1402,6 +1402,39 @@ def test_calls_pending_when_the_runtime_closes_fail_quietly(tmp_path):
     assert "the driver goes on" in out.stdout
 
 
+STREAM_AFTER_CLOSE_SCRIPT = textwrap.dedent("""
+    import asyncio, os, sys
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    sys.path.insert(0, {tests!r})
+    import actorshm
+    from ray_actors import Streamer
+
+    async def main():
+        rt = await actorshm.Runtime(backend="ray", num_cpus=2, include_dashboard=False,
+                                    log_to_driver=False).start()
+        s = await Streamer.spawn()
+        it = s.count(100).__aiter__()
+        print("first", await it.__anext__())
+        await rt.close()  # the stream is not being read at this moment
+        try:
+            await asyncio.wait_for(it.__anext__(), 30)
+        except Exception as exc:
+            print("next:", type(exc).__name__, exc)
+
+    asyncio.run(main())
+    print("the driver goes on")
+""")
+
+
+def test_a_stream_read_after_its_runtime_closed_ray_says_the_actor_died(tmp_path):
+    # Before: the runtime had shut its Ray down, and the next item raised
+    # AttributeError: 'Worker' object has no attribute 'core_worker'
+    out = _run_script(tmp_path, "stream_after_close.py", STREAM_AFTER_CLOSE_SCRIPT)
+    assert "first 0" in out, out
+    assert "next: ActorDiedError Streamer.count: the actor's runtime closed" in out, out
+    assert "the driver goes on" in out
+
+
 async def test_a_spawn_that_ends_after_its_runtime_closed_leaves_no_actor(ray_session):
     rt = await actorshm.Runtime(backend="ray").start()  # on the module's Ray: it stays up
     await Counter.options(num_cpus=2).spawn()  # every CPU: the next spawn waits for it
