@@ -169,8 +169,10 @@ def _reduce_tensor(enc, t: torch.Tensor):
         return NotImplemented if reducer is None else reducer(enc, t)
     st = t.untyped_storage()
     n = st.nbytes()
-    if n == 0:
-        return NotImplemented
+    if n == 0:  # no bytes to carry (not torch's pickling: it cannot rebuild every dtype)
+        return _rebuild_empty_tensor, (str(t.dtype), tuple(t.shape), t.stride(),
+                                       t.storage_offset(), kind is _Parameter,
+                                       t.requires_grad, view_bits(t))
     where = _shared(enc, t)
     if where is not None:
         return _rebuild_tensor, where
@@ -226,6 +228,13 @@ def _rebuild_inline_tensor(buf, dtype, size, stride, offset, parameter, requires
     if type(buf) is not bytearray:
         buf = bytearray(buf)
     t = tensor_over(np.frombuffer(buf, np.uint8), _DTYPES[dtype], size, stride, offset)
+    return finish(t, parameter, requires_grad, bits)
+
+
+def _rebuild_empty_tensor(dtype, size, stride, offset, parameter, requires_grad, bits):
+    """The receiver's tensor over an empty storage, as the sender had it."""
+    t = torch.empty(0, dtype=_DTYPES[dtype])
+    t.set_(t.untyped_storage(), offset, size, stride)
     return finish(t, parameter, requires_grad, bits)
 
 
