@@ -50,15 +50,33 @@ class FrameReader:
                 return
 
     def _on_readable(self) -> bool:
-        """Read what the socket has and handle every whole frame; False when it had none."""
+        """Read what the socket has and handle every whole frame; False when it had none.
+
+        The kernel ends a read right after bytes that carried fds, so the frames written
+        after a frame with fds (an arena's first use) wait for another read: they are
+        read now, as they would have been in one read without fds. (An actor that
+        finished a long sync call reads its socket before it starts the next queued
+        call, so that a cancel of that call is seen first: a cancel written after a
+        call that introduced an arena was missed, and the cancelled call ran.)
+        """
+        got = self._read_frames()
+        for _ in range(64):  # (bounded: a peer that keeps sending fds cannot starve the loop)
+            if got != 2 or self.closed or self.sock is None:
+                break
+            got = self._read_frames()
+        return bool(got)
+
+    def _read_frames(self) -> int:
+        """One read: 0 when the socket had nothing, 2 when what it read carried fds,
+        else 1; every whole frame read is handled."""
         try:
             nread, anc, flags, _ = self.sock.recvmsg_into(self._rviews, ANC_SIZE,
                                                              _CLOEXEC)
         except (BlockingIOError, InterruptedError):
-            return False
+            return 0
         except OSError:  # ECONNRESET: the peer died with data unread; same as EOF
             self._broken()
-            return False
+            return 0
         for level, kind, cdata in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array.array("i")
@@ -66,10 +84,10 @@ class FrameReader:
                 self._fds.extend(fds)
         if flags & _MSG_CTRUNC:
             self._protocol_error("file descriptors were truncated")
-            return False
+            return 0
         if not nread:
             self._broken()
-            return False
+            return 0
         # The common case: this read holds whole frames only, parsed straight out of the
         # receive buffer (each payload a view that ``_frame`` decodes at once). A frame
         # cut off at the end of a read is kept in ``_inbuf``, and the frames that span
@@ -93,7 +111,7 @@ class FrameReader:
                 if mark != MARK or not CALL <= kind <= LAST_KIND or flags > MAX_FLAGS \
                         or plen > MAX_FRAME or nfds > MAX_FDS_PER_FRAME:
                     self._protocol_error(self._bad_header(data, pos))
-                    return
+                    return 0
                 start = pos + HSIZE
                 end = start + plen
                 if end > n:
@@ -101,7 +119,7 @@ class FrameReader:
                 if nfds:
                     if nfds > len(self._fds):
                         self._protocol_error("a frame announced fds it did not carry")
-                        return
+                        return 0
                     fds = self._fds[:nfds]
                     del self._fds[:nfds]
                 else:
@@ -109,9 +127,9 @@ class FrameReader:
                 pos = end
                 self._frame(kind, flags, cid, data[start:end], fds)
                 if self.closed:
-                    return
+                    return 0
             if self._fds and not self._fds_owned(data, pos, n):
-                return
+                return 0
         finally:
             if not self.closed:
                 if buf:
@@ -119,4 +137,4 @@ class FrameReader:
                 elif pos < n:
                     buf += view[pos:n]
                 self.uncork()
-        return True
+        return 2 if anc else 1

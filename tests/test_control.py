@@ -63,6 +63,22 @@ async def test_queued_call_never_runs_once_cancelled(rt):
     assert await w.get_log() == [("work", 0.5), "next"]
 
 
+async def test_queued_call_that_brings_a_new_arena_never_runs_once_cancelled(rt):
+    # Before: the call's frame carried the arena's fd, and the kernel ends a read right
+    # after such bytes; the cancel written after it waited for a later read, and the
+    # actor started the cancelled call in the slot the sync call freed, before it.
+    w = await Worker.spawn()
+    for arr in (actorshm.zeros(1 << 20), np.zeros(1 << 20)):  # shared, or copied into it
+        busy = w.work(0.5)
+        queued = w.record(arr)
+        await asyncio.sleep(0.05)
+        queued.cancel()
+        assert await busy == 0.5
+        assert await w.record("next") == "next"
+        assert await w.get_log() == [("work", 0.5), "next"]
+        await w.clear_log()
+
+
 async def test_hundreds_of_queued_calls_cancelled_at_once_never_run(rt):
     # The cancels of one turn go out in one write, so the actor reads them together:
     # none of the queued calls starts in the slot the cancelled running call frees.
