@@ -21,6 +21,11 @@ _unpack_header = HEADER.unpack_from
 class FrameReader:
     """Reads frames for ``FramedSocket``: see the module's docstring."""
 
+    # Whether the frame being handled began in an earlier read (a frame larger than the
+    # socket's buffer comes in many): what its sender wrote after it (a cancel of the
+    # call it carries) may be read only after it, once the sender could write again.
+    frame_spanned = False
+
     @staticmethod
     def _bad_header(data, pos: int) -> str:
         plen, kind, flags, nfds, mark, cid = _unpack_header(data, pos)
@@ -94,6 +99,7 @@ class FrameReader:
         # reads are copied out of it.
         view = self._rview
         buf = self._inbuf
+        spanned = bool(buf)  # (the first frame began in an earlier read)
         if buf:
             buf += view[:nread]
             data = buf
@@ -125,12 +131,15 @@ class FrameReader:
                 else:
                     fds = ()
                 pos = end
+                self.frame_spanned = spanned
                 self._frame(kind, flags, cid, data[start:end], fds)
+                self.frame_spanned = spanned = False
                 if self.closed:
                     return 0
             if self._fds and not self._fds_owned(data, pos, n):
                 return 0
         finally:
+            self.frame_spanned = False
             if not self.closed:
                 if buf:
                     del buf[:pos]

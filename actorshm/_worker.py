@@ -163,6 +163,14 @@ class Worker(StreamingClient):
                 conn.reply_error(cid, err)
                 return
         if self.running < self.max_concurrency and not self.queue and not self.held:
+            if conn.frame_spanned:
+                # A call too large for one read: its caller could write nothing after
+                # it (a cancel of it) until it was read. Read on before it starts, as
+                # after a call that held the loop.
+                self.queue.append((conn, cid, call))
+                self.running += 1
+                self._finished(None, blocked=True)
+                return
             self._start(conn, cid, call)
         else:  # (held: the frames read meanwhile, cancels among them, go first)
             self.queue.append((conn, cid, call))

@@ -79,6 +79,22 @@ async def test_queued_call_that_brings_a_new_arena_never_runs_once_cancelled(rt)
         await w.clear_log()
 
 
+async def test_queued_call_too_large_for_one_read_never_runs_once_cancelled(rt):
+    # Before: the caller could write the cancel only after the call's last bytes, which
+    # the actor read after its sync call ended; it started the call as soon as it had
+    # it whole, and read the cancel behind it too late.
+    w = await Worker.spawn()
+    for arg in (b"x" * (4 << 20), [np.zeros(2000) for _ in range(60)]):  # (in band)
+        busy = w.work(0.5)
+        queued = w.record(arg)
+        await asyncio.sleep(0.05)
+        queued.cancel()
+        assert await busy == 0.5
+        assert await w.record("next") == "next"
+        assert await w.get_log() == [("work", 0.5), "next"]
+        await w.clear_log()
+
+
 async def test_hundreds_of_queued_calls_cancelled_at_once_never_run(rt):
     # The cancels of one turn go out in one write, so the actor reads them together:
     # none of the queued calls starts in the slot the cancelled running call frees.
