@@ -49,6 +49,7 @@ async def _amain(fd: int) -> int:
             c.send_owed()
             await _written(c, (end if c is worker.driver else peers_end) - loop.time())
             c.close(peer_gone=False)
+        worker.exited = True
         if worker.executor is not None:
             worker.executor.shutdown(wait=False, cancel_futures=True)
     return worker.exit_code

@@ -54,6 +54,7 @@ class Worker(StreamingClient):
         self.running = 0
         self.queue: collections.deque = collections.deque()
         self.executor = None
+        self.exited = False  # the process is leaving: no queued call starts any more
         self.seq = 0  # calls started
         self.holding: dict[tuple, int] = {}  # (conn, cid) of calls in a slot -> their seq
         self.held = False  # a sync call just held the loop: calls wait a moment (_finished)
@@ -326,7 +327,7 @@ class Worker(StreamingClient):
 
     def _sync_done(self, conn, cid, fut, what) -> None:
         key = (conn, cid)
-        if key in self.dropped:
+        if key in self.dropped or fut.cancelled():  # (cancelled: the pool shut down)
             self.dropped.discard(key)
             self._finished(key)
             return
@@ -352,7 +353,7 @@ class Worker(StreamingClient):
                 self.held = True
                 self.loop.call_soon(self.loop.call_soon, self._release_hold)
             return
-        while self.queue and self.running < self.max_concurrency:
+        while self.queue and self.running < self.max_concurrency and not self.exited:
             entry = self.queue.popleft()
             if entry[0] is None:  # a stream waiting to take its next item
                 entry[1].grant()
