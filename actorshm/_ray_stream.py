@@ -38,6 +38,8 @@ class RayStream(Stream):
     async def __anext__(self) -> Any:
         self._polls += 1
         if self._done:
+            if self._cut:
+                raise self._cut_error()
             raise StopAsyncIteration
         if self._busy:
             raise SecondConsumer(self.what)
@@ -52,6 +54,7 @@ class RayStream(Stream):
             except BaseException as exc:
                 self._busy = False
                 if isinstance(exc, asyncio.CancelledError):
+                    self._cut = True
                     self._stop()
                 else:  # a failed argument, a kill: it never started
                     self._finish()
@@ -73,6 +76,7 @@ class RayStream(Stream):
             self._finish()
             raise err from None
         except BaseException:  # cancelled: stop the generator in the actor
+            self._cut = True
             self._stop()
             raise
         finally:

@@ -140,6 +140,18 @@ class Stream:
 
     what = ""
     _polls = 0  # ``__anext__`` calls (``StreamLoop``)
+    _cut = False  # stopped by a cancel (or a time-out) of a wait for an item
+
+    def _cut_error(self) -> RuntimeError:
+        """What a stream stopped by a cancelled wait raises when asked for more: its
+        later items are lost, which must not look like the stream's end."""
+        return RuntimeError(
+            f"the stream of {self.what}() was stopped when a wait for its next item was "
+            "cancelled or timed out (task.cancel(), asyncio.wait_for, asyncio.timeout), "
+            "and the generator was closed in the actor: it has no more items. To wait "
+            "for an item with a time-out and go on iterating, wait on a task, which a "
+            "time-out leaves running: `t = asyncio.ensure_future(anext(it))`, then "
+            "`await asyncio.wait({t}, timeout=...)`")
 
     def __aiter__(self) -> "StreamLoop":
         return StreamLoop(self)
@@ -192,7 +204,7 @@ class StreamLoop:
             raise
         except asyncio.CancelledError:  # (a timeout too) while waiting for an item: the
             # loop is left, even while the error or the task keeps this object alive
-            _leave_later(self.stream)
+            _leave_later(self.stream, cut=True)
             raise
 
     async def aclose(self) -> None:
@@ -205,12 +217,15 @@ class StreamLoop:
             _leave_later(self.stream)
 
 
-def _leave_later(stream) -> None:
-    """Stop ``stream`` at the event loop's next turn unless it is iterated meanwhile."""
+def _leave_later(stream, cut: bool = False) -> None:
+    """Stop ``stream`` at the event loop's next turn unless it is iterated meanwhile;
+    ``cut``: a wait for an item was cancelled (asking for more then raises)."""
     polls = stream._polls
 
     def leave() -> None:
         if stream._polls == polls:
+            if cut:
+                stream._cut = True
             stream._left()
     try:
         asyncio.get_running_loop().call_soon(leave)
@@ -264,6 +279,8 @@ class CallStream(Stream):
         box = self.inbox
         while True:
             if box.stopped:
+                if self._cut:
+                    raise self._cut_error()
                 raise StopAsyncIteration
             if box.items:
                 self._owed += 1

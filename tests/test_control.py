@@ -252,6 +252,25 @@ async def test_a_loop_cancelled_while_waiting_stops_the_stream(rt, how):
     kept.clear()
 
 
+async def test_a_stream_cut_by_a_time_out_says_so_when_asked_for_more(rt):
+    # A time-out while waiting for an item stops the stream (the generator is closed in
+    # the actor): a poller that goes on must not take that for the stream's end.
+    w = await Worker.spawn()
+    it = aiter(w.acount(5, 0.5))
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(anext(it), 0.05)
+    await asyncio.sleep(0)  # (the event loop turns: the loop counts as left)
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="timed out.*asyncio.wait"):
+        await anext(it)
+    assert await _last_log_entry(w) == "acount-finally"
+    # the way the error gives: a task waited on keeps the stream
+    it = aiter(w.acount(3, 0.2))
+    t = asyncio.ensure_future(anext(it))
+    assert not (await asyncio.wait({t}, timeout=0.01))[0]
+    assert await t == 0 and [x async for x in it] == [1, 2]
+
+
 async def test_an_iteration_handed_on_is_not_a_loop_left(rt):
     # aiter() and a loop over the same stream in turn, without the event loop turning
     # in between, go on with the same generator (as for any async iterator)

@@ -1065,6 +1065,16 @@ async def test_cancelling_a_task_that_iterates_a_stream_stops_the_generator(art)
     assert await s.closed_() == [1000]
 
 
+async def test_a_stream_cut_by_a_time_out_says_so_when_asked_for_more(art):
+    s = await Streamer.spawn()
+    it = aiter(s.count(5, 0.0, 0.5))
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(anext(it), 0.05)
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="timed out.*asyncio.wait"):
+        await anext(it)
+
+
 async def test_stream_runs_a_bounded_number_of_items_ahead(art):
     s = await Streamer.spawn()
     stream = s.count(1000)
