@@ -215,7 +215,9 @@ class SharedBudget:
         return (f"actorshm: cannot allocate {fmt_bytes(size)} of shared memory: the "
                 f"runtime's budget is {fmt_bytes(self.budget)} for the driver and its actors "
                 f"together, and {fmt_bytes(used)} is in use ({who or 'none'}). Drop arrays "
-                "you no longer need, or raise the budget with actorshm.Runtime(shm_budget=...) "
+                "you no longer need (a stream's items made ahead of its consumer count too: "
+                "lower its run_ahead, h.method.options(run_ahead=2)(...)), or raise the "
+                "budget with actorshm.Runtime(shm_budget=...) "
                 "(or ACTORSHM_SHM_BUDGET=bytes).")
 
 

@@ -106,7 +106,9 @@ class Pool:
         return SharedMemoryError(
             f"actorshm: cannot allocate {fmt_bytes(size)} of shared memory: this process's "
             f"budget is {fmt_bytes(self.budget)} and {fmt_bytes(self.reserved)} is already in "
-            "use. Drop arrays you no longer need, or raise the budget with "
+            "use. Drop arrays you no longer need (a stream's items made ahead of its "
+            "consumer count too: lower its run_ahead, h.method.options(run_ahead=2)(...)), "
+            "or raise the budget with "
             "actorshm.Runtime(shm_budget=...) (or ACTORSHM_SHM_BUDGET=bytes)."
         )
 
