@@ -549,6 +549,7 @@ class Host(Watched):
             yield pack((False, encode_exception(exc)))
             return
         started = False  # (a generator that never ran closes without running any code)
+        own = False  # whether what is raised is the generator's (not thrown in here)
         try:
             step = gen.__anext__ if inspect.isasyncgen(gen) else None
             while True:
@@ -556,7 +557,7 @@ class Host(Watched):
                 # max_concurrency calls run, and no call starts meanwhile beyond them.
                 await self._take_slot(key, links[0] if links else (), what, link[3])
                 token = chain.set(link)
-                started = True
+                started = own = True
                 try:
                     if step is not None:
                         item = await step()
@@ -567,6 +568,7 @@ class Host(Watched):
                 finally:
                     chain.reset(token)
                     self._give_slot(key)
+                own = False
                 check_result(item, what, item=True)
                 yield pack((True, item))
         except Exception as exc:
@@ -575,6 +577,18 @@ class Host(Watched):
             if getattr(task, CANCELLED_BY_CALLER, False):
                 raise
             yield pack((False, encode_exception(exc)))  # the generator's own error
+        except SystemExit:
+            # The process exits, as from a method (``_run``): left to Ray, the stream
+            # failed as if the actor died, while the process stayed and later calls on
+            # it were never answered.
+            await asyncio.sleep(_FIRST_RUN_GRACE)  # (the items already handed to Ray)
+            os._exit(0)
+        except BaseException as exc:
+            if not own:
+                raise  # (a GeneratorExit thrown in at the yield: Ray closes the stream)
+            # The generator raised it (GeneratorExit, a BaseExceptionGroup): RemoteError
+            # naming it, as from a method and locally, not Ray's own error type.
+            yield pack((False, encode_exception(exc)))
         finally:
             self._tasks.pop(key, None)
             slot = False

@@ -478,9 +478,11 @@ async def run_stream(conn: Any, cid: int, gen: Any, out: Outflow, what: str,
                 except StopAsyncIteration:
                     break
             elif executor is not None:
-                step = loop.run_in_executor(executor, next, gen, _DONE)
-                item = await asyncio.shield(step)
+                step = loop.run_in_executor(executor, _next_caught, gen)
+                item, raised = await asyncio.shield(step)
                 step = None
+                if raised is not None:
+                    raise raised  # (here: see ``_next_caught``)
                 if item is _DONE:
                     break
             else:
@@ -527,6 +529,18 @@ async def run_stream(conn: Any, cid: int, gen: Any, out: Outflow, what: str,
         return
     leave_if_forked()
     conn.reply(cid, None, what)
+
+
+def _next_caught(gen: Any) -> tuple:
+    """``(next(gen, _DONE), None)``, or ``(None, exc)`` for what it raised: for an
+    executor thread. Awaited through the thread's future, a ``GeneratorExit`` the
+    generator raised would be thrown into the awaiting coroutines, which closes them
+    (``coroutine ignored GeneratorExit``) instead of failing the stream, and its consumer
+    would wait for ever."""
+    try:
+        return next(gen, _DONE), None
+    except BaseException as exc:
+        return None, exc
 
 
 async def _close(gen: Any, is_async: bool, step: Any) -> None:

@@ -244,6 +244,15 @@ class Faulty:
         yield 1
         raise KeyboardInterrupt("pressed in the stream")
 
+    def exit_in_stream(self, code):
+        yield 1
+        sys.exit(code)
+
+    def base_error_stream(self, kind):
+        yield 1
+        raise {"genexit": GeneratorExit("raised by the generator"),
+               "group": BaseExceptionGroup("a group", [KeyboardInterrupt("in a group")])}[kind]
+
     def fork_and_return(self):
         return os.fork()  # the child returns too, into actorshm's code
 

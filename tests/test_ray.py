@@ -864,6 +864,32 @@ async def test_keyboard_interrupt_in_a_stream_ends_it_and_the_actor_lives(art):
     assert await asyncio.wait_for(f.ok(), 30) == "ok"
 
 
+@pytest.mark.parametrize("concurrency", [1, 2])
+@pytest.mark.parametrize("kind, name", [("genexit", "GeneratorExit"),
+                                        ("group", "BaseExceptionGroup")])
+async def test_a_base_exception_of_a_stream_is_a_remote_error(art, concurrency, kind,
+                                                              name):
+    """A generator that raises a BaseException other than SystemExit fails its stream
+    with RemoteError naming it, as a plain method does (not with Ray's own error type,
+    and not, in a thread of a max_concurrency > 1 actor, by hanging its consumer)."""
+    f = await Faulty.options(max_concurrency=concurrency).spawn()
+    assert await asyncio.wait_for(
+        items_before(f.base_error_stream(kind), actorshm.RemoteError, f"^{name}: "), 10) == [1]
+    assert await asyncio.wait_for(f.ok(), 30) == "ok"
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+async def test_sys_exit_in_a_stream_ends_the_actor(art, concurrency):
+    """sys.exit() in a generator ends the process as in any method: the stream, then
+    every later call, fails with ActorDiedError, promptly (on Ray the process stayed, and
+    later calls waited for ever)."""
+    f = await Faulty.options(max_concurrency=concurrency).spawn()
+    assert await asyncio.wait_for(
+        items_before(f.exit_in_stream(4), actorshm.ActorDiedError), 10) == [1]
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(f.ok(), 10)
+
+
 async def test_a_cancelled_error_of_the_methods_own_fails_its_call(art):
     """Only the caller's cancel goes unanswered: a CancelledError the method raised, or
     got from a task cancelled in the actor, is its error (not an Exception: RemoteError)."""
