@@ -28,7 +28,7 @@ from . import _client, _introspect, _shm
 from ._errors import ActorDiedError, init_exit_error
 from ._ray_errors import check_result
 from ._ray_watched import Watched
-from ._remote_errors import call_in_thread
+from ._remote_errors import call_caught
 from ._remote_errors import encode_exception as _encode_exception
 from ._streams import CANCELLED_BY_CALLER, chain, reentrant_error
 
@@ -475,9 +475,11 @@ class Host(Watched):
                     result = await result
             else:
                 ctx = contextvars.copy_context()  # (the chain, for calls it makes)
-                result = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, ctx.run, call_in_thread, fn, args, kwargs,
+                result, raised = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, ctx.run, call_caught, fn, args, kwargs,
                     f"{self._cls_name}.{method}")
+                if raised is not None:
+                    raise raised  # (here, not thrown in: see ``call_caught``)
             check_result(result, f"{self._cls_name}.{method}")
         except SystemExit:
             await asyncio.sleep(_FIRST_RUN_GRACE)  # (the results already handed to Ray)

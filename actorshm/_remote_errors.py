@@ -24,7 +24,7 @@ from ._util import leave_if_forked
 from ._wire import MAX_MESSAGE
 
 __all__ = ["encode_exception", "encode_failure", "decode_exception", "call_in_thread",
-           "UNPICKLING_ERRORS"]
+           "call_caught", "UNPICKLING_ERRORS"]
 
 _BRIEF = 1 << 16  # what a too-big exception keeps of its message and traceback text
 
@@ -254,6 +254,17 @@ def call_in_thread(fn, args: tuple, kwargs: dict, what: str):
         raise RuntimeError(f"{what} raised StopIteration") from exc
     finally:
         leave_if_forked()
+
+
+def call_caught(fn, args: tuple, kwargs: dict, what: str) -> tuple:
+    """``(call_in_thread(...), None)``, or ``(None, exc)`` for what it raised: for an
+    executor thread whose future a coroutine awaits. Raised through that future, a
+    ``GeneratorExit`` would be thrown into the awaiting coroutines, which closes them
+    (``coroutine ignored GeneratorExit``) instead of raising it where it is awaited."""
+    try:
+        return call_in_thread(fn, args, kwargs, what), None
+    except BaseException as exc:
+        return None, exc
 
 
 def copy_exc(exc: BaseException) -> BaseException:

@@ -244,6 +244,10 @@ class Faulty:
         yield 1
         raise KeyboardInterrupt("pressed in the stream")
 
+    def raise_base_error(self, kind):
+        raise {"genexit": GeneratorExit("raised by the method"),
+               "group": BaseExceptionGroup("a group", [KeyboardInterrupt("in a group")])}[kind]
+
     def exit_in_stream(self, code):
         yield 1
         sys.exit(code)

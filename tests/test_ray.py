@@ -879,6 +879,19 @@ async def test_a_base_exception_of_a_stream_is_a_remote_error(art, concurrency, 
 
 
 @pytest.mark.parametrize("concurrency", [1, 2])
+@pytest.mark.parametrize("kind, name", [("genexit", "GeneratorExit"),
+                                        ("group", "BaseExceptionGroup")])
+async def test_a_base_exception_of_a_method_is_a_remote_error(art, concurrency, kind, name):
+    """Also from a sync method run in a thread (max_concurrency > 1): a GeneratorExit
+    that came back through the thread's future closed the awaiting coroutine on Ray,
+    and the caller got Ray's RayTaskError text instead."""
+    f = await Faulty.options(max_concurrency=concurrency).spawn()
+    with pytest.raises(actorshm.RemoteError, match=f"^{name}: "):
+        await asyncio.wait_for(f.raise_base_error(kind), 10)
+    assert await asyncio.wait_for(f.ok(), 30) == "ok"
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
 async def test_sys_exit_in_a_stream_ends_the_actor(art, concurrency):
     """sys.exit() in a generator ends the process as in any method: the stream, then
     every later call, fails with ActorDiedError, promptly (on Ray the process stayed, and
