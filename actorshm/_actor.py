@@ -338,11 +338,13 @@ class ActorHandle:
         await self._client.kill(self._actor_id)
 
     def __reduce__(self):
+        # The current pid (``pid``), not the one this handle was made with: the process
+        # that unpickles it cannot follow restarts that happened before.
         return (_rebuild_handle, (self._actor_id, self._cls_name, self._methods,
-                                  self._actor_name, self._pid, self._max_pending))
+                                  self._actor_name, self.pid, self._max_pending))
 
     def __repr__(self) -> str:
-        return f"<ActorHandle {self._cls_name} id={self._actor_id} pid={self._pid}>"
+        return f"<ActorHandle {self._cls_name} id={self._actor_id} pid={self.pid}>"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ActorHandle) and other._actor_id == self._actor_id

@@ -358,6 +358,9 @@ class Caller:
     async def call_handle(self, handle, k):
         return await handle.incr(k)
 
+    def pid_of(self, handle):
+        return handle.pid
+
     def block_on(self, handle):  # a Ray habit, in a sync method
         return handle.incr(1).result(timeout=2)
 

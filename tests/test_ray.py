@@ -557,6 +557,29 @@ async def test_max_restarts_brings_the_actor_back(art):
     assert p.pid == new_pid  # the handle's pid follows the restart
 
 
+async def test_a_handle_passed_on_after_a_restart_has_the_new_pid(art):
+    """The handle pickled what it was made with: given to an actor after a restart, its
+    ``pid`` there was the dead process's, while the driver's said the new one."""
+    p = await Phoenix.spawn("a")
+    old = p.pid
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(p.crash(), 10)
+    for _ in range(100):  # calls made while it restarts may fail; then it answers
+        try:
+            new = (await asyncio.wait_for(p.hit(), 10))[2]
+            break
+        except actorshm.ActorDiedError:
+            await asyncio.sleep(0.1)
+    for _ in range(100):
+        if p.pid == new:
+            break
+        await asyncio.sleep(0.05)
+    assert p.pid == new != old
+    caller = await Caller.spawn()
+    assert await asyncio.wait_for(caller.pid_of(p), 30) == new
+    assert f"pid={new}" in repr(p)
+
+
 async def test_a_restart_fails_pending_calls_at_once_and_later_calls_wait_in_order(art):
     p = await Phoenix.options(max_restarts=-1).spawn("a")
     await p.hit()
