@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 import logging
 import pickle
 import socket
@@ -273,12 +272,9 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             self.reply_error(cid, exc)
             return
         except Exception as exc:
-            if inspect.isgenerator(value) or inspect.isasyncgen(value):
-                exc = TypeError("it is a generator object; to stream, make the method "
-                                "itself a generator (a `def` or `async def` with `yield`)")
-            elif inspect.iscoroutine(value):
-                exc = TypeError("it is a coroutine object: the method returned a coroutine "
-                                "without awaiting it (write `return await ...`)")
+            mistake = ser.result_mistake(value)
+            if mistake is not None:
+                exc = TypeError(mistake)
             err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}")
             err.__cause__ = exc
             self.reply_error(cid, err)

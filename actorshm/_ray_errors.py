@@ -18,7 +18,7 @@ from typing import Any
 from . import _shm
 from ._errors import ActorDiedError, RemoteError, RemoteTraceback
 from ._remote_errors import decode_exception
-from ._serialization import FILE_TYPES, refuse_file
+from ._serialization import FILE_TYPES, THREAD_FUTURE, refuse_file, result_mistake
 
 __all__ = ["check_args", "check_result", "translate", "outcome", "unavailable_error",
            "died"]
@@ -109,8 +109,24 @@ def check_result(value: Any, what: str, item: bool = False) -> None:
     """The same checks (but the warning) for a result or a stream ``item``, in the actor
     before Ray takes it: ``TypeError`` worded as on the local backend."""
     if type(value) not in _SCALARS:
-        _check((value,), f"an item of {what} cannot be sent" if item else
-               f"the result of {what} cannot be sent back", None)
+        refused = f"an item of {what} cannot be sent" if item else \
+            f"the result of {what} cannot be sent back"
+        mistake = None if item else result_mistake(value) or _unawaited(value)
+        if mistake is not None:
+            raise TypeError(f"{refused}: {mistake}")
+        _check((value,), refused, None)
+
+
+def _unawaited(value: Any) -> str | None:
+    """What the local backend says of a result that is a call's awaitable, unfinished
+    (Ray would fail to pickle it, saying only that a lock cannot be pickled)."""
+    from ._client import ThreadCallFuture
+    from ._results import CallFuture, Unfinished
+    if isinstance(value, ThreadCallFuture):
+        return THREAD_FUTURE
+    if isinstance(value, CallFuture) and not value.done():
+        return str(Unfinished(value))
+    return None
 
 
 def _check(values: tuple, refused: str, warn_for: str | None) -> None:

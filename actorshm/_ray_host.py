@@ -471,7 +471,10 @@ class Host(Watched):
                 freeze_arrays(kwargs)
             if self._methods[method] or self._executor is None:
                 result = fn(*args, **kwargs)
-                if inspect.isawaitable(result):
+                # Awaited for an async method only, as locally: what a sync method
+                # returns is its result (a coroutine or an unfinished call it forgot to
+                # await is a TypeError, not awaited here behind its back).
+                if self._methods[method] and inspect.isawaitable(result):
                     result = await result
             else:
                 ctx = contextvars.copy_context()  # (the chain, for calls it makes)

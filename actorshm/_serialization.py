@@ -22,6 +22,7 @@ region is still opened: the connection and the peer carry on.
 
 from __future__ import annotations
 
+import inspect
 import io
 import os
 from asyncio import Future as _Future
@@ -97,6 +98,24 @@ class _Encoding(Encoding):
         return _reduce_array(self, obj)
 
 
+THREAD_FUTURE = ("it holds the future of a call made from a thread (a sync method of an "
+                 "actor with max_concurrency > 1): block on it with .result() first, and "
+                 "send what that returns")
+
+
+def result_mistake(value: Any) -> str | None:
+    """Why a method's result ``value`` that did not pickle cannot be sent, in words that
+    say what to change, when it is a common mistake: a generator or coroutine object the
+    method made instead of streaming or awaiting; None otherwise."""
+    if inspect.isgenerator(value) or inspect.isasyncgen(value):
+        return ("it is a generator object; to stream, make the method itself a generator "
+                "(a `def` or `async def` with `yield`)")
+    if inspect.iscoroutine(value):
+        return ("it is a coroutine object: the method returned a coroutine without "
+                "awaiting it (write `return await ...`)")
+    return None
+
+
 class _Encoder(_Encoding, cloudpickle.Pickler):
     """Any message: cloudpickle (classes and functions of ``__main__`` travel by value),
     with arrays, fds and plug-in types reduced here."""
@@ -118,10 +137,7 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
         if isinstance(obj, _Future):  # a call's result as an argument (``_results``)
             return _results.reduce_future(obj)
         if isinstance(obj, _ThreadFuture):
-            raise Unsendable(
-                "it holds the future of a call made from a thread (a sync method of an "
-                "actor with max_concurrency > 1): block on it with .result() first, and "
-                "send what that returns")
+            raise Unsendable(THREAD_FUTURE)
         if t in FILE_TYPES and obj is not sys.stdout and obj is not sys.stderr:
             refuse_file(obj)
         if _reducers or _lazy_plugins:

@@ -320,6 +320,13 @@ class Faulty:
     def bad_result(self):
         return threading.Lock()
 
+    def made_by_mistake(self, kind):
+        """A result the method meant to stream or await (the caller gets a TypeError)."""
+        async def agen():
+            yield 1
+        return {"generator": lambda: (i for i in range(3)), "async generator": agen,
+                "coroutine": lambda: asyncio.sleep(0, "slept")}[kind]()
+
 
 @actor(max_concurrency=4)
 class Concurrent:

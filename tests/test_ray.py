@@ -914,6 +914,26 @@ async def test_a_base_exception_of_a_method_is_a_remote_error(art, concurrency, 
     assert await asyncio.wait_for(f.ok(), 30) == "ok"
 
 
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_a_result_made_by_mistake_says_what_to_change(art, concurrency):
+    """A sync method that returns a generator or coroutine object, or a call it did not
+    await, fails with the TypeError that says what to change, on both backends (Ray
+    awaited a sync method's coroutine or unfinished call behind its back, and its
+    errors said only that a generator or a lock cannot be pickled)."""
+    f = await Faulty.options(max_concurrency=concurrency).spawn()
+    for kind, says in [("generator", "make the method itself a generator"),
+                       ("async generator", "make the method itself a generator"),
+                       ("coroutine", "returned a coroutine without awaiting it")]:
+        with pytest.raises(TypeError, match=f"the result of Faulty.made_by_mistake cannot "
+                                            f"be sent back: .*{says}"):
+            await asyncio.wait_for(f.made_by_mistake(kind), 30)
+    c = await Caller.options(max_concurrency=concurrency).spawn(await Counter.spawn())
+    with pytest.raises(TypeError, match="cannot be sent back: .*(await it first|"
+                                        r"block on it with \.result\(\) first)"):
+        await asyncio.wait_for(c.return_unawaited(1), 30)
+    assert await asyncio.wait_for(f.ok(), 30) == "ok"
+
+
 @pytest.mark.parametrize("concurrency", [1, 2])
 async def test_sys_exit_in_a_stream_ends_the_actor(art, concurrency):
     """sys.exit() in a generator ends the process as in any method: the stream, then
