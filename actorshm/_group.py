@@ -282,6 +282,8 @@ def _gather_from_thread(futs: list, handles: tuple, name: str) -> ThreadCallFutu
 def _settle(out, futs: list, handles: tuple, name: str) -> None:
     """Give ``out`` every call's result in member order, or the ``ActorGroupError``
     naming those that failed; every future of ``futs`` is done."""
+    if out.done():  # cancelled: its calls, cancelled with it, owe it nothing
+        return  # (their CancelledErrors cannot make an ActorGroupError, an ExceptionGroup)
     results, errors, failed = [], [], []
     for i, f in enumerate(futs):
         if f.cancelled():

@@ -102,6 +102,27 @@ async def test_group_call_from_a_thread_without_a_loop_blocks_on_the_results(rt)
     assert [c["active"] for c in await g.counts()] == [0, 0, 0]
 
 
+async def test_a_group_call_cancelled_from_a_thread_settles_quietly(rt, caplog):
+    """Its members' calls, cancelled in turn, settled the cancelled future again: making
+    an ActorGroupError of their CancelledErrors raised TypeError ('Cannot nest
+    BaseExceptions') in concurrent.futures' callback, which logged it."""
+    g = ActorGroup([await PoolWorker.spawn(i) for i in range(2)])
+
+    def cancel_in_thread():
+        fut = g.work("slow", 30)
+        time.sleep(0.1)
+        return fut.cancel(), fut.cancelled()
+
+    assert await asyncio.to_thread(cancel_in_thread) == (True, True)
+    for _ in range(200):
+        if not any(c["active"] for c in await g.counts()):
+            break
+        await asyncio.sleep(0.02)
+    assert [c["active"] for c in await g.counts()] == [0, 0]
+    assert "exception calling callback" not in caplog.text
+    assert "Cannot nest" not in caplog.text
+
+
 async def test_group_call_awaited_on_a_threads_own_loop_wakes_it(rt):
     g = ActorGroup([await PoolWorker.spawn(i) for i in range(2)])
 
