@@ -69,11 +69,12 @@ class ActorOptions:
         if "max_pending_calls" in kw and kw["max_pending_calls"] is None:
             kw["max_pending_calls"] = -1  # (no limit, as by default)
         new = replace(self, **kw)
-        if not isinstance(new.max_concurrency, int) or new.max_concurrency < 1:
+        # (a bool is an int to Python: max_restarts=True would mean one restart)
+        if not _is_int(new.max_concurrency) or new.max_concurrency < 1:
             raise ValueError("max_concurrency must be an int >= 1")
-        if not isinstance(new.num_gpus, int) or new.num_gpus < 0:
+        if not _is_int(new.num_gpus) or new.num_gpus < 0:
             raise ValueError("num_gpus must be an int >= 0")
-        if not isinstance(new.max_restarts, int) or new.max_restarts < -1:
+        if not _is_int(new.max_restarts) or new.max_restarts < -1:
             raise ValueError("max_restarts must be an int >= 0 (or -1 for unlimited)")
         if (isinstance(new.num_cpus, bool) or not isinstance(new.num_cpus, (int, float))
                 or not 0 < new.num_cpus < 1 << 16):
@@ -103,6 +104,10 @@ class ActorOptions:
         return {var: n for var in THREAD_VARS}
 
 
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, not built in

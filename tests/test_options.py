@@ -35,7 +35,8 @@ async def test_num_cpus_sets_the_blas_thread_count_with_either_start_method(rt_e
 @pytest.mark.parametrize("bad", [
     {"num_cpus": 0}, {"num_cpus": float("inf")}, {"num_cpus": 1e30},
     {"max_pending_calls": 0}, {"max_pending_calls": 1.5}, {"env": {"A": 1}},
-    {"env": {"A=B": "1"}}, {"env": {"A": "x\0y"}}, {"env": {"": "1"}}, {"name": ""}])
+    {"env": {"A=B": "1"}}, {"env": {"A": "x\0y"}}, {"env": {"": "1"}}, {"name": ""},
+    {"max_concurrency": True}, {"num_gpus": True}, {"max_restarts": True}])
 def test_bad_options_are_refused_where_given_naming_the_option(bad):
     with pytest.raises((TypeError, ValueError), match=list(bad)[0]):
         Counter.options(**bad)
