@@ -359,10 +359,17 @@ class ActorHandle:
 
 
 def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1):
-    from ._client import client_for_decode
+    from ._client import Foreign, client_for_decode
     own = getattr(actor_id, "actorshm_client", None)  # an id that names its client (Ray)
-    return ActorHandle(own() if own is not None else client_for_decode(), actor_id,
-                       cls_name, methods, name, pid, max_pending)
+    if own is not None:
+        client = own()
+    else:
+        client = client_for_decode()
+        if not getattr(client, "shares_memory", True):  # a Ray runtime's process
+            # (its client would take the local actor's id for a Ray actor's, and fail
+            # each call with an AttributeError about the id)
+            client = Foreign(f"{cls_name} (id {actor_id})")
+    return ActorHandle(client, actor_id, cls_name, methods, name, pid, max_pending)
 
 
 # Unanswered calls per actor from this process, for actors with ``max_pending_calls``:

@@ -66,6 +66,39 @@ def refuse_runtime(rt) -> None:
         "actors and memory): pass actor handles instead, which pickle")
 
 
+class Foreign:
+    """The client of a local-backend actor's handle unpickled in a process of a Ray
+    runtime (its driver or one of its actors): only the runtime that spawned the actor
+    can reach it, so every use says so."""
+
+    shares_memory = False  # (a Ray runtime's process: group calls share nothing first)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def _error(self):
+        from ._errors import ActorDiedError
+        return ActorDiedError(
+            f"actor {self.what} belongs to a runtime of the local backend, and this "
+            "process is a Ray runtime's: a handle works only within the runtime that "
+            "spawned its actor (spawn the actor in this runtime, or use one backend)")
+
+    def call(self, actor_id, method, args, kwargs, what="", meta=None, stream=False):
+        return failed_call(self._error())
+
+    def stream(self, actor_id, method, args, kwargs, what="", run_ahead=16):
+        async def failing():
+            raise self._error()
+            yield  # (an async generator: the error comes from its ``async for``)
+        return failing()
+
+    async def kill(self, actor_id) -> None:
+        raise self._error()
+
+    def actor_pid(self, actor_id, pid):
+        return pid
+
+
 class _Unbound:
     """The client of a handle unpickled outside any runtime: every use says so."""
 

@@ -557,6 +557,20 @@ async def test_max_restarts_brings_the_actor_back(art):
     assert p.pid == new_pid  # the handle's pid follows the restart
 
 
+async def test_a_local_actors_handle_in_a_ray_runtime_says_it_cannot_be_used(backend):
+    """A local-backend actor's handle given to a Ray actor failed each call there with
+    an AttributeError about the actor id ('int' object has no attribute 'streams')."""
+    ray_only(backend, "two runtimes of different backends")
+    async with actorshm.Runtime(shutdown_grace=1.0):
+        local = await Counter.spawn()
+        async with actorshm.Runtime(backend="ray"):
+            caller = await Caller.spawn()
+            with pytest.raises(actorshm.ActorDiedError, match="runtime of the local backend"):
+                await asyncio.wait_for(caller.call_handle(local, 1), 30)
+            assert await asyncio.wait_for(caller.pid_of(local), 30) == local.pid
+        assert await local.incr() == 1  # (it is fine where it belongs)
+
+
 async def test_a_handle_passed_on_after_a_restart_has_the_new_pid(art):
     """The handle pickled what it was made with: given to an actor after a restart, its
     ``pid`` there was the dead process's, while the driver's said the new one."""
