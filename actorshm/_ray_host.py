@@ -561,6 +561,14 @@ class Host(Watched):
                 # Each item is made in one of the actor's slots, as locally: not while
                 # max_concurrency calls run, and no call starts meanwhile beyond them.
                 await self._take_slot(key, links[0] if links else (), what, link[3])
+                if not started and self._requested and key in self._requested:
+                    # Left while it was queued (the cancel came while a sync method held
+                    # the loop, and its turn and slot came first): it never starts, as
+                    # a queued call never runs (``_call``).
+                    self._give_slot(key)
+                    with self._cancel_lock:
+                        self._requested.discard(key)
+                    return
                 token = chain.set(link)
                 started = own = True
                 try:

@@ -557,6 +557,27 @@ async def test_max_restarts_brings_the_actor_back(art):
     assert p.pid == new_pid  # the handle's pid follows the restart
 
 
+@pytest.mark.parametrize("leave", ["cancel", "aclose"])
+async def test_a_stream_left_while_queued_never_runs(art, leave):
+    """A stream left (its wait for the first item cancelled, or aclose()) while it is
+    queued behind a sync method never starts, as a queued call never runs: on Ray its
+    generator made its first item (and ran its finally) once that method ended."""
+    c = await Counter.spawn()
+    for i in range(3):  # (on Ray it depended on which message the actor's loop took first)
+        busy = c.slow_record(i, 0.5)
+        s = c.logged_stream(3)
+        first = asyncio.ensure_future(s.__aiter__().__anext__())  # (a loop's wait)
+        await asyncio.sleep(0.1)  # (both in the actor, the stream behind the running call)
+        if leave == "cancel":
+            first.cancel()
+        else:
+            await asyncio.wait_for(s.aclose(), 10)
+        await asyncio.gather(first, return_exceptions=True)
+        assert await asyncio.wait_for(busy, 10) == i
+    await asyncio.sleep(0.3)
+    assert await asyncio.wait_for(c.get_log(), 10) == [0, 1, 2]
+
+
 async def test_a_local_actors_handle_in_a_ray_runtime_says_it_cannot_be_used(backend):
     """A local-backend actor's handle given to a Ray actor failed each call there with
     an AttributeError about the actor id ('int' object has no attribute 'streams')."""
