@@ -4,7 +4,7 @@ import asyncio
 import concurrent.futures
 from unittest import mock
 
-from actorshm import _ray, _ray_order
+from actorshm import _ray, _ray_order, _ray_stream
 from actorshm._results import CallFuture
 
 
@@ -46,7 +46,8 @@ async def test_a_stream_left_as_its_arguments_come_in_is_never_started():
 
     client._submit = submit
     with mock.patch.object(_ray, "ray_up", lambda: True), \
-            mock.patch.object(_ray_order, "ray_up", lambda: True):
+            mock.patch.object(_ray_order, "ray_up", lambda: True), \
+            mock.patch.object(_ray_stream, "ray_up", lambda: True):
         dep = CallFuture()
         s = client.stream(aid, "gen", (dep,), {}, "B.gen")
         await asyncio.sleep(0)  # its start waits for `dep`
@@ -68,7 +69,8 @@ async def test_a_stream_whose_argument_failed_raises_that_error_with_its_traceba
     aid = _ray.RayActorId(handle, "actor-C", frozenset({"gen"}))
     client._submit = mock.Mock(side_effect=AssertionError("nothing is sent"))
     with mock.patch.object(_ray, "ray_up", lambda: True), \
-            mock.patch.object(_ray_order, "ray_up", lambda: True):
+            mock.patch.object(_ray_order, "ray_up", lambda: True), \
+            mock.patch.object(_ray_stream, "ray_up", lambda: True):
         dep = CallFuture()
         s = client.stream(aid, "gen", (dep,), {}, "C.gen")
         await asyncio.sleep(0)
