@@ -65,10 +65,13 @@ class FrameReader:
         call that introduced an arena was missed, and the cancelled call ran.)
         """
         got = self._read_frames()
-        for _ in range(64):  # (bounded: a peer that keeps sending fds cannot starve the loop)
-            if got != 2 or self.closed or self.sock is None:
-                break
-            got = self._read_frames()
+        if got == 2:
+            for _ in range(64):  # (bounded: a peer that keeps sending fds cannot starve it)
+                if self.closed or self.sock is None:
+                    break
+                got = self._read_frames()
+                if got != 2:
+                    break
         return bool(got)
 
     def _read_frames(self) -> int:
