@@ -21,7 +21,8 @@ import threading
 
 from ._util import fmt_bytes
 
-__all__ = ["default_budget", "fd_limit", "SharedBudget", "chunk_size_for", "MIN_BUDGET"]
+__all__ = ["default_budget", "fd_limit", "SharedBudget", "chunk_size_for", "MIN_BUDGET",
+           "MAX_BUDGET"]
 
 _HEAD = 8  # int64s: magic, budget, pressure, (unused)
 _SLOT = 8  # int64s per slot: pid, charge, then a 48-byte label
@@ -31,6 +32,8 @@ _MAGIC = 0x4143_5453_484D_4244  # "ACTSHMBD"
 # The smallest budget: one arena of the smallest size (``_shm.LARGE``); less and nothing
 # could be allocated.
 MIN_BUDGET = 4 << 20
+# The largest: the ledger keeps the budget in an int64 (8 EiB, more than any machine has).
+MAX_BUDGET = (1 << 63) - 1
 
 
 def default_budget() -> int:
@@ -41,10 +44,12 @@ def default_budget() -> int:
             n = int(float(env))
         except ValueError:
             n = -1
-        if n < MIN_BUDGET:
+        except OverflowError:  # inf
+            n = MAX_BUDGET + 1
+        if not MIN_BUDGET <= n <= MAX_BUDGET:
             raise ValueError(f"ACTORSHM_SHM_BUDGET={env!r}: the shared-memory budget must "
                              f"be a number of bytes, at least {MIN_BUDGET} (one 4 MiB "
-                             "arena), e.g. 8e9")
+                             f"arena) and at most {MAX_BUDGET}, e.g. 8e9")
         return n
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

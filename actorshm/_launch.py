@@ -81,9 +81,14 @@ def check_start_options(start_method: str, shm_budget: Any) -> int | None:
         raise ValueError(f"start_method must be 'spawn' or 'forkserver', not "
                          f"{start_method!r}: a bare fork deadlocks with threads and "
                          "cannot re-initialize CUDA")
-    return None if shm_budget is None else check_number(
-        "shm_budget", shm_budget, _shm.MIN_BUDGET, int,
-        "bytes: room for one 4 MiB arena at least, e.g. 8 << 30")
+    if shm_budget is None:
+        return None
+    budget = check_number("shm_budget", shm_budget, _shm.MIN_BUDGET, int,
+                          "bytes: room for one 4 MiB arena at least, e.g. 8 << 30")
+    if budget > _shm.MAX_BUDGET:  # the shared ledger holds it in an int64
+        raise ValueError(f"Runtime(shm_budget=...) must be at most {_shm.MAX_BUDGET} "
+                         f"(bytes, 8 EiB), not {shm_budget!r}")
+    return budget
 
 
 class ActorRecord:

@@ -27,7 +27,7 @@ from . import _leases
 from ._arena import (Arena, HostBlock, array_from_block, copy_layout,  # noqa: F401
                      copy_nbytes, find_block, is_shared, keeps_layout, map_fd, nbytes_of,
                      new_arena)  # (re-exported)
-from ._budget import (MIN_BUDGET, SharedBudget, chunk_size_for, default_budget,  # noqa: F401
+from ._budget import (MAX_BUDGET, MIN_BUDGET, SharedBudget, chunk_size_for, default_budget,  # noqa: F401
                       fd_limit)
 from ._errors import SharedMemoryError
 from ._leases import Block, Region, counters

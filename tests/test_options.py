@@ -44,6 +44,7 @@ def test_bad_options_are_refused_where_given_naming_the_option(bad):
 
 @pytest.mark.parametrize("bad", [
     {"shm_budget": "1GB"}, {"shm_budget": 0}, {"shm_budget": -1}, {"shm_budget": 1 << 20},
+    {"shm_budget": 1 << 70}, {"shm_budget": 1e30},
     {"start_timeout": "x"},
     {"start_timeout": float("nan")}, {"shutdown_grace": "x"}, {"shutdown_grace": -1},
     {"gpus": 3}, {"gpus": "01"}])
@@ -132,6 +133,29 @@ def test_a_budget_below_one_arena_in_the_environment_is_refused():
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "ACTORSHM_SHM_BUDGET='1000'" in out.stderr and "at least" in out.stderr
+
+
+async def test_a_budget_too_large_for_the_ledger_is_refused_and_leaves_no_trace():
+    # 2**70 bytes passed the "at least" check, then failed in start() while the budget
+    # was half set: every later Runtime of the process failed the same way.
+    with pytest.raises(ValueError, match="shm_budget=.*at most"):
+        async with actorshm.Runtime(shm_budget=1 << 70):
+            pass
+    async with actorshm.Runtime():
+        c = await Counter.spawn(1)
+        assert await c.incr(1) == 2
+
+
+@pytest.mark.parametrize("value", ["1e30", "inf"])
+def test_a_budget_too_large_in_the_environment_is_refused(value):
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, ACTORSHM_SHM_BUDGET=value)
+    out = subprocess.run([sys.executable, "-c", "import actorshm; actorshm.zeros(3)"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert f"ACTORSHM_SHM_BUDGET={value!r}" in out.stderr and "at most" in out.stderr
 
 
 async def test_run_ahead_on_a_method_that_does_not_stream_is_refused(rt):
