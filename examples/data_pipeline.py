@@ -87,7 +87,7 @@ class Trainer:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--loaders", type=int, default=2)
     p.add_argument("--batches", type=int, default=400)
     p.add_argument("--warmup", type=int, default=20)
@@ -98,6 +98,9 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.batches = min(args.batches, 120)
+    for name in ("loaders", "batches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
     return args
 
 

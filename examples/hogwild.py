@@ -83,7 +83,7 @@ class HogwildWorker:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--lr", type=float, default=0.5)
@@ -93,6 +93,9 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.epochs = min(args.epochs, 10)
+    for name in ("workers", "epochs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
     return args
 
 

@@ -268,7 +268,7 @@ class Worker:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=["sync", "async"], default="sync")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=30)
@@ -289,8 +289,9 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.epochs = min(args.epochs, 6)
-    if args.workers < 1:
-        p.error("--workers must be >= 1")
+    for name in ("workers", "epochs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
     if args.torch:
         try:
             import torch

@@ -110,7 +110,7 @@ def single(args, data) -> tuple[float, float]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.05)
@@ -120,6 +120,9 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.quick:
         args.epochs = 3
+    for name in ("workers", "epochs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
     torch.set_num_threads(1)  # as each actor runs (num_cpus=1): a fair baseline
     data = load_data(args.seed)
     print(f"torch hogwild: {args.workers} trainer actors, {args.epochs} epochs, "

@@ -82,6 +82,22 @@ def test_torch_hogwild():
     assert out["bytes_copied"] == 0 and out["bytes_zero_copy"] > 0
 
 
+@pytest.mark.parametrize("example, argv", [
+    ("hogwild", ["--workers", "0"]), ("hogwild", ["--epochs", "0"]),
+    ("data_pipeline", ["--loaders", "0"]), ("data_pipeline", ["--batches", "0"]),
+    ("parameter_server", ["--epochs", "0"]), ("data_parallel", ["--epochs", "0"]),
+    ("torch_hogwild", ["--workers", "0"])])
+def test_a_count_below_one_is_a_usage_error(example, argv, capsys):
+    # They ran with 0 actors (accuracy 0.100), divided by zero or indexed an empty list.
+    if example == "torch_hogwild":
+        pytest.importorskip("torch", reason="torch is not installed (the torch extra)")
+    module = __import__(example)
+    with pytest.raises(SystemExit) as exc:
+        module.main(argv)
+    assert exc.value.code == 2
+    assert f"{argv[0]} must be >= 1" in capsys.readouterr().err
+
+
 def test_data_pipeline():
     out = data_pipeline.main(["--quick"])
     assert out["bytes_copied_per_batch"] == 0
