@@ -87,10 +87,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def format_stacks(loop: asyncio.AbstractEventLoop | None = None, skip: tuple = ()) -> str:
+def format_stacks(loop: asyncio.AbstractEventLoop | None = None, skip: tuple = (),
+                  calls: list = ()) -> str:
     """Every thread's Python stack in this process, and every pending asyncio task's
     of ``loop`` (an ``async def`` method waits in a task, not on a thread), as text;
-    tasks with a frame of a function named in ``skip`` (plumbing) are left out."""
+    tasks with a frame of a function named in ``skip`` (plumbing) are left out.
+    ``calls``: ``(name, coroutine)`` of pending calls whose tasks cannot be walked
+    (Ray's, whose outer coroutines are compiled and have no frames)."""
     me = threading.get_ident()
     names = {t.ident: t.name for t in threading.enumerate()}
     out = []
@@ -108,6 +111,12 @@ def format_stacks(loop: asyncio.AbstractEventLoop | None = None, skip: tuple = (
         out.append(f"Task {task.get_name()} (most recent call last):\n")
         out.extend(traceback.StackSummary.extract(
             (f, f.f_lineno) for f in stack).format())
+    for name, coro in calls:
+        stack = _await_chain(coro)
+        if stack:  # (none: it has not started, or has just ended)
+            out.append(f"Call {name} (most recent call last):\n")
+            out.extend(traceback.StackSummary.extract(
+                (f, f.f_lineno) for f in stack).format())
     return "".join(out)
 
 

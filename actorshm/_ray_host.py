@@ -183,6 +183,10 @@ class Host(Watched):
         self._cancel_lock = threading.Lock()
         self._loop = None  # the actor's event loop, where every call runs
         self._tasks: dict = {}  # (caller, seq) -> the task running that call
+        # (caller, seq) -> (method, the coroutine running it): Ray runs each call in a
+        # task whose outer coroutines are compiled (Cython), with no frames to follow,
+        # so ``rt.dump_stacks()`` walks a pending call from this one (``probe``).
+        self._running: dict = {}
         self._calls = 0  # calls received (``rt.stats()``)
         self._ran: set = set()  # the sync methods that ran here at least once
         self._handed = 0.0  # time.monotonic() when a call last handed its result to Ray
@@ -256,7 +260,10 @@ class Host(Watched):
             return out
         if what == "memory":
             return _introspect.held_blocks(())
-        return _introspect.format_stacks(self._loop, skip=("watch_death", "next_children"))
+        return _introspect.format_stacks(
+            self._loop, skip=("watch_death", "next_children"),
+            calls=[(f"{self._cls_name}.{m}", coro) for m, coro in
+                   list(self._running.values())])
 
     def _method(self, method: str):
         if method not in self._methods:
@@ -447,11 +454,15 @@ class Host(Watched):
                 self._run_seq += 1
                 self.holding[key] = run_seq = self._run_seq
                 token = chain.set((links, self.actor_id, f"{self._cls_name}.{method}", run_seq))
+                run = self._run(method, args, kwargs)
+                if self._methods.get(method):  # async (a sync one shows in its thread)
+                    self._running[key] = (method, run)
                 try:
-                    return pack(await self._run(method, args, kwargs))
+                    return pack(await run)
                 finally:
                     chain.reset(token)
                     del self.holding[key]
+                    self._running.pop(key, None)
             finally:
                 self._sem.release()
         except asyncio.CancelledError:

@@ -905,6 +905,17 @@ async def test_stats_memory_and_stacks_of_every_actor(art, backend):
     assert await stuck == 1
 
 
+async def test_stacks_show_a_pending_async_call_awaited_coroutine_by_coroutine(art):
+    # On Ray each call runs in a task whose outer coroutines are compiled (Cython):
+    # walking the task from its top found no frame, and the call was left out.
+    c = await Counter.spawn(0)
+    waiting = c.async_record(7, 3.0)
+    await asyncio.sleep(1.0)
+    text = await art.dump_stacks(file=io.StringIO())
+    assert "in async_record" in text and "await asyncio.sleep(delay)" in text
+    assert await waiting == 7
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 async def test_a_method_raising_stop_iteration_fails_its_call(art, threads):
     q = await Quirks.options(max_concurrency=threads).spawn()
