@@ -18,6 +18,7 @@ otherwise the actor's memory cgroup counts its ``oom_kill`` events.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import os
 import pickle
@@ -125,12 +126,22 @@ def _await_chain(coro) -> list:
     (``Task.get_stack`` gives the outermost only)."""
     frames = []
     while coro is not None and len(frames) < 200:
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or \
+            getattr(coro, "ag_frame", None)  # (an async generator: a streaming method)
         if frame is None:
             break
         frames.append(frame)
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or \
+            getattr(coro, "ag_await", None)
+        if coro is not None and type(coro).__name__ in _ASEND:
+            # ``await agen.__anext__()``: the step object does not name its generator;
+            # the awaiting frame holds it (a stream's runner: ``gen``).
+            coro = next((v for v in list(frame.f_locals.values())
+                         if inspect.isasyncgen(v) and v.ag_await is not None), None)
     return frames
+
+
+_ASEND = ("async_generator_asend", "async_generator_athrow")
 
 
 def _tasks(loop) -> list:

@@ -183,9 +183,9 @@ class Host(Watched):
         self._cancel_lock = threading.Lock()
         self._loop = None  # the actor's event loop, where every call runs
         self._tasks: dict = {}  # (caller, seq) -> the task running that call
-        # (caller, seq) -> (method, the coroutine running it): Ray runs each call in a
-        # task whose outer coroutines are compiled (Cython), with no frames to follow,
-        # so ``rt.dump_stacks()`` walks a pending call from this one (``probe``).
+        # (caller, seq) -> (method, the coroutine or async generator running it): Ray
+        # runs each call in a task whose outer coroutines are compiled (Cython), with no
+        # frames to follow, so ``rt.dump_stacks()`` walks a pending call from this one.
         self._running: dict = {}
         self._calls = 0  # calls received (``rt.stats()``)
         self._ran: set = set()  # the sync methods that ran here at least once
@@ -568,6 +568,8 @@ class Host(Watched):
         own = False  # whether what is raised is the generator's (not thrown in here)
         try:
             step = gen.__anext__ if inspect.isasyncgen(gen) else None
+            if step is not None:  # (``rt.dump_stacks()`` walks it: ``probe``)
+                self._running[key] = (method, gen)
             while True:
                 # Each item is made in one of the actor's slots, as locally: not while
                 # max_concurrency calls run, and no call starts meanwhile beyond them.
@@ -615,6 +617,7 @@ class Host(Watched):
             yield pack((False, encode_exception(exc)))
         finally:
             self._tasks.pop(key, None)
+            self._running.pop(key, None)
             slot = False
             # Its finally blocks run in a slot too. One that never started has none to
             # run: it must not wait for a slot (its first item may have been refused as

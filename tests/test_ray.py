@@ -916,6 +916,19 @@ async def test_stacks_show_a_pending_async_call_awaited_coroutine_by_coroutine(a
     assert await waiting == 7
 
 
+async def test_stacks_show_a_stream_waiting_in_its_generator(art):
+    # The runner awaits ``gen.__anext__()``, an object that does not name its
+    # generator: the walk stopped there and the generator's frames were left out.
+    s = await Streamer.spawn()
+    it = aiter(s.count(1, first_after=3.0))
+    first = asyncio.ensure_future(anext(it))
+    await asyncio.sleep(1.0)
+    text = await art.dump_stacks(file=io.StringIO())
+    assert "in count" in text and "await asyncio.sleep(first_after)" in text
+    assert await first == 0
+    await it.aclose()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 async def test_a_method_raising_stop_iteration_fails_its_call(art, threads):
     q = await Quirks.options(max_concurrency=threads).spawn()
