@@ -344,6 +344,11 @@ def memory_report(views: list, unresponsive: list) -> MemoryReport:
                         procs, unresponsive)
 
 
+# Keys that are limits, not counters: the total keeps the driver's (the runtime's
+# budget is one for all its processes; summing it would count it once per process).
+_LIMITS = frozenset({"shm_budget"})
+
+
 def stats_report(answers: list, unresponsive: list) -> dict:
     """``rt.stats()``'s answer: this process's counters, each ``(actor_id, counters)``
     answer, their key-by-key sum, and the actors that did not answer."""
@@ -351,7 +356,8 @@ def stats_report(answers: list, unresponsive: list) -> dict:
     total = dict(driver)
     for _, counters in answers:
         for k, v in counters.items():
-            total[k] = total.get(k, 0) + v
+            if k not in _LIMITS:
+                total[k] = total.get(k, 0) + v
     return {"driver": driver, "actors": dict(answers), "total": total,
             "unresponsive": unresponsive}
 
@@ -397,7 +403,8 @@ class Inspectable:
         Returns:
             ``{"driver": {...}, "actors": {actor_id: {...}}, "total": {...},
             "unresponsive": [actor_id, ...]}``: each ``{...}`` is an ``actorshm.stats()``
-            dict, ``total`` sums the driver's and the actors' key by key; actors that
+            dict, ``total`` sums the driver's and the actors' key by key (but for
+            ``shm_budget``, the runtime's, which is the driver's); actors that
             did not answer within ``timeout`` are listed in ``unresponsive``.
 
         Raises:
