@@ -34,6 +34,7 @@ async def _amain(fd: int) -> int:
         await _wait_for_gpu_leases(worker, worker.shutdown_grace / 2)
     finally:
         worker._closing = True
+        worker.exited = True  # (no queued call starts while the last writes go out)
         # What came back goes out before we do. Peers may live on, holding blocks we
         # passed them: closing keeps those, and our forward notices for them stand, so
         # their owners keep them too. (Closing the peers may let go of more: the
@@ -49,7 +50,6 @@ async def _amain(fd: int) -> int:
             c.send_owed()
             await _written(c, (end if c is worker.driver else peers_end) - loop.time())
             c.close(peer_gone=False)
-        worker.exited = True
         if worker.executor is not None:
             worker.executor.shutdown(wait=False, cancel_futures=True)
     return worker.exit_code

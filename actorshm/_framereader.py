@@ -59,43 +59,31 @@ class FrameReader:
 
         The kernel ends a read right after bytes that carried fds, so the frames written
         after a frame with fds (an arena's first use) wait for another read: they are
-        read now, as they would have been in one read without fds. (An actor that
-        finished a long sync call reads its socket before it starts the next queued
-        call, so that a cancel of that call is seen first: a cancel written after a
-        call that introduced an arena was missed, and the cancelled call ran.)
+        read now (``_follow_fds``), as they would have been in one read without fds. (An
+        actor that finished a long sync call reads its socket before it starts the next
+        queued call, so that a cancel of that call is seen first: a cancel written after
+        a call that introduced an arena was missed, and the cancelled call ran.)
         """
-        got = self._read_frames()
-        if got == 2:
-            for _ in range(64):  # (bounded: a peer that keeps sending fds cannot starve it)
-                if self.closed or self.sock is None:
-                    break
-                got = self._read_frames()
-                if got != 2:
-                    break
-        return bool(got)
-
-    def _read_frames(self) -> int:
-        """One read: 0 when the socket had nothing, 2 when what it read carried fds,
-        else 1; every whole frame read is handled."""
         try:
             nread, anc, flags, _ = self.sock.recvmsg_into(self._rviews, ANC_SIZE,
                                                              _CLOEXEC)
         except (BlockingIOError, InterruptedError):
-            return 0
+            return False
         except OSError:  # ECONNRESET: the peer died with data unread; same as EOF
             self._broken()
-            return 0
+            return False
         for level, kind, cdata in anc:
+            self._anc_seen = True
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array.array("i")
                 fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
                 self._fds.extend(fds)
         if flags & _MSG_CTRUNC:
             self._protocol_error("file descriptors were truncated")
-            return 0
+            return False
         if not nread:
             self._broken()
-            return 0
+            return False
         # The common case: this read holds whole frames only, parsed straight out of the
         # receive buffer (each payload a view that ``_frame`` decodes at once). A frame
         # cut off at the end of a read is kept in ``_inbuf``, and the frames that span
@@ -120,7 +108,7 @@ class FrameReader:
                 if mark != MARK or not CALL <= kind <= LAST_KIND or flags > MAX_FLAGS \
                         or plen > MAX_FRAME or nfds > MAX_FDS_PER_FRAME:
                     self._protocol_error(self._bad_header(data, pos))
-                    return 0
+                    return False
                 start = pos + HSIZE
                 end = start + plen
                 if end > n:
@@ -128,25 +116,48 @@ class FrameReader:
                 if nfds:
                     if nfds > len(self._fds):
                         self._protocol_error("a frame announced fds it did not carry")
-                        return 0
+                        return False
                     fds = self._fds[:nfds]
                     del self._fds[:nfds]
                 else:
                     fds = ()
                 pos = end
-                self.frame_spanned = spanned
-                self._frame(kind, flags, cid, data[start:end], fds)
-                self.frame_spanned = spanned = False
+                if spanned:  # (rare: set only around the frame that spanned reads)
+                    self.frame_spanned = True
+                    self._frame(kind, flags, cid, data[start:end], fds)
+                    self.frame_spanned = spanned = False
+                else:
+                    self._frame(kind, flags, cid, data[start:end], fds)
                 if self.closed:
-                    return 0
+                    return False
             if self._fds and not self._fds_owned(data, pos, n):
-                return 0
+                return False
         finally:
-            self.frame_spanned = False
+            if spanned:
+                self.frame_spanned = False
             if not self.closed:
                 if buf:
                     del buf[:pos]
                 elif pos < n:
                     buf += view[pos:n]
                 self.uncork()
-        return 2 if anc else 1
+        if anc and not self._following:
+            self._follow_fds()
+        return True
+
+    _following = False  # in ``_follow_fds``
+    _anc_seen = False  # the last read carried fds
+
+    def _follow_fds(self) -> None:
+        """Read on after a read that carried fds, while reads carry fds (at most 64: a
+        peer that keeps sending fds cannot starve the loop)."""
+        self._following = True
+        try:
+            for _ in range(64):
+                if self.closed or self.sock is None:
+                    return
+                self._anc_seen = False
+                if not self._on_readable() or not self._anc_seen:
+                    return
+        finally:
+            self._following = False
