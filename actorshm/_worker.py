@@ -58,6 +58,7 @@ class Worker(StreamingClient):
         self.seq = 0  # calls started
         self.holding: dict[tuple, int] = {}  # (conn, cid) of calls in a slot -> their seq
         self.held = False  # a sync call just held the loop: calls wait a moment (_finished)
+        self.draining = False  # ``_finished`` is starting queued calls
         self.reading: Connection | None = None  # whose frames handle_call was last given
         self.fast: set[str] = set()  # sync methods whose last run took under FAST_CALL
         self.unflushed = 0.0  # seconds of sync calls run since replies were last flushed
@@ -353,12 +354,21 @@ class Worker(StreamingClient):
                 self.held = True
                 self.loop.call_soon(self.loop.call_soon, self._release_hold)
             return
-        while self.queue and self.running < self.max_concurrency and not self.exited:
-            entry = self.queue.popleft()
-            if entry[0] is None:  # a stream waiting to take its next item
-                entry[1].grant()
-            else:
-                self._start(*entry)
+        if not self.queue or self.draining:  # (draining: a sync call that the loop below
+            return  # started ended here; the loop goes on with the next)
+        # A loop, not a recursion: a sync call run here ends in ``_finished`` again, and
+        # a long queue (a burst read while calls were held) would exceed Python's
+        # recursion limit, its calls then never answered.
+        self.draining = True
+        try:
+            while self.queue and self.running < self.max_concurrency and not self.exited:
+                entry = self.queue.popleft()
+                if entry[0] is None:  # a stream waiting to take its next item
+                    entry[1].grant()
+                else:
+                    self._start(*entry)
+        finally:
+            self.draining = False
 
     def _release_hold(self) -> None:
         self.held = False

@@ -546,3 +546,13 @@ async def test_cancelled_sync_call_in_a_thread_pool_actor_is_dropped(rt):
     await asyncio.sleep(0.8)
     assert await w.get_log() == ["meanwhile", ("work", 0.5)]
     assert _pending(rt, w) == {}
+
+
+async def test_a_burst_of_quick_sync_calls_larger_than_a_read_is_answered(rt):
+    # Before: the calls queued behind one that came in several reads were started by
+    # _finished calling _start calling _finished...: with a thousand or so queued, a
+    # RecursionError in the actor's callback, and the calls were never answered.
+    w = await Worker.spawn()
+    futs = [w.record(b"y" * 200) for _ in range(20000)]
+    assert len(await asyncio.wait_for(asyncio.gather(*futs), 30)) == 20000
+    await w.clear_log()
