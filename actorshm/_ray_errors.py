@@ -12,6 +12,7 @@ from __future__ import annotations
 import pickle
 import re
 import sys
+import types
 import warnings
 from typing import Any
 
@@ -111,10 +112,26 @@ def check_result(value: Any, what: str, item: bool = False) -> None:
     if type(value) not in _SCALARS:
         refused = f"an item of {what} cannot be sent" if item else \
             f"the result of {what} cannot be sent back"
-        mistake = None if item else result_mistake(value) or _unawaited(value)
-        if mistake is not None:
-            raise TypeError(f"{refused}: {mistake}")
+        # (one isinstance for the common result: the mistakes' words only for those)
+        if not item and isinstance(value, _MISTAKES or _mistake_types()):
+            mistake = result_mistake(value) or _unawaited(value)
+            if mistake is not None:
+                raise TypeError(f"{refused}: {mistake}")
         _check((value,), refused, None)
+
+
+_MISTAKES: tuple = ()  # the types of results made by mistake (``_mistake_types``)
+
+
+def _mistake_types() -> tuple:
+    """The types ``result_mistake`` and ``_unawaited`` name: generator and coroutine
+    objects, and calls' futures (imported on first use)."""
+    global _MISTAKES
+    from ._client import ThreadCallFuture
+    from ._results import CallFuture
+    _MISTAKES = (types.GeneratorType, types.AsyncGeneratorType, types.CoroutineType,
+                 ThreadCallFuture, CallFuture)
+    return _MISTAKES
 
 
 def _unawaited(value: Any) -> str | None:
