@@ -16,6 +16,7 @@ import copyreg
 import pickle
 import traceback
 import types
+import weakref
 
 import cloudpickle
 
@@ -139,19 +140,42 @@ def _slots(exc: BaseException) -> dict:
     ``ImportError.name``...), which ``__init__`` sets from its arguments and which a
     rebuild without ``__init__`` would leave unset."""
     out: dict = {}
-    for k in type(exc).__mro__:
+    for attr, keep_none in _slot_attrs(type(exc)):
+        try:
+            value = getattr(exc, attr)
+        except AttributeError:  # an empty slot (BlockingIOError.characters_written)
+            continue
+        if value is None and not keep_none:
+            continue  # unset reads as None; set to None, OSError's str shows '-> None'
+        out[attr] = value
+    return out
+
+
+_slot_attrs_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _slot_attrs(cls: type) -> tuple:
+    """``(name, kept when None)`` of the slots ``_slots`` reads on a ``cls``, found once
+    per class (a walk over every class of its MRO took most of ``copy_exc``'s time,
+    which runs for each call a closed connection fails). ``kept when None``: a class
+    not built in declares it (a built-in's unset slot reads as None)."""
+    try:
+        return _slot_attrs_of[cls]
+    except (KeyError, TypeError):
+        pass
+    found: dict = {}
+    for k in cls.__mro__:
         for attr, d in vars(k).items():
-            if attr in out or attr in _NOT_SLOTS or not isinstance(
+            if attr in _NOT_SLOTS or not isinstance(
                     d, (types.MemberDescriptorType, types.GetSetDescriptorType)):
                 continue
-            try:
-                value = getattr(exc, attr)
-            except AttributeError:  # an empty slot (BlockingIOError.characters_written)
-                continue
-            if value is None and k.__module__ == "builtins":
-                continue  # unset reads as None; set to None, OSError's str shows '-> None'
-            out[attr] = value
-    return out
+            found[attr] = found.get(attr, False) or k.__module__ != "builtins"
+    attrs = tuple(found.items())
+    try:
+        _slot_attrs_of[cls] = attrs
+    except TypeError:  # pragma: no cover - a class that takes no weak reference
+        pass
+    return attrs
 
 
 class _ByState:

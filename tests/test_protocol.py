@@ -563,3 +563,27 @@ async def test_a_held_call_sent_to_a_peer_gone_meanwhile_fails_quietly():
                 await asyncio.wait_for(fut, 5)
         await asyncio.sleep(0.05)
     assert errors == []
+
+
+def test_copy_exc_finds_a_class_s_slots_once_and_copies_them():
+    # copy_exc (once per call a closed connection fails) walked every class of the
+    # exception's MRO each time: about 6.7 us a copy, 0.1 us before a6ca319.
+    from actorshm import _remote_errors as R
+
+    class Slotted(ValueError):
+        __slots__ = ("code", "unset")
+
+        def __init__(self, code):
+            super().__init__(f"code={code}")
+            self.code = code
+
+    for exc in (actorshm.ActorDiedError("gone"), OSError(2, "No such file", "/x"),
+                Slotted(4)):
+        assert R._slot_attrs(type(exc)) is R._slot_attrs(type(exc))
+        new = R.copy_exc(exc)
+        assert new is not exc and type(new) is type(exc) and str(new) == str(exc)
+        assert R._slots(new) == R._slots(exc)
+    assert R.copy_exc(Slotted(4)).code == 4
+    assert not hasattr(R.copy_exc(Slotted(4)), "unset")
+    assert (R.copy_exc(OSError(2, "x", "/y")).filename,
+            R.copy_exc(OSError(2, "x")).filename) == ("/y", None)
