@@ -408,6 +408,10 @@ class RayClient(CallOrder):
             raise
         gen.completed().future().add_done_callback(
             lambda c: self._finished(actor_id, seq, c))
+        if getattr(asyncio.current_task(), "actorshm_given_up", False):
+            # Left from another thread (a garbage collection's ``_left``) as it was
+            # being sent: its queued cancel of this task comes too late; stop it there.
+            self._cancel(actor_id, seq)
         return gen
 
     def busy(self) -> bool:

@@ -61,6 +61,35 @@ async def test_a_stream_left_as_its_arguments_come_in_is_never_started():
         assert not client._open["actor-B"] and not client._waits_for_args
 
 
+async def test_a_stream_left_from_another_thread_as_it_is_sent_is_stopped_there():
+    # A garbage collection's _left() in another thread, between the start's check of
+    # the mark and its send: the queued cancel of the start came after it had sent the
+    # stream, which nobody then stopped.
+    sent, controls = [], []
+    handle = mock.Mock(stream=_Remote([]), cancel=_Remote(controls))
+    client = _ray.RayClient()
+    aid = _ray.RayActorId(handle, "actor-D", frozenset({"gen"}))
+    box = []
+
+    def submit(actor_id, remote, method, args, kwargs, what, number=None, link=None):
+        box[0]._left()  # (as from another thread, at this instant)
+        sent.append(method)
+        return _Gen(), number[0]
+
+    client._submit = submit
+    with mock.patch.object(_ray, "ray_up", lambda: True), \
+            mock.patch.object(_ray_order, "ray_up", lambda: True), \
+            mock.patch.object(_ray_stream, "ray_up", lambda: True):
+        dep = CallFuture()
+        box.append(client.stream(aid, "gen", (dep,), {}, "D.gen"))
+        await asyncio.sleep(0)
+        dep.set_result(1)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert sent == ["gen"]
+        assert [seqs for _, seqs in controls] == [[0]]  # stopped in the actor
+
+
 async def test_a_stream_whose_argument_failed_raises_that_error_with_its_traceback():
     # ``raise copy_exc(...) from None`` dropped the remote traceback (its __cause__).
     from actorshm._errors import RemoteTraceback
