@@ -69,6 +69,8 @@ def translate(exc: BaseException, what: str, sent: str | None = "result") -> Bas
                             if sent == "result" else f"an item of {what} cannot be sent: "
                             f"{cause}")
             err.__cause__ = RemoteTraceback(text)
+            if hasattr(err, "add_note"):  # (as locally, where the actor's reply says it)
+                err.add_note(f"(raised in {what})")
             return err
         if isinstance(cause, Exception) and not isinstance(cause, rex.RayError):
             cause.__cause__ = RemoteTraceback(text)

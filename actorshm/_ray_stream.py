@@ -74,7 +74,7 @@ class RayStream(Stream):
             if not isinstance(err, ActorDiedError):  # (see ``RayClient._cancel``)
                 self._cancel(self._gen)
             self._finish()
-            raise err from None
+            raise err from err.__cause__  # (its remote traceback; not Ray's error)
         except BaseException:  # cancelled: stop the generator in the actor
             self._cut = True
             self._stop()

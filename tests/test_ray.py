@@ -23,6 +23,7 @@ import pytest
 
 import actorshm  # noqa: E402
 from actorshm._ray import ray_env  # noqa: E402
+from actorshm._errors import RemoteTraceback  # noqa: E402
 
 ray_env()  # what a runtime that starts Ray sets: Ray binds 127.0.0.1, deaths fail calls at once
 from actors import (BreaksOnArrival, Caller, Concurrent, Counter, CustomError,  # noqa: E402
@@ -82,6 +83,11 @@ async def items_before(stream, error, match=None):
         async for x in stream:
             got.append(x)
     return got
+
+
+async def _first_error(stream):
+    async for _ in stream:
+        pass
 
 
 # -- Runtime -------------------------------------------------------------------------
@@ -1302,6 +1308,16 @@ async def test_a_result_that_cannot_be_pickled_or_an_open_file_argument(art):
         await a.bad_reduce()
     assert await items_before(a.lock_items(), TypeError,
                               r"an item of ArrayUser.lock_items cannot be sent") == [1]
+    # with the actor's traceback, and where it was raised, on both backends
+    for call in (a.lock(), _first_error(a.lock_items())):
+        try:
+            await call
+        except TypeError as exc:
+            assert isinstance(exc.__cause__, RemoteTraceback), exc.__cause__
+            if sys.version_info >= (3, 11):
+                assert any("ArrayUser.lock" in n for n in exc.__notes__), exc.__notes__
+        else:
+            raise AssertionError("no error")
     with open(__file__) as f, pytest.raises(TypeError, match="open file .* pass its path"):
         a.total(f)
     with pytest.raises(TypeError, match="Runtime cannot be sent .* pass actor handles"):
