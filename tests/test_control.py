@@ -63,28 +63,10 @@ async def test_queued_call_never_runs_once_cancelled(rt):
     assert await w.get_log() == [("work", 0.5), "next"]
 
 
-async def test_queued_call_that_brings_a_new_arena_never_runs_once_cancelled(rt):
-    # Before: the call's frame carried the arena's fd, and the kernel ends a read right
-    # after such bytes; the cancel written after it waited for a later read, and the
-    # actor started the cancelled call in the slot the sync call freed, before it.
-    w = await Worker.spawn()
-    for arr in (actorshm.zeros(1 << 20), np.zeros(1 << 20)):  # shared, or copied into it
-        busy = w.work(0.5)
-        queued = w.record(arr)
-        await asyncio.sleep(0.05)
-        queued.cancel()
-        assert await busy == 0.5
-        assert await w.record("next") == "next"
-        assert await w.get_log() == [("work", 0.5), "next"]
-        await w.clear_log()
-
-
-async def test_queued_call_too_large_for_one_read_never_runs_once_cancelled(rt):
-    # Before: the caller could write the cancel only after the call's last bytes, which
-    # the actor read after its sync call ended; it started the call as soon as it had
-    # it whole, and read the cancel behind it too late.
-    w = await Worker.spawn()
-    for arg in (b"x" * (4 << 20), [np.zeros(2000) for _ in range(60)]):  # (in band)
+async def _cancelled_while_queued_never_runs(w, args) -> None:
+    """Each of ``args`` goes to a call queued behind a sync call, then cancelled: it
+    never runs, and the next call does."""
+    for arg in args:
         busy = w.work(0.5)
         queued = w.record(arg)
         await asyncio.sleep(0.05)
@@ -93,6 +75,24 @@ async def test_queued_call_too_large_for_one_read_never_runs_once_cancelled(rt):
         assert await w.record("next") == "next"
         assert await w.get_log() == [("work", 0.5), "next"]
         await w.clear_log()
+
+
+async def test_queued_call_that_brings_a_new_arena_never_runs_once_cancelled(rt):
+    # Before: the call's frame carried the arena's fd, and the kernel ends a read right
+    # after such bytes; the cancel written after it waited for a later read, and the
+    # actor started the cancelled call in the slot the sync call freed, before it.
+    w = await Worker.spawn()  # (shared, or copied into shared memory)
+    await _cancelled_while_queued_never_runs(w, (actorshm.zeros(1 << 20),
+                                                 np.zeros(1 << 20)))
+
+
+async def test_queued_call_too_large_for_one_read_never_runs_once_cancelled(rt):
+    # Before: the caller could write the cancel only after the call's last bytes, which
+    # the actor read after its sync call ended; it started the call as soon as it had
+    # it whole, and read the cancel behind it too late.
+    w = await Worker.spawn()  # (in band)
+    await _cancelled_while_queued_never_runs(w, (b"x" * (4 << 20),
+                                                 [np.zeros(2000) for _ in range(60)]))
 
 
 async def test_hundreds_of_queued_calls_cancelled_at_once_never_run(rt):

@@ -2,6 +2,7 @@
 
 import asyncio
 import concurrent.futures
+import contextlib
 from unittest import mock
 
 from actorshm import _ray, _ray_order, _ray_stream
@@ -32,22 +33,35 @@ class _Remote:
         return mock.Mock(future=lambda: done)
 
 
+def _ray_up():
+    """Ray taken as running, for the client's own logic (no Ray started)."""
+    stack = contextlib.ExitStack()
+    for mod in (_ray, _ray_order, _ray_stream):
+        stack.enter_context(mock.patch.object(mod, "ray_up", lambda: True))
+    return stack
+
+
+def _stream_client(key: str, submit) -> tuple:
+    """A client whose sends go to ``submit``, an actor id for ``key`` with a streaming
+    method ``gen``, and the list of the cancels it sends (``(caller, seqs)``)."""
+    controls: list = []
+    handle = mock.Mock(stream=_Remote([]), cancel=_Remote(controls))
+    client = _ray.RayClient()
+    client._submit = submit
+    return client, _ray.RayActorId(handle, key, frozenset({"gen"})), controls
+
+
 async def test_a_stream_left_as_its_arguments_come_in_is_never_started():
     # Its start's wakeup was queued before the cancel that aclose() queued: the start
     # went on and sent the stream, which nobody stopped (its finally never ran there).
-    sent, controls = [], []
-    handle = mock.Mock(stream=_Remote([]), cancel=_Remote(controls))
-    client = _ray.RayClient()
-    aid = _ray.RayActorId(handle, "actor-B", frozenset({"gen"}))
+    sent = []
 
     def submit(actor_id, remote, method, args, kwargs, what, number=None, link=None):
         sent.append((method, args))
         return _Gen(), number[0]
 
-    client._submit = submit
-    with mock.patch.object(_ray, "ray_up", lambda: True), \
-            mock.patch.object(_ray_order, "ray_up", lambda: True), \
-            mock.patch.object(_ray_stream, "ray_up", lambda: True):
+    client, aid, controls = _stream_client("actor-B", submit)
+    with _ray_up():
         dep = CallFuture()
         s = client.stream(aid, "gen", (dep,), {}, "B.gen")
         await asyncio.sleep(0)  # its start waits for `dep`
@@ -65,21 +79,15 @@ async def test_a_stream_left_from_another_thread_as_it_is_sent_is_stopped_there(
     # A garbage collection's _left() in another thread, between the start's check of
     # the mark and its send: the queued cancel of the start came after it had sent the
     # stream, which nobody then stopped.
-    sent, controls = [], []
-    handle = mock.Mock(stream=_Remote([]), cancel=_Remote(controls))
-    client = _ray.RayClient()
-    aid = _ray.RayActorId(handle, "actor-D", frozenset({"gen"}))
-    box = []
+    sent, box = [], []
 
     def submit(actor_id, remote, method, args, kwargs, what, number=None, link=None):
         box[0]._left()  # (as from another thread, at this instant)
         sent.append(method)
         return _Gen(), number[0]
 
-    client._submit = submit
-    with mock.patch.object(_ray, "ray_up", lambda: True), \
-            mock.patch.object(_ray_order, "ray_up", lambda: True), \
-            mock.patch.object(_ray_stream, "ray_up", lambda: True):
+    client, aid, controls = _stream_client("actor-D", submit)
+    with _ray_up():
         dep = CallFuture()
         box.append(client.stream(aid, "gen", (dep,), {}, "D.gen"))
         await asyncio.sleep(0)
@@ -93,13 +101,9 @@ async def test_a_stream_left_from_another_thread_as_it_is_sent_is_stopped_there(
 async def test_a_stream_whose_argument_failed_raises_that_error_with_its_traceback():
     # ``raise copy_exc(...) from None`` dropped the remote traceback (its __cause__).
     from actorshm._errors import RemoteTraceback
-    handle = mock.Mock(stream=_Remote([]), cancel=_Remote([]))
-    client = _ray.RayClient()
-    aid = _ray.RayActorId(handle, "actor-C", frozenset({"gen"}))
-    client._submit = mock.Mock(side_effect=AssertionError("nothing is sent"))
-    with mock.patch.object(_ray, "ray_up", lambda: True), \
-            mock.patch.object(_ray_order, "ray_up", lambda: True), \
-            mock.patch.object(_ray_stream, "ray_up", lambda: True):
+    client, aid, _ = _stream_client(
+        "actor-C", mock.Mock(side_effect=AssertionError("nothing is sent")))
+    with _ray_up():
         dep = CallFuture()
         s = client.stream(aid, "gen", (dep,), {}, "C.gen")
         await asyncio.sleep(0)
