@@ -104,8 +104,6 @@ class ActorOptions:
         return {var: n for var in THREAD_VARS}
 
 
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

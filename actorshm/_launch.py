@@ -63,7 +63,6 @@ def worker_command(fd: int) -> list[str]:
     return [sys.executable, "-c", _WORKER_CMD, str(fd)]
 
 
-
 def check_number(name: str, value: Any, least: float, kind: type, unit: str) -> Any:
     """A Runtime option that must be a number of at least ``least``, as ``kind``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
