@@ -61,6 +61,11 @@ def start_watchdog() -> None:
         os.setsid()
     except OSError:  # pragma: no cover - already a group leader
         pass
+    group = os.getpid()
+    if os.getpgid(0) != group:  # pragma: no cover - it leads no group of its own
+        os.environ.pop("ACTORSHM_DRIVER_PID", None)
+        os.environ.pop("ACTORSHM_PARENT_PID", None)
+        return  # (the group it is in is another's: never signal that)
     try:
         driver = os.pidfd_open(int(os.environ.pop("ACTORSHM_DRIVER_PID")))
     except OSError:  # the driver is gone
@@ -74,7 +79,7 @@ def start_watchdog() -> None:
     if middle == 0:
         try:
             if os.fork() == 0:
-                _watch(actor, driver)
+                _watch(actor, driver, group)
         finally:
             os._exit(0)
     os.waitpid(middle, 0)
@@ -82,9 +87,9 @@ def start_watchdog() -> None:
     os.close(actor)
 
 
-def _watch(actor: int, driver: int) -> None:
+def _watch(actor: int, driver: int, group: int) -> None:
     """The watchdog: wait for the actor (``actor``, ``driver``: pidfds) or the driver to
-    exit, then end the group."""
+    exit, then end ``group``, the one the actor leads (its id is the actor's pid)."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # (its own group's SIGTERM among them)
     null = os.open(os.devnull, os.O_RDWR)
@@ -97,7 +102,7 @@ def _watch(actor: int, driver: int) -> None:
     for fd in (actor, driver):
         p.register(fd, select.POLLIN)
     p.poll()
-    _end(os.getsid(0))  # (the actor's pid: it leads the session and its group)
+    _end(group)
 
 
 def _end(pgid: int) -> None:
