@@ -62,6 +62,8 @@ def stats() -> dict[str, int]:
     gauges: dict[str, int] = {"blocks_quarantined": _leases.quarantined()}
     for p in _pools:
         p.report(gauges)
+    if "shm_budget" not in gauges:  # no pool yet: the budget its first block will meet
+        gauges["shm_budget"] = list(_budgets.values())[-1] if _budgets else default_budget()
     out = dict(counters)
     out.update(gauges)
     return out

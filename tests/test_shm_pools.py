@@ -1,6 +1,9 @@
 """Pools and size classes (``_shm``), in this process: no actor, no event loop."""
 
 import gc
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -77,3 +80,14 @@ def test_arrays_on_a_block_keep_it_alive(pool):
     gc.collect()
     pool.drain()
     assert pool.blocks_live == 0
+
+
+def test_stats_names_the_budget_before_the_first_block():
+    # A fresh process that has made no shared block yet reports the budget its first
+    # block will be held to, like every other counter (0 until used), not no key at all.
+    code = "import actorshm; print(actorshm.stats()['shm_budget'])"
+    env = {**os.environ, "ACTORSHM_SHM_BUDGET": str(64 << 20)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == 64 << 20
