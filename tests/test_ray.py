@@ -26,8 +26,8 @@ from actorshm._ray import ray_env  # noqa: E402
 from actorshm._errors import RemoteTraceback  # noqa: E402
 
 ray_env()  # what a runtime that starts Ray sets: Ray binds 127.0.0.1, deaths fail calls at once
-from actors import (BreaksOnArrival, Caller, Concurrent, Counter, CustomError,  # noqa: E402
-                    EnvReader, Faulty, FormatsError, KwOnlyError, PathError, Phoenix,
+from actors import (Arrays, BreaksOnArrival, Caller, Concurrent, Counter,  # noqa: E402
+                    CustomError, EnvReader, Faulty, FormatsError, KwOnlyError, PathError, Phoenix,
                     PoolWorker, Probe, Quirks, SlowStart, ThreadedCaller, TwoArgsError)
 import reentrant_cases  # noqa: E402
 from call_actors import Relay, Worker  # noqa: E402
@@ -96,6 +96,17 @@ async def test_current_runtime_is_the_open_runtime(art, backend):
     assert isinstance(art, actorshm.Runtime) and art.backend == backend
     assert set(actorshm.stats()) >= {"bytes_copied", "bytes_zero_copy", "pool_allocs",
                                      "pool_reuses", "blocks_live"}
+
+
+async def test_stats_has_the_same_keys_in_a_process_that_allocated_nothing(art):
+    # An actor that made no shared array (on Ray, none ever does unless its code asks)
+    # reports every key, shm_budget included, as a fresh process does.
+    a = await Arrays.spawn()
+    assert set(await a.stats()) == set(actorshm.stats())
+    fresh = subprocess.run([sys.executable, "-c",
+                            "import actorshm; print(sorted(actorshm.stats()))"],
+                           capture_output=True, text=True, check=True).stdout
+    assert "'shm_budget'" in fresh and "'arenas_owned'" in fresh
 
 
 def test_unknown_backend_and_local_only_options_on_ray_are_refused():
