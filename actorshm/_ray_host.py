@@ -75,8 +75,12 @@ def pack(pair: tuple) -> Any:
 
 
 def freeze_arrays(obj: Any, depth: int = 0) -> None:
-    """Make numpy arrays in ``obj`` (lists, tuples, dicts, a few levels deep) read-only."""
-    if depth > _MAX_DEPTH:
+    """Make numpy arrays in ``obj`` (lists, tuples, dicts and the attributes of plain
+    objects such as dataclasses, a few levels deep) read-only. Ray's pickling gives
+    contiguous arrays as read-only views wherever they are, but the arrays numpy pickles
+    by value (a strided view, datetime, a subclass such as ``np.recarray``) arrive
+    writable: only this makes a write to one of them fail rather than be lost."""
+    if depth > _MAX_DEPTH or type(obj) in _SCALARS:
         return
     flags = getattr(obj, "flags", None)
     if flags is not None and hasattr(obj, "setflags") and hasattr(obj, "dtype"):
@@ -91,6 +95,14 @@ def freeze_arrays(obj: Any, depth: int = 0) -> None:
     elif isinstance(obj, dict):
         for x in obj.values():
             freeze_arrays(x, depth + 1)
+    else:
+        t = type(obj)  # a plain object, which pickling carries as its __dict__
+        if t.__reduce_ex__ is object.__reduce_ex__ and t.__reduce__ is object.__reduce__ \
+                and not isinstance(obj, type):
+            state = getattr(obj, "__dict__", None)
+            if type(state) is dict:
+                for x in state.values():
+                    freeze_arrays(x, depth + 1)
 
 
 class _Turns:

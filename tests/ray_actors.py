@@ -61,6 +61,11 @@ class _NoPickle:
         raise TypeError("no pickling this on purpose")
 
 
+class Batch:  # a plain object holding arrays (as a dataclass does)
+    def __init__(self, **arrays):
+        self.__dict__.update(arrays)
+
+
 @actor
 class ArrayUser:
     def total(self, arr):
@@ -72,6 +77,10 @@ class ArrayUser:
 
     def writable(self, arr):
         return bool(arr.flags.writeable)
+
+    def writable_attrs(self, obj):
+        return {k: bool(v.flags.writeable) if isinstance(v, np.ndarray)
+                else self.writable_attrs(v) for k, v in vars(obj).items()}
 
     def make(self, n):
         return np.arange(n, dtype=np.float64)

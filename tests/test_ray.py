@@ -31,7 +31,7 @@ from actors import (Arrays, BreaksOnArrival, Caller, Concurrent, Counter,  # noq
                     PoolWorker, Probe, Quirks, SlowStart, ThreadedCaller, TwoArgsError)
 import reentrant_cases  # noqa: E402
 from call_actors import Relay, Worker  # noqa: E402
-from ray_actors import ArrayUser, SlotLog, Streamer, ThreadCanceller, Ticker  # noqa: E402
+from ray_actors import ArrayUser, Batch, SlotLog, Streamer, ThreadCanceller, Ticker  # noqa: E402
 
 ray = pytest.importorskip("ray", reason="the Ray backend tests need Ray: "
                                         "pip install 'actorshm[ray]'")
@@ -1285,6 +1285,19 @@ async def test_arrays_on_ray_are_read_only_copies(art, backend):
     assert not out.flags.writeable and not (await a.make(5)).flags.writeable
     mine = np.array(out)
     mine[0] = 7
+
+
+async def test_arrays_inside_an_object_arrive_read_only_on_ray(art, backend):
+    ray_only(backend, "the local backend shares arrays (test_arrays.py)")
+    a = await ArrayUser.spawn()
+    base = np.arange(1000, dtype=np.float64)
+    # Ray gives the contiguous one read-only by itself; numpy pickles the others by value
+    batch = Batch(plain=base, strided=base[::2], when=base.astype("M8[s]"),
+                  rec=np.zeros(10, [("x", "i4")]).view(np.recarray),
+                  nested=Batch(strided=base[::3]))
+    assert await a.writable_attrs(batch) == {
+        "plain": False, "strided": False, "when": False, "rec": False,
+        "nested": {"strided": False}}
 
 
 async def test_a_tensor_in_an_autograd_graph_is_refused_before_sending(art, backend):
