@@ -197,7 +197,9 @@ class RayClient(CallOrder):
         when it was made (so the caller's later calls to that actor run after it); a
         failed dependency fails the call, which then skips its turn."""
         try:
-            await asyncio.wait([d for d in deps if not d.done()])
+            pending = [d for d in deps if not d.done()]
+            if pending:  # (one may have finished since the call: cancelled at once)
+                await asyncio.wait(pending)
             if fut.done() or actor_id.key in self._dead or not ray_up():
                 if not fut.done():
                     why = "was killed" if actor_id.key in self._dead else \
@@ -383,7 +385,9 @@ class RayClient(CallOrder):
         a kill, or a cancel (the stream left before its start) gives up its turn."""
         try:
             try:
-                await asyncio.wait([d for d in deps if not d.done()])
+                pending = [d for d in deps if not d.done()]
+                if pending:  # (as in ``_send_when_ready``)
+                    await asyncio.wait(pending)
             except asyncio.CancelledError:
                 if actor_id.key in self._dead:  # (``killed``)
                     raise ActorDiedError(f"{what}: the actor was killed") from None
