@@ -40,6 +40,11 @@ def _cuda_plugin(what: str):
     return _torch_cuda
 
 
+_QUANTIZED = frozenset(getattr(_t, name) for name in
+                       ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+                       if hasattr(_t, name))
+
+
 def empty(*size, dtype=None, device="cpu"):
     """A new tensor in shared memory owned by this process (contents undefined).
 
@@ -55,12 +60,18 @@ def empty(*size, dtype=None, device="cpu"):
 
     Raises:
         ValueError: a negative size, or a device other than the CPU or CUDA.
+        TypeError: a quantized dtype (a quantized tensor travels by value).
         ImportError: a CUDA device without CuPy installed.
         SharedMemoryError: over the shared-memory budget, as ``actorshm.empty``, or no
             room on the GPU.
     """
     size = _size(size)
     dtype = dtype or _t.get_default_dtype()
+    if dtype in _QUANTIZED:
+        raise TypeError(
+            f"actorshm.torch.empty: {dtype} is a quantized dtype, and a quantized tensor "
+            "cannot live in shared memory (torch pickles it, by value); share the "
+            "float tensor and quantize it where it is used")
     dev = _t.device(device)
     if dev.type == "cuda":
         return _cuda_plugin("empty").empty(size, dtype, dev.index)
@@ -97,8 +108,7 @@ def is_shared(tensor) -> bool:
     Raises:
         TypeError: not a tensor.
     """
-    if not isinstance(tensor, _t.Tensor):
-        raise TypeError(f"is_shared takes a torch.Tensor, not {type(tensor).__name__}")
+    _require_tensor(tensor, "is_shared")
     if tensor.layout in _torch.SPARSE:
         return all(is_shared(p) for p in _torch.sparse_parts(tensor)
                    if isinstance(p, _t.Tensor))
@@ -131,6 +141,7 @@ def share(tensor):
         ImportError: a CUDA tensor without CuPy installed.
         SharedMemoryError: over budget, as ``empty``.
     """
+    _require_tensor(tensor, "share")
     if is_shared(tensor):
         return tensor
     _check_shareable(tensor, "share")
@@ -162,6 +173,14 @@ def _dense(t) -> bool:
             return False
         expected *= size
     return True
+
+
+def _require_tensor(obj, what: str) -> None:
+    if not isinstance(obj, _t.Tensor):
+        hint = "; a numpy array is shared with actorshm.share" \
+            if isinstance(obj, np.ndarray) else ""
+        raise TypeError(f"actorshm.torch.{what} takes a torch.Tensor, not "
+                        f"{type(obj).__name__}{hint}")
 
 
 def _check_shareable(tensor, what: str) -> None:

@@ -568,6 +568,13 @@ def test_bad_input_errors():
         at.share_module(torch.zeros(3))
     with pytest.raises(TypeError, match="torch.Tensor"):
         at.is_shared(np.zeros(3))
+    # each names itself, and a numpy array's way in
+    with pytest.raises(TypeError, match=r"torch\.share takes a torch\.Tensor, not ndarray; "
+                                        r"a numpy array is shared with actorshm\.share"):
+        at.share(np.zeros(3))
+    for make in (at.empty, at.zeros):  # quantized: by value, so never in shared memory
+        with pytest.raises(TypeError, match=r"torch\.qint8 is a quantized dtype"):
+            make(3, dtype=torch.qint8)
     s = at.share(torch.arange(4.0))
     assert at.is_shared(s) and at.share(s) is s and s.tolist() == [0.0, 1.0, 2.0, 3.0]
 
