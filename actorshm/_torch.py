@@ -155,6 +155,22 @@ def finish(t: torch.Tensor, parameter: bool, requires_grad: bool, bits: int = 0)
 
 
 def _reduce_tensor(enc, t: torch.Tensor):
+    out = _reduce_bare(enc, t)
+    if t.__dict__ and out is not NotImplemented and out[0] is not _rebuild_sparse:
+        # Attributes set on it (``p.no_decay = True``) go along, as torch's pickling
+        # (and so the Ray backend) keeps them. (A sparse tensor's are in its own.)
+        return _with_attributes, (*out, dict(t.__dict__))
+    return out
+
+
+def _with_attributes(rebuild, args: tuple, state: dict):
+    t = rebuild(*args)
+    t.__dict__.update(state)
+    return t
+
+
+def _reduce_bare(enc, t: torch.Tensor):
+    """The reduction of tensor ``t`` without its attributes."""
     kind = type(t)
     if kind is not torch.Tensor and kind is not _Parameter:
         return NotImplemented  # another subclass: torch pickles it
@@ -302,7 +318,7 @@ def _tensor_hole(enc, t: torch.Tensor):
     """A shared CPU tensor in a flat message (``_flat``): ``(_flat_tensor, *where)``;
     None for any other tensor (the full encoder sends it, or refuses it)."""
     if not t.is_cpu or (t.requires_grad and not t.is_leaf) or \
-            t.layout is not torch.strided or t.is_quantized or t.is_nested:
+            t.layout is not torch.strided or t.is_quantized or t.is_nested or t.__dict__:
         return None
     where = _shared(enc, t)
     return None if where is None else (_flat_tensor, *where)

@@ -359,6 +359,26 @@ async def test_parameter_and_requires_grad_travel_and_non_leaf_is_refused(rt):
         assert info["requires_grad"] and info["parameter"] is parameter
 
 
+async def test_attributes_set_on_a_tensor_travel_with_it(rt):
+    # As torch's pickling (and so the Ray backend) keeps them: shared or copied, small or
+    # large, a Parameter or not, alone (the flat path) or in a container, both ways.
+    w = await TorchWorker.spawn()
+    cases = [at.zeros(4), torch.zeros(4), torch.zeros(1 << 16), torch.zeros(0),
+             torch.nn.Parameter(at.zeros(3)), torch.nn.Parameter(torch.ones(1 << 16))]
+    for t in cases:
+        t.tag, t.no_decay = "w", True
+        for sent in (t, [t, 1]):
+            got = await w.echo(sent)
+            got = got if isinstance(got, torch.Tensor) else got[0]
+            assert (got.tag, got.no_decay) == ("w", True), t.shape
+            assert type(got) is type(t) and torch.equal(got, t)
+    plain = await w.echo(at.zeros(2))
+    assert not hasattr(plain, "tag")
+    shared = cases[0]
+    await w.fill(shared, 5.0)  # still by reference
+    assert shared.tolist() == [5.0] * 4
+
+
 async def test_share_module_hogwild_updates_the_shared_weights(rt):
     torch.manual_seed(0)
     model = at.share_module(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(),
