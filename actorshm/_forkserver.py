@@ -4,7 +4,8 @@
 numpy, cloudpickle and actorshm once. Each actor is then a ``fork`` of it: no interpreter
 start and no imports per actor. Forking is safe here because the server never starts a
 thread (a fork of a process with threads is what deadlocks). It reports each child's exit
-status back to the driver, which watches the child through a pidfd like any other.
+status back to the driver, which watches (and signals) the child through a pidfd the
+server sends it with the child's pid.
 
 Requests (driver -> server) and reports (server -> driver) are pickled tuples in
 ``HEADER``-framed messages on a socket pair; the child's socket and its stdout/stderr pipe
@@ -114,13 +115,24 @@ def main() -> None:
             for fd in fds:
                 os.close(fd)
             children.add(pid)
-            _report(sock, ("forked", pid, 0))
+            # The driver signals the child through this pidfd, opened before this
+            # process can reap it: never through its number, which is free for reuse
+            # once it is reaped here.
+            try:
+                pidfd = [os.pidfd_open(pid)]
+            except (AttributeError, OSError):  # pragma: no cover - kernels before 5.3
+                pidfd = []
+            try:
+                _report(sock, ("forked", pid, 0), pidfd)
+            finally:
+                for fd in pidfd:
+                    os.close(fd)
 
 
-def _report(sock: socket.socket, msg: tuple) -> None:
+def _report(sock: socket.socket, msg: tuple, fds=()) -> None:
     """Tell the driver; if it is gone (its runtime closed), end quietly, as on EOF."""
     try:
-        send_msg(sock, msg)
+        send_msg(sock, msg, fds)
     except OSError:
         os._exit(0)
 

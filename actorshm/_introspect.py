@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
-import os
 import pickle
 import signal
 import socket
@@ -467,11 +466,8 @@ class Inspectable:
                        "its faulthandler dump follows on stderr")
                 if rec.probe is None or not rec.probe.ready:
                     why = f"no answer within {timeout} s (still starting?)"
-                else:
-                    try:
-                        os.kill(rec.pid, STACK_SIGNAL)
-                    except ProcessLookupError:
-                        pass
+                else:  # (not to one that died meanwhile: its number may be another's)
+                    rec.send_signal(STACK_SIGNAL)
             parts.append(f"({rec.cls_name} pid={rec.pid}) {rec.label}: {why}\n")
         text = "".join(parts)
         print(text, end="", file=file if file is not None else sys.stderr, flush=True)

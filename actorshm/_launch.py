@@ -108,6 +108,7 @@ class ActorRecord:
         self.popen: subprocess.Popen | None = None
         self.conn = None  # its ``_protocol.Connection``
         self.pidfd, self.pid, self.alive = -1, 0, False
+        self.no_pidfd = False  # pidfds are not to be had (a kernel before 5.3)
         self.death: str | None = None
         self.exited = asyncio.Event()
         self.stderr_tail: collections.deque = collections.deque(maxlen=20)
@@ -166,15 +167,45 @@ class ActorRecord:
             self.conn.call("__stop__", (), {}).add_done_callback(_ignore_result)
         for sig, wait in ((None, grace), (signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
             if sig is not None:
-                try:
-                    os.kill(self.pid, sig)
-                except ProcessLookupError:
-                    pass
+                self.send_signal(sig)
             try:
                 await asyncio.wait_for(self.exited.wait(), wait)
                 return
             except asyncio.TimeoutError:
                 continue
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to its process while the driver has not seen it exit: through its
+        pidfd, which names that process alone. Once the exit is seen (the pidfd closed),
+        nothing is sent, even while ``alive`` waits for the exit code: the process may
+        be reaped (a fork server reaps its children at once) and its number another's."""
+        if self.pidfd >= 0:
+            try:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            except ProcessLookupError:
+                pass
+        elif self.alive and self.no_pidfd:  # pragma: no cover - kernels before 5.3
+            try:
+                if self.popen is not None:
+                    self.popen.send_signal(sig)  # (not once it has been reaped)
+                else:
+                    os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill_now(self) -> None:
+        """SIGKILL its process and everything in its group (watchdog included) at once,
+        if the driver has not seen it exit and it has not been reaped: until then its
+        number, and so its group's id, are its own. (Once it is reaped its watchdog,
+        which holds the group's id while it lives, ends the group.)"""
+        if self.pidfd >= 0:
+            try:
+                signal.pidfd_send_signal(self.pidfd, 0)  # (a zombie still answers)
+            except ProcessLookupError:  # reaped by its fork server: not ours to name
+                return
+            _descendants.kill_now(self.pid)
+        elif self.alive and self.no_pidfd and self.pid in _live_pids:  # pragma: no cover
+            _descendants.kill_now(self.pid)
 
     def unwatch_exit(self, loop: asyncio.AbstractEventLoop) -> None:
         """Stop watching the process's pidfd (it exited, or is being reaped)."""
@@ -269,9 +300,10 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
         OSError: the process could not be started.
         ActorDiedError: the fork server died.
     """
+    pidfd = -1
     if forkserver is not None:
         try:
-            rec.pid, streams = await forkserver.fork(child, env)
+            rec.pid, pidfd, streams = await forkserver.fork(child, env)
         finally:
             child.close()
     else:
@@ -292,10 +324,14 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
     _leases.set_census(_live_pids.copy)
     _leases.process_started(rec.pid)
     try:
-        rec.pidfd = os.pidfd_open(rec.pid)
-        loop.add_reader(rec.pidfd, _exited, on_exit, rec, rec.pid)
+        # (A forked child's pidfd comes from its fork server, opened before it could
+        # reap the child: here the number might be another's already.)
+        rec.pidfd = pidfd if forkserver is not None else os.pidfd_open(rec.pid)
+        rec.no_pidfd = rec.pidfd < 0
+        if rec.pidfd >= 0:
+            loop.add_reader(rec.pidfd, _exited, on_exit, rec, rec.pid)
     except (AttributeError, OSError):  # pragma: no cover - kernels before 5.3
-        rec.pidfd = -1
+        rec.pidfd, rec.no_pidfd = -1, True
     rec.pipes = []
     for stream, out in zip(streams, ("stdout", "stderr")):
         os.set_blocking(stream.fileno(), False)
@@ -325,18 +361,24 @@ def kill_all(actors: dict, ending: "_descendants.Ending", owner: int) -> None:
     if os.getpid() != owner:
         return
     for rec in list(actors.values()):
-        if rec.pid and rec.pid in _live_pids:  # (running, or exited but not reaped here)
-            _descendants.kill_now(rec.pid)
+        rec.kill_now()  # (those whose exit was not handled, and not reaped)
     ending.kill()
 
 
 def _kill_forked(fut: asyncio.Future) -> None:
     """A child forked for a spawn that was given up: it must not live on unseen."""
     if not fut.cancelled() and fut.exception() is None:
+        pid, pidfd = fut.result()
         try:
-            os.kill(fut.result(), signal.SIGKILL)
+            if pidfd >= 0:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            else:  # pragma: no cover - kernels before 5.3
+                os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
 
 
 class ForkServerClient:
@@ -363,7 +405,8 @@ class ForkServerClient:
             env: the actor's environment.
 
         Returns:
-            The child's pid and its stdout and stderr pipes (read ends).
+            The child's pid, its pidfd (-1 where pidfds are not to be had) and its
+            stdout and stderr pipes (read ends).
 
         Raises:
             ActorDiedError: the fork server died, or did not answer within
@@ -397,7 +440,7 @@ class ForkServerClient:
             os.close(out_w)
             os.close(err_w)
         try:
-            pid = await asyncio.wait_for(asyncio.shield(fut), self.start_timeout)
+            pid, pidfd = await asyncio.wait_for(asyncio.shield(fut), self.start_timeout)
         except BaseException as exc:  # cancelled, or timed out: nobody will take the child
             os.close(out_r)
             os.close(err_r)
@@ -407,7 +450,7 @@ class ForkServerClient:
                     f"the fork server did not start the actor within {self.start_timeout} s "
                     "(Runtime(start_timeout=...) sets the limit)") from None
             raise
-        return pid, (open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0))
+        return pid, pidfd, (open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0))
 
     def _server_gone(self) -> None:
         """The fork server died: fail the forks waiting for it; the next fork starts a
@@ -435,11 +478,14 @@ class ForkServerClient:
         if msg is None:
             self._server_gone()
             return
-        (kind, pid, code), _ = msg
+        (kind, pid, code), fds = msg
         if kind == "forked":
             fut = self._fs_waiting.popleft()
+            pidfd = fds[0] if fds else -1  # (the child's, opened by the server)
             if not fut.done():
-                fut.set_result(pid)
+                fut.set_result((pid, pidfd))
+            elif pidfd >= 0:  # pragma: no cover - (failed futures leave the queue)
+                os.close(pidfd)
         else:
             self._fs_exit[pid] = code
             ev = self._fs_exit_events.pop(pid, None)

@@ -360,11 +360,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 await asyncio.wait_for(rec.conn.call("__settle__", (0.05,), {}), 0.1)
             except Exception:
                 pass
-        if rec.alive:  # (if it exited during that wait, its number may be another's now)
-            try:
-                os.kill(rec.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        rec.send_signal(signal.SIGKILL)  # (not if it exited during that wait)
         await rec.exited.wait()
 
     async def get_actor(self, name: str) -> ActorHandle:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import signal
 import weakref
 
@@ -135,20 +134,14 @@ class Supervisor:
         except asyncio.TimeoutError:
             if rec.conn is not None:
                 rec.conn.close(ActorDiedError(f"{rec.label} closed its connection"))
-            try:
-                os.kill(rec.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            rec.send_signal(signal.SIGKILL)  # (not once its exit is seen: see there)
 
     def connection_closed(self, conn: Connection) -> None:
         """An actor's connection closed (``Host``)."""
         rec = self._actors.get(conn.peer_id)
         if rec is not None and rec.conn is conn and rec.alive and not self._closing:
             # The connection broke (protocol error): the actor is unusable.
-            try:
-                os.kill(rec.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            rec.send_signal(signal.SIGKILL)
 
     # -- death and shutdown ------------------------------------------------------
     def _on_exit(self, rec: ActorRecord) -> None:
@@ -225,10 +218,7 @@ class Supervisor:
             rec.failed_starts = 0
             if rec.no_restart:  # killed while it was starting
                 rec.death = f"{rec.label} was killed by actorshm kill()"
-                try:
-                    os.kill(rec.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                rec.send_signal(signal.SIGKILL)
                 return
             logger.warning("actorshm: restarted %s (restart %d of %s) after: %s", rec.label,
                            rec.restarts, _limit(rec), first_line(why))

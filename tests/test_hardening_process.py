@@ -182,3 +182,56 @@ async def test_kills_and_restarts_leave_the_drivers_fds_flat(rt):
         await _poll(lambda: not rt.record(c.actor_id).alive)
     await rt.stats()  # the probes answer
     await _poll(lambda: _fds() <= before, timeout=5)
+
+
+def _signals_sent(monkeypatch) -> list:
+    """Record every ``os.kill`` and ``os.killpg`` of this process from now on: (pid, sig)."""
+    sent = []
+    for name in ("kill", "killpg"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda pid, sig, real=real: (
+            sent.append((pid, sig)), real(pid, sig))[1])
+    return sent
+
+
+async def test_a_forked_actor_seen_dead_is_not_signalled_by_its_number(monkeypatch):
+    # Its fork server reaps it at once; the driver then waits for the exit code the
+    # server reports (late here: a server busy forking). Meanwhile its number is free
+    # for another process: neither kill(), nor the broken connection, nor a close may
+    # signal it.
+    from actors import Counter
+    async with actorshm.Runtime(start_method="forkserver", shutdown_grace=0.5) as rt:
+        c = await Counter.spawn()
+        fs = rt._forkserver
+        report = fs.exit_code
+
+        async def late_report(pid):
+            await asyncio.sleep(0.6)
+            return await report(pid)
+        fs.exit_code = late_report
+        pid, rec = c.pid, rt.record(c.actor_id)
+        os.kill(pid, signal.SIGKILL)
+        sent = _signals_sent(monkeypatch)
+        await _poll(lambda: rec.pidfd < 0)  # its exit seen; the report still to come
+        assert rec.alive
+        await asyncio.sleep(0.4)  # (the broken connection's wait for the exit is over)
+        await rt.kill(c.actor_id)
+        assert not rec.alive
+    assert [s for s in sent if s[0] == pid and s[1] != 0] == []  # (0: a probe, sent nothing)
+
+
+async def test_a_forked_actor_is_watched_through_a_pidfd_its_fork_server_opened(monkeypatch):
+    # a pidfd the driver opened from the number the server reported could name another
+    # process: the child may have died and been reaped by the server before it opened
+    from actors import Counter
+    async with actorshm.Runtime(start_method="forkserver", shutdown_grace=0.5) as rt:
+        await Counter.spawn()  # (the server started)
+        opened = []
+        real = os.pidfd_open
+        monkeypatch.setattr(os, "pidfd_open", lambda pid, *a: (
+            opened.append(pid), real(pid, *a))[1])
+        c = await Counter.spawn()
+        assert rt.record(c.actor_id).pidfd >= 0 and c.pid not in opened
+        os.kill(c.pid, signal.SIGKILL)  # and its death is seen through it
+        await _poll(lambda: not rt.record(c.actor_id).alive)
+
