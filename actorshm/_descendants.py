@@ -140,9 +140,16 @@ class Ending:
         self._idle: asyncio.Future | None = None  # (``wait``: set once groups is empty)
 
     def end(self, pgid: int) -> None:
-        """Actor process ``pgid`` has exited and been reaped (on the runtime's loop):
-        watch what is left in its group."""
+        """Actor process ``pgid`` has exited (on the runtime's loop; reaped, or its fork
+        server's to reap): watch what is left in its group."""
         if pgid <= 1 or pgid in self.groups:
+            return
+        stat = _stat(pgid)
+        if stat is not None and stat[0] not in ("Z", "X"):
+            # A process runs with its number: not the actor (it has exited), so its
+            # number was reused (a fork server reaps at once); the group of that id is
+            # another's, if any. (The actor's own group, its watchdog in it, keeps the
+            # number from reuse while it has members.)
             return
         fds = _open_members(pgid, reap=True)
         if not fds:

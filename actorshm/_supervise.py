@@ -147,15 +147,19 @@ class Supervisor:
     def _on_exit(self, rec: ActorRecord) -> None:
         rec.unwatch_exit(self.loop)
         if rec.popen is not None:
-            self._exited(rec, rec.popen.wait())
+            code = rec.popen.wait()
+            self._ending.end(rec.pid)  # what it started goes too
+            self._exited(rec, code)
         else:  # a forked child: its exit code comes from the fork server
+            # (which has reaped it: what is left of its group is watched now, not once
+            # the exit code comes, up to a second later)
+            self._ending.end(rec.pid)
             self.loop.create_task(self._forkserver.exit_code(rec.pid)).add_done_callback(
                 lambda f: f.cancelled() or self._exited(rec, f.result()))
 
     def _exited(self, rec: ActorRecord, code: int | None) -> None:
         """Its process has exited and been reaped (``code``: its exit code, or None)."""
         rec.alive = False
-        self._ending.end(rec.pid)  # what it started goes too
         why = rec.death or f"{rec.label} died: {describe_exit(code)}" \
             f"{_oom.oom_note(rec, code)}"
         if self._closing and rec.death is None:

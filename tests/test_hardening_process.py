@@ -235,3 +235,23 @@ async def test_a_forked_actor_is_watched_through_a_pidfd_its_fork_server_opened(
         os.kill(c.pid, signal.SIGKILL)  # and its death is seen through it
         await _poll(lambda: not rt.record(c.actor_id).alive)
 
+
+async def test_the_group_of_a_dead_actors_reused_number_is_left_alone():
+    # once its fork server has reaped it, a dead actor's number (its group's id) may be
+    # given to a new process, which may lead a group of its own: not the actor's
+    import subprocess
+    import sys
+    from actorshm import _descendants
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                             process_group=0)  # (the process a reused number names)
+    ending = _descendants.Ending()
+    try:
+        ending.end(other.pid)
+        assert ending.groups == {}
+        ending.kill()
+        await asyncio.sleep(0.1)
+        assert other.poll() is None
+    finally:
+        ending.kill()
+        other.kill()
+        other.wait()
