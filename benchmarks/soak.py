@@ -107,11 +107,13 @@ async def soak(seconds: float, every: float = 60.0, n_actors: int = 3,
             next_kill = now + 0.3
             k = rng.randrange(len(handles))
             if rng.random() < 0.8:
-                try:
-                    os.kill(handles[k].pid, signal.SIGKILL)  # it restarts
+                # It restarts. Through the driver's record, only while it runs: one
+                # still restarting has the number of a process that is gone (and may
+                # be another's by now).
+                rec = actorshm.current_runtime().record(handles[k].actor_id)
+                if rec is not None and rec.alive:
+                    rec.send_signal(signal.SIGKILL)
                     counts["kills"] += 1
-                except ProcessLookupError:
-                    pass
             else:
                 await handles[k].kill()  # dead for good: a fresh actor takes its place
                 handles[k] = await SoakWorker.options(max_restarts=-1).spawn()
