@@ -4,13 +4,14 @@ import asyncio
 import io
 import os
 import signal
+import subprocess
 import sys
 import types
 
 import pytest
 
 import actorshm
-from actorshm import ActorDiedError
+from actorshm import ActorDiedError, _descendants
 from actorshm._launch import OutputForwarder
 
 
@@ -239,11 +240,8 @@ async def test_a_forked_actor_is_watched_through_a_pidfd_its_fork_server_opened(
 async def test_the_group_of_a_dead_actors_reused_number_is_left_alone():
     # once its fork server has reaped it, a dead actor's number (its group's id) may be
     # given to a new process, which may lead a group of its own: not the actor's
-    import subprocess
-    import sys
-    from actorshm import _descendants
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
-                             process_group=0)  # (the process a reused number names)
+                             start_new_session=True)  # (the process a reused number names)
     ending = _descendants.Ending()
     try:
         ending.end(other.pid)
