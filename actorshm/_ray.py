@@ -371,12 +371,18 @@ class RayClient(CallOrder):
                 self._waits_for_args[start] = actor_id.key
                 start.add_done_callback(lambda t: self._waits_for_args.pop(t, None))
                 return RayStream(start, what, translate, outcome,
-                                 lambda _gen: self._cancel(actor_id, number[0]), self.wait)
+                                 lambda _gen: self._cancel(actor_id, number[0]), self.wait,
+                                 lambda _gen: self._stream_ended(actor_id, number[0]))
         gen, seq = self._submit(actor_id, remote, method, args, kwargs, what)
         gen.completed().future().add_done_callback(
             lambda c: self._finished(actor_id, seq, c))
         return RayStream(gen, what, translate, outcome,
-                         lambda _gen: self._cancel(actor_id, seq), self.wait)
+                         lambda _gen: self._cancel(actor_id, seq), self.wait,
+                         lambda _gen: self._stream_ended(actor_id, seq))
+
+    def _stream_ended(self, actor_id: RayActorId, seq: int):
+        """An awaitable done once stream ``seq`` closed its generator in the actor."""
+        return actor_id.handle.stream_ended.remote(self._caller, seq)
 
     async def _stream_when_ready(self, deps, actor_id, remote, method, args, kwargs, what,
                                  number):

@@ -199,6 +199,10 @@ class Host(Watched):
         # runs each call in a task whose outer coroutines are compiled (Cython), with no
         # frames to follow, so ``rt.dump_stacks()`` walks a pending call from this one.
         self._running: dict = {}
+        # (caller, seq) -> a future done once that stream closed its generator here
+        # (``stream_ended``): Ray reports a stream cancelled at a ``yield`` as ended
+        # before the generator's ``finally`` blocks have run.
+        self._stream_ends: dict = {}
         self._calls = 0  # calls received (``rt.stats()``)
         self._ran: set = set()  # the sync methods that ran here at least once
         self._handed = 0.0  # time.monotonic() when a call last handed its result to Ray
@@ -539,6 +543,14 @@ class Host(Watched):
         del self.holding[key]
         self._sem.release()
 
+    async def stream_ended(self, caller: str, seq: int) -> None:
+        """Return once stream ``seq`` of ``caller`` has closed its generator here (its
+        ``finally`` blocks ran): what ``await it.aclose()`` waits for. Ray's own end of
+        a stream cancelled at a ``yield`` comes before that."""
+        ended = self._stream_ends.get((caller, seq))
+        if ended is not None:
+            await asyncio.shield(ended)
+
     async def stream(self, req: tuple):
         """Run a generator or async-generator method, yielding ``(ok, item)`` pairs."""
         if type(req) is bytes:
@@ -576,6 +588,7 @@ class Host(Watched):
             self._tasks.pop(key, None)
             yield pack((False, encode_exception(exc)))
             return
+        ended = self._stream_ends[key] = self._loop.create_future()
         started = False  # (a generator that never ran closes without running any code)
         own = False  # whether what is raised is the generator's (not thrown in here)
         try:
@@ -649,3 +662,5 @@ class Host(Watched):
             finally:
                 if slot:
                     self._give_slot(key)
+                self._stream_ends.pop(key, None)
+                ended.set_result(None)

@@ -22,7 +22,7 @@ class RayStream(Stream):
     """
 
     def __init__(self, gen: Any, what: str, translate: Callable, outcome: Callable,
-                 cancel: Callable, wait: Callable) -> None:
+                 cancel: Callable, wait: Callable, ended: Callable) -> None:
         # Ray's generator; or, for a call that waits for results it takes as arguments,
         # the task that starts it once they are in (``RayClient._stream_when_ready``).
         self._start = gen if isinstance(gen, asyncio.Task) else None
@@ -32,6 +32,7 @@ class RayStream(Stream):
         self._translate = translate
         self._outcome = outcome
         self._cancel = cancel
+        self._ended = ended  # ``ended(gen)``: awaitable, done once the actor closed it
         self._done = False
         self._busy = False  # an ``__anext__`` is waiting (one consumer at a time)
 
@@ -97,10 +98,13 @@ class RayStream(Stream):
                 if not _started(start):  # given up before it started: nothing ran
                     return
                 gen = start.result()
-            try:
-                await self._wait(gen.completed())
-            except Exception:  # it ended anyway: the actor died, or the runtime closed
-                pass
+            # Ray's end of the stream, then the generator's end in the actor: Ray ends a
+            # stream cancelled at a ``yield`` before its ``finally`` blocks have run.
+            for end in (gen.completed, lambda: self._ended(gen)):
+                try:
+                    await self._wait(end())
+                except Exception:  # it ended anyway: the actor died, or the runtime closed
+                    pass
 
     def _stop(self) -> None:
         """Tell the actor to stop the generator (its ``finally`` blocks run there); or,

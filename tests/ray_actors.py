@@ -194,3 +194,22 @@ class SlotLog:
     def take_log(self):
         out, self.log = self.log, []
         return out, self.peak
+
+
+@actor(max_concurrency=4)
+class SlowCloser:
+    """A stream whose finally awaits: with max_concurrency > 1 a call runs beside it."""
+
+    def __init__(self):
+        self.closed = []
+
+    async def count(self, n):
+        try:
+            for i in range(n):
+                yield i
+        finally:
+            await asyncio.sleep(0.3)
+            self.closed.append(n)
+
+    def closed_(self):
+        return list(self.closed)

@@ -31,7 +31,8 @@ from actors import (Arrays, BreaksOnArrival, Caller, Concurrent, Counter,  # noq
                     PoolWorker, Probe, Quirks, SlowStart, ThreadedCaller, TwoArgsError)
 import reentrant_cases  # noqa: E402
 from call_actors import Relay, Worker  # noqa: E402
-from ray_actors import ArrayUser, Batch, SlotLog, Streamer, ThreadCanceller, Ticker  # noqa: E402
+from ray_actors import (ArrayUser, Batch, SlotLog, SlowCloser, Streamer,  # noqa: E402
+                        ThreadCanceller, Ticker)
 
 ray = pytest.importorskip("ray", reason="the Ray backend tests need Ray: "
                                         "pip install 'actorshm[ray]'")
@@ -1275,6 +1276,17 @@ async def test_after_aclose_the_next_call_runs_after_the_generators_finally(art)
     assert await stream.__anext__() == 0
     await stream.aclose()
     assert await s.closed_() == [1000]  # (on Ray, not yet: aclose did not wait)
+
+
+async def test_aclose_returns_once_the_generators_finally_ran(art, backend):
+    # With max_concurrency > 1 the next call does not wait for a slot behind the
+    # finally: aclose() itself must wait (Ray ended the stream before the finally ran).
+    ray_only(backend, "docs/ray.md: `await it.aclose()` returns once the finally ran")
+    s = await SlowCloser.spawn()
+    stream = s.count(1000)
+    assert await stream.__anext__() == 0
+    await asyncio.wait_for(stream.aclose(), 30)
+    assert await s.closed_() == [1000]
 
 
 async def test_streams_are_not_counted_in_max_pending_calls(art):
