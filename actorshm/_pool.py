@@ -222,7 +222,7 @@ class ActorPool:
         # Checked here, not in the generator: its body runs only when iterated, and an
         # error there would name neither this call nor ``map``.
         _check_fn(fn, "map(fn, values)")
-        return self._map(fn, _values(values, "map"))
+        return _Results(self._map(fn, _values(values, "map")))
 
     async def _map(self, fn: Callable[[ActorHandle, Any], Awaitable],
                    it: Iterator[Any]) -> AsyncIterator[Any]:
@@ -262,7 +262,7 @@ class ActorPool:
             Exception: the first error of ``fn`` or of a call, as ``await`` raises it.
         """
         _check_fn(fn, "map_unordered(fn, values)")
-        return self._map_unordered(fn, _values(values, "map_unordered"))
+        return _Results(self._map_unordered(fn, _values(values, "map_unordered")))
 
     async def _map_unordered(self, fn: Callable[[ActorHandle, Any], Awaitable],
                              it: Iterator[Any]) -> AsyncIterator[Any]:
@@ -407,6 +407,83 @@ class ActorPool:
         timer = self._resting.pop(h, None)
         if timer is not None:
             timer.cancel()
+
+
+class _Results:
+    """What ``map`` and ``map_unordered`` return: an async iterator of the results.
+
+    Each ``async for`` over it iterates a ``_ResultsLoop``; a loop left early (``break``,
+    an exception) closes the results, which cancels the work in flight and queued, even
+    while this object is kept in a variable (``m = pool.map(...)``; ``async for r in m:
+    break``), where Python would keep an async generator open until it is dropped.
+    """
+
+    __slots__ = ("_agen", "_polls")
+
+    def __init__(self, agen: AsyncIterator[Any]) -> None:
+        self._agen = agen
+        self._polls = 0  # ``__anext__`` calls: iterated again before a loop's close?
+
+    def __aiter__(self) -> "_ResultsLoop":
+        return _ResultsLoop(self)
+
+    def __anext__(self) -> Awaitable[Any]:
+        self._polls += 1
+        return self._agen.__anext__()
+
+    def aclose(self) -> Awaitable[None]:
+        """Stop: cancel the work in flight and queued."""
+        return self._agen.aclose()
+
+    def _left(self) -> None:
+        """A loop over it was left early: close the generator, at its ``yield`` now (its
+        ``finally``, which cancels the work, awaits nothing, so this completes at once)."""
+        closing = self._agen.aclose()
+        try:
+            closing.send(None)
+        except StopIteration:
+            pass
+        except RuntimeError:  # being iterated (``await anext(m)`` in another task)
+            closing.close()
+
+
+class _ResultsLoop:
+    """One ``async for`` over ``_Results``: dropped before the end (the loop was left),
+    it closes them at the event loop's next turn, unless they are iterated again before
+    then (``first = await anext(aiter(m))``, then ``async for r in m``)."""
+
+    __slots__ = ("results", "ended")
+
+    def __init__(self, results: _Results) -> None:
+        self.results = results
+        self.ended = False
+
+    def __aiter__(self) -> "_ResultsLoop":
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.results.__anext__()
+        except BaseException:  # the end, an error or a cancel: the generator ended
+            self.ended = True
+            raise
+
+    async def aclose(self) -> None:
+        self.ended = True
+        await self.results.aclose()
+
+    def __del__(self) -> None:
+        if self.ended:
+            return
+        results, polls = self.results, self.results._polls
+
+        def leave() -> None:
+            if results._polls == polls:
+                results._left()
+        try:
+            asyncio.get_running_loop().call_soon(leave)
+        except RuntimeError:  # dropped outside the loop's thread (a garbage collection)
+            pass
 
 
 RESTING_FIRST = 0.02  # seconds before a restarting member is checked again (doubling)

@@ -193,6 +193,25 @@ async def test_leaving_map_early_cancels_the_work_in_flight(rt):
     assert [v for _, v in out] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("method", ["map", "map_unordered"])
+async def test_leaving_a_kept_map_early_cancels_the_work_in_flight(rt, method):
+    # The iterator kept in a variable: Python would keep an async generator (and its
+    # calls) open until it is dropped; leaving the loop must end it all the same.
+    pool = ActorPool(await workers(2))
+    results = getattr(pool, method)(lambda a, v: a.work(v, 0.0 if v == 0 else 30.0),
+                                    range(6))
+    async for _ in results:
+        break  # items 1 and 2 sleep 30 s in their actors, 3 waits: leaving cancels them
+    for _ in range(100):
+        if pool.has_free() and len(pool._idle) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert len(pool._idle) == 2 and not pool._queue
+    assert [r async for r in results] == []  # ended: a later loop gets nothing
+    out = await asyncio.wait_for(asyncio.gather(*(pool.submit(work, v) for v in range(2))), 10)
+    assert sorted(v for _, v in out) == [0, 1]
+
+
 async def test_cancelling_a_submit_frees_its_actor(rt):
     (w,) = await workers(1)
     pool = ActorPool([w])
