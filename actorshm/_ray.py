@@ -25,7 +25,7 @@ from ._descendants import process_start
 from ._client import ThreadCallFuture
 from ._results import CallFuture, DependencyFailed, futures_in, with_results
 from ._errors import ActorDiedError
-from ._ray_errors import check_args, outcome, translate, unavailable_error
+from ._ray_errors import check_args, outcome, pickling_failed, translate, unavailable_error
 from ._ray_host import Host, simple
 from ._ray_order import CallOrder, ray_up
 from ._ray_placement import await_ready, check_feasible, requested
@@ -311,7 +311,7 @@ class RayClient(CallOrder):
             raise TypeError(f"{what}(): an argument cannot be serialized, nothing was "
                             f"sent: {exc}") from exc
         except Exception as exc:
-            if "serializ" in str(exc).lower() or "pickl" in str(exc).lower():
+            if pickling_failed(exc):  # (an argument's ``__reduce__`` raised, say)
                 raise TypeError(f"{what}(): an argument cannot be serialized, nothing "
                                 f"was sent: {exc}") from exc
             raise
@@ -507,8 +507,12 @@ class RayClient(CallOrder):
                 cls, args, kwargs, options.max_concurrency, get_client, meta)
         except TypeError as exc:
             raise TypeError(f"{what}(): an argument cannot be serialized: {exc}") from exc
-        except ValueError as exc:
-            if options.name is not None and "already" in str(exc):
+        except Exception as exc:
+            if pickling_failed(exc):  # (an argument's ``__reduce__`` raised, say)
+                raise TypeError(f"{what}(): an argument cannot be serialized: {exc}") \
+                    from exc
+            if isinstance(exc, ValueError) and options.name is not None and \
+                    "already" in str(exc):
                 raise ValueError(f"an actor named {options.name!r} already exists; "
                                  "names are unique while the actor lives") from exc
             raise

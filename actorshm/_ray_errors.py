@@ -22,12 +22,36 @@ from ._remote_errors import decode_exception
 from ._serialization import FILE_TYPES, THREAD_FUTURE, refuse_file, result_mistake
 
 __all__ = ["check_args", "check_result", "translate", "outcome", "unavailable_error",
-           "died"]
+           "died", "pickling_failed"]
 
 
 def died(exc: BaseException, what: str) -> ActorDiedError:
     text = str(exc).strip().splitlines()
     return ActorDiedError(f"{what}: the actor died ({text[0] if text else type(exc).__name__})")
+
+
+# Where Ray pickles a task's arguments (and the picklers it calls): an exception raised
+# below one of these came from an argument's own pickling (its ``__reduce__`` or
+# ``__getstate__`` raising whatever it likes), not from Ray.
+_PICKLING = frozenset({"ray._private.serialization", "ray.cloudpickle.cloudpickle",
+                       "cloudpickle.cloudpickle", "pickle", "copyreg"})
+
+
+def pickling_failed(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a Ray ``.remote()`` call, means an argument could not
+    be pickled: its words say so, or it was raised while Ray pickled the arguments.
+    (The local backend makes any such error a ``TypeError``; so must Ray's.)"""
+    if isinstance(exc, MemoryError):  # (out of memory is not the argument's fault)
+        return False
+    text = str(exc).lower()
+    if "serializ" in text or "pickl" in text:
+        return True
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") in _PICKLING:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 _UNCOMPUTED = "input arguments for this task could not be computed"

@@ -465,6 +465,34 @@ async def test_unserializable_argument_is_a_type_error_before_sending(art):
     assert await c.incr() == 1
 
 
+class RefusesPickling:
+    """Its pickling raises an error that is neither a TypeError nor says "pickle"."""
+
+    def __init__(self, error=RuntimeError):
+        self.error = error
+
+    def __reduce__(self):
+        raise self.error("not today")
+
+
+async def test_an_argument_whose_own_pickling_raises_is_a_type_error_before_sending(art):
+    # Whatever an argument's ``__reduce__`` raises, the call (and the spawn) raises
+    # TypeError at once, as the contract says, on Ray as locally.
+    c = await Counter.spawn()
+    for error in (RuntimeError, ValueError, KeyError):
+        with pytest.raises(TypeError, match="not today"):
+            c.echo(RefusesPickling(error))
+        with pytest.raises(TypeError, match="not today"):
+            c.echo(x=[RefusesPickling(error)])
+        with pytest.raises(TypeError, match="not today"):
+            await asyncio.wait_for(Counter.spawn(RefusesPickling(error)), 60)
+    s = await Streamer.spawn()
+    with pytest.raises(TypeError, match="not today"):
+        s.count(3, RefusesPickling())
+    assert await c.incr() == 1
+    assert await asyncio.wait_for(s.ping(), 30) == "pong"
+
+
 async def test_an_argument_that_cannot_be_rebuilt_in_the_actor_fails_that_call_only(art):
     # On Ray, the actor's calls from one caller run in the order made: a call that Ray
     # failed before it reached the actor's code must not keep the next one waiting.
