@@ -342,6 +342,11 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         Args:
             actor_id: the actor, as its handle names it.
         """
+        if self._open and threading.get_ident() != self._loop_thread:
+            # (another thread's event loop: the runtime's loop owns the record, and its
+            # exit event, which a wait on this loop would bind here)
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                self.kill(actor_id), self.loop))
         rec = self._actors.get(actor_id)
         if rec is None:
             return

@@ -1,6 +1,7 @@
 """Calls: spawning, ordering, concurrency, exceptions, what can be sent."""
 
 import asyncio
+import gc
 import os
 import threading
 import time
@@ -337,6 +338,45 @@ def test_spawning_from_another_threads_event_loop_works():
         await asyncio.get_running_loop().run_in_executor(None, t.join)
     actorshm.run(main())
     assert got == {"incr": 6}
+
+
+def test_killing_from_another_threads_event_loop_works():
+    got, errors = {}, []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, context: errors.append(context))
+        rt = actorshm.current_runtime()
+        idle = [await Counter.spawn(5) for _ in range(4)]
+        busy = await Faulty.spawn()
+        pending = busy.hang()
+
+        def thread():
+            async def inner():  # an event loop of this thread's own
+                for h in idle:
+                    await h.kill()
+                await asyncio.wait_for(busy.kill(), 5)
+            try:
+                asyncio.run(inner())
+            except BaseException as exc:
+                errors.append(exc)
+        t = threading.Thread(target=thread)
+        t.start()
+        await loop.run_in_executor(None, t.join)
+        for call in (idle[0].incr(1), pending):
+            with pytest.raises(actorshm.ActorDiedError, match="kill"):
+                await call
+        # The runtime's loop waits for each exit itself (its supervisor, its close): a
+        # kill that waited on the thread's loop had bound the exit event to that loop,
+        # and the runtime's own wait failed ("bound to a different event loop").
+        for h in (*idle, busy):
+            await asyncio.wait_for(rt.record(h._actor_id).exited.wait(), 5)
+        await asyncio.sleep(0.3)
+        gc.collect()
+        got["alive"] = [row["alive"] for row in rt.actors()]
+    actorshm.run(main())
+    assert got == {"alive": [False] * 5}
+    assert errors == []
 
 
 async def test_a_cancelled_spawn_says_so_in_the_actors_record(rt):
