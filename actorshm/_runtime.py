@@ -474,8 +474,16 @@ def run(main, **runtime_options: Any):
         # with options of its own takes it over while this one has no actors.
         if rt.backend == "ray":
             rt.opened_by_run = True
-        async with rt:
+        try:
+            await rt.start()
+        except BaseException:  # (Ray could not start, say): main will never run
+            if inspect.iscoroutine(main):
+                main.close()  # no "never awaited" warning on top of the error
+            raise
+        try:
             return await main
+        finally:
+            await rt.close()
 
     try:
         import uvloop

@@ -51,6 +51,22 @@ def test_run_with_a_bad_option_closes_the_coroutine():
     assert not _client._runtimes
 
 
+def test_run_whose_runtime_cannot_start_closes_the_coroutine(monkeypatch):
+    # (a Ray that cannot start, as with a ray.init option it refuses: run raises that)
+    async def refuse(self):
+        raise OSError("cannot start")
+
+    async def main():
+        return 1
+
+    monkeypatch.setattr(actorshm.Runtime, "start", refuse)
+    coro = main()
+    with pytest.raises(OSError, match="cannot start"):
+        actorshm.run(coro)
+    assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED  # no "never awaited"
+    assert not _client._runtimes
+
+
 def test_a_runtime_kept_open_across_cells():
     """Each cell a separate run on one loop, as a notebook kernel runs them."""
     loop = asyncio.new_event_loop()
