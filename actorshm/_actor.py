@@ -159,7 +159,10 @@ class _ClassBinder:
         self.what = what
 
     def __get__(self, obj: Any, cls: type):
-        opts = cls.__dict__.get("__actorshm_options__") or _options_of(cls)
+        opts = cls.__dict__.get("__actorshm_options__")
+        if opts is None:  # a subclass of an actor class, not decorated itself
+            _refuse_reserved(cls)
+            opts = _options_of(cls)
         spawner = _Spawner(cls, opts)
         return spawner.spawn if self.what == "spawn" else spawner.options
 
@@ -170,6 +173,16 @@ def _options_of(cls: type) -> ActorOptions:
         if o is not None:
             return o
     return ActorOptions()
+
+
+def _refuse_reserved(cls: type) -> None:
+    """Refuse a class that defines, or inherits, a name that handles reserve: its
+    handle's ``kill``, say, would end the actor rather than call the method."""
+    clash = sorted({n for k in cls.__mro__[:-1] for n in _RESERVED
+                    if n in k.__dict__ and not isinstance(k.__dict__[n], _ClassBinder)})
+    if clash:
+        raise TypeError(f"actor class {cls.__qualname__} defines {clash}, names that "
+                        "actorshm reserves for spawning and handles; rename them")
 
 
 def actor(cls: type | None = None, /, **options: Any):
@@ -206,10 +219,7 @@ def actor(cls: type | None = None, /, **options: Any):
     if not cls.__flags__ & _HEAPTYPE:
         raise TypeError(f"@actor decorates classes of your own; {cls.__qualname__} is "
                         "built in: subclass it (`class MyList(list): ...`) and decorate that")
-    clash = sorted(n for n in _RESERVED if n in cls.__dict__)
-    if clash:
-        raise TypeError(f"actor class {cls.__qualname__} defines {clash}, names that "
-                        "actorshm reserves for spawning and handles; rename them")
+    _refuse_reserved(cls)
     opts = ActorOptions().merged(**options)
     cls.__actorshm_options__ = opts
     cls.spawn = _ClassBinder("spawn")

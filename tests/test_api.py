@@ -40,6 +40,26 @@ def test_decorator_rejects_reserved_names_and_bad_options():
         class Bad:
             def kill(self):
                 pass
+    # a subclass of an actor class, not decorated itself, is held to the same names
+    # (spawned, its handle's kill() would have killed the actor instead of calling it)
+
+    @actorshm.actor
+    class Base:
+        pass
+
+    class Mixin:
+        pid = 3
+
+    for sub in (type("Sub", (Base,), {"kill": lambda self: None}),
+                type("Mixed", (Mixin, Base), {}), type("MixedLast", (Base, Mixin), {})):
+        with pytest.raises(TypeError, match=r"defines \['(kill|pid)'\].*rename"):
+            sub.spawn
+        with pytest.raises(TypeError, match="reserves"):
+            sub.options(name="x")
+    assert callable(type("Fine", (Base,), {"step": lambda self: 1}).spawn)
+    assert callable(actorshm.actor(type("Again", (Base,), {})).spawn)  # decorated too
+    with pytest.raises(TypeError, match="reserves"):  # a base of its own defines one
+        actorshm.actor(type("FromMixin", (Mixin,), {}))
     with pytest.raises(TypeError, match="unknown actor option"):
         actorshm.actor(max_concurency=2)(type("X", (), {}))
     with pytest.raises(ValueError, match="max_concurrency"):
