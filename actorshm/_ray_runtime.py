@@ -55,7 +55,8 @@ class RayRuntime(_events.EventSource, RayInspectable):
 
     Raises:
         TypeError: another option of the local backend only (``shutdown_grace``,
-            ``start_timeout``, ``gpus``), which has no meaning on Ray.
+            ``start_timeout``, ``gpus``), which has no meaning on Ray; an ``address``
+            that is not a str.
         ValueError: a ``start_method`` or ``shm_budget`` the local backend refuses.
     """
 
@@ -65,6 +66,10 @@ class RayRuntime(_events.EventSource, RayInspectable):
     def __init__(self, address: str | None = None, *, start_method: str = "spawn",
                  shm_budget: int | None = None, **ray_init_options: Any) -> None:
         check_start_options(start_method, shm_budget)  # (as the local backend does)
+        if address is not None and not isinstance(address, str):
+            raise TypeError(f"Runtime(backend='ray', address=...) takes a Ray cluster's "
+                            f"address as a str ('auto', 'ray://host:10001'), or None for "
+                            f"a local Ray; not {type(address).__name__}")
         local_only = sorted(set(ray_init_options) & _LOCAL_ONLY)
         if local_only:
             raise TypeError(f"{local_only}: options of the local backend; with "

@@ -115,6 +115,9 @@ def test_unknown_backend_and_local_only_options_on_ray_are_refused():
         actorshm.Runtime(backend="dask")
     with pytest.raises(TypeError, match="shutdown_grace"):
         actorshm.Runtime(backend="ray", shutdown_grace=1.0)
+    with pytest.raises(TypeError, match=r"address=\.\.\.\) takes a Ray cluster's address "
+                                        r"as a str.*not int"):
+        actorshm.Runtime(backend="ray", address=5)
     # the options API.md lists are checked as locally, then left to Ray
     for kw, err in (({"start_method": "fork"}, ValueError), ({"shm_budget": -1}, ValueError),
                     ({"shm_budget": "1G"}, TypeError)):
