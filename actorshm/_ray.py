@@ -381,7 +381,11 @@ class RayClient(CallOrder):
                          lambda _gen: self._stream_ended(actor_id, seq))
 
     def _stream_ended(self, actor_id: RayActorId, seq: int):
-        """An awaitable done once stream ``seq`` closed its generator in the actor."""
+        """An awaitable done once stream ``seq`` closed its generator in the actor; None
+        when there is nothing to ask: Ray is down (a call now would start a new local
+        Ray, Ray's auto-init) or the actor was killed (its generator went with it)."""
+        if not ray_up() or actor_id.key in self._dead:
+            return None
         return actor_id.handle.stream_ended.remote(self._caller, seq)
 
     async def _stream_when_ready(self, deps, actor_id, remote, method, args, kwargs, what,

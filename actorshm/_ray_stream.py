@@ -32,7 +32,9 @@ class RayStream(Stream):
         self._translate = translate
         self._outcome = outcome
         self._cancel = cancel
-        self._ended = ended  # ``ended(gen)``: awaitable, done once the actor closed it
+        # ``ended(gen)``: an awaitable done once the actor closed it, or None (Ray is
+        # down, the actor killed: nothing to wait for)
+        self._ended = ended
         self._done = False
         self._busy = False  # an ``__anext__`` is waiting (one consumer at a time)
 
@@ -102,7 +104,9 @@ class RayStream(Stream):
             # stream cancelled at a ``yield`` before its ``finally`` blocks have run.
             for end in (gen.completed, lambda: self._ended(gen)):
                 try:
-                    await self._wait(end())
+                    awaitable = end()  # (None: nothing to wait for, see ``_ended``)
+                    if awaitable is not None:
+                        await self._wait(awaitable)
                 except Exception:  # it ended anyway: the actor died, or the runtime closed
                     pass
 

@@ -1685,6 +1685,38 @@ def test_a_stream_read_after_its_runtime_closed_ray_says_the_actor_died(tmp_path
     assert "the driver goes on" in out
 
 
+ACLOSE_AFTER_CLOSE_SCRIPT = textwrap.dedent("""
+    import asyncio, os, sys
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    sys.path.insert(0, {tests!r})
+    import ray
+    import actorshm
+    from ray_actors import Streamer
+
+    async def main():
+        rt = await actorshm.Runtime(backend="ray", num_cpus=2, include_dashboard=False,
+                                    log_to_driver=False).start()
+        s = await Streamer.spawn()
+        it = s.count(100).__aiter__()
+        print("first", await it.__anext__())
+        await rt.close()  # shuts its Ray down
+        await asyncio.wait_for(it.aclose(), 30)
+        print("ray up after aclose:", ray.is_initialized())
+
+    asyncio.run(main())
+    print("the driver goes on")
+""")
+
+
+def test_aclose_of_a_stream_after_its_runtime_closed_starts_no_ray(tmp_path):
+    # Before: aclose() asked the actor whether the generator had ended, a Ray call made
+    # after the runtime shut its Ray down: Ray's auto-init started a new local Ray.
+    out = _run_script(tmp_path, "aclose_after_close.py", ACLOSE_AFTER_CLOSE_SCRIPT)
+    assert "first 0" in out, out
+    assert "ray up after aclose: False" in out, out
+    assert "the driver goes on" in out
+
+
 async def test_a_spawn_that_ends_after_its_runtime_closed_leaves_no_actor(ray_session):
     rt = await actorshm.Runtime(backend="ray").start()  # on the module's Ray: it stays up
     await Counter.options(num_cpus=2).spawn()  # every CPU: the next spawn waits for it
