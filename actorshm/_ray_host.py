@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextvars
+import copyreg
 import inspect
 import os
 import pickle
 import threading
 import time
+import types
 from typing import Any
 
 from . import _client, _introspect, _shm
@@ -95,14 +97,27 @@ def freeze_arrays(obj: Any, depth: int = 0) -> None:
     elif isinstance(obj, dict):
         for x in obj.values():
             freeze_arrays(x, depth + 1)
-    else:
-        t = type(obj)  # a plain object, which pickling carries as its __dict__
-        if t.__reduce_ex__ is object.__reduce_ex__ and t.__reduce__ is object.__reduce__ \
-                and not isinstance(obj, type):
-            state = getattr(obj, "__dict__", None)
-            if type(state) is dict:
-                for x in state.values():
-                    freeze_arrays(x, depth + 1)
+    elif _plain(type(obj)):  # pickling carries it as its __dict__, which is a copy
+        state = getattr(obj, "__dict__", None)
+        if type(state) is dict:
+            for x in state.values():
+                freeze_arrays(x, depth + 1)
+
+
+_DEFAULT_GETSTATE = getattr(object, "__getstate__", None)  # (Python 3.11 on)
+
+
+def _plain(t: type) -> bool:
+    """Whether instances of ``t`` are pickled as their ``__dict__`` and rebuilt from a
+    copy of it: not an object with its own pickling (``__reduce__``, ``__getstate__``,
+    ``__setstate__``, a ``copyreg`` entry), whose rebuilt attributes may be the
+    receiver's own (a table of its module), nor a function or class (pickled by name:
+    the receiver's own object, attributes and all)."""
+    return (t.__reduce_ex__ is object.__reduce_ex__ and t.__reduce__ is object.__reduce__
+            and getattr(t, "__getstate__", None) is _DEFAULT_GETSTATE
+            and getattr(t, "__setstate__", None) is None
+            and t not in copyreg.dispatch_table
+            and not issubclass(t, (type, types.FunctionType)))
 
 
 class _Turns:

@@ -1359,6 +1359,40 @@ async def test_arrays_inside_an_object_arrive_read_only_on_ray(art, backend):
         "nested": {"strided": False}}
 
 
+_TABLE = np.arange(4.0)  # a module's own array, in the actor as here
+
+
+class _OwnPickling:
+    """Pickled its own way: rebuilt over the receiver's own table, not a copy."""
+
+    def __init__(self):
+        self.table, self.w = _TABLE, np.zeros(2)
+
+    def __getstate__(self):
+        return {"w": self.w}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.table = _TABLE
+
+
+def _tagged():
+    pass
+
+
+def test_freezing_received_arrays_leaves_the_receivers_own_alone():
+    # What the actor gets for an object with its own pickling, or for a function (sent
+    # by name), may hold arrays of its own (a module's table): they must stay writable.
+    from actorshm._ray_host import freeze_arrays
+    _tagged.cache = np.zeros(3)
+    received = pickle.loads(pickle.dumps(_OwnPickling()))
+    freeze_arrays([received, _tagged, Batch(x=np.zeros(2))])
+    assert _TABLE.flags.writeable and _tagged.cache.flags.writeable
+    frozen = Batch(x=np.zeros(2), inner=Batch(y=np.zeros(2)))  # plain objects: read-only
+    freeze_arrays((frozen,))
+    assert not frozen.x.flags.writeable and not frozen.inner.y.flags.writeable
+
+
 async def test_a_tensor_in_an_autograd_graph_is_refused_before_sending(art, backend):
     # Ray's own pickling would send it as a new leaf, silently cut from its graph.
     torch = pytest.importorskip("torch")
