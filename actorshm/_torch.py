@@ -158,15 +158,15 @@ def _reduce_tensor(enc, t: torch.Tensor):
     out = _reduce_bare(enc, t)
     if t.__dict__ and out is not NotImplemented and out[0] is not _rebuild_sparse:
         # Attributes set on it (``p.no_decay = True``) go along, as torch's pickling
-        # (and so the Ray backend) keeps them. (A sparse tensor's are in its own.)
-        return _with_attributes, (*out, dict(t.__dict__))
+        # (and so the Ray backend) keeps them. (A sparse tensor's are in its own.) As
+        # the pickle's state, set once the tensor is rebuilt: an attribute may refer to
+        # the tensor itself (as arguments of its rebuild, it recursed without end).
+        return (*out, dict(t.__dict__), None, None, _set_attributes)
     return out
 
 
-def _with_attributes(rebuild, args: tuple, state: dict):
-    t = rebuild(*args)
+def _set_attributes(t: torch.Tensor, state: dict) -> None:
     t.__dict__.update(state)
-    return t
 
 
 def _reduce_bare(enc, t: torch.Tensor):

@@ -379,6 +379,17 @@ async def test_attributes_set_on_a_tensor_travel_with_it(rt):
     assert shared.tolist() == [5.0] * 4
 
 
+async def test_an_attribute_may_refer_to_its_tensor(rt):
+    # Sent as arguments of the tensor's rebuild, such attributes recursed without end
+    # ("excessively deep recursion", a TypeError), where before they were dropped.
+    w = await TorchWorker.spawn()
+    for t in (at.zeros(4), torch.ones(1 << 16), torch.nn.Parameter(at.zeros(3))):
+        t.me, t.pair = t, (t, 1)
+        got = await w.echo(t)
+        assert got.me is got and got.pair[0] is got and torch.equal(got, t)
+        assert type(got) is type(t)
+
+
 async def test_share_module_hogwild_updates_the_shared_weights(rt):
     torch.manual_seed(0)
     model = at.share_module(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(),
