@@ -482,6 +482,8 @@ class ForkServerClient:
         if kind == "forked":
             fut = self._fs_waiting.popleft()
             pidfd = fds[0] if fds else -1  # (the child's, opened by the server)
+            if pidfd >= 0:  # received without close-on-exec, unlike pidfd_open's own:
+                os.set_inheritable(pidfd, False)  # a program this process runs gets none
             if not fut.done():
                 fut.set_result((pid, pidfd))
             elif pidfd >= 0:  # pragma: no cover - (failed futures leave the queue)

@@ -69,6 +69,15 @@ async def test_forkserver_start_method(capfd):
             os.kill(pid, 0)
 
 
+async def test_a_program_the_driver_runs_inherits_no_actor_pidfd(rt_each):
+    # A forked actor's pidfd comes from its fork server (SCM_RIGHTS), which gives it
+    # without close-on-exec: an os.system() or close_fds=False child kept them all.
+    await asyncio.gather(Counter.spawn(), Counter.spawn())
+    fds = subprocess.run(["sh", "-c", "for f in /proc/$$/fd/*; do readlink $f; done"],
+                         close_fds=False, capture_output=True, text=True).stdout
+    assert "pidfd" not in fds, fds
+
+
 async def test_num_gpus_gives_each_actor_its_own_gpu():
     # The runtime's GPU bookkeeping needs no GPU: it hands out CUDA_VISIBLE_DEVICES entries.
     async with actorshm.Runtime(gpus=[0, "GPU-5d2c"], shutdown_grace=1.0):
