@@ -452,16 +452,18 @@ class _ResultsLoop:
     it closes them at the event loop's next turn, unless they are iterated again before
     then (``first = await anext(aiter(m))``, then ``async for r in m``)."""
 
-    __slots__ = ("results", "ended")
+    __slots__ = ("results", "ended", "loop")
 
     def __init__(self, results: _Results) -> None:
         self.results = results
         self.ended = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # the one it is iterated on
 
     def __aiter__(self) -> "_ResultsLoop":
         return self
 
     async def __anext__(self) -> Any:
+        self.loop = asyncio.get_running_loop()
         try:
             return await self.results.__anext__()
         except BaseException:  # the end, an error or a cancel: the generator ended
@@ -473,16 +475,18 @@ class _ResultsLoop:
         await self.results.aclose()
 
     def __del__(self) -> None:
-        if self.ended:
+        if self.ended or self.loop is None:  # (never iterated: nothing runs)
             return
         results, polls = self.results, self.results._polls
 
         def leave() -> None:
             if results._polls == polls:
                 results._left()
+        # On the loop it was iterated on, whichever thread drops it (a garbage collection
+        # may run in another, with an event loop of its own): the work is that loop's.
         try:
-            asyncio.get_running_loop().call_soon(leave)
-        except RuntimeError:  # dropped outside the loop's thread (a garbage collection)
+            self.loop.call_soon_threadsafe(leave)
+        except RuntimeError:  # that loop is closed: its work went with it
             pass
 
 

@@ -1,6 +1,7 @@
 """ActorPool: load balancing with one call per actor in flight, ordering, deaths, members."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -210,6 +211,29 @@ async def test_leaving_a_kept_map_early_cancels_the_work_in_flight(rt, method):
     assert [r async for r in results] == []  # ended: a later loop gets nothing
     out = await asyncio.wait_for(asyncio.gather(*(pool.submit(work, v) for v in range(2))), 10)
     assert sorted(v for _, v in out) == [0, 1]
+
+
+async def test_a_map_loop_dropped_in_another_threads_loop_ends_on_its_own_loop(rt):
+    # A garbage collection may drop a loop over the results in any thread: their work
+    # is this loop's, and it is cancelled here (debug mode refuses any other thread).
+    asyncio.get_running_loop().set_debug(True)
+    pool = ActorPool(await workers(2))
+    results = pool.map(lambda a, v: a.work(v, 0.0 if v == 0 else 30.0), range(4))
+    kept = [results.__aiter__()]
+    assert (await kept[0].__anext__())[1] == 0  # items 1 to 3 sleep or wait: in flight
+
+    async def drop():
+        kept.clear()  # (the last reference: dropped here, on this thread's loop)
+    t = threading.Thread(target=asyncio.run, args=(drop(),))
+    t.start()
+    while t.is_alive():
+        await asyncio.sleep(0.01)
+    for _ in range(100):
+        if len(pool._idle) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert len(pool._idle) == 2 and not pool._queue
+    assert [r async for r in results] == []
 
 
 async def test_cancelling_a_submit_frees_its_actor(rt):
