@@ -466,8 +466,10 @@ class Inspectable:
                        "its faulthandler dump follows on stderr")
                 if rec.probe is None or not rec.probe.ready:
                     why = f"no answer within {timeout} s (still starting?)"
-                else:  # (not to one that died meanwhile: its number may be another's)
-                    rec.send_signal(STACK_SIGNAL)
+                elif threading.get_ident() == self._loop_thread:
+                    rec.send_signal(STACK_SIGNAL)  # (nothing, if it died meanwhile)
+                else:  # (the loop's thread owns its pidfd, which closes when it dies)
+                    self.loop.call_soon_threadsafe(rec.send_signal, STACK_SIGNAL)
             parts.append(f"({rec.cls_name} pid={rec.pid}) {rec.label}: {why}\n")
         text = "".join(parts)
         print(text, end="", file=file if file is not None else sys.stderr, flush=True)

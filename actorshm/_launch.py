@@ -201,8 +201,8 @@ class ActorRecord:
         if self.pidfd >= 0:
             try:
                 signal.pidfd_send_signal(self.pidfd, 0)  # (a zombie still answers)
-            except ProcessLookupError:  # reaped by its fork server: not ours to name
-                return
+            except OSError:  # reaped by its fork server: not ours to name (or the fd
+                return       # was closed meanwhile, its exit seen: a finalizer's race)
             _descendants.kill_now(self.pid)
         elif self.alive and self.no_pidfd and self.pid in _live_pids:  # pragma: no cover
             _descendants.kill_now(self.pid)
