@@ -156,10 +156,9 @@ def finish(t: torch.Tensor, parameter: bool, requires_grad: bool, bits: int = 0)
 
 def _reduce_tensor(enc, t: torch.Tensor):
     out = _reduce_bare(enc, t)
-    if t.__dict__ and out is not NotImplemented and out[0] is not _rebuild_sparse:
+    if t.__dict__ and out is not NotImplemented:
         # Attributes set on it (``p.no_decay = True``) go along, as torch's pickling
-        # (and so the Ray backend) keeps them. (A sparse tensor's are in its own.) As
-        # the pickle's state, set once the tensor is rebuilt: an attribute may refer to
+        # (and so the Ray backend) keeps them. As the pickle's state, set once the tensor is rebuilt: an attribute may refer to
         # the tensor itself (as arguments of its rebuild, it recursed without end).
         return (*out, dict(t.__dict__), None, None, _set_attributes)
     return out
@@ -178,7 +177,7 @@ def _reduce_bare(enc, t: torch.Tensor):
     if t.layout is not torch.strided or t.is_quantized or t.is_nested:
         if t.layout in SPARSE:
             return _rebuild_sparse, (t.layout, sparse_parts(t.detach()), kind is _Parameter,
-                                     t.requires_grad, getattr(t, "__dict__", None) or None)
+                                     t.requires_grad)
         return NotImplemented  # torch pickles it, by value
     if not t.is_cpu:
         reducer = _cuda_path() if t.is_cuda else None
@@ -282,14 +281,12 @@ def sparse_parts(t: torch.Tensor) -> tuple:
     return t.ccol_indices(), t.row_indices(), t.values(), size
 
 
-def _rebuild_sparse(layout, parts: tuple, parameter: bool, requires_grad: bool, state):
+def _rebuild_sparse(layout, parts: tuple, parameter: bool, requires_grad: bool):
     """A sparse tensor over the parts ``sparse_parts`` sent. (Not torch's own
     unpickling: that queues each sparse tensor for ``torch.load`` to check, and outside
     ``torch.load`` nothing empties the queue, so every tensor received would stay alive,
     its shared memory leased.) The sender's invariants held; they are not checked again."""
     t = sparse_over(layout, parts)
-    if state:
-        t.__dict__.update(state)
     return finish(t, parameter, requires_grad)
 
 

@@ -383,11 +383,12 @@ async def test_an_attribute_may_refer_to_its_tensor(rt):
     # Sent as arguments of the tensor's rebuild, such attributes recursed without end
     # ("excessively deep recursion", a TypeError), where before they were dropped.
     w = await TorchWorker.spawn()
-    for t in (at.zeros(4), torch.ones(1 << 16), torch.nn.Parameter(at.zeros(3))):
+    for t in (at.zeros(4), torch.ones(1 << 16), torch.nn.Parameter(at.zeros(3)),
+              torch.eye(3).to_sparse()):
         t.me, t.pair = t, (t, 1)
         got = await w.echo(t)
-        assert got.me is got and got.pair[0] is got and torch.equal(got, t)
-        assert type(got) is type(t)
+        assert got.me is got and got.pair[0] is got and type(got) is type(t)
+        assert torch.equal(got.to_dense(), t.to_dense())
 
 
 async def test_share_module_hogwild_updates_the_shared_weights(rt):
