@@ -61,17 +61,16 @@ def start_watchdog() -> None:
         os.setsid()
     except OSError:  # pragma: no cover - already a group leader
         pass
-    group = os.getpid()
-    if os.getpgid(0) != group:  # pragma: no cover - it leads no group of its own
-        os.environ.pop("ACTORSHM_DRIVER_PID", None)
-        os.environ.pop("ACTORSHM_PARENT_PID", None)
-        return  # (the group it is in is another's: never signal that)
     try:
         driver = os.pidfd_open(int(os.environ.pop("ACTORSHM_DRIVER_PID")))
     except OSError:  # the driver is gone
         os._exit(1)
     if os.getppid() != int(os.environ.pop("ACTORSHM_PARENT_PID")):
         os._exit(1)  # its parent died before the pidfd was open: the pid may be another's
+    group = os.getpid()
+    if os.getpgid(0) != group:  # pragma: no cover - it leads no group of its own
+        os.close(driver)
+        return  # (the group it is in is another's: never signal that)
     actor = os.pidfd_open(os.getpid())
     # Forked twice, so that it is not the actor's child: code in the actor that waits
     # for or kills all its children (``os.wait()``, a library's clean-up) never meets it.
