@@ -130,8 +130,9 @@ class RayStream(Stream):
         self._done = True
 
     def __await__(self):
-        raise TypeError(f"{self.what}() is a streaming method: iterate it with "
-                        "`async for item in handle.method(...)` instead of awaiting it")
+        raise TypeError(f"{self.what}() is a streaming method: iterate it with `async for "
+                        f"item in handle.{self.what.rpartition('.')[2]}(...)`, or collect "
+                        "its items with `[x async for x in ...]`")
 
     def _left(self) -> None:
         """A loop over it was left before the end (``StreamLoop``), or it was dropped."""

@@ -1144,6 +1144,15 @@ async def test_actor_group(art):
     assert isinstance(info.value.exceptions[0], actorshm.ActorDiedError)
 
 
+async def test_awaiting_a_stream_names_its_method_in_the_advice(art):
+    """The TypeError for `await h.count(3)` says how to iterate that method, by name, on
+    both backends (Ray's said `handle.method(...)`)."""
+    s = await Streamer.spawn()
+    with pytest.raises(TypeError, match=r"async for item in handle\.count\(\.\.\.\)"):
+        await s.count(3)
+    assert [x async for x in s.count(2)] == [0, 1]
+
+
 async def test_a_group_call_of_a_streaming_method_is_refused(art):
     g = await actorshm.ActorGroup.spawn(Streamer, 2)
     with pytest.raises(TypeError, match="streaming method.*nothing was sent"):
