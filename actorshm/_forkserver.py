@@ -26,9 +26,14 @@ import sys
 _LEN = struct.Struct("<I")
 
 
-def send_msg(sock: socket.socket, obj, fds=()) -> None:
+def encode_msg(obj) -> bytes:
     data = pickle.dumps(obj, protocol=5)
-    msg = _LEN.pack(len(data)) + data
+    return _LEN.pack(len(data)) + data
+
+
+def send_msg(sock: socket.socket, obj, fds=()) -> None:
+    """Send one message on a blocking socket (the server's end)."""
+    msg = encode_msg(obj)
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     sent = sock.sendmsg([msg], anc)
     if sent < len(msg):

@@ -10,6 +10,7 @@ line prefixed with the actor. ``GpuSlots`` hands out the GPUs ``num_gpus`` actor
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import json
@@ -394,6 +395,8 @@ class ForkServerClient:
         self.start_timeout = start_timeout
         self._fs = None  # (Popen, socket) of the fork server, once started
         self._fs_waiting: collections.deque = collections.deque()
+        self._fs_out: collections.deque = collections.deque()  # [bytes, fds] unwritten
+        self._fs_writing = False  # (a writer callback waits for room on the socket)
         self._fs_exit: dict[int, int] = {}
         self._fs_exit_events: dict[int, asyncio.Event] = {}
 
@@ -432,13 +435,17 @@ class ForkServerClient:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         fut = self.loop.create_future()
-        self._fs_waiting.append(fut)
         try:
-            _forkserver.send_msg(self._fs[1], ("fork", env, os.getcwd(), None),
-                                 [child.fileno(), out_w, err_w])
+            self._send(_forkserver.encode_msg(("fork", env, os.getcwd(), None)),
+                       [child.fileno(), out_w, err_w])
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
         finally:
             os.close(out_w)
             os.close(err_w)
+        self._fs_waiting.append(fut)  # (in the order of the requests, as the reports)
         try:
             pid, pidfd = await asyncio.wait_for(asyncio.shield(fut), self.start_timeout)
         except BaseException as exc:  # cancelled, or timed out: nobody will take the child
@@ -452,12 +459,60 @@ class ForkServerClient:
             raise
         return pid, pidfd, (open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0))
 
+    def _send(self, data: bytes, fds: list[int]) -> None:
+        """Queue a request for the server, with copies of ``fds``, and write what the
+        socket takes. The loop made the socket non-blocking: requests of many spawns at
+        once (each carries the actor's environment) fill it, and the rest is written as
+        the server reads, in order, whole (a cancelled spawn cannot cut one short)."""
+        dups = [os.dup(fd) for fd in fds]
+        self._fs_out.append([data, dups])
+        if len(self._fs_out) == 1:
+            self._flush()
+
+    def _flush(self) -> None:
+        sock = self._fs[1]
+        while self._fs_out:
+            data, fds = self._fs_out[0]
+            anc = ([(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                   if fds else [])
+            try:
+                sent = sock.sendmsg([data], anc)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # the server is gone: its report of EOF fails the spawns
+                sent = len(data)
+            for fd in fds:  # (they went with the first byte)
+                os.close(fd)
+            self._fs_out[0] = [data[sent:], []]
+            if sent >= len(data):
+                self._fs_out.popleft()
+        if self._fs_out and not self._fs_writing:
+            self.loop.add_writer(sock.fileno(), self._flush)
+            self._fs_writing = True
+        elif not self._fs_out and self._fs_writing:
+            self.loop.remove_writer(sock.fileno())
+            self._fs_writing = False
+
+    def _drop_queue(self, sock: socket.socket) -> None:
+        """The server is gone or stopped: requests not yet written never will be."""
+        if self._fs_writing:
+            try:
+                self.loop.remove_writer(sock.fileno())
+            except Exception:
+                pass
+            self._fs_writing = False
+        for _, fds in self._fs_out:
+            for fd in fds:
+                os.close(fd)
+        self._fs_out.clear()
+
     def _server_gone(self) -> None:
         """The fork server died: fail the forks waiting for it; the next fork starts a
         new one. (Its actors live on: they watch the driver, not their parent.)"""
         popen, sock = self._fs
         self._fs = None
         self.loop.remove_reader(sock.fileno())
+        self._drop_queue(sock)
         sock.close()
         if popen.poll() is None:
             popen.kill()
@@ -513,6 +568,7 @@ class ForkServerClient:
                 self.loop.remove_reader(sock.fileno())
             except Exception:
                 pass
+            self._drop_queue(sock)
             sock.close()
             # Spawns waiting for the server fail now, not at their start timeout.
             for fut in self._fs_waiting:

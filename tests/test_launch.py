@@ -44,6 +44,17 @@ async def test_a_spawn_under_way_when_the_runtime_closes_raises(delay):
         await asyncio.wait_for(spawn, 10)
 
 
+async def test_fork_requests_bigger_than_the_fork_servers_socket_are_written_whole():
+    # (each request carries the actor's environment: spawns whose requests filled the
+    # socket failed with BlockingIOError, and a stale reply slot misrouted later forks)
+    big = "x" * 600_000
+    async with actorshm.Runtime(start_method="forkserver", shutdown_grace=0.5):
+        cs = await asyncio.gather(*(Counter.options(env={"BIG": big}).spawn(i)
+                                    for i in range(3)))
+        assert [await c.incr() for c in cs] == [1, 2, 3]
+        assert len({c.pid for c in cs}) == 3
+
+
 async def test_forkserver_start_method(capfd):
     async with actorshm.Runtime(start_method="forkserver", shutdown_grace=0.5):
         cs = await asyncio.gather(*(Counter.spawn(i) for i in range(4)))
