@@ -8,6 +8,9 @@ cork of the framed socket, and hands each whole frame to ``_frame``.
 from __future__ import annotations
 
 import array
+import errno
+import os
+import resource
 import socket
 
 from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, LAST_KIND, MARK, MAX_FDS_PER_FRAME,
@@ -16,6 +19,22 @@ from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, LAST_KIND, MARK, MAX_FDS_PER_
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)
 _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))  # received fds never leak to exec
 _unpack_header = HEADER.unpack_from
+
+
+def _fd_shortage() -> str:
+    """Why the kernel cut a read's fds short, where this process is out of fds (the
+    usual cause: it could not install them)."""
+    try:
+        os.close(os.dup(2))
+        return ""
+    except OSError as exc:
+        if exc.errno != errno.EMFILE:
+            return ""
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return (f": this process is out of file descriptors (its limit, ulimit -n, is "
+            f"{limit}), so the shared-memory arenas sent to it could not be opened. Each "
+            "arena this process owns or maps from a peer holds one fd: drop arrays you "
+            "no longer need, use fewer larger arrays, or raise the limit")
 
 
 class FrameReader:
@@ -79,7 +98,7 @@ class FrameReader:
                 fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
                 self._fds.extend(fds)
         if flags & _MSG_CTRUNC:
-            self._protocol_error("file descriptors were truncated")
+            self._protocol_error("file descriptors were truncated" + _fd_shortage())
             return False
         if not nread:
             self._broken()

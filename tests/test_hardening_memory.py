@@ -75,6 +75,37 @@ def test_fd_exhaustion_is_a_clear_error_and_idle_arenas_let_fds_go():
     assert "CLEAR" in out.stdout and "OPENED 20" in out.stdout
 
 
+def test_arenas_a_process_has_no_fd_left_for_are_named_as_the_cause():
+    # (the connection closed with "file descriptors were truncated", a protocol error
+    # that did not say the process was out of fds, nor what to do)
+    code = textwrap.dedent("""
+        import asyncio, os, resource
+        import actorshm
+        from actors import Arrays
+        async def main():
+            async with actorshm.Runtime():
+                p = await Arrays.spawn()
+                n = len(os.listdir("/proc/self/fd"))
+                hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+                resource.setrlimit(resource.RLIMIT_NOFILE, (n + 8, hard))
+                kept = []
+                try:
+                    for _ in range(30):  # (a block of 4 MiB is an arena, one fd, of its own)
+                        kept.append(await p.make(4 << 20, 1, "uint8"))
+                except actorshm.ActorDiedError as exc:
+                    assert "out of file descriptors" in str(exc), exc
+                    assert "ulimit -n" in str(exc), exc
+                    print("CLEAR", len(kept))
+        actorshm.run(main())
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "CLEAR" in out.stdout, out.stdout + out.stderr
+
+
 async def test_dead_actor_records_let_go_of_spawn_arguments(rt):
     import weakref
     from actors import Counter, Phoenix
