@@ -114,7 +114,13 @@ def main() -> None:
             (kind, env, cwd, argv), fds = msg
             # (Actors may outlive this server: they watch the driver, named in env.)
             env = dict(env, ACTORSHM_PARENT_PID=str(os.getpid()))
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError as exc:  # (a process limit): that spawn fails, the server lives
+                for fd in fds:
+                    os.close(fd)
+                _report(sock, ("fork_failed", 0, exc.errno))
+                continue
             if pid == 0:
                 _actor_process.forked_child_main(sock, rfd, wfd, env, cwd, fds)
             for fd in fds:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import errno
 import json
 import os
 import signal
@@ -284,6 +285,18 @@ def actor_env(rec: ActorRecord) -> dict:
     return env
 
 
+def fork_failed(exc: OSError) -> OSError:
+    """The error of a spawn whose process could not be made, saying why where it is a
+    limit on processes (fork's EAGAIN) or on memory."""
+    if exc.errno not in (errno.EAGAIN, errno.ENOMEM):
+        return exc
+    why = ("the limit on processes is reached (ulimit -u for this user, or a "
+           "container's pids.max): end processes you no longer need, or raise the limit"
+           if exc.errno == errno.EAGAIN else "the system is out of memory")
+    return type(exc)(exc.errno, f"cannot start the actor's process: fork failed "
+                                f"({exc.strerror}): {why}")
+
+
 async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
                         child: socket.socket, env: dict,
                         forkserver: "ForkServerClient | None", on_exit) -> None:
@@ -314,6 +327,8 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                 cwd=os.getcwd())
+        except OSError as exc:
+            raise fork_failed(exc) from None
         finally:
             child.close()
         rec.pid = rec.popen.pid
@@ -534,7 +549,11 @@ class ForkServerClient:
             self._server_gone()
             return
         (kind, pid, code), fds = msg
-        if kind == "forked":
+        if kind == "fork_failed":
+            fut = self._fs_waiting.popleft()
+            if not fut.done():
+                fut.set_exception(fork_failed(OSError(code, os.strerror(code))))
+        elif kind == "forked":
             fut = self._fs_waiting.popleft()
             pidfd = fds[0] if fds else -1  # (the child's, opened by the server)
             if pidfd >= 0:  # received without close-on-exec, unlike pidfd_open's own:

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -53,6 +54,40 @@ async def test_fork_requests_bigger_than_the_fork_servers_socket_are_written_who
                                     for i in range(3)))
         assert [await c.incr() for c in cs] == [1, 2, 3]
         assert len({c.pid for c in cs}) == 3
+
+
+async def test_a_fork_that_fails_fails_its_spawn_saying_why_and_the_server_lives_on():
+    # (a fork refused for a process limit ended the fork server: every spawn waiting
+    # on it failed with "the actorshm fork server died", naming no cause)
+    from actorshm._launch import ForkServerClient
+    loop = asyncio.get_running_loop()
+    client = ForkServerClient(loop, 10)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    code = textwrap.dedent("""
+        import errno, os
+        def refuse():
+            raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+        os.fork = refuse
+        import actorshm._forkserver as m
+        m.main()
+    """)
+    root = os.path.dirname(os.path.dirname(actorshm.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    popen = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno())],
+                             pass_fds=(theirs.fileno(),), env=env)
+    theirs.close()
+    client._fs = (popen, ours)
+    loop.add_reader(ours.fileno(), client._on_forkserver)
+    try:
+        for _ in range(2):
+            child, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            with pytest.raises(OSError, match="limit on processes"):
+                await client.fork(child, {"ACTORSHM_SYS_PATH": root})
+            child.close()
+            peer.close()
+        assert popen.poll() is None
+    finally:
+        client.stop()
 
 
 async def test_forkserver_start_method(capfd):
