@@ -74,7 +74,14 @@ def start_watchdog() -> None:
     actor = os.pidfd_open(os.getpid())
     # Forked twice, so that it is not the actor's child: code in the actor that waits
     # for or kills all its children (``os.wait()``, a library's clean-up) never meets it.
-    middle = os.fork()
+    try:
+        middle = os.fork()
+    except OSError as exc:  # (a limit on processes): say so, as a spawn's fork would
+        os.write(2, f"actorshm: cannot start the actor's watchdog process: fork failed "
+                    f"({exc.strerror}): the limit on processes may be reached (ulimit -u, "
+                    f"or a container's pids.max): end processes you no longer need, or "
+                    f"raise the limit\n".encode())
+        os._exit(1)
     if middle == 0:
         try:
             if os.fork() == 0:
