@@ -214,10 +214,16 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             raise TypeError(f"cannot send the arguments of {what or method}(): {exc}") \
                 from exc
         except Exception as exc:
-            raise TypeError(
-                f"cannot send the arguments of {what or method}(): {exc}. Arguments must be "
-                "picklable (cloudpickle); pass data, not open files, locks or sockets."
-            ) from exc
+            if isinstance(exc.__cause__ or exc.__context__, RecursionError) or \
+                    isinstance(exc, RecursionError):
+                hint = ("They are nested too deeply to pickle (Python's recursion limit, "
+                        "sys.getrecursionlimit()): flatten them (a list of rows, a numpy "
+                        "array), or raise the limit with sys.setrecursionlimit.")
+            else:
+                hint = ("Arguments must be picklable (cloudpickle); pass data, not open "
+                        "files, locks or sockets.")
+            raise TypeError(f"cannot send the arguments of {what or method}(): "
+                            f"{str(exc).rstrip('.')}. {hint}") from exc
         cid = self._next_id
         self._next_id = cid + 1
         self.ledger.commit(enc, self)

@@ -40,6 +40,18 @@ async def test_the_frame_limit_error_gives_no_unrelated_advice(rt, monkeypatch):
     assert await c.incr() == 1
 
 
+async def test_arguments_nested_too_deeply_say_so_and_how_to_fix_it(rt):
+    c = await Counter.spawn()
+    deep = inner = []
+    for _ in range(5000):
+        inner.append([])
+        inner = inner[0]
+    with pytest.raises(TypeError, match=r"nested too deeply.*setrecursionlimit") as info:
+        c.echo(deep)
+    assert "open files" not in str(info.value) and ".." not in str(info.value)
+    assert await c.incr() == 1  # nothing was sent; the actor carries on
+
+
 @pytest.mark.parametrize("mode", ["r", "rb", "w", "r+b"])
 async def test_an_open_file_argument_is_refused_with_what_to_pass(rt, tmp_path, mode):
     path = tmp_path / "data.txt"
