@@ -412,6 +412,7 @@ class ForkServerClient:
         self._fs_waiting: collections.deque = collections.deque()
         self._fs_out: collections.deque = collections.deque()  # [bytes, fds] unwritten
         self._fs_writing = False  # (a writer callback waits for room on the socket)
+        self._fs_broken: OSError | None = None  # why a request could not be written
         self._fs_exit: dict[int, int] = {}
         self._fs_exit_events: dict[int, asyncio.Event] = {}
 
@@ -494,7 +495,14 @@ class ForkServerClient:
                 sent = sock.sendmsg([data], anc)
             except (BlockingIOError, InterruptedError):
                 break
-            except OSError:  # the server is gone: its report of EOF fails the spawns
+            except OSError as exc:
+                # The server is gone, or this request is lost (ENOBUFS, say): no report
+                # will come for it, so later reports would go to the wrong spawns. End
+                # the server: its EOF fails the spawns waiting on it, and the next fork
+                # starts a new one.
+                self._fs_broken = exc
+                if self._fs[0].poll() is None:
+                    self._fs[0].kill()
                 sent = len(data)
             for fd in fds:  # (they went with the first byte)
                 os.close(fd)
@@ -532,9 +540,11 @@ class ForkServerClient:
         if popen.poll() is None:
             popen.kill()
         popen.wait()
+        broken, self._fs_broken = self._fs_broken, None
+        why = f" (a request could not be written to it: {broken})" if broken else ""
         for fut in self._fs_waiting:
             if not fut.done():
-                fut.set_exception(ActorDiedError("the actorshm fork server died"))
+                fut.set_exception(ActorDiedError(f"the actorshm fork server died{why}"))
         self._fs_waiting.clear()
         for ev in self._fs_exit_events.values():  # their exit reports will not come
             ev.set()

@@ -56,6 +56,37 @@ async def test_fork_requests_bigger_than_the_fork_servers_socket_are_written_who
         assert len({c.pid for c in cs}) == 3
 
 
+async def test_a_fork_request_that_cannot_be_written_fails_its_spawn_and_later_ones_work():
+    # (a request lost to an OSError other than the server's death, ENOBUFS say, left
+    # its spawn waiting for a report that never came: each later report went to the
+    # spawn before it, and every spawn after timed out)
+    import errno
+
+    class Refusing:  # the fork server's socket, refusing one write
+        def __init__(self, sock):
+            self.sock, self.refuse = sock, True
+
+        def __getattr__(self, name):
+            return getattr(self.sock, name)
+
+        def sendmsg(self, *args):
+            if self.refuse:
+                self.refuse = False
+                raise OSError(errno.ENOBUFS, os.strerror(errno.ENOBUFS))
+            return self.sock.sendmsg(*args)
+
+    async with actorshm.Runtime(start_method="forkserver", start_timeout=5,
+                                shutdown_grace=0.5) as rt:
+        first = await Counter.spawn(0)
+        fs = rt._forkserver
+        fs._fs = (fs._fs[0], Refusing(fs._fs[1]))
+        with pytest.raises(ActorDiedError, match="could not be written.*No buffer"):
+            await asyncio.wait_for(Counter.spawn(0), 4)
+        cs = [await asyncio.wait_for(Counter.spawn(i), 4) for i in (10, 20)]
+        assert [await c.incr() for c in cs] == [11, 21]
+        assert await first.incr() == 1  # (the server's actors live on)
+
+
 async def test_a_fork_that_fails_fails_its_spawn_saying_why_and_the_server_lives_on():
     # (a fork refused for a process limit ended the fork server: every spawn waiting
     # on it failed with "the actorshm fork server died", naming no cause)
