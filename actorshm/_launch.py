@@ -480,7 +480,14 @@ class ForkServerClient:
         socket takes. The loop made the socket non-blocking: requests of many spawns at
         once (each carries the actor's environment) fill it, and the rest is written as
         the server reads, in order, whole (a cancelled spawn cannot cut one short)."""
-        dups = [os.dup(fd) for fd in fds]
+        dups: list[int] = []
+        try:
+            for fd in fds:
+                dups.append(os.dup(fd))
+        except BaseException:  # (out of fds, say): those made so far go too
+            for fd in dups:
+                os.close(fd)
+            raise
         self._fs_out.append([data, dups])
         if len(self._fs_out) == 1:
             self._flush()

@@ -87,6 +87,28 @@ async def test_a_fork_request_that_cannot_be_written_fails_its_spawn_and_later_o
         assert await first.incr() == 1  # (the server's actors live on)
 
 
+async def test_a_fork_request_short_of_fds_leaks_none(monkeypatch):
+    # (a request copies its 3 fds: out of fds at the second, the first copy leaked)
+    import errno
+    async with actorshm.Runtime(start_method="forkserver", shutdown_grace=0.5):
+        await Counter.spawn(0)  # (the server is up)
+        real_dup, made = os.dup, []
+
+        def dup(fd):
+            if made:
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+            made.append(real_dup(fd))
+            return made[-1]
+
+        before = len(os.listdir("/proc/self/fd"))
+        monkeypatch.setattr(os, "dup", dup)
+        with pytest.raises(OSError, match="Too many open files"):
+            await Counter.spawn(0)
+        monkeypatch.setattr(os, "dup", real_dup)
+        assert made and len(os.listdir("/proc/self/fd")) <= before
+        assert (await Counter.spawn(1)).pid > 0
+
+
 async def test_a_fork_that_fails_fails_its_spawn_saying_why_and_the_server_lives_on():
     # (a fork refused for a process limit ended the fork server: every spawn waiting
     # on it failed with "the actorshm fork server died", naming no cause)
