@@ -6,7 +6,7 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
-_runtimes: list = []  # runtimes opened in this process, innermost last
+_runtimes: list = []  # open runtimes in the driver, innermost last
 _worker: list = [None]  # the worker, inside an actor process
 
 
@@ -21,7 +21,7 @@ def current_worker() -> Any:
 
 
 def runtime_opened(runtime: Any) -> None:
-    """``runtime`` opened in this process: the innermost from now on."""
+    """``runtime`` opened in this (driver) process: the innermost from now on."""
     _runtimes.append(runtime)
 
 
@@ -38,13 +38,11 @@ def innermost_runtime() -> Any:
 
 
 def client() -> Any:
-    """What makes this process's calls and spawns: the runtime opened last here (in an
-    actor too: one it opened owns the actors it spawns), else the actor's worker."""
-    if _runtimes:
-        return _runtimes[-1]
     w = _worker[0]
     if w is not None:
         return w
+    if _runtimes:
+        return _runtimes[-1]
     raise RuntimeError(
         "no actorshm runtime is open. Open one with `async with actorshm.Runtime():` "
         "around your code, or run it with `actorshm.run(main())`.")

@@ -415,12 +415,12 @@ def current_runtime() -> Runtime:
 
     Raises:
         RuntimeError: no runtime is open (the message says how to open one), or this is
-            an actor's process that opened none (actors use handles and ``get_actor``).
+            an actor's process (actors use handles and ``get_actor``).
     """
-    rt = _client.innermost_runtime()
-    if rt is None and _client.current_worker() is not None:
+    if _client.current_worker() is not None:
         raise RuntimeError("current_runtime() is for the driver; inside an actor, use "
                            "handles and actorshm.get_actor()")
+    rt = _client.innermost_runtime()
     if rt is None:
         raise RuntimeError(
             "no actorshm runtime is open. Open one with `async with actorshm.Runtime():` "

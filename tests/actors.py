@@ -382,15 +382,6 @@ class Caller:
         c = await Counter.spawn(start)
         return c, await c.incr(1)
 
-    async def spawn_in_own_runtime(self):
-        """Open a runtime of this actor's own and spawn a Counter: its pid and parent's."""
-        self.own = await actorshm.Runtime().start()
-        assert actorshm.current_runtime() is self.own
-        c = await Counter.spawn(0)
-        await c.incr(1)
-        with open(f"/proc/{c.pid}/stat") as f:
-            return c.pid, int(f.read().rsplit(")", 1)[1].split()[1])
-
     def make_handle_list(self):
         return [self.other]
 

@@ -744,22 +744,3 @@ async def test_a_death_just_after_init_answered_fails_the_spawn(rt, monkeypatch)
     else:  # (or it restarts, as any death after a spawn that returned)
         await asyncio.sleep(1.0)
         assert await asyncio.wait_for(h.incr(), 10) == 1  # (it was dead for good)
-
-
-async def test_actors_of_a_runtime_an_actor_opened_end_with_that_actor(rt):
-    # The runtime opened last in a process makes its spawns, in an actor too: its
-    # actors are the actor's children, and end with it (not forwarded to the driver,
-    # where they outlived it until the driver's close).
-    outer = await Caller.spawn()
-    pid, parent = await outer.spawn_in_own_runtime()
-    assert parent == outer.pid
-    await outer.kill()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        await asyncio.sleep(0.05)
-    else:
-        pytest.fail("the actor of the killed actor's own runtime lives on")
