@@ -449,7 +449,12 @@ class ForkServerClient:
             self._fs = (popen, a)
             self.loop.add_reader(a.fileno(), self._on_forkserver)
         out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        try:
+            err_r, err_w = os.pipe()
+        except OSError:  # (out of fds)
+            os.close(out_r)
+            os.close(out_w)
+            raise
         fut = self.loop.create_future()
         try:
             self._send(_forkserver.encode_msg(("fork", env, os.getcwd(), None)),

@@ -158,8 +158,9 @@ def _reduce_tensor(enc, t: torch.Tensor):
     out = _reduce_bare(enc, t)
     if t.__dict__ and out is not NotImplemented:
         # Attributes set on it (``p.no_decay = True``) go along, as torch's pickling
-        # (and so the Ray backend) keeps them. As the pickle's state, set once the tensor is rebuilt: an attribute may refer to
-        # the tensor itself (as arguments of its rebuild, it recursed without end).
+        # (and so the Ray backend) keeps them. As the pickle's state, set once the
+        # tensor is rebuilt: an attribute may refer to the tensor itself (as arguments
+        # of its rebuild, it recursed without end).
         return (*out, dict(t.__dict__), None, None, _set_attributes)
     return out
 
