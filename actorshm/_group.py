@@ -329,7 +329,8 @@ async def _gather_all(aws: list) -> list[tuple[bool, Any]]:
 def _spawner_of(actor_cls: Any) -> _Spawner:
     if isinstance(actor_cls, _Spawner):
         return actor_cls
-    if isinstance(actor_cls, type) and "__actorshm_options__" in vars(actor_cls):
+    # (an undecorated subclass of an actor class spawns as ``Sub.spawn()`` does)
+    if isinstance(actor_cls, type) and hasattr(actor_cls, "__actorshm_options__"):
         return actor_cls.options()
     raise TypeError(f"ActorGroup.spawn takes an @actor class or Cls.options(...), not "
                     f"{actor_cls!r}; decorate the class with @actorshm.actor")

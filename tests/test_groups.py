@@ -11,7 +11,7 @@ import pytest
 
 import actorshm
 from actorshm import ActorDiedError, ActorError, ActorGroup, ActorGroupError
-from actors import Counter, Faulty, InitFailsOnce, PoolWorker
+from actors import Counter, Faulty, InitFailsOnce, PoolWorker, SubCounter
 
 
 async def test_call_every_member_results_in_member_order(rt):
@@ -240,6 +240,13 @@ async def test_bad_input_is_a_clear_error(rt):
     with pytest.raises(TypeError):  # cannot be serialized: raised by the call, nothing sent
         g.echo(threading.Lock())
     assert await g.incr() == [1]
+
+
+async def test_spawn_takes_an_undecorated_subclass_of_an_actor_class(rt):
+    # ``SubCounter.spawn()`` works, so ActorGroup.spawn must not ask to decorate it
+    g = await ActorGroup.spawn(SubCounter, 2, 5)
+    assert await g.kind() == ["SubCounter", "SubCounter"]
+    assert await g.incr() == [6, 6]
 
 
 async def test_cancelled_spawn_leaves_no_actor_running(rt):
