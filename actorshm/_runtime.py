@@ -355,6 +355,9 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             if rec.conn is not None and not rec.conn.closed:  # calls waiting for a restart
                 rec.death = f"{rec.label} was killed by actorshm kill()"
                 rec.conn.close(ActorDiedError(rec.death))
+                if not rec.starting:  # (a process starting reports its own end)
+                    # Its last event said a restart follows; none will (``_restart``).
+                    _events.emit(self, "died", rec, rec.death, will_restart=False)
             self._maybe_forget(rec)
             return
         rec.death = f"{rec.label} was killed by actorshm kill()"

@@ -8,7 +8,7 @@ import signal
 import pytest
 
 import actorshm
-from actors import Counter, Phoenix
+from actors import Counter, FlakyStart, Phoenix
 
 
 async def next_event(stream, timeout=10):
@@ -56,6 +56,23 @@ async def test_restart_is_reported_and_the_handle_works_again(rt):
     assert (await restarted.handle.hit())[0] == "t"
     assert [(await asyncio.wait_for(got.get(), 5)).kind for _ in range(2)] == \
         ["died", "restarted"]
+
+
+async def test_kill_while_a_restart_backs_off_is_reported(rt, tmp_path):
+    # The last event said a restart follows: kill() must say none will, as for a live one.
+    marker = tmp_path / "crash"
+    stream = rt.events()
+    f = await FlakyStart.options(max_restarts=-1).spawn(str(marker), False)
+    marker.touch()  # from now on every new process dies in __init__
+    with pytest.raises(actorshm.ActorDiedError):
+        await f.crash()
+    assert (await next_event(stream)).will_restart  # the crash
+    ev = await next_event(stream)  # the restart's process died while starting
+    assert ev.kind == "died" and ev.will_restart  # (the next try waits 0.1 s)
+    await f.kill()
+    ev = await next_event(stream, timeout=3)
+    assert (ev.kind, ev.will_restart) == ("died", False) and "kill()" in ev.reason
+    await stream.aclose()
 
 
 async def test_a_failing_callback_is_logged_and_later_events_still_come(rt, caplog):
