@@ -63,7 +63,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         ``CUDA_VISIBLE_DEVICES``, or every GPU CuPy sees).
 
     Raises:
-      ValueError: an unknown ``start_method`` (a bare ``fork`` is not offered).
+      ValueError: an unknown ``start_method`` (a bare ``fork`` is not offered), or
+        ``gpus`` naming a GPU twice.
     """
 
     def __init__(self, *, backend: str = "local", start_method: str = "spawn",
@@ -77,7 +78,13 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         if gpus is not None and (isinstance(gpus, (str, bytes)) or not hasattr(gpus, "__iter__")):
             raise TypeError(f"gpus must be a list of GPU indices or UUIDs (e.g. [0, 1]), not "
                             f"{gpus!r}")
-        self._gpus = GpuSlots(None if gpus is None else [str(g) for g in gpus])
+        if gpus is not None:
+            gpus = [str(g) for g in gpus]
+            dup = sorted({g for g in gpus if gpus.count(g) > 1})
+            if dup:  # (two actors would each get the same GPU as "their own")
+                raise ValueError(f"Runtime(gpus=...) names GPU(s) {dup} more than once; "
+                                 "list each GPU once: an actor's num_gpus are its own")
+        self._gpus = GpuSlots(gpus)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._actors: dict[int, ActorRecord] = {}
         self._names: dict[str, int] = {}

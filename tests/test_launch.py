@@ -191,6 +191,12 @@ async def test_num_gpus_gives_each_actor_its_own_gpu():
         assert await c.env("CUDA_VISIBLE_DEVICES") == "0"
 
 
+def test_gpus_listing_a_gpu_twice_is_refused():
+    # Two num_gpus=1 actors would each get GPU 0 "of their own".
+    with pytest.raises(ValueError, match=r"names GPU\(s\) \['0'\] more than once"):
+        actorshm.Runtime(gpus=[0, "0", 1])
+
+
 async def test_num_gpus_without_gpus_is_a_clear_error():
     async with actorshm.Runtime(gpus=[], shutdown_grace=1.0):
         with pytest.raises(ValueError, match="no GPU is available.*num_gpus=0"):
