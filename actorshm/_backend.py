@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 __all__ = ["BackendChoice"]
@@ -30,4 +31,13 @@ class BackendChoice(metaclass=_ChoiceMeta):
             return RayRuntime(*args, **options)
         if backend != "local":
             raise ValueError(f"backend must be 'local' or 'ray', not {backend!r}")
+        params = inspect.signature(cls.__init__).parameters
+        known = sorted(n for n, p in params.items() if p.kind == p.KEYWORD_ONLY)
+        unknown = sorted(set(options) - set(params))
+        if unknown and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            # (``address``, ``num_cpus``, ...: ray.init's, as a Ray user writes them)
+            raise TypeError(f"Runtime() got unknown option(s) {unknown}; the local backend "
+                            f"takes {known}. Ray's options "
+                            "(address, ray.init keywords) need backend='ray': "
+                            "Runtime(backend='ray', ...)")
         return super().__new__(cls)

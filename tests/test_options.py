@@ -53,6 +53,12 @@ def test_bad_runtime_options_are_refused_naming_the_option(bad):
         actorshm.Runtime(**bad)
 
 
+@pytest.mark.parametrize("ray_option", [{"address": "auto"}, {"num_cpus": 2}])
+def test_a_ray_option_without_backend_ray_says_to_pass_it(ray_option):
+    with pytest.raises(TypeError, match=rf"\['{list(ray_option)[0]}'\].*backend='ray'"):
+        actorshm.Runtime(**ray_option)
+
+
 def test_decorating_again_sets_new_default_options():
     cls = actorshm.actor(type("Twice", (), {"f": lambda self: 1}))
     assert actorshm.actor(num_cpus=2)(cls) is cls
