@@ -35,6 +35,7 @@ from ._streams import chain
 __all__ = ["RayClient", "RayActorId", "CLIENT", "get_client", "ray_env", "import_ray"]
 
 STREAM_BUFFER = 16  # items a streaming method may run ahead of its consumer
+RESTART_WAIT = 60.0  # seconds get_actor waits for a named actor Ray is restarting
 
 
 def ray_env() -> None:
@@ -580,17 +581,27 @@ class RayClient(CallOrder):
         key = handle._actor_id.hex()
         if key in self._dead:
             raise ValueError(f"no live actor named {name!r} (it was killed)")
-        try:
-            # (in the control group: a sync method running there holds the actor's loop)
-            described = await handle.describe.options(concurrency_group="control").remote()
-            if described is None:  # not started yet: ``ready`` waits for its __init__
-                described = await handle.ready.remote(), await handle.meta.remote()
-            (ok, pid), (cls_name, methods, streams, max_pending, restarts) = described
-            if not ok:
-                raise ActorDiedError("it failed in __init__")
-            named = await self._names_work(handle)
-        except Exception as exc:
-            raise ValueError(f"no live actor named {name!r} ({exc})") from None
+        due = time.monotonic() + RESTART_WAIT
+        while True:
+            try:
+                # (in the control group: a sync method running there holds its loop)
+                described = await handle.describe.options(
+                    concurrency_group="control").remote()
+                if described is None:  # not started yet: ``ready`` waits for __init__
+                    described = await handle.ready.remote(), await handle.meta.remote()
+                (ok, pid), (cls_name, methods, streams, max_pending, restarts) = described
+                if not ok:
+                    raise ActorDiedError("it failed in __init__")
+                named = await self._names_work(handle)
+                break
+            except unavailable_error() as exc:
+                # Ray is restarting it: the name stays its own until it is dead for good
+                if time.monotonic() > due:
+                    raise ValueError(f"no live actor named {name!r} (still restarting "
+                                     f"after {RESTART_WAIT:g} s: {exc})") from None
+                await asyncio.sleep(0.05)
+            except Exception as exc:
+                raise ValueError(f"no live actor named {name!r} ({exc})") from None
         aid = RayActorId(handle, key, streams, named, restarts)
         aid.pid = pid
         return ActorHandle(self, aid, cls_name, methods, name, pid, max_pending)

@@ -622,6 +622,23 @@ async def test_max_restarts_brings_the_actor_back(art):
     assert p.pid == new_pid  # the handle's pid follows the restart
 
 
+async def test_get_actor_finds_a_named_actor_while_it_restarts(art):
+    # its name stays its own until it is dead for good (on Ray, asking right after its
+    # death failed while Ray restarted it: "no live actor named ...")
+    p = await Phoenix.options(name="phoenix").spawn("a")
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(p.crash(), 10)
+    again = await asyncio.wait_for(actorshm.get_actor("phoenix"), 60)
+    for _ in range(100):  # calls made while it restarts may fail; then it answers
+        try:
+            assert (await asyncio.wait_for(again.hit(), 10))[:2] == ("a", 1)
+            break
+        except actorshm.ActorDiedError:
+            await asyncio.sleep(0.1)
+    else:
+        pytest.fail("the restarted actor never answered")
+
+
 @pytest.mark.parametrize("leave", ["cancel", "aclose"])
 async def test_a_stream_left_while_queued_never_runs(art, leave):
     """A stream left (its wait for the first item cancelled, or aclose()) while it is
