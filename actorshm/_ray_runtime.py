@@ -246,8 +246,9 @@ class RayRuntime(_events.EventSource, RayInspectable):
         return await CLIENT.get_actor(name)
 
     def actors(self) -> list[dict]:
-        """A snapshot of the actors this runtime spawned."""
-        return [{"id": h._actor_id.key, "class": h._cls_name, "pid": h.pid,
+        """A snapshot of the actors this runtime spawned: each row's ``"id"`` is its
+        handle's ``actor_id``, which keys ``rt.stats()["actors"]`` too, as locally."""
+        return [{"id": h._actor_id, "class": h._cls_name, "pid": h.pid,
                  "alive": h._actor_id.key not in CLIENT._dead | self._gone,
                  "name": h._actor_name}
                 for h in self._spawned]

@@ -974,6 +974,9 @@ async def test_stats_memory_and_stacks_of_every_actor(art, backend):
         await c.record(i)
     st = await art.stats()
     assert st["actors"][c.actor_id]["calls_received"] >= 3
+    # rt.actors() names the same ids (debugging.md: the pids and names behind stats)
+    row, = [r for r in art.actors() if r["id"] in st["actors"]]
+    assert row["id"] == c.actor_id and row["pid"] == c.pid
     assert st["total"]["calls_received"] >= 3 and st["unresponsive"] == []
     report = await art.memory()
     assert isinstance(report, actorshm.MemoryReport) and report.unresponsive == []
