@@ -79,6 +79,12 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             raise TypeError(f"gpus must be a list of GPU indices or UUIDs (e.g. [0, 1]), not "
                             f"{gpus!r}")
         if gpus is not None:
+            gpus = list(gpus)
+            bad = [g for g in gpus if isinstance(g, bool) or not (
+                isinstance(g, int) and g >= 0 or isinstance(g, str) and g.strip())]
+            if bad:  # (None or -1 became CUDA_VISIBLE_DEVICES="None", "-1": no GPU)
+                raise ValueError(f"Runtime(gpus=...) takes GPU indices (ints >= 0) or "
+                                 f"UUIDs (str), e.g. [0, 1]; not {bad}")
             gpus = [str(g) for g in gpus]
             dup = sorted({g for g in gpus if gpus.count(g) > 1})
             if dup:  # (two actors would each get the same GPU as "their own")

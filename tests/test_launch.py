@@ -191,10 +191,14 @@ async def test_num_gpus_gives_each_actor_its_own_gpu():
         assert await c.env("CUDA_VISIBLE_DEVICES") == "0"
 
 
-def test_gpus_listing_a_gpu_twice_is_refused():
+def test_gpus_listing_a_gpu_twice_or_no_gpu_at_all_is_refused():
     # Two num_gpus=1 actors would each get GPU 0 "of their own".
     with pytest.raises(ValueError, match=r"names GPU\(s\) \['0'\] more than once"):
         actorshm.Runtime(gpus=[0, "0", 1])
+    for bad in ([None], [-1], [""], [True], [1.5]):  # (they became CUDA_VISIBLE_DEVICES)
+        with pytest.raises(ValueError, match=r"takes GPU indices \(ints >= 0\) or UUIDs"):
+            actorshm.Runtime(gpus=bad)
+    actorshm.Runtime(gpus=[0, "GPU-5a8c"])  # indices and UUIDs
 
 
 async def test_num_gpus_without_gpus_is_a_clear_error():
