@@ -1575,11 +1575,13 @@ CLUSTER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_script(tmp_path, name: str, template: str, env: dict | None = None) -> str:
+def _run_script(tmp_path, name: str, template: str, env: dict | None = None,
+                args: list | None = None) -> str:
     """Run a script that starts a Ray of its own; return its stdout (it must succeed)."""
     script = tmp_path / name
     script.write_text(template.format(tests=os.path.dirname(__file__)))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(script), *(args or [])],
+                         capture_output=True, text=True,
                          timeout=120, env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
@@ -1719,39 +1721,6 @@ STREAM_AFTER_CLOSE_SCRIPT = textwrap.dedent("""
     import asyncio, os, sys
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     sys.path.insert(0, {tests!r})
-    import actorshm
-    from ray_actors import Streamer
-
-    async def main():
-        rt = await actorshm.Runtime(backend="ray", num_cpus=2, include_dashboard=False,
-                                    log_to_driver=False).start()
-        s = await Streamer.spawn()
-        it = s.count(100).__aiter__()
-        print("first", await it.__anext__())
-        await rt.close()  # the stream is not being read at this moment
-        try:
-            await asyncio.wait_for(it.__anext__(), 30)
-        except Exception as exc:
-            print("next:", type(exc).__name__, exc)
-
-    asyncio.run(main())
-    print("the driver goes on")
-""")
-
-
-def test_a_stream_read_after_its_runtime_closed_ray_says_the_actor_died(tmp_path):
-    # Before: the runtime had shut its Ray down, and the next item raised
-    # AttributeError: 'Worker' object has no attribute 'core_worker'
-    out = _run_script(tmp_path, "stream_after_close.py", STREAM_AFTER_CLOSE_SCRIPT)
-    assert "first 0" in out, out
-    assert "next: ActorDiedError Streamer.count: the actor's runtime closed" in out, out
-    assert "the driver goes on" in out
-
-
-ACLOSE_AFTER_CLOSE_SCRIPT = textwrap.dedent("""
-    import asyncio, os, sys
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    sys.path.insert(0, {tests!r})
     import ray
     import actorshm
     from ray_actors import Streamer
@@ -1762,21 +1731,33 @@ ACLOSE_AFTER_CLOSE_SCRIPT = textwrap.dedent("""
         s = await Streamer.spawn()
         it = s.count(100).__aiter__()
         print("first", await it.__anext__())
-        await rt.close()  # shuts its Ray down
-        await asyncio.wait_for(it.aclose(), 30)
-        print("ray up after aclose:", ray.is_initialized())
+        await rt.close()  # shuts its Ray down; the stream is not being read meanwhile
+        if sys.argv[1] == "read":
+            try:
+                await asyncio.wait_for(it.__anext__(), 30)
+            except Exception as exc:
+                print("next:", type(exc).__name__, exc)
+        else:
+            await asyncio.wait_for(it.aclose(), 30)
+            print("ray up after aclose:", ray.is_initialized())
 
     asyncio.run(main())
     print("the driver goes on")
 """)
 
 
-def test_aclose_of_a_stream_after_its_runtime_closed_starts_no_ray(tmp_path):
-    # Before: aclose() asked the actor whether the generator had ended, a Ray call made
-    # after the runtime shut its Ray down: Ray's auto-init started a new local Ray.
-    out = _run_script(tmp_path, "aclose_after_close.py", ACLOSE_AFTER_CLOSE_SCRIPT)
+@pytest.mark.parametrize("then, says", [
+    # Before: the next item raised AttributeError: 'Worker' object has no attribute
+    # 'core_worker' (the runtime had shut its Ray down)
+    ("read", "next: ActorDiedError Streamer.count: the actor's runtime closed"),
+    # Before: aclose() asked the actor whether the generator had ended, a Ray call
+    # made after the runtime shut its Ray down: Ray's auto-init started a new Ray
+    ("aclose", "ray up after aclose: False")])
+def test_a_stream_used_after_its_runtime_closed(tmp_path, then, says):
+    out = _run_script(tmp_path, "stream_after_close.py", STREAM_AFTER_CLOSE_SCRIPT,
+                      args=[then])
     assert "first 0" in out, out
-    assert "ray up after aclose: False" in out, out
+    assert says in out, out
     assert "the driver goes on" in out
 
 
