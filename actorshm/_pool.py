@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 from ._actor import ActorHandle
 from ._errors import ActorDiedError, RemoteTraceback
+from ._streams import StreamLoop
 from ._util import first_line
 
 __all__ = ["ActorPool"]
@@ -412,23 +413,27 @@ class ActorPool:
 class _Results:
     """What ``map`` and ``map_unordered`` return: an async iterator of the results.
 
-    Each ``async for`` over it iterates a ``_ResultsLoop``; a loop left early (``break``,
-    an exception) closes the results, which cancels the work in flight and queued, even
-    while this object is kept in a variable (``m = pool.map(...)``; ``async for r in m:
-    break``), where Python would keep an async generator open until it is dropped.
+    Each ``async for`` over it iterates a ``StreamLoop``, as a stream does: a loop left
+    early (``break``, an exception) closes the results at the event loop's next turn,
+    which cancels the work in flight and queued, even while this object is kept in a
+    variable (``m = pool.map(...)``; ``async for r in m: break``), where Python would
+    keep an async generator open until it is dropped.
     """
 
-    __slots__ = ("_agen", "_polls")
+    __slots__ = ("_agen", "_polls", "_loop", "_cut")
 
     def __init__(self, agen: AsyncIterator[Any]) -> None:
         self._agen = agen
         self._polls = 0  # ``__anext__`` calls: iterated again before a loop's close?
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one it is iterated on
+        self._cut = False  # (set by a loop whose wait was cancelled: the generator ended)
 
-    def __aiter__(self) -> "_ResultsLoop":
-        return _ResultsLoop(self)
+    def __aiter__(self) -> StreamLoop:
+        return StreamLoop(self)
 
     def __anext__(self) -> Awaitable[Any]:
         self._polls += 1
+        self._loop = asyncio.get_running_loop()
         return self._agen.__anext__()
 
     def aclose(self) -> Awaitable[None]:
@@ -436,8 +441,24 @@ class _Results:
         return self._agen.aclose()
 
     def _left(self) -> None:
-        """A loop over it was left early: close the generator, at its ``yield`` now (its
-        ``finally``, which cancels the work, awaits nothing, so this completes at once)."""
+        """A loop over it was left early (from any thread): close the generator on the
+        loop it was iterated on, whose work it cancels."""
+        loop = self._loop
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if loop is None or here:  # (never iterated: nothing ran, nothing to cancel)
+            self._close_now()
+        else:
+            try:
+                loop.call_soon_threadsafe(self._close_now)
+            except RuntimeError:  # that loop is closed: its work went with it
+                pass
+
+    def _close_now(self) -> None:
+        """Close the generator at its ``yield`` (its ``finally``, which cancels the work,
+        awaits nothing, so this completes at once)."""
         closing = self._agen.aclose()
         try:
             closing.send(None)
@@ -445,49 +466,6 @@ class _Results:
             pass
         except RuntimeError:  # being iterated (``await anext(m)`` in another task)
             closing.close()
-
-
-class _ResultsLoop:
-    """One ``async for`` over ``_Results``: dropped before the end (the loop was left),
-    it closes them at the event loop's next turn, unless they are iterated again before
-    then (``first = await anext(aiter(m))``, then ``async for r in m``)."""
-
-    __slots__ = ("results", "ended", "loop")
-
-    def __init__(self, results: _Results) -> None:
-        self.results = results
-        self.ended = False
-        self.loop: asyncio.AbstractEventLoop | None = None  # the one it is iterated on
-
-    def __aiter__(self) -> "_ResultsLoop":
-        return self
-
-    async def __anext__(self) -> Any:
-        self.loop = asyncio.get_running_loop()
-        try:
-            return await self.results.__anext__()
-        except BaseException:  # the end, an error or a cancel: the generator ended
-            self.ended = True
-            raise
-
-    async def aclose(self) -> None:
-        self.ended = True
-        await self.results.aclose()
-
-    def __del__(self) -> None:
-        if self.ended or self.loop is None:  # (never iterated: nothing runs)
-            return
-        results, polls = self.results, self.results._polls
-
-        def leave() -> None:
-            if results._polls == polls:
-                results._left()
-        # On the loop it was iterated on, whichever thread drops it (a garbage collection
-        # may run in another, with an event loop of its own): the work is that loop's.
-        try:
-            self.loop.call_soon_threadsafe(leave)
-        except RuntimeError:  # that loop is closed: its work went with it
-            pass
 
 
 RESTING_FIRST = 0.02  # seconds before a restarting member is checked again (doubling)
