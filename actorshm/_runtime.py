@@ -94,6 +94,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self.loop: asyncio.AbstractEventLoop | None = None
         self._actors: dict[int, ActorRecord] = {}
         self._names: dict[str, int] = {}
+        self._killing: dict[int, asyncio.Task] = {}  # kills under way (``kill``)
         self._open = False
         self._closing = False
         self._finalizer = None
@@ -374,6 +375,18 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             self._maybe_forget(rec)
             return
         rec.death = f"{rec.label} was killed by actorshm kill()"
+        # Begun, a kill goes through even if its caller stops waiting (a time-out, a
+        # cancel): stopped half way, it would leave the actor running with its restarts
+        # and its record's death already spent, so a later crash would neither restart
+        # it nor be named. (Inside an actor the driver's kill runs on regardless.)
+        task = self._killing.get(actor_id)
+        if task is None:
+            task = self._killing[actor_id] = asyncio.ensure_future(self._kill_now(rec))
+            task.add_done_callback(lambda _t: self._killing.pop(actor_id, None))
+        await asyncio.shield(task)
+
+    async def _kill_now(self, rec: ActorRecord) -> None:
+        """``kill``'s work: settle what the actor owes, SIGKILL it, wait for its end."""
         if rec.conn is not None and not rec.conn.closed:
             # Blocks it passed on and just got back: let their withdrawals go out first,
             # so their owners need not keep them (bounded: a busy actor is killed anyway).

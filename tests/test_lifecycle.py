@@ -592,6 +592,21 @@ async def test_max_restarts(rt_each):
         await q.hit()
 
 
+async def test_a_kill_whose_await_times_out_still_kills(rt):
+    """A kill stopped half way (its ``await`` timed out while the actor, busy, had its
+    grace to settle) left the actor running with its restarts spent: a later crash was
+    not restarted, and was reported as the kill."""
+    from actors import Phoenix
+    p = await Phoenix.spawn("t")
+    busy = p.nap(0.5)  # (the settling wait before the SIGKILL takes its 0.1 s)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(p.kill(), 0.03)
+    with pytest.raises(ActorDiedError, match="kill"):
+        await asyncio.wait_for(busy, 5)
+    with pytest.raises(ActorDiedError, match="kill"):
+        await asyncio.wait_for(p.hit(), 5)  # dead for good: kill() never restarts
+
+
 async def test_restart_that_dies_while_starting_is_retried(rt, tmp_path):
     from actors import FlakyStart
     marker = tmp_path / "crash-next-start"
