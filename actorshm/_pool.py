@@ -223,7 +223,7 @@ class ActorPool:
         # Checked here, not in the generator: its body runs only when iterated, and an
         # error there would name neither this call nor ``map``.
         _check_fn(fn, "map(fn, values)")
-        return _Results(self._map(fn, _values(values, "map")))
+        return _Results(self._map(fn, _values(values, "map")), "map")
 
     async def _map(self, fn: Callable[[ActorHandle, Any], Awaitable],
                    it: Iterator[Any]) -> AsyncIterator[Any]:
@@ -263,7 +263,8 @@ class ActorPool:
             Exception: the first error of ``fn`` or of a call, as ``await`` raises it.
         """
         _check_fn(fn, "map_unordered(fn, values)")
-        return _Results(self._map_unordered(fn, _values(values, "map_unordered")))
+        return _Results(self._map_unordered(fn, _values(values, "map_unordered")),
+                        "map_unordered")
 
     async def _map_unordered(self, fn: Callable[[ActorHandle, Any], Awaitable],
                              it: Iterator[Any]) -> AsyncIterator[Any]:
@@ -418,15 +419,21 @@ class _Results:
     which cancels the work in flight and queued, even while this object is kept in a
     variable (``m = pool.map(...)``; ``async for r in m: break``), where Python would
     keep an async generator open until it is dropped.
+
+    A wait for a result that is cancelled or times out ends the generator too (the
+    cancel is thrown into it, and it cancels the work): asking for more then raises
+    ``RuntimeError`` saying so, as a stream cut that way does, rather than end as if
+    every result had come.
     """
 
-    __slots__ = ("_agen", "_polls", "_loop", "_cut")
+    __slots__ = ("_agen", "_what", "_polls", "_loop", "_cut")
 
-    def __init__(self, agen: AsyncIterator[Any]) -> None:
+    def __init__(self, agen: AsyncIterator[Any], method: str) -> None:
         self._agen = agen
+        self._what = f"ActorPool.{method}"
         self._polls = 0  # ``__anext__`` calls: iterated again before a loop's close?
         self._loop: asyncio.AbstractEventLoop | None = None  # the one it is iterated on
-        self._cut = False  # (set by a loop whose wait was cancelled: the generator ended)
+        self._cut = False  # a wait for a result was cancelled: the generator ended
 
     def __aiter__(self) -> StreamLoop:
         return StreamLoop(self)
@@ -434,7 +441,22 @@ class _Results:
     def __anext__(self) -> Awaitable[Any]:
         self._polls += 1
         self._loop = asyncio.get_running_loop()
-        return self._agen.__anext__()
+        return self._next()
+
+    async def _next(self) -> Any:
+        if self._cut:
+            raise RuntimeError(
+                f"the results of {self._what}() were stopped when a wait for the next "
+                "one was cancelled or timed out (task.cancel(), asyncio.wait_for, "
+                "asyncio.timeout), and its work was cancelled: no more results come. To "
+                "wait for a result with a time-out and go on, wait on a task, which a "
+                "time-out leaves running: `t = asyncio.ensure_future(anext(it))`, then "
+                "`await asyncio.wait({t}, timeout=...)`")
+        try:
+            return await self._agen.__anext__()
+        except asyncio.CancelledError:
+            self._cut = True  # (thrown into the generator, which ended on it)
+            raise
 
     def aclose(self) -> Awaitable[None]:
         """Stop: cancel the work in flight and queued."""

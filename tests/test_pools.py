@@ -213,6 +213,31 @@ async def test_leaving_a_kept_map_early_cancels_the_work_in_flight(rt, method):
     assert sorted(v for _, v in out) == [0, 1]
 
 
+@pytest.mark.parametrize("method", ["map", "map_unordered"])
+async def test_a_map_cut_by_a_time_out_says_so_when_asked_for_more(rt, method):
+    # A time-out while waiting for a result ends the results (their work is cancelled):
+    # a poller that goes on must not take that for the end of every result, as it did.
+    pool = ActorPool(await workers(2))
+    it = aiter(getattr(pool, method)(lambda a, v: a.work(v, 0.5), range(6)))
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(anext(it), 0.05)
+    await asyncio.sleep(0)  # (the event loop turns: the loop counts as left)
+    with pytest.raises(RuntimeError, match="timed out.*asyncio.wait"):
+        await anext(it)
+    results = getattr(pool, method)(lambda a, v: a.work(v, 0.5), range(6))
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            async for _ in results:
+                pass
+    with pytest.raises(RuntimeError, match="were stopped"):  # also in a later loop
+        [r async for r in results]
+    # the way the error gives: a task waited on keeps the results going
+    it = aiter(getattr(pool, method)(lambda a, v: a.work(v, 0.2), range(3)))
+    t = asyncio.ensure_future(anext(it))
+    assert not (await asyncio.wait({t}, timeout=0.01))[0]
+    assert sorted([(await t)[1]] + [v for _, v in [r async for r in it]]) == [0, 1, 2]
+
+
 async def test_a_map_loop_dropped_in_another_threads_loop_ends_on_its_own_loop(rt):
     # A garbage collection may drop a loop over the results in any thread: their work
     # is this loop's, and it is cancelled here (debug mode refuses any other thread).
