@@ -13,6 +13,7 @@ watchdog watches its pidfd) and exit on socket EOF. What an actor started ends w
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import itertools
 import os
@@ -95,6 +96,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self._actors: dict[int, ActorRecord] = {}
         self._names: dict[str, int] = {}
         self._killing: dict[int, asyncio.Task] = {}  # kills under way (``kill``)
+        # spawns made for actors (``_services.cancel_spawn``): (conn, cid) -> task or id
+        self.spawns_for_actors: collections.OrderedDict = collections.OrderedDict()
         self._open = False
         self._closing = False
         self._finalizer = None
@@ -432,6 +435,12 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         """Answer a service call from an actor process (``Host``): connect it to a peer,
         spawn, kill or find an actor for it, or report the driver's stats."""
         _services.serve(self, conn, cid, call)
+
+    def cancel_call(self, conn: Connection, cid: int) -> None:
+        """An actor cancelled service call ``cid``: a spawn it awaited leaves nothing
+        running (``_services.cancel_spawn``); other services are quick, or (``kill``)
+        go through once begun."""
+        _services.cancel_spawn(self, conn, cid)
 
     def _check_open(self) -> None:
         if not self._open or self._closing:

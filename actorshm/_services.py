@@ -50,12 +50,46 @@ def serve(runtime, conn, cid: int, call: list) -> None:
             cls, options, a, k = args
             task = runtime.loop.create_task(runtime.spawn(cls, options, a, k))
             task.add_done_callback(lambda t: _reply_task(conn, cid, t))
+            _follow_spawn(runtime, conn, cid, task)
         elif method == "__stats__":
             conn.reply(cid, _shm.stats())
         else:
             raise AttributeError(f"the driver has no service {method!r}")
     except BaseException as exc:
         conn.reply_error(cid, exc)
+
+
+# The latest spawns made for actors, by (connection, call id): the task while it runs,
+# then the id of the actor it started (None if it failed), so that a cancel that comes
+# after the reply still finds it (``cancel_spawn``). Bounded: such a cancel comes at once.
+SPAWNS_KEPT = 1000
+
+
+def _follow_spawn(runtime, conn, cid: int, task: asyncio.Task) -> None:
+    spawns = runtime.spawns_for_actors
+    key = (conn, cid)
+    spawns[key] = task
+
+    def done(t: asyncio.Task) -> None:
+        if spawns.get(key) is t:  # (the id alone: a handle would keep the record)
+            spawns[key] = None if t.cancelled() or t.exception() is not None \
+                else t.result().actor_id
+    task.add_done_callback(done)
+    while len(spawns) > SPAWNS_KEPT:
+        spawns.popitem(last=False)
+
+
+def cancel_spawn(runtime, conn, cid: int) -> None:
+    """The actor on ``conn`` cancelled its call ``cid`` (a time-out, a cancel): if that
+    was a spawn, nothing it started may be left running, as for a spawn cancelled in the
+    driver. A start under way is cancelled (``Runtime.spawn`` stops what it started);
+    one that ended has had its reply sent, which the actor drops, a call it cancelled:
+    nobody would hold a handle on that actor, so it is killed."""
+    found = runtime.spawns_for_actors.pop((conn, cid), None)
+    if isinstance(found, asyncio.Task):
+        found.cancel()
+    elif found is not None:
+        runtime.loop.create_task(runtime.kill(found)).add_done_callback(_ignore)
 
 
 def _ignore(fut: asyncio.Future) -> None:

@@ -382,6 +382,22 @@ class Caller:
         c = await Counter.spawn(start)
         return c, await c.incr(1)
 
+    async def spawn_cancelled(self, wait, block):
+        """Spawn a Counter and cancel the spawn after ``wait`` s; with ``block`` the event
+        loop is held meanwhile, so a reply that came is still unread at the cancel."""
+        t = asyncio.ensure_future(Counter.spawn(0))
+        await asyncio.sleep(0)  # (the spawn is asked for)
+        if block:
+            time.sleep(wait)
+        else:
+            await asyncio.sleep(wait)
+        t.cancel()
+        try:
+            await t
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "spawned"
+
     def make_handle_list(self):
         return [self.other]
 

@@ -46,6 +46,21 @@ async def test_actor_spawns_actor(rt):
     assert value == 42 and await child.incr(1) == 43
 
 
+@pytest.mark.parametrize("block", [False, True])
+async def test_a_spawn_cancelled_inside_an_actor_leaves_nothing_running(rt, block):
+    # As in the driver: the driver's start is stopped, or (the reply already sent, which
+    # the actor drops) the actor it started is killed. It was left running, unreachable.
+    caller = await Caller.spawn()
+    assert await caller.spawn_cancelled(0.1 if not block else 2.0, block) == "cancelled"
+    for _ in range(250):
+        alive = [a for a in rt.actors() if a["class"] == "Counter" and a["alive"]]
+        if not alive:
+            break
+        await asyncio.sleep(0.02)
+    assert not alive
+    assert (await caller.spawn_child(1))[1] == 2  # (later spawns work)
+
+
 async def test_malformed_frame_closes_only_that_connection(rt, caplog):
     c = await Counter.spawn()
     caller = await Caller.spawn(c)
