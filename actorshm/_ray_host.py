@@ -519,10 +519,7 @@ class Host(Watched):
                 if self._methods[method] and inspect.isawaitable(result):
                     result = await result
             else:
-                ctx = contextvars.copy_context()  # (the chain, for calls it makes)
-                result, raised = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, ctx.run, call_caught, fn, args, kwargs,
-                    f"{self._cls_name}.{method}")
+                result, raised = await self._in_thread(fn, args, kwargs, method)
                 if raised is not None:
                     raise raised  # (here, not thrown in: see ``call_caught``)
             check_result(result, f"{self._cls_name}.{method}")
@@ -536,6 +533,31 @@ class Host(Watched):
         except BaseException as exc:  # KeyboardInterrupt too: the caller's error to see
             return False, encode_exception(exc)
         return True, result
+
+    async def _in_thread(self, fn: Any, args: tuple, kwargs: dict, method: str) -> tuple:
+        """Run sync method ``fn`` in the actor's thread pool: ``(result, raised)``.
+
+        A cancel cannot stop a thread: the method runs on, and its call keeps its slot
+        (``_call`` releases it once this returns) until the method has returned, as
+        locally; only then is the cancel raised and the result dropped. Released at the
+        cancel, the slot let one call more than ``max_concurrency`` run beside it.
+        """
+        ctx = contextvars.copy_context()  # (the chain, for calls it makes)
+        done = asyncio.get_running_loop().run_in_executor(
+            self._executor, ctx.run, call_caught, fn, args, kwargs,
+            f"{self._cls_name}.{method}")
+        cancelled = None
+        while True:
+            try:
+                out = await asyncio.shield(done)
+                break
+            except asyncio.CancelledError as exc:
+                if done.cancelled():  # (the pool itself shut down)
+                    raise
+                cancelled = exc  # the method runs on: wait for it, then raise this
+        if cancelled is not None:
+            raise cancelled
+        return out
 
     async def _take_slot(self, key: tuple, links: tuple, what: str, run_seq: int) -> None:
         """Take one of the actor's ``max_concurrency`` slots for call ``key`` (a stream,

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import time
 
 import numpy as np
 
@@ -178,6 +179,11 @@ class SlotLog:
 
     def quick(self):
         self.log.append("quick")
+
+    def blocking(self, t=0.5):
+        self._enter("blocking")  # (with max_concurrency > 1, in a thread: the GIL
+        time.sleep(t)            # makes these counts safe enough for a test)
+        self._leave("blocking")
 
     async def items(self, n, t=0.3):
         for _ in range(n):

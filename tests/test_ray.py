@@ -1220,6 +1220,22 @@ async def test_cancel_stops_a_running_async_call_and_a_queued_one(art):
     assert await c.get_log() == [3, 4]
 
 
+async def test_a_cancelled_sync_call_in_a_thread_keeps_its_slot_until_it_returns(art):
+    # max_concurrency=2: sync methods run in threads, which a cancel cannot stop; the
+    # cancelled one holds its slot until it returns, so no third call runs beside it
+    s = await SlotLog.options(max_concurrency=2).spawn()
+    cancelled = asyncio.ensure_future(s.blocking(1.0))
+    other = s.blocking(1.0)
+    await asyncio.sleep(0.3)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await asyncio.gather(s.slow(0.2), s.slow(0.2), other)
+    log, peak = await s.take_log()
+    assert peak == 2, log
+    assert log.index("slow-start") > log.index("blocking-end"), log
+
+
 async def test_a_call_made_in_a_thread_can_be_cancelled(art):
     c = await Counter.spawn()
     t = await ThreadCanceller.spawn()
