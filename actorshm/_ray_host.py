@@ -32,7 +32,7 @@ from ._ray_errors import check_result
 from ._ray_watched import Watched
 from ._remote_errors import call_caught
 from ._remote_errors import encode_exception as _encode_exception
-from ._streams import CANCELLED_BY_CALLER, chain, reentrant_error
+from ._streams import _DONE, CANCELLED_BY_CALLER, _next_caught, chain, reentrant_error
 
 # How long after a result was handed to Ray a sync method's first run waits (for Ray's
 # thread to send it: that run may end the process), and an exit waits.
@@ -519,7 +519,8 @@ class Host(Watched):
                 if self._methods[method] and inspect.isawaitable(result):
                     result = await result
             else:
-                result, raised = await self._in_thread(fn, args, kwargs, method)
+                result, raised = await self._in_thread(
+                    call_caught, fn, args, kwargs, f"{self._cls_name}.{method}")
                 if raised is not None:
                     raise raised  # (here, not thrown in: see ``call_caught``)
             check_result(result, f"{self._cls_name}.{method}")
@@ -534,18 +535,19 @@ class Host(Watched):
             return False, encode_exception(exc)
         return True, result
 
-    async def _in_thread(self, fn: Any, args: tuple, kwargs: dict, method: str) -> tuple:
-        """Run sync method ``fn`` in the actor's thread pool: ``(result, raised)``.
+    async def _in_thread(self, caught: Any, *args: Any) -> tuple:
+        """Run ``caught(*args)`` (``call_caught`` of a sync method, ``_next_caught`` of a
+        sync generator: ``(value, raised)``) in the actor's thread pool.
 
-        A cancel cannot stop a thread: the method runs on, and its call keeps its slot
-        (``_call`` releases it once this returns) until the method has returned, as
-        locally; only then is the cancel raised and the result dropped. Released at the
-        cancel, the slot let one call more than ``max_concurrency`` run beside it.
+        A cancel cannot stop a thread: the method (or the generator's step) runs on, and
+        its call keeps its slot (the caller releases it once this returns) until it has
+        returned, as locally; only then is the cancel raised and the result dropped.
+        Released at the cancel, the slot let one call more than ``max_concurrency`` run
+        beside it (and a generator be closed while it still ran).
         """
         ctx = contextvars.copy_context()  # (the chain, for calls it makes)
         done = asyncio.get_running_loop().run_in_executor(
-            self._executor, ctx.run, call_caught, fn, args, kwargs,
-            f"{self._cls_name}.{method}")
+            self._executor, ctx.run, caught, *args)
         cancelled = None
         while True:
             try:
@@ -649,6 +651,14 @@ class Host(Watched):
                 try:
                     if step is not None:
                         item = await step()
+                    elif self._executor is not None:
+                        # In a thread, as a sync method runs (and as locally): the
+                        # actor's loop runs its other calls beside this step.
+                        item, raised = await self._in_thread(_next_caught, gen)
+                        if raised is not None:
+                            raise raised  # (here, not thrown in: see ``_next_caught``)
+                        if item is _DONE:
+                            break
                     else:
                         item = next(gen)
                 except (StopIteration, StopAsyncIteration):

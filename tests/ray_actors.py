@@ -197,6 +197,16 @@ class SlotLog:
             self.log.append("sync-item")
             yield 0
 
+    def slow_sync_items(self, n, t=0.5):
+        try:
+            for _ in range(n):
+                self._enter("sync-step")
+                time.sleep(t)
+                self._leave("sync-step")
+                yield 0
+        finally:
+            self.log.append("sync-closed")
+
     def take_log(self):
         out, self.log = self.log, []
         return out, self.peak

@@ -1236,6 +1236,30 @@ async def test_a_cancelled_sync_call_in_a_thread_keeps_its_slot_until_it_returns
     assert log.index("slow-start") > log.index("blocking-end"), log
 
 
+async def test_a_sync_generators_steps_run_beside_other_calls_in_threads(art):
+    # max_concurrency=2: a sync generator's step runs in a thread, as a sync method
+    # does, so a call in the other slot runs beside it rather than after it
+    s = await SlotLog.options(max_concurrency=2).spawn()
+    it = s.slow_sync_items(3, 1.0)
+    first = asyncio.ensure_future(it.__anext__())
+    await asyncio.sleep(0.3)
+    t0 = time.monotonic()
+    await s.slow(0.01)
+    assert time.monotonic() - t0 < 0.6
+    assert await first == 0
+    await asyncio.sleep(0.3)  # (its second step runs: left, it closes after that step)
+    await it.aclose()
+    log = []
+    for _ in range(100):  # (locally aclose may return before its finally ran)
+        got, peak = await s.take_log()
+        log += got
+        if "sync-closed" in log:
+            break
+        await asyncio.sleep(0.05)
+    assert peak == 2 and log[-1] == "sync-closed", log
+    assert log.count("sync-step-start") == log.count("sync-step-end"), log
+
+
 async def test_a_call_made_in_a_thread_can_be_cancelled(art):
     c = await Counter.spawn()
     t = await ThreadCanceller.spawn()
