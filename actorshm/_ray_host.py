@@ -32,7 +32,7 @@ from ._ray_errors import check_result
 from ._ray_watched import Watched
 from ._remote_errors import call_caught
 from ._remote_errors import encode_exception as _encode_exception
-from ._streams import _DONE, CANCELLED_BY_CALLER, _next_caught, chain, reentrant_error
+from ._streams import CANCELLED_BY_CALLER, STREAM_DONE, chain, next_caught, reentrant_error
 
 # How long after a result was handed to Ray a sync method's first run waits (for Ray's
 # thread to send it: that run may end the process), and an exit waits.
@@ -536,7 +536,7 @@ class Host(Watched):
         return True, result
 
     async def _in_thread(self, caught: Any, *args: Any) -> tuple:
-        """Run ``caught(*args)`` (``call_caught`` of a sync method, ``_next_caught`` of a
+        """Run ``caught(*args)`` (``call_caught`` of a sync method, ``next_caught`` of a
         sync generator: ``(value, raised)``) in the actor's thread pool.
 
         A cancel cannot stop a thread: the method (or the generator's step) runs on, and
@@ -654,10 +654,10 @@ class Host(Watched):
                     elif self._executor is not None:
                         # In a thread, as a sync method runs (and as locally): the
                         # actor's loop runs its other calls beside this step.
-                        item, raised = await self._in_thread(_next_caught, gen)
+                        item, raised = await self._in_thread(next_caught, gen)
                         if raised is not None:
-                            raise raised  # (here, not thrown in: see ``_next_caught``)
-                        if item is _DONE:
+                            raise raised  # (here, not thrown in: see ``next_caught``)
+                        if item is STREAM_DONE:
                             break
                     else:
                         item = next(gen)

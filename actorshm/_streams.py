@@ -26,7 +26,7 @@ from ._util import exit_code, leave_if_forked
 
 __all__ = ["Stream", "CallStream", "StreamLoop", "SecondConsumer", "StreamingClient",
            "Outflow", "StreamSlot", "run_stream", "chain", "reentrant_error",
-           "DEFAULT_RUN_AHEAD", "CANCELLED_BY_CALLER"]
+           "DEFAULT_RUN_AHEAD", "CANCELLED_BY_CALLER", "STREAM_DONE", "next_caught"]
 
 DEFAULT_RUN_AHEAD = 16
 # Set on the task of a call (or stream) its caller cancelled: no reply is owed to it. A
@@ -454,7 +454,7 @@ class StreamSlot:
             w.running_calls.pop(self.key, None)
 
 
-_DONE = object()
+STREAM_DONE = object()  # what ``next_caught`` gives for a sync generator that ended
 
 
 async def run_stream(conn: Any, cid: int, gen: Any, out: Outflow, what: str,
@@ -478,16 +478,16 @@ async def run_stream(conn: Any, cid: int, gen: Any, out: Outflow, what: str,
                 except StopAsyncIteration:
                     break
             elif executor is not None:
-                step = loop.run_in_executor(executor, _next_caught, gen)
+                step = loop.run_in_executor(executor, next_caught, gen)
                 item, raised = await asyncio.shield(step)
                 step = None
                 if raised is not None:
-                    raise raised  # (here: see ``_next_caught``)
-                if item is _DONE:
+                    raise raised  # (here: see ``next_caught``)
+                if item is STREAM_DONE:
                     break
             else:
-                item = next(gen, _DONE)
-                if item is _DONE:
+                item = next(gen, STREAM_DONE)
+                if item is STREAM_DONE:
                     break
             leave_if_forked()  # (a child the generator forked: not a second stream)
             conn.send_item(cid, item, what)
@@ -531,14 +531,14 @@ async def run_stream(conn: Any, cid: int, gen: Any, out: Outflow, what: str,
     conn.reply(cid, None, what)
 
 
-def _next_caught(gen: Any) -> tuple:
-    """``(next(gen, _DONE), None)``, or ``(None, exc)`` for what it raised: for an
+def next_caught(gen: Any) -> tuple:
+    """``(next(gen, STREAM_DONE), None)``, or ``(None, exc)`` for what it raised: for an
     executor thread. Awaited through the thread's future, a ``GeneratorExit`` the
     generator raised would be thrown into the awaiting coroutines, which closes them
     (``coroutine ignored GeneratorExit``) instead of failing the stream, and its consumer
     would wait for ever."""
     try:
-        return next(gen, _DONE), None
+        return next(gen, STREAM_DONE), None
     except BaseException as exc:
         return None, exc
 
