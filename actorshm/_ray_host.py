@@ -348,6 +348,16 @@ class Host(Watched):
             with self._cancel_lock:
                 self._requested.discard((caller, seq))
 
+    def _skip_cancelled(self, caller: str, seq: int, base: int) -> None:
+        """Call ``seq`` of ``caller``, cancelled before it came, came: it never runs, and
+        its turn passes. A cancel that came before any call of its caller could not pass
+        that turn then (``_apply_cancel``: no turns yet); the caller's turns are made
+        now, which passes it (``_turns``). Left to the caller's next call, they started
+        at that call's ``base``, this very call, whose mark was gone: the next call
+        waited for this one's turn forever (a stream given up at once, then another)."""
+        self._turns(caller, base)
+        self._cancelled.discard((caller, seq))
+
     def _turns(self, caller: str, base: int) -> _Turns:
         """The turns of ``caller``; its first call here makes them, starting at ``base``
         (the caller's oldest call Ray had not finished when it sent that call: 0 in a
@@ -433,7 +443,7 @@ class Host(Watched):
         self._calls += 1
         key = (caller, seq)
         if key in self._cancelled:
-            self._cancelled.discard(key)
+            self._skip_cancelled(caller, seq, base)
             return None, None
         self._loop = asyncio.get_running_loop()
         if self._pending_init is not None:
@@ -599,7 +609,7 @@ class Host(Watched):
         self._calls += 1
         key = (caller, seq)
         if key in self._cancelled:
-            self._cancelled.discard(key)
+            self._skip_cancelled(caller, seq, base)
             return
         self._loop = asyncio.get_running_loop()
         if self._pending_init is not None:

@@ -5,6 +5,8 @@ import concurrent.futures
 import contextlib
 from unittest import mock
 
+import pytest
+
 from actorshm import _ray, _ray_order, _ray_stream
 from actorshm._results import CallFuture
 
@@ -117,6 +119,42 @@ async def test_a_stream_whose_argument_failed_raises_that_error_with_its_traceba
             assert isinstance(exc.__cause__, RemoteTraceback)
         else:
             raise AssertionError("no error")
+
+
+@pytest.mark.parametrize("first", ["call", "stream"])
+async def test_a_call_cancelled_before_its_callers_first_call_came_passes_its_turn(first):
+    # `await h.count(3)` (a TypeError: a stream is iterated) drops the stream at once;
+    # its cancel, on the host's control thread, can come before the stream itself, and
+    # before any call of that caller. The stream then came, was skipped, and the
+    # caller's next call (base: the skipped one) waited for its turn forever.
+    import sys
+    from actorshm import _client, _ray_host, _ray_watched
+    from actorshm._ray_errors import outcome
+
+    class A:
+        def m(self):
+            return "m"
+
+        async def gen(self):
+            yield 1
+
+    with mock.patch.dict(sys.modules, {"ray": None}), \
+            mock.patch.object(_ray_watched, "_on_leaving", lambda f: None), \
+            mock.patch.object(_client, "_worker", [None]):  # (the host sets this process's)
+        host = _ray_host.Host(A, (), {}, 1, mock.Mock, ())
+    assert await host.ready() == (True, mock.ANY)
+    assert outcome(await host.call(("m", (), {}, "other", 0, 0)), "A.m") == ("m", None)
+    await host.cancel("driver", [0])
+    await asyncio.sleep(0)  # (``_apply_cancel``, from the loop)
+    if first == "call":
+        assert await host.call(("m", (), {}, "driver", 0, 0)) == (None, None)
+    else:
+        assert [x async for x in host.stream(("gen", (), {}, "driver", 0, 0))] == []
+    # (a hang, before: waiting for the turn of call 0)
+    assert outcome(await asyncio.wait_for(host.call(("m", (), {}, "driver", 1, 0)), 5),
+                   "A.m") == ("m", None)
+    items = [outcome(x, "A.gen")[0] async for x in host.stream(("gen", (), {}, "driver", 2, 0))]
+    assert items == [1]
 
 
 async def test_a_stream_refused_at_its_first_item_ends_without_waiting_for_a_slot():
