@@ -284,6 +284,10 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}")
             err.__cause__ = exc
             self.reply_error(cid, err)
+            # ``err`` -> its cause's traceback -> this frame -> ``err``: a cycle that would
+            # keep the result's arrays (and the caller's blocks among them) leased until
+            # the actor's garbage collector next runs, however idle the actor is.
+            del err
             return
         if flags == PLAIN and not (_leases.pending_releases or self._releases or
                                    self._forwards) and self.write_small(RESULT, PLAIN, cid,
@@ -296,6 +300,7 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}")
             err.__cause__ = exc
             self.reply_error(cid, err)
+            del err  # (the cycle above)
 
     def reply_error(self, cid: int, exc: BaseException) -> None:
         """Send ``exc`` as call ``cid``'s error reply; never raises.

@@ -469,6 +469,14 @@ class Arrays:
     def get_kept(self):
         return self.kept
 
+    def pause_gc(self):
+        """Leave collecting cycles to later: what an idle actor does."""
+        import gc
+        gc.disable()
+
+    def unsendable_with(self, a):
+        return [a, threading.Lock()]
+
     async def make_and_lend(self, others, n, value):
         """A new array, lent to each of ``others`` (actor to actor) and returned."""
         a = actorshm.empty(n)

@@ -291,6 +291,25 @@ async def test_held_block_is_not_recycled(rt):
     assert await a.drop()
 
 
+async def test_a_result_that_cannot_be_sent_gives_its_arrays_back_at_once(rt):
+    # The failed reply must not leave the result in a reference cycle: an idle actor
+    # collects cycles late, and the caller's block would stay out of its pool till then.
+    a = await Arrays.spawn()
+    await a.pause_gc()
+    x = actorshm.empty(100_000)
+    with pytest.raises(TypeError, match="cannot be sent back"):
+        await a.unsendable_with(x)
+    del x
+    await a.stats()  # (the release rides ahead of this reply)
+    await asyncio.sleep(0.05)
+    before = actorshm.stats()
+    y = actorshm.empty(100_000)
+    after = actorshm.stats()
+    assert (after["pool_reuses"] - before["pool_reuses"],
+            after["pool_allocs"] - before["pool_allocs"]) == (1, 0)
+    del y
+
+
 async def test_disjoint_slices_from_many_actors(rt):
     actors = [await Arrays.spawn() for _ in range(4)]
     x = actorshm.zeros(4000)
