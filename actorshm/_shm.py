@@ -18,6 +18,7 @@ import asyncio
 import collections
 import mmap
 import secrets
+import sys
 import threading
 import time
 
@@ -491,6 +492,11 @@ def zeros(shape, dtype=float, order: str = "C") -> np.ndarray:
 def share(arr) -> np.ndarray:
     """``arr`` itself if it is already shared, else a copy of it in shared memory.
 
+    The copy is of ``arr``'s class, as sending keeps it (``np.recarray``; a ``np.memmap``
+    gives an ordinary array, its file staying its own): a masked array's copy is a
+    masked array whose data and mask are both shared, so that neither the mask is lost
+    nor the actor's writes to it.
+
     Args:
         arr: an array, or anything ``numpy.asanyarray`` takes.
 
@@ -499,9 +505,23 @@ def share(arr) -> np.ndarray:
         SharedMemoryError: over budget, as ``empty``.
     """
     arr = np.asanyarray(arr)
+    t = type(arr)
+    if t is not np.ndarray:
+        ma = sys.modules.get("numpy.ma")  # loaded wherever a masked array exists
+        if ma is not None and isinstance(arr, ma.MaskedArray):
+            return _share_masked(arr, ma)
     if find_block(arr) is not None:
         return arr
-    return copy_to_shared(arr)
+    out = copy_to_shared(arr)
+    return out if t is np.ndarray or issubclass(t, np.memmap) else out.view(t)
+
+
+def _share_masked(arr, ma):
+    mask = ma.getmask(arr)
+    if find_block(arr) is not None and (mask is ma.nomask or find_block(mask) is not None):
+        return arr
+    return type(arr)(share(arr.data), mask=mask if mask is ma.nomask else share(mask),
+                     fill_value=arr.fill_value, hard_mask=arr.hardmask, copy=False)
 
 
 def copy_to_shared(arr: np.ndarray) -> np.ndarray:

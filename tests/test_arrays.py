@@ -410,6 +410,24 @@ async def test_share_and_is_shared():
     assert not actorshm.is_shared([1, 2])
 
 
+async def test_share_keeps_the_class_and_a_masked_arrays_mask(rt, tmp_path):
+    # as sending keeps them: a masked array's copy must not come back without its mask
+    m = np.ma.array(np.arange(5000.0), mask=np.arange(5000) % 3 == 0, fill_value=-1.0)
+    s = actorshm.share(m)
+    assert type(s) is np.ma.MaskedArray and s.fill_value == -1.0
+    assert np.array_equal(s.mask, m.mask) and np.array_equal(s.data, m.data)
+    assert actorshm.is_shared(s.data) and actorshm.is_shared(s.mask)
+    assert actorshm.share(s) is s
+    a = await Arrays.spawn()
+    before = actorshm.stats()["bytes_copied"]
+    await a.write_slice(s, 0, 3, 7.0)  # data and mask both by reference
+    assert actorshm.stats()["bytes_copied"] == before and (s.data[:3] == 7.0).all()
+    rec = np.rec.array(np.zeros(3000, [("a", "i4"), ("b", "f8")]))
+    assert type(actorshm.share(rec)) is np.recarray and actorshm.share(rec).b.shape == (3000,)
+    mm = np.memmap(tmp_path / "mm", dtype="f8", mode="w+", shape=(3000,))
+    assert type(actorshm.share(mm)) is np.ndarray  # its file stays its own
+
+
 async def test_forwarded_block_flows_home(rt):
     producer, consumer = await Arrays.spawn(), await Arrays.spawn()
     for _ in range(3):
