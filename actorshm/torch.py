@@ -9,6 +9,8 @@ this module needs torch (``pip install 'actorshm[torch]'``).
 
 from __future__ import annotations
 
+import operator
+
 try:
     import torch as _t
 except ImportError as exc:  # pragma: no cover - exercised without torch only
@@ -22,11 +24,24 @@ __all__ = ["empty", "zeros", "share", "is_shared", "share_module"]
 
 
 def _size(size) -> tuple:
+    """The dimensions, taken as ``torch.empty`` takes them: ints, or anything with
+    ``__index__`` (a numpy integer, a 0-d integer tensor: what shapes are computed
+    from), or one sequence of them. A bool, a float or a string is a ``TypeError``, a
+    negative size a ``ValueError``."""
     if len(size) == 1 and isinstance(size[0], (tuple, list, _t.Size)):
         size = tuple(size[0])
-    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in size):
-        raise ValueError(f"sizes must be ints >= 0, got {size}")
-    return tuple(size)
+    dims = []
+    for s in size:
+        try:
+            if isinstance(s, bool):
+                raise TypeError
+            dims.append(operator.index(s))
+        except TypeError:
+            raise TypeError(f"actorshm.torch.empty: sizes must be ints >= 0, got {size!r}: "
+                            f"{s!r} is a {type(s).__name__}, not an integer") from None
+    if any(d < 0 for d in dims):
+        raise ValueError(f"actorshm.torch.empty: sizes must be ints >= 0, got {tuple(dims)}")
+    return tuple(dims)
 
 
 def _cuda_plugin(what: str):
@@ -60,6 +75,7 @@ def empty(*size, dtype=None, device="cpu"):
 
     Raises:
         ValueError: a negative size, or a device other than the CPU or CUDA.
+        TypeError: a size that is not an integer (a float, a bool).
         TypeError: a quantized dtype (a quantized tensor travels by value).
         ImportError: a CUDA device without CuPy installed.
         SharedMemoryError: over the shared-memory budget, as ``actorshm.empty``, or no

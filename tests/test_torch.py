@@ -596,6 +596,12 @@ def test_bad_input_errors():
             at.empty(3, device="cuda")
     with pytest.raises(ValueError, match="ints >= 0"):
         at.empty(-1)
+    for bad in (2.5, True, "3", (2, 3)):  # as torch.empty: not truncated, not read as 1
+        with pytest.raises(TypeError, match=r"ints >= 0.* not an integer"):
+            at.empty(bad, 2)
+    # sizes computed with numpy or torch are integers too, as torch.empty takes them
+    assert at.empty(np.int64(2), 3).shape == (2, 3)
+    assert at.zeros((np.int32(4),)).shape == (4,) and at.empty(torch.tensor(3)).shape == (3,)
     with pytest.raises(TypeError, match="nn.Module"):
         at.share_module(torch.zeros(3))
     with pytest.raises(TypeError, match="torch.Tensor"):
