@@ -14,6 +14,7 @@ import fcntl
 import mmap
 import operator
 import os
+import sys
 import weakref
 from typing import Any
 
@@ -110,9 +111,18 @@ except ImportError:  # numpy < 2
 
 
 def is_shared(arr: Any) -> bool:
-    """Whether ``arr`` (or the array it is a view of) lives in actorshm shared memory."""
+    """Whether ``arr`` (or the array it is a view of) lives in actorshm shared memory.
+
+    For a torch tensor it answers as ``actorshm.torch.is_shared`` does (whether it
+    travels by reference): a view of shared memory is one whatever library made it
+    (``torch.from_numpy(actorshm.zeros(n))``), and ``False`` for a shared tensor would
+    be a silent wrong answer. (A CuPy array: ``actorshm.cuda.is_shared``.)"""
     if isinstance(arr, np.ndarray):
         return find_block(arr) is not None
+    torch = sys.modules.get("torch")  # (a tensor exists only once torch is loaded)
+    if torch is not None and isinstance(arr, torch.Tensor):
+        from .torch import is_shared as tensor_is_shared
+        return tensor_is_shared(arr)
     return False
 
 

@@ -572,6 +572,9 @@ async def test_tensor_from_numpy_of_shared_array_travels_by_reference(rt):
     a = actorshm.zeros(50, dtype=np.float32)
     t = torch.from_numpy(a)
     assert at.is_shared(t)
+    # actorshm.is_shared answers for tensors too, rather than a silent False
+    assert actorshm.is_shared(t) and actorshm.is_shared(at.zeros(3)[1:])
+    assert not actorshm.is_shared(torch.zeros(3))
     await w.fill(t, 4.0)
     assert a.sum() == 200.0
 
