@@ -155,6 +155,9 @@ def finish(t: torch.Tensor, parameter: bool, requires_grad: bool, bits: int = 0)
 
 
 def _reduce_tensor(enc, t: torch.Tensor):
+    kind = type(t)
+    if kind is not torch.Tensor and kind is not _Parameter:
+        return _reduce_subclass(enc, t)
     out = _reduce_bare(enc, t)
     if t.__dict__ and out is not NotImplemented:
         # Attributes set on it (``p.no_decay = True``) go along, as torch's pickling
@@ -167,6 +170,48 @@ def _reduce_tensor(enc, t: torch.Tensor):
 
 def _set_attributes(t: torch.Tensor, state: dict) -> None:
     t.__dict__.update(state)
+
+
+def _reduce_subclass(enc, t: torch.Tensor):
+    """A tensor of a subclass of ``torch.Tensor`` (torchvision's ``tv_tensors.Image``, a
+    class of one's own) travels as its plain tensor would, by reference when shared,
+    and is made one of its class again where it arrives, with the state torch's own
+    pickling keeps (its ``__dict__``, or what its ``__getstate__`` gives). Pickled by
+    torch, by value, a shared one was copied each time (uncounted) and the actor's
+    writes were lost. A subclass that pickles itself its own way (a ``__reduce_ex__``
+    of its own, as a ``Parameter`` subclass has) or has no storage of its own (a
+    wrapper subclass) is left to torch."""
+    kind = type(t)
+    if kind.__reduce_ex__ is not torch.Tensor.__reduce_ex__ or \
+            not torch._C._has_storage(t):
+        return NotImplemented
+    check_sendable(t)
+    with torch._C.DisableTorchFunctionSubclass():  # (its own overrides would re-wrap)
+        base = t.detach().as_subclass(torch.Tensor)
+    if t.requires_grad:  # a leaf (``_make_subclass``): the plain tensor is one too
+        base.requires_grad_(True)
+    out = _reduce_bare(enc, base)
+    if out is NotImplemented:  # (quantized, nested, another device: torch pickles it)
+        return out
+    # The state is set once the tensor is rebuilt, as for attributes above.
+    return (_as_subclass, (kind, *out), torch._utils._get_obj_state(t), None, None,
+            _set_subclass_state)
+
+
+def _as_subclass(kind, rebuild, args) -> torch.Tensor:
+    """The received plain tensor made a ``kind``: a leaf over the same memory (as an
+    ``nn.Parameter`` is made), keeping its ``requires_grad``."""
+    t = rebuild(*args)
+    return torch.Tensor._make_subclass(kind, t.detach(), t.requires_grad)
+
+
+def _set_subclass_state(t: torch.Tensor, state) -> None:
+    """Restore a subclass's state as torch's unpickling does (``_rebuild_from_type_v2``)."""
+    if getattr(type(t), "__setstate__", torch.Tensor.__setstate__) is not \
+            torch.Tensor.__setstate__:
+        t.__setstate__(state)
+    else:
+        torch._utils._set_obj_state(t, state)
 
 
 def _reduce_bare(enc, t: torch.Tensor):

@@ -177,6 +177,13 @@ def share(tensor):
         out.copy_(src)
     if isinstance(tensor, _t.nn.Parameter):
         return _t.nn.Parameter(out, requires_grad=tensor.requires_grad)
+    kind = type(tensor)
+    if kind is not _t.Tensor and kind.__reduce_ex__ is _t.Tensor.__reduce_ex__:
+        # of its class, with its state, as it arrives where it is sent (its attributes
+        # the same objects, not copies)
+        sub = _t.Tensor._make_subclass(kind, out, tensor.requires_grad)
+        _torch._set_subclass_state(sub, _t._utils._get_obj_state(tensor))
+        return sub
     return out.requires_grad_(tensor.requires_grad)
 
 

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (the torch e
 import actorshm  # noqa: E402
 import actorshm.torch as at  # noqa: E402
 from recorder import trip  # noqa: E402
-from torch_actors import TorchWorker  # noqa: E402
+from torch_actors import Tagged, TorchWorker  # noqa: E402
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool,
           torch.complex64, torch.complex128, torch.int8, torch.uint8, torch.int16,
@@ -389,6 +389,30 @@ async def test_an_attribute_may_refer_to_its_tensor(rt):
         got = await w.echo(t)
         assert got.me is got and got.pair[0] is got and type(got) is type(t)
         assert torch.equal(got.to_dense(), t.to_dense())
+
+
+async def test_tensor_subclasses_travel_by_reference_as_themselves(rt):
+    # torch pickled them by value: a shared one was copied, uncounted, and writes were lost
+    w = await TorchWorker.spawn()
+    t = at.zeros(4096).as_subclass(Tagged)
+    t.tag = "img"
+    before = actorshm.stats()
+    info = await w.info(t)
+    assert (info["type"], info["shared"]) == ("Tagged", True)
+    await w.fill(t, 3.0)
+    assert t.tolist() == [3.0] * 4096
+    after = actorshm.stats()
+    assert after["bytes_copied"] == before["bytes_copied"]
+    back = await w.echo([t[2:], t])
+    assert type(back[1]) is Tagged and back[1].tag == "img"
+    assert back[1].data_ptr() == t.data_ptr() and back[0].storage_offset() == 2
+    # an ordinary one is copied once (counted), a leaf keeps requires_grad
+    g = torch.Tensor._make_subclass(Tagged, torch.zeros(8192), True)
+    info = await w.info(g)
+    assert (info["type"], info["requires_grad"], info["shared"]) == ("Tagged", True, True)
+    assert actorshm.stats()["bytes_copied"] - after["bytes_copied"] == 8192 * 4
+    s = at.share(torch.ones(8).as_subclass(Tagged))
+    assert type(s) is Tagged and at.is_shared(s)
 
 
 async def test_share_module_hogwild_updates_the_shared_weights(rt):

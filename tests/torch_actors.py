@@ -8,6 +8,10 @@ import actorshm.torch as at
 from actorshm import actor
 
 
+class Tagged(torch.Tensor):
+    """A tensor subclass of one's own, as torchvision's ``tv_tensors.Image`` is."""
+
+
 @actor
 class TorchWorker:
     def echo(self, x):
