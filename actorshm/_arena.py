@@ -14,7 +14,6 @@ import fcntl
 import mmap
 import operator
 import os
-import sys
 import weakref
 from typing import Any
 
@@ -23,6 +22,7 @@ import numpy as np
 from . import _leases
 from ._errors import SharedMemoryError
 from ._leases import Block, Region
+from ._registry import plugin_is_shared
 from ._util import fmt_bytes
 
 __all__ = ["Arena", "HostBlock", "find_block", "is_shared", "map_fd", "new_arena",
@@ -113,17 +113,14 @@ except ImportError:  # numpy < 2
 def is_shared(arr: Any) -> bool:
     """Whether ``arr`` (or the array it is a view of) lives in actorshm shared memory.
 
-    For a torch tensor it answers as ``actorshm.torch.is_shared`` does (whether it
-    travels by reference): a view of shared memory is one whatever library made it
-    (``torch.from_numpy(actorshm.zeros(n))``), and ``False`` for a shared tensor would
-    be a silent wrong answer. (A CuPy array: ``actorshm.cuda.is_shared``.)"""
+    Another library's array asks its plug-in (``_registry.register_shared_check``): a
+    torch tensor is answered as ``actorshm.torch.is_shared`` does (whether it travels by
+    reference), so that a view of shared memory is one whatever library made it
+    (``torch.from_numpy(actorshm.zeros(n))``); ``False`` for it would be a silent wrong
+    answer."""
     if isinstance(arr, np.ndarray):
         return find_block(arr) is not None
-    torch = sys.modules.get("torch")  # (a tensor exists only once torch is loaded)
-    if torch is not None and isinstance(arr, torch.Tensor):
-        from .torch import is_shared as tensor_is_shared
-        return tensor_is_shared(arr)
-    return False
+    return plugin_is_shared(arr)
 
 
 def array_from_block(view: HostBlock, shape, dtype, offset: int = 0, strides=None,

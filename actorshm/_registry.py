@@ -28,6 +28,8 @@ _OPENERS: dict[int, Any] = {}
 # travel in a flat message; and the makers that their holes name.
 _flat_holes: dict[type, Any] = {}
 _flat_makers: set = set()
+# Type -> ``check(obj)``: whether a plug-in's object lies in shared memory (``is_shared``).
+_shared_checks: dict[type, Any] = {}
 
 
 def register_reducer(cls: type, reducer) -> None:
@@ -93,6 +95,26 @@ def register_region_kind(kind: int, opener) -> None:
             be opened here (that block's call fails).
     """
     _OPENERS[kind] = opener
+
+
+def register_shared_check(cls: type, check) -> None:
+    """Let ``actorshm.is_shared`` answer for instances of ``cls`` (and its subclasses):
+    ``check(obj)`` says whether ``obj`` lies in shared memory (travels by reference)."""
+    if not isinstance(cls, type) or not callable(check):
+        raise TypeError("register_shared_check(cls, check) needs a type and a callable")
+    _shared_checks[cls] = check
+
+
+def plugin_is_shared(obj: Any) -> bool:
+    """What the plug-in registered for ``obj``'s type (or a base of it) says of it
+    (``register_shared_check``); False for an object no plug-in knows."""
+    if _lazy_plugins:
+        _load_plugins()
+    for base in type(obj).__mro__:
+        check = _shared_checks.get(base)
+        if check is not None:
+            return bool(check(obj))
+    return False
 
 
 def register_lazy_plugin(module: str, loader) -> None:

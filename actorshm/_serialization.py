@@ -44,12 +44,14 @@ from ._wire import ARENA, FLAT, GPU_SLAB, HAS_BLOCKS, LEN, PLAIN  # noqa: F401
 
 __all__ = ["encode", "encode_plain_call", "decode", "Unsendable", "MessageTooBig", "PassFd",
            "register_reducer", "register_region_kind", "register_lazy_plugin",
+           "register_shared_check",
            "register_flat", "leased_block", "lease_host_block", "ARENA", "GPU_SLAB",
            "FILE_TYPES", "refuse_file"]
 
 from ._registry import (_OPENERS, _flat_holes, _lazy_plugins,  # noqa: F401
                         _not_reduced, _plugin_reducer, _reducers, register_flat,
-                        register_lazy_plugin, register_reducer, register_region_kind)
+                        register_lazy_plugin, register_reducer, register_region_kind,
+                        register_shared_check)
 
 _ndarray = np.ndarray
 _memmap = np.memmap

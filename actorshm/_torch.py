@@ -35,7 +35,7 @@ import torch
 from . import _leases, _serialization, _shm
 from ._inband import INLINE_BUDGET, INLINE_MAX
 
-__all__ = ["storage_block", "tensor_over", "finish", "set_cuda_path"]
+__all__ = ["storage_block", "tensor_over", "finish", "set_cuda_path", "tensor_is_shared"]
 
 _Parameter = torch.nn.Parameter
 _DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
@@ -102,15 +102,20 @@ def tensor_over(buf: np.ndarray, dtype: torch.dtype, size, stride, offset: int, 
 _warned = [False]  # the warning about tensors shared by torch itself: once per process
 
 _cuda_reducer = None  # ``_torch_cuda.reduce_cuda_tensor`` once that module is loaded
+_cuda_storage_block = None  # ``_torch_cuda.storage_block``, likewise
 _cuda_loader = None  # imports ``_torch_cuda`` (set by ``_plugins``; it needs CuPy)
 
 
-def set_cuda_path(*, reducer=None, loader=None) -> None:
-    """Register how CUDA tensors travel (``reducer(enc, tensor)``), or how to load the
-    module that registers it (``loader()``, tried once, on the first CUDA tensor sent)."""
-    global _cuda_reducer, _cuda_loader
+def set_cuda_path(*, reducer=None, storage_block=None, loader=None) -> None:
+    """Register how CUDA tensors travel (``reducer(enc, tensor)``) and how to find the
+    GPU block of one (``storage_block(tensor)``), or how to load the module that
+    registers them (``loader()``, tried once, on the first CUDA tensor sent or asked
+    about)."""
+    global _cuda_reducer, _cuda_storage_block, _cuda_loader
     if reducer is not None:
         _cuda_reducer = reducer
+    if storage_block is not None:
+        _cuda_storage_block = storage_block
     if loader is not None:
         _cuda_loader = loader
 
@@ -124,6 +129,21 @@ def _cuda_path():
         except ImportError:  # no CuPy: torch pickles CUDA tensors (by value)
             pass
     return _cuda_reducer
+
+
+def tensor_is_shared(t: torch.Tensor) -> bool:
+    """``actorshm.torch.is_shared`` (and ``actorshm.is_shared`` of a tensor): whether
+    ``t``'s storage lies in shared memory or a GPU pool (it travels by reference); for a
+    sparse tensor, whether its index and value tensors all do. A nested or quantized
+    tensor never does (torch pickles it, by value)."""
+    if t.layout in SPARSE:
+        return all(tensor_is_shared(p) for p in sparse_parts(t) if isinstance(p, torch.Tensor))
+    if t.layout is not torch.strided or t.is_nested or t.is_quantized:
+        return False
+    if t.device.type == "cuda":
+        _cuda_path()  # (no CuPy: no GPU pool, nothing on the GPU is shared)
+        return _cuda_storage_block is not None and _cuda_storage_block(t) is not None
+    return storage_block(t) is not None
 
 
 def check_sendable(t: torch.Tensor) -> None:
@@ -390,3 +410,4 @@ def _flat_tensor(blocks, row, *where):
 _serialization.register_reducer(torch.Tensor, _reduce_tensor)
 for _kind in (torch.Tensor, _Parameter):
     _serialization.register_flat(_kind, _tensor_hole, _flat_tensor)
+_serialization.register_shared_check(torch.Tensor, tensor_is_shared)

@@ -174,4 +174,4 @@ def _rebuild_cuda_tensor(row, start, n, dtype, size, stride, offset, parameter,
     return _torch.finish(t, parameter, requires_grad, bits)
 
 
-_torch.set_cuda_path(reducer=reduce_cuda_tensor)
+_torch.set_cuda_path(reducer=reduce_cuda_tensor, storage_block=storage_block)

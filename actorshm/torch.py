@@ -125,18 +125,12 @@ def is_shared(tensor) -> bool:
         TypeError: not a tensor.
     """
     _require_tensor(tensor, "is_shared")
-    if tensor.layout in _torch.SPARSE:
-        return all(is_shared(p) for p in _torch.sparse_parts(tensor)
-                   if isinstance(p, _t.Tensor))
-    if tensor.layout is not _t.strided or tensor.is_nested or tensor.is_quantized:
-        return False
     if tensor.device.type == "cuda":
         try:
-            from . import _torch_cuda
+            from . import _torch_cuda  # noqa: F401  (registers its GPU blocks' lookup)
         except ImportError:  # no CuPy: no GPU pool, nothing on the GPU is shared
             return False
-        return _torch_cuda.storage_block(tensor) is not None
-    return _torch.storage_block(tensor) is not None
+    return _torch.tensor_is_shared(tensor)
 
 
 def share(tensor):
