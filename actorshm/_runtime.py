@@ -436,6 +436,12 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         spawn, kill or find an actor for it, or report the driver's stats."""
         _services.serve(self, conn, cid, call)
 
+    def connection_closed(self, conn: Connection) -> None:
+        """An actor's connection closed (``Host``): no cancel of a spawn comes on it."""
+        if self.spawns_for_actors:
+            _services.forget_spawns(self, conn)
+        super().connection_closed(conn)
+
     def cancel_call(self, conn: Connection, cid: int) -> None:
         """An actor cancelled service call ``cid``: a spawn it awaited leaves nothing
         running (``_services.cancel_spawn``); other services are quick, or (``kill``)

@@ -87,9 +87,22 @@ def cancel_spawn(runtime, conn, cid: int) -> None:
     nobody would hold a handle on that actor, so it is killed."""
     found = runtime.spawns_for_actors.pop((conn, cid), None)
     if isinstance(found, asyncio.Task):
-        found.cancel()
-    elif found is not None:
+        if not found.done():
+            found.cancel()
+            return
+        # Ended, its callbacks (the reply, ``_follow_spawn``'s record) not yet run: the
+        # reply goes, and the actor drops it.
+        found = None if found.cancelled() or found.exception() is not None \
+            else found.result().actor_id
+    if found is not None:
         runtime.loop.create_task(runtime.kill(found)).add_done_callback(_ignore)
+
+
+def forget_spawns(runtime, conn) -> None:
+    """``conn`` closed: no cancel comes on it any more (``cancel_spawn``)."""
+    spawns = runtime.spawns_for_actors
+    for key in [k for k in spawns if k[0] is conn]:
+        del spawns[key]
 
 
 def _ignore(fut: asyncio.Future) -> None:

@@ -509,7 +509,9 @@ def share(arr) -> np.ndarray:
     if t is not np.ndarray:
         ma = sys.modules.get("numpy.ma")  # loaded wherever a masked array exists
         if ma is not None and isinstance(arr, ma.MaskedArray):
-            return _share_masked(arr, ma)
+            if t is ma.MaskedArray:
+                return _share_masked(arr, ma)
+            t = np.ndarray  # (a subclass of it, np.ma.mrecords': its data, as before)
     if find_block(arr) is not None:
         return arr
     out = copy_to_shared(arr)
@@ -517,11 +519,19 @@ def share(arr) -> np.ndarray:
 
 
 def _share_masked(arr, ma):
+    """A masked array whose data and mask both lie in shared memory: ``arr`` itself, or
+    a copy. Built as a view, not by ``MaskedArray(...)``, which copies a structured
+    dtype's mask into private memory."""
     mask = ma.getmask(arr)
     if find_block(arr) is not None and (mask is ma.nomask or find_block(mask) is not None):
         return arr
-    return type(arr)(share(arr.data), mask=mask if mask is ma.nomask else share(mask),
-                     fill_value=arr.fill_value, hard_mask=arr.hardmask, copy=False)
+    out = share(arr.data).view(ma.MaskedArray)
+    if mask is not ma.nomask:
+        out._mask = share(mask)
+        out._sharedmask = False
+    out._hardmask = arr.hardmask
+    out.fill_value = arr.fill_value
+    return out
 
 
 def copy_to_shared(arr: np.ndarray) -> np.ndarray:

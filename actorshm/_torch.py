@@ -135,7 +135,12 @@ def tensor_is_shared(t: torch.Tensor) -> bool:
     """``actorshm.torch.is_shared`` (and ``actorshm.is_shared`` of a tensor): whether
     ``t``'s storage lies in shared memory or a GPU pool (it travels by reference); for a
     sparse tensor, whether its index and value tensors all do. A nested or quantized
-    tensor never does (torch pickles it, by value)."""
+    tensor never does (torch pickles it, by value), nor one of a subclass that pickles
+    itself its own way (``_reduce_subclass``), nor a wrapper subclass (no storage)."""
+    kind = type(t)
+    if kind is not torch.Tensor and kind is not _Parameter and \
+            kind.__reduce_ex__ is not torch.Tensor.__reduce_ex__:
+        return False
     if t.layout in SPARSE:
         return all(tensor_is_shared(p) for p in sparse_parts(t) if isinstance(p, torch.Tensor))
     if t.layout is not torch.strided or t.is_nested or t.is_quantized:
@@ -143,7 +148,10 @@ def tensor_is_shared(t: torch.Tensor) -> bool:
     if t.device.type == "cuda":
         _cuda_path()  # (no CuPy: no GPU pool, nothing on the GPU is shared)
         return _cuda_storage_block is not None and _cuda_storage_block(t) is not None
-    return storage_block(t) is not None
+    try:
+        return storage_block(t) is not None
+    except RuntimeError:  # a wrapper subclass (``_make_wrapper_subclass``): no storage
+        return False
 
 
 def check_sendable(t: torch.Tensor) -> None:

@@ -426,6 +426,12 @@ async def test_share_keeps_the_class_and_a_masked_arrays_mask(rt, tmp_path):
     assert type(actorshm.share(rec)) is np.recarray and actorshm.share(rec).b.shape == (3000,)
     mm = np.memmap(tmp_path / "mm", dtype="f8", mode="w+", shape=(3000,))
     assert type(actorshm.share(mm)) is np.ndarray  # its file stays its own
+    # a structured dtype's mask (which MaskedArray(...) copies into private memory)
+    st = np.ma.array(np.zeros(3000, [("x", "i4"), ("y", "f8")]),
+                     mask=[(i % 2, i % 3 == 0) for i in range(3000)], hard_mask=True)
+    ss = actorshm.share(st)
+    assert actorshm.is_shared(ss.mask) and actorshm.share(ss) is ss and ss.hardmask
+    assert np.array_equal(ss.mask, st.mask)
 
 
 async def test_forwarded_block_flows_home(rt):

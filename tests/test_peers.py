@@ -51,7 +51,7 @@ async def test_a_spawn_cancelled_inside_an_actor_leaves_nothing_running(rt, bloc
     # As in the driver: the driver's start is stopped, or (the reply already sent, which
     # the actor drops) the actor it started is killed. It was left running, unreachable.
     caller = await Caller.spawn()
-    assert await caller.spawn_cancelled(0.1 if not block else 2.0, block) == "cancelled"
+    assert await caller.spawn_cancelled(0.01 if not block else 2.0, block) == "cancelled"
     for _ in range(250):
         alive = [a for a in rt.actors() if a["class"] == "Counter" and a["alive"]]
         if not alive:

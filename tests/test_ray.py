@@ -1224,15 +1224,15 @@ async def test_a_cancelled_sync_call_in_a_thread_keeps_its_slot_until_it_returns
     # max_concurrency=2: sync methods run in threads, which a cancel cannot stop; the
     # cancelled one holds its slot until it returns, so no third call runs beside it
     s = await SlotLog.options(max_concurrency=2).spawn()
-    cancelled = asyncio.ensure_future(s.blocking(1.0))
-    other = s.blocking(1.0)
-    await asyncio.sleep(0.3)
+    cancelled = asyncio.ensure_future(s.blocking(3.0))
+    other = s.blocking(3.0)
+    await asyncio.sleep(1.0)  # (both running: a slow start would leave one queued)
     cancelled.cancel()
     with pytest.raises(asyncio.CancelledError):
         await cancelled
     await asyncio.gather(s.slow(0.2), s.slow(0.2), other)
     log, peak = await s.take_log()
-    assert peak == 2, log
+    assert log[:2] == ["blocking-start"] * 2 and peak == 2, log
     assert log.index("slow-start") > log.index("blocking-end"), log
 
 
@@ -1240,12 +1240,12 @@ async def test_a_sync_generators_steps_run_beside_other_calls_in_threads(art):
     # max_concurrency=2: a sync generator's step runs in a thread, as a sync method
     # does, so a call in the other slot runs beside it rather than after it
     s = await SlotLog.options(max_concurrency=2).spawn()
-    it = s.slow_sync_items(3, 1.0)
+    it = s.slow_sync_items(3, 2.0)
     first = asyncio.ensure_future(it.__anext__())
     await asyncio.sleep(0.3)
     t0 = time.monotonic()
     await s.slow(0.01)
-    assert time.monotonic() - t0 < 0.6
+    assert time.monotonic() - t0 < 1.2  # (on the loop: after the step, 1.7 s)
     assert await first == 0
     await asyncio.sleep(0.3)  # (its second step runs: left, it closes after that step)
     await it.aclose()

@@ -412,7 +412,29 @@ async def test_tensor_subclasses_travel_by_reference_as_themselves(rt):
     assert (info["type"], info["requires_grad"], info["shared"]) == ("Tagged", True, True)
     assert actorshm.stats()["bytes_copied"] - after["bytes_copied"] == 8192 * 4
     s = at.share(torch.ones(8).as_subclass(Tagged))
-    assert type(s) is Tagged and at.is_shared(s)
+    assert type(s) is Tagged and at.is_shared(s) and actorshm.is_shared(s)
+
+
+def test_is_shared_is_false_for_tensor_subclasses_torch_pickles_by_value():
+    # a Parameter subclass pickles itself its own way (by value, as torch does), and a
+    # wrapper subclass has no storage (asking for its data pointer raises)
+    class MyParam(torch.nn.Parameter):
+        pass
+
+    class Wrapper(torch.Tensor):
+        @staticmethod
+        def __new__(cls, inner):
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError(func)
+
+    p = MyParam(at.zeros(3))
+    assert not at.is_shared(p) and not actorshm.is_shared(p)
+    assert not at.is_shared(Wrapper(at.zeros(3)))
+    assert not actorshm.is_shared(Wrapper(at.zeros(3)))
+    assert at.is_shared(torch.nn.Parameter(at.zeros(3)))
 
 
 async def test_share_module_hogwild_updates_the_shared_weights(rt):
