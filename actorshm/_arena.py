@@ -116,8 +116,8 @@ def is_shared(arr: Any) -> bool:
     Another library's array asks its plug-in (``_registry.register_shared_check``): a
     torch tensor is answered as ``actorshm.torch.is_shared`` does (whether it travels by
     reference), so that a view of shared memory is one whatever library made it
-    (``torch.from_numpy(actorshm.zeros(n))``); ``False`` for it would be a silent wrong
-    answer."""
+    (``torch.from_numpy(actorshm.zeros(n))``), and a CuPy array as
+    ``actorshm.cuda.is_shared`` does; ``False`` for them would be a silent wrong answer."""
     if isinstance(arr, np.ndarray):
         return find_block(arr) is not None
     return plugin_is_shared(arr)

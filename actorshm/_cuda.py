@@ -370,4 +370,5 @@ def open_slab(ctx, key: tuple, size: int, intro) -> Slab:
 
 
 _serialization.register_reducer(cupy.ndarray, reduce_cupy)
+_serialization.register_shared_check(cupy.ndarray, is_shared)  # (``actorshm.is_shared``)
 _serialization.register_region_kind(GPU_SLAB, open_slab)

@@ -123,7 +123,7 @@ async def test_same_process_round_trip_needs_no_ipc(rt):
 async def test_cupy_pool_array_is_copied_once_and_counted(rt):
     a = await GpuArrays.spawn()
     x = cupy.zeros(1000, cupy.float32)  # CuPy's own pool: its handle would name more
-    assert not actorshm.cuda.is_shared(x)
+    assert not actorshm.cuda.is_shared(x) and not actorshm.is_shared(x)
     before = _cuda_stats()
     assert await a.sum(x) == 0.0
     after = _cuda_stats()
@@ -131,6 +131,7 @@ async def test_cupy_pool_array_is_copied_once_and_counted(rt):
     assert after["cuda_bytes_zero_copy"] == before["cuda_bytes_zero_copy"]
     s = actorshm.cuda.share(x)
     assert actorshm.cuda.is_shared(s) and actorshm.cuda.share(s) is s
+    assert actorshm.is_shared(s) and actorshm.is_shared(s[10:])  # (asks the GPU plug-in)
 
 
 async def test_handle_opened_once_per_slab(rt):

@@ -74,7 +74,8 @@ def test_empty_and_zeros_lie_in_the_gpu_pool():
     assert block is not None and block.region.owned
     b = at.empty(3, dtype=torch.bfloat16, device=torch.device("cuda", 0))
     assert b.dtype == torch.bfloat16 and b.device.index == 0 and at.is_shared(b)
-    assert not at.is_shared(ordinary(8))
+    assert actorshm.is_shared(b)  # (asks the torch plug-in, which asks the GPU one)
+    assert not at.is_shared(ordinary(8)) and not actorshm.is_shared(ordinary(8))
 
 
 def test_tensor_inside_a_block_is_found_by_address():
