@@ -527,7 +527,11 @@ class RayClient(CallOrder):
                                                                       req)
         try:
             named, (ok, payload) = await self.wait(started())
-        except ActorDiedError:  # the runtime closed meanwhile (``abort_waits``)
+        except (ActorDiedError, asyncio.CancelledError):
+            # The runtime closed meanwhile (``abort_waits``), or the spawn was cancelled
+            # (a time-out): the actor goes now, as locally. Left to Ray, it went only once
+            # its handle was collected: it kept its name until then, and ran on while
+            # anything held the handle (the cancel's traceback, say).
             try:
                 if ray_up():  # (Ray shut down ended it already)
                     ray.kill(handle, no_restart=True)

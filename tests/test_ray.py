@@ -187,6 +187,22 @@ async def test_init_error_is_raised_by_spawn_with_its_type(art):
         await Faulty.spawn(fail=True)
 
 
+async def test_a_cancelled_spawn_leaves_no_actor_and_frees_its_name(art, tmp_path):
+    # On Ray the actor went only once Ray collected its handle: its name stayed taken
+    # meanwhile, and it ran on while anything held the handle (here: the time-out,
+    # whose traceback holds the spawn's frames).
+    marker = tmp_path / "slow"
+    marker.touch()
+    with pytest.raises(asyncio.TimeoutError) as cut:
+        await asyncio.wait_for(SlowStart.options(name="cut-short").spawn(str(marker), 5.0),
+                               0.5)
+    marker.unlink()
+    h = await SlowStart.options(name="cut-short").spawn(str(marker))
+    assert await h.rec(1) == 1
+    assert [r["name"] for r in art.actors() if r["alive"]] == ["cut-short"]
+    assert cut.value is not None
+
+
 async def test_init_runs_on_the_actors_event_loop(art):
     t = await Ticker.spawn()
     for _ in range(100):
