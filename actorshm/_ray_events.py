@@ -116,7 +116,9 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
         except Exception as exc:  # the restart failed (or never came)
             if not runtime._closing:
                 runtime._gone.add(key)
-                _events.emit(runtime, "died", rec, describe(exc))
+                # (a kill() that cut the restart short is named as every kill is)
+                _events.emit(runtime, "died", rec,
+                             "kill()" if key in client._dead else describe(exc))
             return
         if not ok:  # the restarted process's __init__ raised
             runtime._gone.add(key)

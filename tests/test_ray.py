@@ -945,6 +945,22 @@ async def test_events_report_a_death_without_a_call_and_kill(art, backend):
     await stream.aclose()
 
 
+async def test_a_kill_during_a_restart_is_reported_as_the_kill(art, tmp_path):
+    # On Ray the last "died" event gave Ray's words for the restart it cut short
+    # ("Ray: it was killed by `ray.kill`"), not "kill()" as for every other kill.
+    marker = tmp_path / "slow"
+    s = await SlowStart.options(max_restarts=1).spawn(str(marker), 3.0)
+    marker.touch()  # its restart takes 3 s
+    stream = art.events()
+    os.kill(s.pid, signal.SIGKILL)
+    ev = await next_event(stream)
+    assert ev.kind == "died" and ev.will_restart
+    await s.kill()
+    ev = await next_event(stream)
+    assert ev.kind == "died" and not ev.will_restart and "kill()" in ev.reason
+    await stream.aclose()
+
+
 async def test_events_report_actors_spawned_inside_actors(art):
     stream = art.events()
     caller = await Caller.spawn(None)
