@@ -99,10 +99,16 @@ def cancel_spawn(runtime, conn, cid: int) -> None:
 
 
 def forget_spawns(runtime, conn) -> None:
-    """``conn`` closed: no cancel comes on it any more (``cancel_spawn``)."""
+    """``conn`` closed: no cancel comes on it any more (``cancel_spawn``), and no reply
+    reaches its actor. A spawn still under way for it (or ended, its reply not yet sent)
+    is stopped as a cancelled one is: the actor that asked is gone (killed, crashed,
+    restarted), so nobody would ever hold a handle on what it started."""
     spawns = runtime.spawns_for_actors
     for key in [k for k in spawns if k[0] is conn]:
-        del spawns[key]
+        if isinstance(spawns[key], asyncio.Task):
+            cancel_spawn(runtime, conn, key[1])
+        else:
+            del spawns[key]
 
 
 def _ignore(fut: asyncio.Future) -> None:

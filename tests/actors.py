@@ -398,6 +398,10 @@ class Caller:
             return "cancelled"
         return "spawned"
 
+    async def spawn_slow(self, marker, n):
+        """Spawn ``n`` SlowStart actors whose ``__init__`` takes 10 s (``marker`` exists)."""
+        return await asyncio.gather(*(SlowStart.spawn(marker, 10.0) for _ in range(n)))
+
     def make_handle_list(self):
         return [self.other]
 

@@ -61,6 +61,28 @@ async def test_a_spawn_cancelled_inside_an_actor_leaves_nothing_running(rt, bloc
     assert (await caller.spawn_child(1))[1] == 2  # (later spawns work)
 
 
+async def test_spawns_under_way_when_their_actor_dies_leave_nothing_running(rt, tmp_path):
+    # The actor that asked can never get the handles: they were left running, unreachable
+    # by anyone, until the runtime closed.
+    marker = tmp_path / "slow"
+    marker.touch()
+    caller = await Caller.spawn()
+    fut = caller.spawn_slow(str(marker), 2)
+    deadline = asyncio.get_running_loop().time() + 30
+    while len([a for a in rt.actors() if a["class"] == "SlowStart" and a["alive"]]) < 2:
+        assert asyncio.get_running_loop().time() < deadline, rt.actors()
+        await asyncio.sleep(0.02)
+    await caller.kill()
+    with pytest.raises(ActorDiedError):
+        await fut
+    deadline = asyncio.get_running_loop().time() + 20
+    while [a for a in rt.actors() if a["class"] == "SlowStart" and a["alive"]]:
+        assert asyncio.get_running_loop().time() < deadline, rt.actors()
+        await asyncio.sleep(0.05)
+    caller = await Caller.spawn()
+    assert (await caller.spawn_child(1))[1] == 2  # (later spawns work)
+
+
 async def test_malformed_frame_closes_only_that_connection(rt, caplog):
     c = await Counter.spawn()
     caller = await Caller.spawn(c)
