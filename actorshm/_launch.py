@@ -16,6 +16,7 @@ import collections
 import errno
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -295,6 +296,23 @@ def fork_failed(exc: OSError) -> OSError:
            if exc.errno == errno.EAGAIN else "the system is out of memory")
     return type(exc)(exc.errno, f"cannot start the actor's process: fork failed "
                                 f"({exc.strerror}): {why}")
+
+
+def out_of_fds(exc: OSError) -> OSError:
+    """The error of a spawn that found the driver out of file descriptors (``EMFILE``,
+    ``ENFILE``), saying so and what to do: a bare "Too many open files" names neither
+    whose limit it is nor that each actor holds a few of the driver's fds."""
+    if exc.errno not in (errno.EMFILE, errno.ENFILE):
+        return exc
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    whose = (f"this process (the driver) is out of file descriptors (its limit, ulimit "
+             f"-n, is {limit})" if exc.errno == errno.EMFILE else
+             "the system is out of file descriptors (fs.file-max)")
+    return type(exc)(exc.errno, f"cannot start the actor's process ({exc.strerror}): "
+                                f"{whose}, and each "
+                                "actor holds a few of the driver's (its socket, output "
+                                "pipes and process handle): kill actors you no longer "
+                                "need, close files, or raise the limit")
 
 
 async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,

@@ -29,7 +29,7 @@ from ._actor import ActorHandle, ActorOptions, public_methods
 from ._backend import BackendChoice
 from ._errors import ActorDiedError
 from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, check_number,
-                      check_start_options, kill_all, start_process)
+                      check_start_options, kill_all, out_of_fds, start_process)
 from ._protocol import Connection
 from ._streams import StreamingClient
 from ._supervise import Supervisor
@@ -258,10 +258,16 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                                              options.max_pending_calls), rec)
 
     async def _start_process(self, rec: ActorRecord) -> None:
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:
+            raise out_of_fds(exc) from None
         try:
             await start_process(self.loop, rec, child, actor_env(rec), self._forkserver,
                                 self._on_exit)
+        except OSError as exc:
+            parent.close()
+            raise out_of_fds(exc) from None
         except BaseException:  # (cancelled while the fork server forks: no process here)
             parent.close()
             raise

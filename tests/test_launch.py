@@ -109,6 +109,25 @@ async def test_a_fork_request_short_of_fds_leaks_none(monkeypatch):
         assert (await Counter.spawn(1)).pid > 0
 
 
+async def test_a_spawn_out_of_fds_says_whose_limit_and_what_to_do(rt_each):
+    # (it raised a bare "[Errno 24] Too many open files", naming neither the driver's
+    # limit nor the fix)
+    import resource
+    await Counter.spawn(0)  # (a fork server is up)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    before = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (before + 1, hard))
+    try:
+        with pytest.raises(OSError, match=r"Too many open files\): this process \(the "
+                                          r"driver\) is out of file descriptors .*ulimit -n, "
+                                          rf"is {before + 1}.*raise the limit"):
+            await Counter.spawn(0)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(os.listdir("/proc/self/fd")) <= before
+    assert await (await Counter.spawn(1)).incr() == 2
+
+
 async def test_a_fork_that_fails_fails_its_spawn_saying_why_and_the_server_lives_on():
     # (a fork refused for a process limit ended the fork server: every spawn waiting
     # on it failed with "the actorshm fork server died", naming no cause)
