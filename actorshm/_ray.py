@@ -94,6 +94,28 @@ class RayActorId:
         return self.key[:12]
 
 
+def _kill_started(ray: Any, handle: Any) -> None:
+    """End an actor whose spawn failed or was given up (not restarted)."""
+    try:
+        if ray_up():  # (Ray shut down ended it already)
+            ray.kill(handle, no_restart=True)
+    except Exception:
+        pass
+
+
+async def _name_released(ray: Any, name: str, handle: Any, limit: float = 5.0) -> None:
+    """Wait (at most ``limit`` s) until Ray has let go of the name of the actor ``handle``
+    it was asked to kill: ``ray.kill`` returns before Ray's control service has done so,
+    and a spawn under that name right after a cancelled one would find it taken."""
+    for _ in range(int(limit / 0.01)):
+        try:
+            if ray.get_actor(name)._actor_id != handle._actor_id:
+                return
+        except Exception:  # (ValueError: no actor has that name any more)
+            return
+        await asyncio.sleep(0.01)
+
+
 class RayClient(CallOrder):
     """Makes calls through Ray, in the driver and inside Ray-hosted actors."""
 
@@ -527,19 +549,23 @@ class RayClient(CallOrder):
                                                                       req)
         try:
             named, (ok, payload) = await self.wait(started())
-        except (ActorDiedError, asyncio.CancelledError):
-            # The runtime closed meanwhile (``abort_waits``), or the spawn was cancelled
-            # (a time-out): the actor goes now, as locally. Left to Ray, it went only once
-            # its handle was collected: it kept its name until then, and ran on while
-            # anything held the handle (the cancel's traceback, say).
-            try:
-                if ray_up():  # (Ray shut down ended it already)
-                    ray.kill(handle, no_restart=True)
-            except Exception:
-                pass
+        except ActorDiedError:  # the runtime closed meanwhile (``abort_waits``)
+            _kill_started(ray, handle)
+            raise
+        except asyncio.CancelledError:
+            # The spawn was cancelled (a time-out): the actor goes now, and its name with
+            # it, as locally. Left to Ray, it went only once its handle was collected: it
+            # kept its name until then, and ran on while anything held the handle (the
+            # cancel's traceback, say).
+            _kill_started(ray, handle)
+            if options.name is not None:
+                await _name_released(ray, options.name, handle)
             raise
         except Exception as exc:
-            exc = await self._death_cause(handle, exc)
+            try:
+                exc = await self._death_cause(handle, exc)
+            finally:  # (dead; or restarted meanwhile, under its name: it goes too)
+                _kill_started(ray, handle)
             raise translate(exc, what, None) from exc
         if not ok:
             ray.kill(handle, no_restart=True)

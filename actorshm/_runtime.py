@@ -261,13 +261,13 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         try:
             parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         except OSError as exc:
-            raise out_of_fds(exc) from None
+            _raise_out_of_fds(exc)
         try:
             await start_process(self.loop, rec, child, actor_env(rec), self._forkserver,
                                 self._on_exit)
         except OSError as exc:
             parent.close()
-            raise out_of_fds(exc) from None
+            _raise_out_of_fds(exc)
         except BaseException:  # (cancelled while the fork server forks: no process here)
             parent.close()
             raise
@@ -281,7 +281,10 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                   "shm_budget": self.shm_budget, "shutdown_grace": self.shutdown_grace,
                   "shm_ledger": rec.take_budget_slot()}
         args, kwargs = rec.take_spawn_args()
-        fut = _introspect.call_init(rec, config, args, kwargs)  # (with its probe socket)
+        try:
+            fut = _introspect.call_init(rec, config, args, kwargs)  # (with its probe socket)
+        except OSError as exc:  # (its process is stopped by ``spawn``)
+            _raise_out_of_fds(exc)
         try:
             pid = await asyncio.wait_for(fut, self.start_timeout)
         except asyncio.TimeoutError:
@@ -442,6 +445,13 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         spawn, kill or find an actor for it, or report the driver's stats."""
         _services.serve(self, conn, cid, call)
 
+    def connection_eof(self, conn: Connection) -> None:
+        """An actor closed its end (``Host``): it reads no reply to a spawn it asked for
+        any more, though the connection stays open until its exit is known."""
+        if self.spawns_for_actors:
+            _services.forget_spawns(self, conn)
+        super().connection_eof(conn)
+
     def connection_closed(self, conn: Connection) -> None:
         """An actor's connection closed (``Host``): no cancel of a spawn comes on it."""
         if self.spawns_for_actors:
@@ -458,6 +468,14 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         if not self._open or self._closing:
             raise RuntimeError("this actorshm Runtime is not open; spawn actors inside "
                                "`async with actorshm.Runtime():`")
+
+
+def _raise_out_of_fds(exc: OSError):
+    """Raise ``exc``, or what ``out_of_fds`` makes of it (the driver is out of fds)."""
+    better = out_of_fds(exc)
+    if better is exc:
+        raise exc
+    raise better from None
 
 
 def current_runtime() -> Runtime:

@@ -89,6 +89,9 @@ def cancel_spawn(runtime, conn, cid: int) -> None:
     if isinstance(found, asyncio.Task):
         if not found.done():
             found.cancel()
+            # (Python < 3.12: ``wait_for`` returns a result that came in the same step
+            # as the cancel, dropping the cancel: the actor it made goes too.)
+            found.add_done_callback(lambda t: _kill_if_made(runtime, t))
             return
         # Ended, its callbacks (the reply, ``_follow_spawn``'s record) not yet run: the
         # reply goes, and the actor drops it.
@@ -96,6 +99,12 @@ def cancel_spawn(runtime, conn, cid: int) -> None:
             else found.result().actor_id
     if found is not None:
         runtime.loop.create_task(runtime.kill(found)).add_done_callback(_ignore)
+
+
+def _kill_if_made(runtime, task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is None:
+        runtime.loop.create_task(runtime.kill(task.result().actor_id)).add_done_callback(
+            _ignore)
 
 
 def forget_spawns(runtime, conn) -> None:

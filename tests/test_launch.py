@@ -116,13 +116,25 @@ async def test_a_spawn_out_of_fds_says_whose_limit_and_what_to_do(rt_each):
     await Counter.spawn(0)  # (a fork server is up)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     before = len(os.listdir("/proc/self/fd"))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (before + 1, hard))
+    # Every fd number below the limit taken but one (fd numbers, not the count of open
+    # fds, decide: a gap below the limit would be a free slot): the socket pair fails.
+    limit = max(map(int, os.listdir("/proc/self/fd"))) + 8
+    fill = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
     try:
+        try:
+            while True:
+                fill.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        os.close(fill.pop())
         with pytest.raises(OSError, match=r"Too many open files\): this process \(the "
                                           r"driver\) is out of file descriptors .*ulimit -n, "
-                                          rf"is {before + 1}.*raise the limit"):
+                                          rf"is {limit}.*raise the limit"):
             await Counter.spawn(0)
     finally:
+        for fd in fill:
+            os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert len(os.listdir("/proc/self/fd")) <= before
     assert await (await Counter.spawn(1)).incr() == 2
