@@ -136,10 +136,14 @@ def tensor_is_shared(t: torch.Tensor) -> bool:
     ``t``'s storage lies in shared memory or a GPU pool (it travels by reference); for a
     sparse tensor, whether its index and value tensors all do. A nested or quantized
     tensor never does (torch pickles it, by value), nor one of a subclass that pickles
-    itself its own way (``_reduce_subclass``), nor a wrapper subclass (no storage)."""
+    itself its own way (``_reduce_subclass``), nor a wrapper subclass (no storage). A
+    subclass of ``nn.Parameter`` that keeps its pickling does: torch reduces it to its
+    ``.data``, a plain tensor that travels as any (it arrives as an ``nn.Parameter``)."""
     kind = type(t)
     if kind is not torch.Tensor and kind is not _Parameter and \
-            kind.__reduce_ex__ is not torch.Tensor.__reduce_ex__:
+            kind.__reduce_ex__ is not torch.Tensor.__reduce_ex__ and \
+            not (issubclass(kind, _Parameter) and
+                 kind.__reduce_ex__ is _Parameter.__reduce_ex__):
         return False
     if t.layout in SPARSE:
         return all(tensor_is_shared(p) for p in sparse_parts(t) if isinstance(p, torch.Tensor))
@@ -207,8 +211,10 @@ def _reduce_subclass(enc, t: torch.Tensor):
     pickling keeps (its ``__dict__``, or what its ``__getstate__`` gives). Pickled by
     torch, by value, a shared one was copied each time (uncounted) and the actor's
     writes were lost. A subclass that pickles itself its own way (a ``__reduce_ex__``
-    of its own, as a ``Parameter`` subclass has) or has no storage of its own (a
-    wrapper subclass) is left to torch."""
+    of its own) or has no storage of its own (a wrapper subclass) is left to torch (a
+    ``Parameter`` subclass: torch's ``Parameter.__reduce_ex__`` sends its ``.data``,
+    which this reducer then sends as a plain tensor, by reference when shared, and it
+    arrives as an ``nn.Parameter``)."""
     kind = type(t)
     if kind.__reduce_ex__ is not torch.Tensor.__reduce_ex__ or \
             not torch._C._has_storage(t):

@@ -415,11 +415,30 @@ async def test_tensor_subclasses_travel_by_reference_as_themselves(rt):
     assert type(s) is Tagged and at.is_shared(s) and actorshm.is_shared(s)
 
 
-def test_is_shared_is_false_for_tensor_subclasses_torch_pickles_by_value():
-    # a Parameter subclass pickles itself its own way (by value, as torch does), and a
-    # wrapper subclass has no storage (asking for its data pointer raises)
+async def test_a_shared_parameter_subclass_travels_by_reference_and_says_so(rt):
+    # torch's Parameter.__reduce_ex__ sends its .data, a plain tensor that actorshm
+    # sends by reference: the actor's writes come back and nothing is copied, while
+    # is_shared said False. It arrives as an nn.Parameter, as torch's pickling makes it.
     class MyParam(torch.nn.Parameter):
         pass
+
+    w = await TorchWorker.spawn()
+    p = MyParam(at.zeros(4096))
+    assert at.is_shared(p) and actorshm.is_shared(p) and at.share(p) is p
+    before = actorshm.stats()["bytes_copied"]
+    info = await w.info(p)
+    assert (info["type"], info["shared"], info["requires_grad"]) == ("Parameter", True, True)
+    await w.fill(p, 3.0)
+    assert p.tolist() == [3.0] * 4096 and actorshm.stats()["bytes_copied"] == before
+    assert not at.is_shared(MyParam(torch.zeros(3)))
+
+
+def test_is_shared_is_false_for_tensor_subclasses_torch_pickles_by_value():
+    # a subclass that pickles itself its own way, and a wrapper subclass has no
+    # storage (asking for its data pointer raises)
+    class OwnReduce(torch.Tensor):
+        def __reduce_ex__(self, proto):
+            return torch.Tensor.__reduce_ex__(self.as_subclass(torch.Tensor).clone(), proto)
 
     class Wrapper(torch.Tensor):
         @staticmethod
@@ -430,8 +449,8 @@ def test_is_shared_is_false_for_tensor_subclasses_torch_pickles_by_value():
         def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
             raise NotImplementedError(func)
 
-    p = MyParam(at.zeros(3))
-    assert not at.is_shared(p) and not actorshm.is_shared(p)
+    o = at.zeros(3).as_subclass(OwnReduce)
+    assert not at.is_shared(o) and not actorshm.is_shared(o)
     assert not at.is_shared(Wrapper(at.zeros(3)))
     assert not actorshm.is_shared(Wrapper(at.zeros(3)))
     assert at.is_shared(torch.nn.Parameter(at.zeros(3)))
