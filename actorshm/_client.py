@@ -33,8 +33,20 @@ def runtime_closed(runtime: Any) -> bool:
 
 
 def innermost_runtime() -> Any:
-    """The runtime opened last and not yet closed in this process, or None."""
-    return _runtimes[-1] if _runtimes else None
+    """The runtime opened last and not yet closed in this process, or None.
+
+    One opened on the event loop running in this thread comes first: a runtime that
+    another thread opened on a loop of its own (and closes when that thread is done)
+    must not take this thread's spawns, whose actors would die with it.
+    """
+    if not _runtimes:
+        return None
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        for rt in reversed(_runtimes):
+            if getattr(rt, "loop", None) is loop:
+                return rt
+    return _runtimes[-1]
 
 
 def client() -> Any:
@@ -42,7 +54,7 @@ def client() -> Any:
     if w is not None:
         return w
     if _runtimes:
-        return _runtimes[-1]
+        return innermost_runtime()
     raise RuntimeError(
         "no actorshm runtime is open. Open one with `async with actorshm.Runtime():` "
         "around your code, or run it with `actorshm.run(main())`.")

@@ -479,7 +479,8 @@ def _raise_out_of_fds(exc: OSError):
 
 
 def current_runtime() -> Runtime:
-    """The runtime that ``spawn`` uses here: the one opened last and not yet closed.
+    """The runtime that ``spawn`` uses here: the one opened last and not yet closed (on
+    the event loop running in this thread, if one was opened on it).
 
     Raises:
         RuntimeError: no runtime is open (the message says how to open one), or this is

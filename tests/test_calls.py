@@ -340,6 +340,39 @@ def test_spawning_from_another_threads_event_loop_works():
     assert got == {"incr": 6}
 
 
+def test_a_runtime_another_thread_opens_does_not_take_this_threads_spawns():
+    # A thread opens a runtime on a loop of its own while the main one is open: spawns
+    # and current_runtime() on the main loop stay with the main runtime, so their actors
+    # live on when the thread's runtime closes.
+    got = {}
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ours = actorshm.current_runtime()
+        opened, finish = threading.Event(), threading.Event()
+
+        def thread():
+            async def inner():
+                async with actorshm.Runtime() as theirs:
+                    got["theirs"] = await (await Counter.spawn(100)).incr(1)
+                    got["theirs_current"] = actorshm.current_runtime() is theirs
+                    opened.set()
+                    await asyncio.get_running_loop().run_in_executor(None, finish.wait)
+            asyncio.run(inner())
+        t = threading.Thread(target=thread)
+        t.start()
+        try:
+            assert await loop.run_in_executor(None, opened.wait, 60)
+            got["ours_current"] = actorshm.current_runtime() is ours
+            c = await Counter.spawn(5)
+        finally:
+            finish.set()
+            await loop.run_in_executor(None, t.join)
+        got["after"] = await asyncio.wait_for(c.incr(1), 30)  # the thread's runtime closed
+    actorshm.run(main())
+    assert got == {"theirs": 101, "theirs_current": True, "ours_current": True, "after": 6}
+
+
 def test_killing_from_another_threads_event_loop_works():
     got, errors = {}, []
 
