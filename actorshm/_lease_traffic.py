@@ -9,6 +9,7 @@ frame or in a RELEASE frame of their own), notices that we passed a peer's block
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import pickle
 
@@ -26,12 +27,28 @@ class LeaseTraffic:
 
     def queue_release(self, key: tuple, n: int) -> None:
         """Give ``n`` grants of block ``key`` back to the peer (batched, sent soon)."""
-        if self.closed:
+        if self.closed or self._off_loop(self.queue_release, key, n):
             return
         self._releases[key] = self._releases.get(key, 0) + n
         if not self._release_scheduled:
             self._release_scheduled = True
             self.loop.call_soon(self._send_releases)
+
+    def _off_loop(self, method, *args) -> bool:
+        """Whether this runs off the connection's event loop, and so was handed to it.
+
+        Releases are dispatched on one loop of the process (``_leases.set_release_hook``),
+        while a runtime a thread opened on a loop of its own has connections there: those
+        are that loop's alone (a write from here would interleave with its own, and a
+        uvloop ``call_soon`` from another thread can stall it).
+        """
+        if asyncio._get_running_loop() is self.loop:
+            return False
+        try:
+            self.loop.call_soon_threadsafe(method, *args)
+        except RuntimeError:  # its loop has ended: so has the connection
+            pass
+        return True
 
     def _send_releases(self) -> None:
         self._release_scheduled = False
@@ -66,7 +83,7 @@ class LeaseTraffic:
 
     def send_retire(self, key: tuple) -> None:
         """Tell the peer we will send no more blocks of region ``key``."""
-        if not self.closed:
+        if not self.closed and not self._off_loop(self.send_retire, key):
             payload = pickle.dumps(key, protocol=5)
             self._send(RETIRE, 0, 0, payload, ())
 

@@ -104,6 +104,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self._ending: _descendants.Ending | None = None  # (made by start())
         self._owner = 0  # the driver's pid (set by start())
         self._forkserver: ForkServerClient | None = None
+        self._release_hook = None  # (made by start(): dispatches releases on its loop)
 
     closing = property(lambda self: self._closing, doc="Whether it is closing or closed.")
 
@@ -135,7 +136,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         if _shm.pool().shared is None:  # the first runtime of this process
             _shm.shared_budget()
             _shm.watch_for_room(self.loop)
-        _leases.set_release_hook(coalesced_call(self.loop, _leases.dispatch_releases))
+        self._release_hook = coalesced_call(self.loop, _leases.dispatch_releases)
+        _leases.set_release_hook(self._release_hook)
         self._open = True
         _client.runtime_opened(self)
         self._ending = _descendants.Ending()
@@ -186,7 +188,14 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 self._forkserver.stop()
             _events.close(self)
             self._open = False
-            if not _client.runtime_closed(self):
+            still_open = _client.runtime_closed(self)
+            if _leases._release_hook is self._release_hook:
+                # This loop may end now (a thread's ``asyncio.run``): releases are
+                # dispatched on a runtime's loop that stays open, or would never go out.
+                _leases.set_release_hook(next(
+                    (h for h in (getattr(rt, "_release_hook", None)
+                                 for rt in reversed(_client._runtimes)) if h), None))
+            if not still_open:
                 _leases.release_quarantine()  # whoever could hold those blocks is gone
             _shm.release_budget(id(self), trim=not _client._runtimes)  # idle memory too
             self._finalizer.detach()  # (set by start(), which close() needs)

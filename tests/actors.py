@@ -463,6 +463,15 @@ class Arrays:
     def stats(self):
         return actorshm.stats()
 
+    async def wait_blocks_home(self, timeout):
+        """Whether every block of ours came back within ``timeout`` s (while we wait)."""
+        end = time.monotonic() + timeout
+        while actorshm.stats()["blocks_live"]:
+            if time.monotonic() > end:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
     def fd_count(self):
         return len(os.listdir("/proc/self/fd"))
 

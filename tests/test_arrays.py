@@ -591,6 +591,36 @@ def test_block_dropped_in_a_thread_cannot_be_picked_up_again():
         arena.close()
 
 
+def test_releases_go_out_after_another_threads_runtime_closed():
+    # A thread opens and closes a runtime on a loop of its own: the driver's releases
+    # were then scheduled on that ended loop, so an actor's block the driver dropped went
+    # home only if another frame to that actor happened to carry its release.
+    import threading
+    got = []
+
+    async def main():
+        a = await Arrays.spawn()
+
+        def thread():
+            async def inner():
+                async with actorshm.Runtime():
+                    await (await Arrays.spawn()).stats()
+            asyncio.run(inner())
+        t = threading.Thread(target=thread)
+        t.start()
+        await asyncio.get_running_loop().run_in_executor(None, t.join)
+        for _ in range(3):
+            x = await a.make(1000, 1.0)
+            home = a.wait_blocks_home(20)  # running while we drop x: no frame follows
+            await asyncio.sleep(0.05)
+            del x
+            got.append(await home)
+            if not got[-1]:
+                break
+    actorshm.run(main())
+    assert got == [True] * 3
+
+
 async def test_handed_back_array_does_not_pin_a_dead_owners_arena(rt):
     # We pass the owner's array to b, b hands it back: we and b each introduced the
     # arena to the other. After the owner dies, both must still let it go.
