@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from typing import Any
 
 _runtimes: list = []  # open runtimes in the driver, innermost last
+# Held while a runtime opens or closes: threads may do both at once, and the first to
+# open makes the process's shared budget, the last to close ends it.
+runtimes_lock = threading.Lock()
 _worker: list = [None]  # the worker, inside an actor process
 
 

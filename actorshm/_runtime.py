@@ -132,14 +132,15 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self._loop_thread = threading.get_ident()
         if self.start_method == "forkserver":  # (its server starts on the first fork)
             self._forkserver = ForkServerClient(self.loop, self.start_timeout)
-        _shm.set_budget(self.shm_budget, id(self))
-        if _shm.pool().shared is None:  # the first runtime of this process
-            _shm.shared_budget()
-            _shm.watch_for_room(self.loop)
-        self._release_hook = coalesced_call(self.loop, _leases.dispatch_releases)
-        _leases.set_release_hook(self._release_hook)
-        self._open = True
-        _client.runtime_opened(self)
+        with _client.runtimes_lock:
+            _shm.set_budget(self.shm_budget, id(self))
+            if _shm.pool().shared is None:  # the first runtime of this process
+                _shm.shared_budget()
+                _shm.watch_for_room(self.loop)
+            self._release_hook = coalesced_call(self.loop, _leases.dispatch_releases)
+            _leases.set_release_hook(self._release_hook)
+            self._open = True
+            _client.runtime_opened(self)
         self._ending = _descendants.Ending()
         self._owner = os.getpid()
         self._finalizer = weakref.finalize(self, kill_all, self._actors, self._ending,
@@ -188,16 +189,18 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 self._forkserver.stop()
             _events.close(self)
             self._open = False
-            still_open = _client.runtime_closed(self)
-            if _leases._release_hook is self._release_hook:
-                # This loop may end now (a thread's ``asyncio.run``): releases are
-                # dispatched on a runtime's loop that stays open, or would never go out.
-                _leases.set_release_hook(next(
-                    (h for h in (getattr(rt, "_release_hook", None)
-                                 for rt in reversed(_client._runtimes)) if h), None))
-            if not still_open:
-                _leases.release_quarantine()  # whoever could hold those blocks is gone
-            _shm.release_budget(id(self), trim=not _client._runtimes)  # idle memory too
+            with _client.runtimes_lock:  # (another thread may open one meanwhile)
+                still_open = _client.runtime_closed(self)
+                if _leases._release_hook is self._release_hook:
+                    # This loop may end now (a thread's ``asyncio.run``): releases are
+                    # dispatched on a runtime's loop that stays open, or would never
+                    # go out.
+                    _leases.set_release_hook(next(
+                        (h for h in (getattr(rt, "_release_hook", None)
+                                     for rt in reversed(_client._runtimes)) if h), None))
+                if not still_open:
+                    _leases.release_quarantine()  # whoever could hold those blocks is gone
+                _shm.release_budget(id(self), trim=not still_open)  # idle memory too
             self._finalizer.detach()  # (set by start(), which close() needs)
 
     # -- spawning ----------------------------------------------------------------

@@ -559,6 +559,31 @@ def test_run_returns_result():
     assert actorshm.run(main()) == 2
 
 
+def test_runtimes_opened_and_closed_in_threads_at_once_leak_no_fds():
+    # The first runtime to open makes the process's shared budget (a memfd), the last to
+    # close ends it: threads doing both at once each made one, and all but one leaked.
+    import threading
+
+    def budget_fds():
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += "actorshm-budget" in os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # (the listing's own fd, closed by now)
+                pass
+        return n
+
+    before = budget_fds()
+    for _ in range(30):
+        threads = [threading.Thread(target=actorshm.run, args=(asyncio.sleep(0.01),))
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert budget_fds() == before
+
+
 def test_a_handle_kept_past_its_runtime_fails_cleanly_anywhere():
     # (a module-level handle across asyncio.run calls, or used from sync code later)
     async def spawn():
