@@ -261,9 +261,17 @@ class CallStream(Stream):
             TypeError: the call was made from a thread other than the event loop's.
         """
         if not isinstance(fut, asyncio.Future):
+            if fut.done() and not fut.cancelled() and fut.exception() is not None:
+                raise fut.exception()  # (its runtime has closed, say): that comes first
             fut.cancel()
-            raise TypeError(f"{self.what}() streams: call it from the event loop's thread "
-                            "(in an async method), not from a worker thread")
+            # (A driver thread may run a loop of its own: "the event loop's thread" alone
+            # does not say which one.)
+            raise TypeError(
+                f"{self.what}() streams, and a stream is iterated on the thread that runs "
+                "its runtime's event loop (in an actor: in an async method), not from "
+                "another thread or another thread's loop; from such a thread, hand the "
+                "loop a coroutine that iterates it: "
+                "`asyncio.run_coroutine_threadsafe(consume(), loop).result()`")
         self.fut = self.inbox.fut = fut
         fut.add_done_callback(self.inbox.wake)
         return self

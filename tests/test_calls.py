@@ -373,6 +373,33 @@ def test_a_runtime_another_thread_opens_does_not_take_this_threads_spawns():
     assert got == {"theirs": 101, "theirs_current": True, "ours_current": True, "after": 6}
 
 
+def test_a_stream_from_another_thread_says_which_loop_iterates_it():
+    got = {}
+
+    async def main():
+        c = await Counter.spawn(0)
+        loop = asyncio.get_running_loop()
+
+        def thread():
+            async def inner():  # an event loop of this thread's own
+                with pytest.raises(TypeError) as err:
+                    c.logged_stream(3)
+                got["message"] = str(err.value)
+
+            async def consume():
+                return [x async for x in c.logged_stream(3)]
+            asyncio.run(inner())
+            got["handed"] = asyncio.run_coroutine_threadsafe(consume(), loop).result(30)
+        t = threading.Thread(target=thread)
+        t.start()
+        await loop.run_in_executor(None, t.join)
+        got["after"] = await c.incr(1)  # nothing was left running in the actor
+    actorshm.run(main())
+    assert "runtime's event loop" in got["message"]
+    assert "run_coroutine_threadsafe" in got["message"]
+    assert got["handed"] == [0, 1, 2] and got["after"] == 1
+
+
 def test_killing_from_another_threads_event_loop_works():
     got, errors = {}, []
 

@@ -596,6 +596,9 @@ def test_a_handle_kept_past_its_runtime_fails_cleanly_anywhere():
     asyncio.run(call_again())
     with pytest.raises(ActorDiedError, match="runtime"):
         h.incr(1).result(timeout=5)
+    # a stream too (not an error about threads: nothing would stream on any thread)
+    with pytest.raises(ActorDiedError, match="runtime"):
+        h.logged_stream(3)
 
 
 async def test_max_restarts(rt_each):
