@@ -27,7 +27,8 @@ async def _amain(fd: int) -> int:
     worker = Worker(loop, fd)
     watch_forks()
     _client.set_worker(worker)
-    _leases.set_release_hook(coalesced_call(loop, _leases.dispatch_releases))
+    worker.release_hook = coalesced_call(loop, _leases.dispatch_releases)
+    _leases.set_release_hook(worker.release_hook)  # (a runtime opened here gives it back)
     _leases.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks
     try:
         await worker.stopped

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 from typing import Any
 
@@ -11,6 +12,16 @@ _runtimes: list = []  # open runtimes in the driver, innermost last
 # Held while a runtime opens or closes: threads may do both at once, and the first to
 # open makes the process's shared budget, the last to close ends it.
 runtimes_lock = threading.Lock()
+
+
+def _new_lock() -> None:
+    """A forked child (an actor) gets a lock of its own: another thread of the driver
+    may have held this one at the fork, and nothing in the child would release it."""
+    global runtimes_lock
+    runtimes_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock)
 _worker: list = [None]  # the worker, inside an actor process
 
 

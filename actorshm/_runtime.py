@@ -193,11 +193,15 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 still_open = _client.runtime_closed(self)
                 if _leases._release_hook is self._release_hook:
                     # This loop may end now (a thread's ``asyncio.run``): releases are
-                    # dispatched on a runtime's loop that stays open, or would never
-                    # go out.
-                    _leases.set_release_hook(next(
-                        (h for h in (getattr(rt, "_release_hook", None)
-                                     for rt in reversed(_client._runtimes)) if h), None))
+                    # dispatched on the loop of a runtime still open, or, in an actor, on
+                    # its worker's. With neither, this one's stays: its loop may run on
+                    # (a notebook's), and a runtime opened later installs its own.
+                    hook = next((rt._release_hook for rt in reversed(_client._runtimes)
+                                 if getattr(rt, "_release_hook", None) is not None and
+                                 not rt.loop.is_closed()), None) or \
+                        getattr(_client.current_worker(), "release_hook", None)
+                    if hook is not None:
+                        _leases.set_release_hook(hook)
                 if not still_open:
                     _leases.release_quarantine()  # whoever could hold those blocks is gone
                 _shm.release_budget(id(self), trim=not still_open)  # idle memory too

@@ -157,7 +157,7 @@ def coalesced_call(loop, fn):
             else:
                 loop.call_soon_threadsafe(run)
         except RuntimeError:  # loop closed: the process is ending
-            pass
+            state["scheduled"] = False  # (nothing will run: a later call tries again)
 
     return hook
 

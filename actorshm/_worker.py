@@ -66,6 +66,7 @@ class Worker(StreamingClient):
         self.dropped: set[tuple] = set()  # sync calls cancelled while they ran
         self.outflows: dict[tuple, Outflow] = {}  # (conn, cid) of streams -> their credit
         self.peers: dict[int, Connection] = {}
+        self.release_hook = None  # (set by ``_actor_process``: dispatches on this loop)
         self.driver = Connection(loop, self, socket.socket(fileno=fd), label="the driver")
 
     closing = property(lambda self: self._closing, doc="Whether the actor is stopping.")

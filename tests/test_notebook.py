@@ -100,6 +100,37 @@ async def _current():
     return actorshm.current_runtime()
 
 
+def test_an_array_kept_past_its_runtime_is_let_go_in_a_later_cell():
+    """The kernel's loop runs on after `await rt.close()`: an actor's array dropped in a
+    later cell is released there, and the dead actor's memory unmapped (closing the last
+    runtime unset the release hook: it stayed mapped)."""
+    import gc
+
+    from actorshm import _leases, _shm
+    from actors import Arrays
+
+    loop = asyncio.new_event_loop()
+    cell = loop.run_until_complete
+    try:
+        rt = cell(actorshm.Runtime(shutdown_grace=1.0).start())
+        a = cell(Arrays.spawn())
+        x = cell(a.make(1 << 16, 1.0))  # in the actor's memory
+        cell(rt.close())
+        key = _shm.find_block(x).region.key
+        assert x.sum() == 1 << 16 and key in _leases._regions
+        del x
+        gc.collect()
+        for _ in range(100):
+            cell(asyncio.sleep(0.01))  # (later cells)
+            if key not in _leases._regions:
+                break
+        assert key not in _leases._regions and not _leases.pending_releases
+    finally:
+        if _client._runtimes:  # pragma: no cover - only when the test failed
+            loop.run_until_complete(_client._runtimes[-1].close())
+        loop.close()
+
+
 async def test_start_twice_and_async_with_after_start():
     rt = await actorshm.Runtime().start()
     try:
