@@ -626,7 +626,8 @@ async def test_a_kill_whose_await_times_out_still_kills(rt):
     not restarted, and was reported as the kill."""
     from actors import Phoenix
     p = await Phoenix.spawn("t")
-    busy = p.nap(0.5)  # (the settling wait before the SIGKILL takes its 0.1 s)
+    busy = p.nap(2.0)  # (the settling wait before the SIGKILL takes its 0.1 s)
+    await asyncio.sleep(0.3)  # (napping: it cannot answer the settling call)
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(p.kill(), 0.03)
     with pytest.raises(ActorDiedError, match="kill"):
