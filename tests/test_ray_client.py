@@ -121,14 +121,25 @@ async def test_a_stream_whose_argument_failed_raises_that_error_with_its_traceba
             raise AssertionError("no error")
 
 
+async def _host_of(cls):
+    """The Ray host of an actor of ``cls``, run in this process (Ray faked), ready."""
+    import sys
+    from actorshm import _client, _ray_host, _ray_watched
+
+    with mock.patch.dict(sys.modules, {"ray": None}), \
+            mock.patch.object(_ray_watched, "_on_leaving", lambda f: None), \
+            mock.patch.object(_client, "_worker", [None]):  # (the host sets this process's)
+        host = _ray_host.Host(cls, (), {}, 1, mock.Mock, ())
+    assert await host.ready() == (True, mock.ANY)
+    return host
+
+
 @pytest.mark.parametrize("first", ["call", "stream"])
 async def test_a_call_cancelled_before_its_callers_first_call_came_passes_its_turn(first):
     # `await h.count(3)` (a TypeError: a stream is iterated) drops the stream at once;
     # its cancel, on the host's control thread, can come before the stream itself, and
     # before any call of that caller. The stream then came, was skipped, and the
     # caller's next call (base: the skipped one) waited for its turn forever.
-    import sys
-    from actorshm import _client, _ray_host, _ray_watched
     from actorshm._ray_errors import outcome
 
     class A:
@@ -138,11 +149,7 @@ async def test_a_call_cancelled_before_its_callers_first_call_came_passes_its_tu
         async def gen(self):
             yield 1
 
-    with mock.patch.dict(sys.modules, {"ray": None}), \
-            mock.patch.object(_ray_watched, "_on_leaving", lambda f: None), \
-            mock.patch.object(_client, "_worker", [None]):  # (the host sets this process's)
-        host = _ray_host.Host(A, (), {}, 1, mock.Mock, ())
-    assert await host.ready() == (True, mock.ANY)
+    host = await _host_of(A)
     assert outcome(await host.call(("m", (), {}, "other", 0, 0)), "A.m") == ("m", None)
     await host.cancel("driver", [0])
     await asyncio.sleep(0)  # (``_apply_cancel``, from the loop)
@@ -161,8 +168,6 @@ async def test_a_stream_refused_at_its_first_item_ends_without_waiting_for_a_slo
     # The host (in this process) of an actor A with max_concurrency=1 runs A.m, which
     # made a stream of A: its first item is refused (re-entrant), and its close waited
     # for A's slot, held by A.m, which waits for the stream's end (aclose): a deadlock.
-    import sys
-    from actorshm import _client, _ray_host, _ray_watched
     from actorshm._errors import ReentrantCallError
     from actorshm._ray_errors import outcome
 
@@ -175,11 +180,7 @@ async def test_a_stream_refused_at_its_first_item_ends_without_waiting_for_a_slo
         async def gen(self):
             yield 1
 
-    with mock.patch.dict(sys.modules, {"ray": None}), \
-            mock.patch.object(_ray_watched, "_on_leaving", lambda f: None), \
-            mock.patch.object(_client, "_worker", [None]):  # (the host sets this process's)
-        host = _ray_host.Host(A, (), {}, 1, mock.Mock, ())
-    assert await host.ready() == (True, mock.ANY)
+    host = await _host_of(A)
     m = asyncio.ensure_future(host.call(("m", (), {}, "driver", 0, 0)))
     try:
         await asyncio.sleep(0.05)
