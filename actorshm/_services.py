@@ -72,39 +72,39 @@ def _follow_spawn(runtime, conn, cid: int, task: asyncio.Task) -> None:
 
     def done(t: asyncio.Task) -> None:
         if spawns.get(key) is t:  # (the id alone: a handle would keep the record)
-            spawns[key] = None if t.cancelled() or t.exception() is not None \
-                else t.result().actor_id
+            spawns[key] = _made(t)
     task.add_done_callback(done)
     while len(spawns) > SPAWNS_KEPT:
         spawns.popitem(last=False)
+
+
+def _made(task: asyncio.Task) -> int | None:
+    """The id of the actor a finished spawn task started, or None (it failed)."""
+    if task.cancelled() or task.exception() is not None:
+        return None
+    return task.result().actor_id
 
 
 def cancel_spawn(runtime, conn, cid: int) -> None:
     """The actor on ``conn`` cancelled its call ``cid`` (a time-out, a cancel): if that
     was a spawn, nothing it started may be left running, as for a spawn cancelled in the
     driver. A start under way is cancelled (``Runtime.spawn`` stops what it started);
-    one that ended has had its reply sent, which the actor drops, a call it cancelled:
-    nobody would hold a handle on that actor, so it is killed."""
+    one that ended has had its reply sent (or is about to), which the actor drops, a
+    call it cancelled: nobody would hold a handle on that actor, so it is killed."""
     found = runtime.spawns_for_actors.pop((conn, cid), None)
     if isinstance(found, asyncio.Task):
-        if not found.done():
-            found.cancel()
-            # (Python < 3.12: ``wait_for`` returns a result that came in the same step
-            # as the cancel, dropping the cancel: the actor it made goes too.)
-            found.add_done_callback(lambda t: _kill_if_made(runtime, t))
-            return
-        # Ended, its callbacks (the reply, ``_follow_spawn``'s record) not yet run: the
-        # reply goes, and the actor drops it.
-        found = None if found.cancelled() or found.exception() is not None \
-            else found.result().actor_id
-    if found is not None:
-        runtime.loop.create_task(runtime.kill(found)).add_done_callback(_ignore)
+        # Under way, it is cancelled; what it still made (ended already, its callbacks
+        # not yet run; or, before Python 3.12, a ``wait_for`` in it that returned a
+        # result coming in the same step as the cancel) is killed once it ends.
+        found.cancel()
+        found.add_done_callback(lambda t: _kill(runtime, _made(t)))
+    else:
+        _kill(runtime, found)
 
 
-def _kill_if_made(runtime, task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is None:
-        runtime.loop.create_task(runtime.kill(task.result().actor_id)).add_done_callback(
-            _ignore)
+def _kill(runtime, actor_id: int | None) -> None:
+    if actor_id is not None:
+        runtime.loop.create_task(runtime.kill(actor_id)).add_done_callback(_ignore)
 
 
 def forget_spawns(runtime, conn) -> None:
