@@ -239,6 +239,11 @@ def set_release_hook(hook) -> None:
     _release_hook = hook
 
 
+def release_hook():
+    """The hook ``set_release_hook`` installed last (None: none yet)."""
+    return _release_hook
+
+
 def set_forward_notices(on: bool) -> None:
     """Whether this process sends forward notices (actors do; see the module docstring)."""
     global _forward_notices

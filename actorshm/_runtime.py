@@ -191,7 +191,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             self._open = False
             with _client.runtimes_lock:  # (another thread may open one meanwhile)
                 still_open = _client.runtime_closed(self)
-                if _leases._release_hook is self._release_hook:
+                if _leases.release_hook() is self._release_hook:
                     # This loop may end now (a thread's ``asyncio.run``): releases are
                     # dispatched on the loop of a runtime still open, or, in an actor, on
                     # its worker's. With neither, this one's stays: its loop may run on
