@@ -139,11 +139,7 @@ def tensor_is_shared(t: torch.Tensor) -> bool:
     itself its own way (``_reduce_subclass``), nor a wrapper subclass (no storage). A
     subclass of ``nn.Parameter`` that keeps its pickling does: torch reduces it to its
     ``.data``, a plain tensor that travels as any (it arrives as an ``nn.Parameter``)."""
-    kind = type(t)
-    if kind is not torch.Tensor and kind is not _Parameter and \
-            kind.__reduce_ex__ is not torch.Tensor.__reduce_ex__ and \
-            not (issubclass(kind, _Parameter) and
-                 kind.__reduce_ex__ is _Parameter.__reduce_ex__):
+    if not _pickled_as_tensor(type(t)):
         return False
     if t.layout in SPARSE:
         return all(tensor_is_shared(p) for p in sparse_parts(t) if isinstance(p, torch.Tensor))
@@ -156,6 +152,17 @@ def tensor_is_shared(t: torch.Tensor) -> bool:
         return storage_block(t) is not None
     except RuntimeError:  # a wrapper subclass (``_make_wrapper_subclass``): no storage
         return False
+
+
+def _pickled_as_tensor(kind: type) -> bool:
+    """Whether a tensor of class ``kind`` reaches ``_reduce_bare`` as a tensor (and so
+    travels by reference when shared): a plain tensor or Parameter, a subclass keeping
+    torch's pickling (``_reduce_subclass``), or a Parameter subclass keeping Parameter's
+    (torch reduces it to its ``.data``). Any other subclass pickles itself, by value."""
+    reduce = kind.__reduce_ex__
+    return kind is torch.Tensor or kind is _Parameter or \
+        reduce is torch.Tensor.__reduce_ex__ or \
+        (reduce is _Parameter.__reduce_ex__ and issubclass(kind, _Parameter))
 
 
 def check_sendable(t: torch.Tensor) -> None:
