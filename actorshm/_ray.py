@@ -568,7 +568,7 @@ class RayClient(CallOrder):
                 _kill_started(ray, handle)
             raise translate(exc, what, None) from exc
         if not ok:
-            ray.kill(handle, no_restart=True)
+            _kill_started(ray, handle)
             raise decode_exception(payload, f"{cls.__qualname__}.__init__")
         aid = RayActorId(handle, handle._actor_id.hex(), streams, named,
                          options.max_restarts)
