@@ -66,13 +66,15 @@ def worker_command(fd: int) -> list[str]:
     return [sys.executable, "-c", _WORKER_CMD, str(fd)]
 
 
-def check_number(name: str, value: Any, least: float, kind: type, unit: str) -> Any:
-    """A Runtime option that must be a number of at least ``least``, as ``kind``."""
+def check_number(name: str, value: Any, least: float, kind: type, unit: str, *,
+                 above: bool = False) -> Any:
+    """A Runtime option that must be a number of at least ``least`` (more than it, with
+    ``above``), as ``kind``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"Runtime({name}=...) must be a number ({unit}), not {value!r}")
-    if not least <= value < float("inf"):
-        raise ValueError(f"Runtime({name}=...) must be at least {least} ({unit}), not "
-                         f"{value!r}")
+    if not (least < value if above else least <= value) or not value < float("inf"):
+        raise ValueError(f"Runtime({name}=...) must be {'more than' if above else 'at least'} "
+                         f"{least} ({unit}), not {value!r}")
     return kind(value)
 
 

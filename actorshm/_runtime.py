@@ -75,7 +75,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self.start_method = start_method
         self.shutdown_grace = check_number("shutdown_grace", shutdown_grace, 0, float,
                                             "seconds")
-        self.start_timeout = check_number("start_timeout", start_timeout, 0, float, "seconds")
+        self.start_timeout = check_number("start_timeout", start_timeout, 0, float,
+                                          "seconds: no actor starts in no time", above=True)
         if gpus is not None and (isinstance(gpus, (str, bytes)) or not hasattr(gpus, "__iter__")):
             raise TypeError(f"gpus must be a list of GPU indices or UUIDs (e.g. [0, 1]), not "
                             f"{gpus!r}")

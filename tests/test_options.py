@@ -45,7 +45,7 @@ def test_bad_options_are_refused_where_given_naming_the_option(bad):
 @pytest.mark.parametrize("bad", [
     {"shm_budget": "1GB"}, {"shm_budget": 0}, {"shm_budget": -1}, {"shm_budget": 1 << 20},
     {"shm_budget": 1 << 70}, {"shm_budget": 1e30},
-    {"start_timeout": "x"},
+    {"start_timeout": "x"}, {"start_timeout": 0}, {"start_timeout": -0.5},
     {"start_timeout": float("nan")}, {"shutdown_grace": "x"}, {"shutdown_grace": -1},
     {"gpus": 3}, {"gpus": "01"}])
 def test_bad_runtime_options_are_refused_naming_the_option(bad):
