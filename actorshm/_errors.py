@@ -7,6 +7,8 @@ ran out (``SharedMemoryError``, also a ``MemoryError``).
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "ActorError",
     "ActorDiedError",
@@ -37,6 +39,24 @@ def init_exit_error(cls_name: str, exc: BaseException) -> BaseException:
     if isinstance(exc, SystemExit):
         return ActorDiedError(f"actor {cls_name} exited in __init__ (sys.exit({exc.code!r}))")
     return exc
+
+
+def undeserializable_arguments(what: str) -> TypeError:
+    """The error of a call whose arguments the actor could not unpickle; ``what`` is the
+    unpickling error as "Type: message". A module the actor cannot import gets the fix
+    (both backends)."""
+    hint = ""
+    missing = _MISSING_MODULE.search(what)
+    if missing:
+        name = missing.group(1)
+        hint = (f" (the actor's process cannot import {name!r}: actors import from the "
+                f"sys.path the driver had when they were spawned; install the module, put "
+                f"its folder on sys.path before the spawn, or send its code by value with "
+                f"cloudpickle.register_pickle_by_value({name.split('.')[0]}))")
+    return TypeError(f"the actor could not deserialize the call's arguments: {what}{hint}")
+
+
+_MISSING_MODULE = re.compile(r"No module named '([\w.]+)'")
 
 
 class RemoteError(ActorError):

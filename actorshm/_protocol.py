@@ -30,7 +30,7 @@ from . import _leases, _results
 from . import _remote_errors as remote_errors
 from ._remote_errors import UNPICKLING_ERRORS, copy_exc, result_undecodable
 from . import _serialization as ser
-from ._errors import ActorDiedError, ProtocolError
+from ._errors import ActorDiedError, ProtocolError, undeserializable_arguments
 from ._control import CallControl
 from ._framing import SMALL_FRAME, FramedSocket, close_fd, run_callbacks
 from ._lease_traffic import LeaseTraffic
@@ -421,8 +421,7 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
                 if isinstance(exc, (pickle.UnpicklingError, EOFError)):
                     self._protocol_error(f"undecodable call: {exc!r}")
                     return
-                err = TypeError(f"the actor could not deserialize the call's arguments: "
-                                f"{type(exc).__name__}: {exc}")
+                err = undeserializable_arguments(f"{type(exc).__name__}: {exc}")
                 err.__cause__ = exc
                 self.reply_error(cid, err)
                 return

@@ -17,7 +17,7 @@ import warnings
 from typing import Any
 
 from . import _shm
-from ._errors import ActorDiedError, RemoteError, RemoteTraceback
+from ._errors import ActorDiedError, RemoteError, RemoteTraceback, undeserializable_arguments
 from ._remote_errors import decode_exception
 from ._serialization import FILE_TYPES, THREAD_FUTURE, refuse_file, result_mistake
 
@@ -62,8 +62,7 @@ def undeserializable(exc: BaseException) -> TypeError:
     """Ray could not unpickle an argument in the actor: the local backend's error, with
     the last line of Ray's text (the exception the argument's unpickling raised)."""
     lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
-    return TypeError("the actor could not deserialize the call's arguments: "
-                     f"{lines[-1] if lines else type(exc).__name__}")
+    return undeserializable_arguments(lines[-1] if lines else type(exc).__name__)
 
 
 def translate(exc: BaseException, what: str, sent: str | None = "result") -> BaseException:

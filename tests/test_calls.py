@@ -173,6 +173,18 @@ async def test_argument_failing_to_unpickle_in_actor_is_type_error(rt):
     assert await c.incr(1) == 2
 
 
+async def test_an_argument_whose_module_the_actor_cannot_import_names_the_fix(rt, tmp_path,
+                                                                           monkeypatch):
+    c = await Counter.spawn(0)
+    (tmp_path / "driver_only_mod.py").write_text("class Thing:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # after the spawn: the actor lacks it
+    import driver_only_mod
+    with pytest.raises(TypeError, match=r"cannot import 'driver_only_mod'.*sys\.path.*"
+                                        r"register_pickle_by_value\(driver_only_mod\)"):
+        await c.echo(driver_only_mod.Thing())
+    assert await c.incr(1) == 1
+
+
 @pytest.mark.parametrize("kind,name", [("cancel", "CancelledError"),
                                        ("genexit", "GeneratorExit"),
                                        ("kbi", "KeyboardInterrupt"), ("exit", "SystemExit")])

@@ -526,6 +526,18 @@ async def test_an_argument_that_cannot_be_rebuilt_in_the_actor_fails_that_call_o
     assert await asyncio.wait_for(s.ping(), 30) == "pong"
 
 
+async def test_an_argument_whose_module_the_actor_cannot_import_names_the_fix(
+        art, tmp_path, monkeypatch):
+    c = await Counter.spawn()
+    (tmp_path / "driver_only_ray_mod.py").write_text("class Thing:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # after the spawn: the actor lacks it
+    import driver_only_ray_mod
+    with pytest.raises(TypeError, match=r"cannot import 'driver_only_ray_mod'.*"
+                                        r"register_pickle_by_value"):
+        await asyncio.wait_for(c.echo(driver_only_ray_mod.Thing()), 30)
+    assert await asyncio.wait_for(c.incr(), 30) == 1
+
+
 async def test_spawn_arguments_that_cannot_be_rebuilt_in_the_actor_are_a_type_error(art):
     with pytest.raises(TypeError, match="could not deserialize.*RuntimeError"):
         await asyncio.wait_for(Counter.spawn(BreaksOnArrival()), 60)
