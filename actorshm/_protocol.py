@@ -99,6 +99,7 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         self._forwards: dict[tuple, int] = {}  # forward notices to send: key -> +n / -n
         self._release_scheduled = False
         self.peer_id: int | None = None
+        self.peer_pid: int | None = None  # an actor's link to another actor: its pid
         if sock is not None:
             self.attach(sock)
 

@@ -35,10 +35,12 @@ def serve(runtime, conn, cid: int, call: list) -> None:
                 raise ActorDiedError(runtime.death_of(target))
             a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             fa, fb = a.detach(), b.detach()
-            rec.conn.call("__accept_peer__", (PassFd(fb), conn.peer_id), {}) \
+            caller = runtime.record(conn.peer_id)
+            rec.conn.call("__accept_peer__", (PassFd(fb), conn.peer_id,
+                                              caller.pid if caller else None), {}) \
                 .add_done_callback(_ignore)
             rec.conn.close_after_send([fb])
-            conn.reply(cid, (PassFd(fa), rec.label))
+            conn.reply(cid, (PassFd(fa), rec.label, rec.pid))
             conn.close_after_send([fa])
         elif method == "__get_actor__":
             task = runtime.loop.create_task(runtime.get_actor(*args))

@@ -118,14 +118,20 @@ class Worker(StreamingClient):
             elif f.exception() is not None:
                 conn.close(f.exception())
             else:
-                conn.label = f.result()[1]
-                conn.attach(socket.socket(fileno=f.result()[0]))
+                fd, conn.label, conn.peer_pid = f.result()
+                conn.attach(socket.socket(fileno=fd))
 
         fut.add_done_callback(done)
         return conn
 
     def actor_pid(self, actor_id: int, pid: int) -> int:
-        """The pid a handle was made with (only the driver follows restarts)."""
+        """The pid of the process this actor's link to ``actor_id`` reaches, while that
+        link is open; else the pid the handle was made with. (The driver follows
+        restarts as they happen; an actor, when a call through its link reaches the
+        restarted process.)"""
+        conn = self.peers.get(actor_id)
+        if conn is not None and not conn.closed and conn.peer_pid is not None:
+            return conn.peer_pid
         return pid
 
     async def kill(self, actor_id: int) -> None:
@@ -391,10 +397,10 @@ class Worker(StreamingClient):
                 self._init_actor(conn, cid, *args)
                 return
             if method == "__accept_peer__":
-                fd, peer_id = args
+                fd, peer_id, peer_pid = args
                 peer = Connection(self.loop, self, socket.socket(fileno=fd),
                                   label=f"actor {peer_id}")
-                peer.peer_id = peer_id
+                peer.peer_id, peer.peer_pid = peer_id, peer_pid
                 self.peers.setdefault(peer_id, peer)
                 conn.reply(cid, None)
             elif method == "__stop__":

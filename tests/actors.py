@@ -368,6 +368,10 @@ class Caller:
     def pid_of(self, handle):
         return handle.pid
 
+    async def hit_other(self):
+        """``other.hit()``'s pid, and what ``other.pid`` says afterwards."""
+        return (await self.other.hit())[2], self.other.pid
+
     def block_on(self, handle):  # a Ray habit, in a sync method
         return handle.incr(1).result(timeout=2)
 

@@ -620,6 +620,19 @@ async def test_max_restarts(rt_each):
         await q.hit()
 
 
+async def test_a_handle_inside_an_actor_follows_a_restart_once_a_call_reaches_it(rt):
+    from actors import Caller, Phoenix
+    p = await Phoenix.spawn("t")
+    c = await Caller.spawn(p)
+    pid1, seen1 = await c.hit_other()
+    assert pid1 == seen1 == p.pid
+    with pytest.raises(ActorDiedError):
+        await p.crash()
+    pid2 = (await p.hit())[2]  # (restarted)
+    assert pid2 != pid1
+    assert await c.hit_other() == (pid2, pid2)
+
+
 async def test_a_kill_whose_await_times_out_still_kills(rt):
     """A kill stopped half way (its ``await`` timed out while the actor, busy, had its
     grace to settle) left the actor running with its restarts spent: a later crash was

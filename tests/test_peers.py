@@ -99,7 +99,7 @@ async def test_malformed_frame_closes_only_that_connection(rt, caplog):
     for junk in garbage:
         a, b = socket.socketpair()
         with a:
-            await rec.conn.call("__accept_peer__", (PassFd(b.fileno()), 999), {})
+            await rec.conn.call("__accept_peer__", (PassFd(b.fileno()), 999, None), {})
             b.close()
             a.sendall(junk)
             a.settimeout(5)
