@@ -32,6 +32,8 @@ class Encoding:
         self.inlined = 0  # bytes of small ordinary arrays pickled in band so far
         self.n_inlined = 0  # and how many (counted as copies once the message is made)
         self.counts: dict = {}  # ``count``: this message's traffic, for ``stats()``
+        self.copies: dict | None = None  # a plug-in's copies made for this message, by
+        # what was copied (``_torch``: a storage's address), so that it copies each once
 
     def before_send(self, fn, item) -> None:
         """Call ``fn(items)`` once, before the message leaves, with every ``item`` given

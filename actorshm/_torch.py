@@ -275,9 +275,12 @@ def _reduce_bare(enc, t: torch.Tensor):
         return _rebuild_empty_tensor, (str(t.dtype), tuple(t.shape), t.stride(),
                                        t.storage_offset(), kind is _Parameter,
                                        t.requires_grad, view_bits(t))
-    where = _shared(enc, t)
-    if where is not None:
-        return _rebuild_tensor, where
+    copies = enc.copies  # (an ordinary storage this message copied already: no lookup)
+    made = copies.get(st.data_ptr()) if copies else None
+    if made is None:
+        where = _shared(enc, t)
+        if where is not None:
+            return _rebuild_tensor, where
     if st.is_shared() and not _warned[0]:
         _warned[0] = True
         warnings.warn(
@@ -287,34 +290,64 @@ def _reduce_bare(enc, t: torch.Tensor):
             "model) or actorshm.torch.share(t) (once), and send what they return",
             RuntimeWarning, stacklevel=2)
     requires_grad = t.requires_grad  # (a clone below would drop it)
-    # The storage up to the view's last element, so that strides and storage offset stay;
-    # a small view of a much larger storage: a compact copy of the view only.
+    # The storage up to the view's last element, so that strides and storage offset stay.
     numel = t.numel()
+    nbytes = numel * t.element_size()
     end = t.storage_offset()  # (an empty tensor: the storage up to its offset)
     if numel:
         for size, stride in zip(t.shape, t.stride()):
             end += (size - 1) * stride
-    n = min(n, (end + 1) * t.element_size())
-    if not _shm.keeps_layout(n, numel * t.element_size()):
+    span = min(n, (end + 1) * t.element_size())
+    # One copy per storage and message serves every tensor on it that it covers: views
+    # of one tensor sent together stay views of one copy, as torch.multiprocessing keeps
+    # them, and the rows of a batch (``list(batch)``) do not each copy the storage up to
+    # themselves. The first copy is the whole storage where that costs at most what a
+    # copy of the tensor's span may (``keeps_layout``), and once this message has copied
+    # a storage's worth of it piecemeal; a small view of a much larger storage is copied
+    # compactly, alone.
+    if made is not None and span <= made[0]:
+        return _copied(enc, t, made, kind, requires_grad)
+    spent = made[2] if made is not None else 0
+    if _shm.keeps_layout(n, nbytes) or spent + span > n:
+        span = n
+    elif not _shm.keeps_layout(span, nbytes):
         t = t.detach().clone()
         st = t.untyped_storage()
-        n = st.nbytes()
+        return _copied(enc, t, _copy(enc, st, st.nbytes()), kind, requires_grad)
+    if copies is None:
+        copies = enc.copies = {}
+    made = copies[st.data_ptr()] = _copy(enc, st, span, spent)
+    return _copied(enc, t, made, kind, requires_grad)
+
+
+def _copy(enc, st, n: int, spent: int = 0) -> tuple:
+    """A copy of the first ``n`` bytes of storage ``st`` for this message: in band when
+    small, as a small numpy array goes (a copy either way, and a shared block would cost
+    more than the bytes it carries; ``encode`` counts it), else in a new shared block.
+    ``(n, where, bytes of this storage copied so far in the message)``; ``where`` is the
+    in-band buffer (pickled once however many tensors use it), or the copy's array."""
     if n <= INLINE_MAX and enc.inlined + n <= INLINE_BUDGET:
-        # Small: in band, as a small numpy array goes (a copy either way, and a shared
-        # block would cost more than the bytes it carries); ``encode`` counts the copy.
         enc.inlined += n
         enc.n_inlined += 1
-        return _rebuild_inline_tensor, (
-            pickle.PickleBuffer(_bytes_of(st, n)), str(t.dtype), tuple(t.shape), t.stride(),
-            t.storage_offset(), kind is _Parameter, requires_grad, view_bits(t))
+        return n, pickle.PickleBuffer(_bytes_of(st, n)), spent + n
     copy = _shm.empty(n, np.uint8)
     # numpy's memcpy, not torch's copy_: torch splits a copy over its intra-op
     # threads, which on a busy machine took 10 ms for 1 MiB instead of 50 µs.
     np.copyto(copy, _bytes_of(st, n))
     enc.count("bytes_copied", n)
     enc.count("arrays_copied", 1)
-    return _rebuild_tensor, _where(enc, t, _shm.find_block(copy),
-                                   copy.__array_interface__["data"][0], n, kind,
+    return n, copy, spent + n
+
+
+def _copied(enc, t: torch.Tensor, made: tuple, kind, requires_grad: bool):
+    """The reduction of ordinary tensor ``t`` over the copy ``made`` (``_copy``)."""
+    n, where, _ = made
+    if type(where) is pickle.PickleBuffer:
+        return _rebuild_inline_tensor, (
+            where, str(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(),
+            kind is _Parameter, requires_grad, view_bits(t))
+    return _rebuild_tensor, _where(enc, t, _shm.find_block(where),
+                                   where.__array_interface__["data"][0], n, kind,
                                    requires_grad)
 
 

@@ -282,6 +282,41 @@ async def test_ordinary_tensor_is_copied_once_and_counted(rt):
     assert not at.is_shared(t)
 
 
+async def test_views_of_one_ordinary_tensor_in_one_call_view_one_copy(rt):
+    # as torch.multiprocessing keeps them: a write through one is seen through the other
+    w = await TorchWorker.spawn()
+    for n in (10, 100_000):  # in band, and in a shared block
+        base = torch.zeros(n)
+        assert await w.write_first_read_second(base, base[:5]) == (1000.0, True)
+        # the view first: on a small storage it is copied whole, and base views that copy;
+        # a few bytes of a large one are copied alone (base's copy must not wait for them)
+        assert await w.write_first_read_second(base[:5], base) == (
+            (1000.0, True) if n == 10 else (0.0, False))
+        flat = torch.zeros(n)
+        model = torch.nn.Linear(n - 2, 1)
+        model.weight.data, model.bias.data = flat[:-2].view(1, -1), flat[-2:-1]
+        assert await w.write_first_read_second(model.weight, flat) == (1000.0, True)
+        assert float(base.sum()) == 0.0  # copies: ours untouched
+    s0 = actorshm.stats()
+    assert await w.write_first_read_second(base[:5], base[10:20]) == (0.0, False)
+    # (a view met before a copy that covers it keeps its own: each up to its last element)
+    assert actorshm.stats()["bytes_copied"] - s0["bytes_copied"] == (5 + 20) * 4
+
+
+async def test_the_rows_of_an_ordinary_batch_copy_its_storage_about_once(rt):
+    # Each row copied up to itself (so that its storage offset stays) made 5,000 rows of
+    # 16 B copy ~134 MB, and failed past the shared-memory budget
+    w = await TorchWorker.spawn()
+    batch = torch.arange(20_000, dtype=torch.float32).reshape(5_000, 4)
+    rows = list(batch)
+    s0 = actorshm.stats()
+    back = await w.echo(rows)
+    copied = actorshm.stats()["bytes_copied"] - s0["bytes_copied"]
+    assert batch.nbytes <= copied <= 2 * batch.nbytes + 65536
+    for got, sent in zip(back[::499], rows[::499]):
+        _same_tensors(got, sent)
+
+
 async def test_a_tensor_shared_by_torch_itself_is_copied_with_a_warning_once(rt,
                                                                              monkeypatch):
     # torch.multiprocessing's idiom (model.share_memory()) does not share with actors:

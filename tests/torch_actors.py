@@ -24,6 +24,13 @@ class TorchWorker:
     def count_shared(self, ts):
         return sum(at.is_shared(t) for t in ts)
 
+    def write_first_read_second(self, a, b):
+        """Write through ``a``; what ``b`` then reads, and whether they share a storage."""
+        with torch.no_grad():
+            a.view(-1)[0] = 1000
+        return float(b.reshape(-1)[0]), \
+            a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
     def fill(self, t, value):
         with torch.no_grad():
             t.fill_(value)
