@@ -287,7 +287,8 @@ def _reduce_bare(enc, t: torch.Tensor):
             "a tensor in torch's shared memory (share_memory_(), Module.share_memory()) is "
             "copied each time actorshm sends it, so an actor's writes to it do not reach "
             "this process: share it with actorshm instead, actorshm.torch.share_module("
-            "model) or actorshm.torch.share(t) (once), and send what they return",
+            "model) or actorshm.torch.share(t) (once), and send what they return (and do "
+            "not call share_memory() after them: it moves the tensors back out)",
             RuntimeWarning, stacklevel=2)
     requires_grad = t.requires_grad  # (a clone below would drop it)
     # The storage up to the view's last element, so that strides and storage offset stay.

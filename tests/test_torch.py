@@ -337,6 +337,12 @@ async def test_a_tensor_shared_by_torch_itself_is_copied_with_a_warning_once(rt,
     await w.sgd_step(shared, 0.5)
     for p, p0 in zip(shared.parameters(), before):
         assert torch.allclose(p.detach(), p0 - 0.5)
+    # share_memory() after share_module moves the tensors back out: the warning says so
+    monkeypatch.setattr(_torch, "_warned", [False])
+    shared.share_memory()
+    assert not any(at.is_shared(p) for p in shared.parameters())
+    with pytest.warns(RuntimeWarning, match=r"not call share_memory\(\) after"):
+        await w.sgd_step(shared, 0.5)
 
 
 async def test_small_ordinary_tensors_travel_in_band_as_writable_copies(rt):
