@@ -462,7 +462,29 @@ def _flat_tensor(blocks, row, *where):
     return _tensor_on(blocks[row], *where)
 
 
+def _reduce_storage(enc, st):
+    """A CPU storage (``t.untyped_storage()``, or the older typed ``t.storage()``)
+    travels as a byte tensor over all of it does, by reference when it lies in shared
+    memory (the actor's writes to it reach ours), else copied once; the receiver gets a
+    storage of the same kind over that memory. Other storages: torch pickles them."""
+    typed = isinstance(st, torch.TypedStorage)
+    untyped = st._untyped_storage if typed else st
+    if untyped.device.type != "cpu":
+        return NotImplemented
+    whole = torch.empty(0, dtype=torch.uint8).set_(untyped, 0, (untyped.nbytes(),), (1,))
+    return _rebuild_storage, (whole, str(st.dtype) if typed else None)
+
+
+def _rebuild_storage(whole: torch.Tensor, dtype: str | None):
+    untyped = whole.untyped_storage()
+    if dtype is None:
+        return untyped
+    return torch.TypedStorage(wrap_storage=untyped, dtype=_DTYPES[dtype], _internal=True)
+
+
 _serialization.register_reducer(torch.Tensor, _reduce_tensor)
+_serialization.register_reducer(torch.UntypedStorage, _reduce_storage)
+_serialization.register_reducer(torch.TypedStorage, _reduce_storage)
 for _kind in (torch.Tensor, _Parameter):
     _serialization.register_flat(_kind, _tensor_hole, _flat_tensor)
 _serialization.register_shared_check(torch.Tensor, tensor_is_shared)

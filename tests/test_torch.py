@@ -303,6 +303,25 @@ async def test_views_of_one_ordinary_tensor_in_one_call_view_one_copy(rt):
     assert actorshm.stats()["bytes_copied"] - s0["bytes_copied"] == (5 + 20) * 4
 
 
+async def test_storages_travel_as_storages_by_reference_when_shared(rt):
+    # torch's own pickling of a storage failed in the actor with an AttributeError
+    w = await TorchWorker.spawn()
+    t = at.zeros(10)
+    assert await w.poke_storage(t.untyped_storage()) == ("UntypedStorage", 40, None)
+    assert t.view(torch.uint8)[0] == 7
+    t = at.zeros(10, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (TypedStorage is deprecated)
+        typed = t.storage()
+    assert await w.poke_storage(typed) == ("TypedStorage", 80, torch.float64)
+    assert t.view(torch.uint8)[0] == 7
+    ordinary = torch.zeros(10)
+    s0 = actorshm.stats()
+    assert await w.poke_storage(ordinary.untyped_storage()) == ("UntypedStorage", 40, None)
+    assert ordinary.view(torch.uint8)[0] == 0  # a copy, counted
+    assert actorshm.stats()["bytes_copied"] - s0["bytes_copied"] == 40
+
+
 async def test_the_rows_of_an_ordinary_batch_copy_its_storage_about_once(rt):
     # Each row copied up to itself (so that its storage offset stays) made 5,000 rows of
     # 16 B copy ~134 MB, and failed past the shared-memory budget

@@ -31,6 +31,12 @@ class TorchWorker:
         return float(b.reshape(-1)[0]), \
             a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
+    def poke_storage(self, st):
+        """Set the first byte of storage ``st`` to 7; its kind, bytes and dtype."""
+        untyped = st._untyped_storage if isinstance(st, torch.TypedStorage) else st
+        torch.empty(0, dtype=torch.uint8).set_(untyped)[0] = 7
+        return type(st).__name__, untyped.nbytes(), getattr(st, "dtype", None)
+
     def fill(self, t, value):
         with torch.no_grad():
             t.fill_(value)
