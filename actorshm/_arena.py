@@ -163,7 +163,13 @@ def nbytes_of(shape, dtype) -> tuple[tuple, np.dtype, int]:
     # As numpy: each dimension an integer (2.5 or "3" is a TypeError, not truncated).
     shape = (operator.index(shape),) if not hasattr(shape, "__iter__") else \
         tuple(operator.index(s) for s in shape)
-    dtype = np.dtype(dtype)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        if type(dtype).__module__ == "torch":  # torch.float32: a tensor was meant
+            raise TypeError(f"actorshm.empty/zeros make numpy arrays and take numpy dtypes, "
+                            f"not {dtype}; for a tensor use actorshm.torch.empty/zeros")
+        raise
     if dtype.hasobject:
         raise TypeError("actorshm: object arrays cannot live in shared memory; "
                         "use a numeric or structured dtype")

@@ -501,9 +501,12 @@ def share(arr) -> np.ndarray:
         arr: an array, or anything ``numpy.asanyarray`` takes.
 
     Raises:
-        TypeError: an object dtype.
+        TypeError: an object dtype; a torch tensor or CuPy array (shared with
+            ``actorshm.torch.share``, ``actorshm.cuda.share``).
         SharedMemoryError: over budget, as ``empty``.
     """
+    if type(arr) is not np.ndarray:
+        _refuse_other_library(arr)
     arr = np.asanyarray(arr)
     t = type(arr)
     if t is not np.ndarray:
@@ -516,6 +519,15 @@ def share(arr) -> np.ndarray:
         return arr
     out = copy_to_shared(arr)
     return out if t is np.ndarray or issubclass(t, np.memmap) else out.view(t)
+
+
+def _refuse_other_library(arr) -> None:
+    """``share`` of a torch tensor gave a numpy array, a CuPy array numpy's refusal:
+    name the function that shares each."""
+    for module, share in (("torch", "actorshm.torch.share"), ("cupy", "actorshm.cuda.share")):
+        if type(arr).__module__.partition(".")[0] == module:
+            raise TypeError(f"actorshm.share shares numpy arrays; a {type(arr).__module__}."
+                            f"{type(arr).__name__} is shared with {share}")
 
 
 def _share_masked(arr, ma):

@@ -164,11 +164,17 @@ def share(tensor):
         out = _torch.sparse_over(tensor.layout, tuple(
             share(p) if isinstance(p, _t.Tensor) else p for p in parts))
     else:
+        bits = _torch.view_bits(src)  # a conjugate or negative view: its memory as it is,
+        if bits & 2:                  # the bits set again on the copy, as sending does
+            src = _t._neg_view(src)
+        if bits & 1:
+            src = src.conj()
         out = empty(src.numel() if _dense(src) else src.shape, dtype=src.dtype,
                     device=src.device)
         if out.shape != src.shape:  # (dense: its own strides over the flat copy)
             out = out.as_strided(src.shape, src.stride())
         out.copy_(src)
+        out = _torch.finish(out, False, False, bits)
     if isinstance(tensor, _t.nn.Parameter):
         return _t.nn.Parameter(out, requires_grad=tensor.requires_grad)
     kind = type(tensor)

@@ -630,6 +630,16 @@ def test_share_keeps_what_sending_keeps():
         y = at.share(x)
         assert y.stride() == x.stride() and torch.equal(y, x) and at.is_shared(y)
     assert at.share(cl).is_contiguous(memory_format=torch.channels_last)
+    # a conjugate or negative view stays one, over a copy of the memory as it was
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    for x in (z.conj(), z.conj().imag, torch._neg_view(z)):
+        y = at.share(x)
+        assert (y.is_conj(), y.is_neg()) == (x.is_conj(), x.is_neg()) and at.is_shared(y)
+        assert torch.equal(y.resolve_conj().resolve_neg(), x.resolve_conj().resolve_neg())
+    with pytest.raises(TypeError, match=r"actorshm\.torch\.share"):
+        actorshm.share(torch.ones(3))  # (numpy's would give an ndarray)
+    with pytest.raises(TypeError, match=r"actorshm\.torch\.empty"):
+        actorshm.empty(3, dtype=torch.float32)
     # any other view's copy is contiguous
     for x in (torch.arange(10.0)[::2], torch.ones(2, 1, 3).expand(2, 4, 3)):
         y = at.share(x)
