@@ -18,6 +18,7 @@ from ._actor import STREAM, ActorHandle, _Spawner
 from ._client import ThreadCallFuture
 from ._errors import ActorGroupError
 from ._pool import check_handles
+from ._results import JoinedFuture
 
 __all__ = ["ActorGroup"]
 
@@ -223,7 +224,7 @@ class GroupMethod:
 
 def _gather(loop, futs: list, handles: tuple, name: str) -> asyncio.Future:
     """A future of every call's result, once all are done; cancelling it cancels them."""
-    out = loop.create_future()
+    out = JoinedFuture(loop, futs)  # (cancelling it cancels them)
     left = [len(futs)]
 
     def one_done(_f) -> None:
@@ -232,14 +233,8 @@ def _gather(loop, futs: list, handles: tuple, name: str) -> asyncio.Future:
             return
         _settle(out, futs, handles, name)
 
-    def cancel_calls(o: asyncio.Future) -> None:
-        if o.cancelled():
-            for f in futs:
-                f.cancel()
-
     for f in futs:
         f.add_done_callback(one_done)
-    out.add_done_callback(cancel_calls)
     return out
 
 

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 from ._actor import ActorHandle
 from ._errors import ActorDiedError, RemoteTraceback
+from ._results import JoinedFuture
 from ._streams import StreamLoop
 from ._util import first_line
 
@@ -193,7 +194,7 @@ class ActorPool:
                 "`handle.method(v).result(timeout=...)`, works from any thread)") from None
         if not self._members:
             raise self._empty_error()
-        fut = loop.create_future()
+        fut = JoinedFuture(loop)  # (cancelled, it cancels the call it stands for at once)
         self._queue.append((fn, value, fut))
         self._dispatch()
         return fut
@@ -350,7 +351,7 @@ class ActorPool:
         inner = asyncio.ensure_future(aw)
         self._busy[h] = inner
         inner.add_done_callback(lambda f: self._finished(h, fut, f))
-        fut.add_done_callback(lambda f: f.cancelled() and not inner.done() and inner.cancel())
+        fut.parts.append(inner)
 
     def _finished(self, h: ActorHandle, fut: asyncio.Future, inner: asyncio.Future) -> None:
         self._busy.pop(h, None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-__all__ = ["CallFuture", "reduce_future", "Unfinished", "DependencyFailed",
+__all__ = ["CallFuture", "JoinedFuture", "reduce_future", "Unfinished", "DependencyFailed",
            "futures_in", "with_results"]
 
 
@@ -41,6 +41,24 @@ class CallFuture(asyncio.Future):
             return False
         if self.conn is not None:
             self.conn.cancel(self.cid)
+        return True
+
+
+class JoinedFuture(asyncio.Future):
+    """A future that stands for the calls in ``parts`` (a group call's members, a pool's
+    call): cancelling it cancels them then and there. (A done callback would cancel them
+    a loop iteration later, after the canceller had gone on: its next call to a member
+    with ``max_pending_calls=1`` was refused, the cancelled one still counted.)"""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, parts: list | None = None) -> None:
+        super().__init__(loop=loop)
+        self.parts: list = [] if parts is None else parts
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        for f in self.parts:
+            f.cancel()
         return True
 
 

@@ -271,6 +271,18 @@ async def test_cancelling_a_submit_frees_its_actor(rt):
     assert await asyncio.wait_for(queued, 10) == (0, 2)
 
 
+
+async def test_cancelling_a_submit_cancels_its_call_at_once(rt):
+    # (a call left pending until the next loop iteration: a direct call to the actor
+    # made just after the cancel was refused by its max_pending_calls=1)
+    w = await PoolWorker.options(max_pending_calls=1).spawn()
+    pool = ActorPool([w])
+    f = pool.submit(lambda a, v: a.work(v, 30), 1)
+    await asyncio.sleep(0.05)
+    f.cancel()
+    assert await asyncio.wait_for(w.work(2), 10) == (0, 2)
+
+
 async def test_push_remove_pop_idle(rt):
     a, b, c = await workers(3)
     pool = ActorPool([a])
