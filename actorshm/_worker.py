@@ -116,7 +116,10 @@ class Worker(StreamingClient):
             if f.cancelled():
                 conn.close()
             elif f.exception() is not None:
-                conn.close(f.exception())
+                exc = f.exception()
+                if isinstance(exc, ActorDiedError):  # the driver's word on the actor's
+                    exc = ActorDiedError(str(exc))  # death, not an error its method raised
+                conn.close(exc)
             else:
                 fd, conn.label, conn.peer_pid = f.result()
                 conn.attach(socket.socket(fileno=fd))

@@ -743,6 +743,23 @@ class PoolWorker:
 
 
 @actor
+class PoolOwner:
+    """Keeps an ActorPool of other actors across calls."""
+
+    def __init__(self, members):
+        self.pool = actorshm.ActorPool(members)
+
+    async def run(self, values):
+        """The values mapped on the pool, or the error that ended the map; the pool's size."""
+        try:
+            out = sorted([r async for r in self.pool.map_unordered(
+                lambda a, v: a.work(v), values)])
+        except actorshm.ActorDiedError as exc:
+            out = f"ActorDiedError: {exc}"
+        return out, len(self.pool)
+
+
+@actor
 class InitFailsOnce:
     """The first of several to create ``path`` fails in ``__init__``; the others start."""
 

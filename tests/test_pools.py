@@ -283,6 +283,20 @@ async def test_cancelling_a_submit_cancels_its_call_at_once(rt):
     assert await asyncio.wait_for(w.work(2), 10) == (0, 2)
 
 
+async def test_a_pool_inside_an_actor_lets_a_dead_member_go(rt):
+    # The driver's word on the death (its answer to the actor's request to connect)
+    # came back as a remote error, read as an error the member's method raised: the
+    # member stayed, and failed every later map
+    from actors import PoolOwner
+    a, b = await workers(2)
+    owner = await PoolOwner.spawn([a, b])
+    assert (await owner.run([1, 2]))[1] == 2
+    await b.kill()
+    results = [await asyncio.wait_for(owner.run([1, 2, 3, 4]), 20) for _ in range(3)]
+    assert all(size == 1 for _, size in results)  # (the first map may fail: b's item)
+    assert results[-1] == ([(0, 1), (0, 2), (0, 3), (0, 4)], 1)
+
+
 async def test_push_remove_pop_idle(rt):
     a, b, c = await workers(3)
     pool = ActorPool([a])
