@@ -17,6 +17,7 @@ import concurrent.futures
 import inspect
 import os
 import pickle
+import sys
 import time
 from typing import Any
 
@@ -62,9 +63,15 @@ class RayActorId:
     """The actor id of a handle on the Ray backend: the Ray actor handle and its facts."""
 
     def __init__(self, handle: Any, key: str, streams: frozenset,
-                 named: bool = False, restarts: int = 0) -> None:
-        self.handle = handle
+                 named: bool = False, restarts: int = 0, job: str | None = None) -> None:
+        now = current_job()
+        if handle is not None and job is not None and now is not None and job != now:
+            handle = None  # unpickled after its runtime closed: as ``_stale``
+        self.handle = handle  # (None: a handle of a Ray session that ended, ``_stale``)
+        self.job = job if job is not None else now  # the Ray session and job it belongs to
         self.key = key
+        if handle is None:
+            CLIENT.killed(key)  # (its calls fail, as the local backend's do)
         self.streams = streams
         self.named = named  # calls carry their identity in Ray's task name
         self.restarts = restarts  # its max_restarts: whether a new process may come
@@ -78,8 +85,14 @@ class RayActorId:
         return self._methods
 
     def __reduce__(self):
+        job = current_job()
+        if self.handle is None or self.job and job and job != self.job:
+            # A handle of a runtime that closed (its Ray job ended): Ray itself cannot
+            # pickle its actor handle in another job (the driver died on a check in Ray's
+            # C++ code), so it goes as a handle whose calls fail, as locally.
+            return (_stale, (self.key, self.streams, self.job))
         return (RayActorId, (self.handle, self.key, self.streams, self.named,
-                             self.restarts))
+                             self.restarts, self.job))
 
     def actorshm_client(self) -> "RayClient":
         return CLIENT
@@ -92,6 +105,26 @@ class RayActorId:
 
     def __repr__(self) -> str:
         return self.key[:12]
+
+
+def current_job() -> str | None:
+    """The Ray session and job this process works for (the driver's, in its actors), or
+    None. (A job id alone repeats: each new local Ray numbers its jobs from 1 again.)"""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    try:
+        ctx = ray.get_runtime_context()
+        session = ctx.get_session_name() if hasattr(ctx, "get_session_name") else \
+            ctx.gcs_address
+        return f"{session}/{ctx.get_job_id()}"
+    except Exception:
+        return None
+
+
+def _stale(key: str, streams: frozenset, job: str | None) -> RayActorId:
+    """A handle of a Ray runtime that closed, received: its calls fail (ActorDiedError)."""
+    return RayActorId(None, key, streams, job=job)
 
 
 def _kill_started(ray: Any, handle: Any) -> None:
@@ -474,7 +507,8 @@ class RayClient(CallOrder):
     async def kill(self, actor_id: RayActorId) -> None:
         ray = import_ray()
         self.killed(actor_id.key)
-        if not ray_up():  # the runtime shut Ray down, and every actor with it
+        if not ray_up() or actor_id.handle is None:  # the runtime shut Ray down (a
+            # handle of a runtime that closed, ``_stale``), and every actor with it
             self._release(actor_id, None)
             return
         pid = self._pids.get(actor_id.key, actor_id.pid)

@@ -1672,11 +1672,11 @@ def _run_script(tmp_path, name: str, template: str, env: dict | None = None,
 
 
 NESTED_SCRIPT = textwrap.dedent("""
-    import asyncio, os, sys, warnings
+    import asyncio, os, pickle, sys, warnings
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     sys.path.insert(0, {tests!r})
     import actorshm
-    from actors import Counter, EnvReader
+    from actors import Caller, Counter, EnvReader
 
     async def main():
         outer = actorshm.current_runtime()
@@ -1699,6 +1699,15 @@ NESTED_SCRIPT = textwrap.dedent("""
         assert actorshm.current_runtime() is outer
         c2 = await Counter.spawn(5)  # the outer runtime starts a Ray of its own now
         print("outer", await c2.incr(1))
+        caller = await Caller.spawn()
+        try:  # (Ray's C++ code ended the driver, pickling a handle of another session)
+            await asyncio.wait_for(caller.call_handle(c, 1), 30)
+        except actorshm.ActorDiedError:
+            print("stale handle in an actor ActorDiedError")
+        try:
+            await asyncio.wait_for(pickle.loads(pickle.dumps(c)).incr(1), 30)
+        except actorshm.ActorDiedError:
+            print("stale unpickled ActorDiedError")
         await c.kill()  # a handle of the Ray session that ended: already gone
         print("stale kill returned")
 
@@ -1716,6 +1725,8 @@ def test_a_runtime_main_opens_inside_run_starts_ray_with_its_own_options(tmp_pat
     assert "namespace=...): this process is conne" in out, out
     assert "stale call ActorDiedError" in out and "outer 6" in out, out
     assert "stale kill returned" in out, out
+    assert "stale handle in an actor ActorDiedError" in out, out
+    assert "stale unpickled ActorDiedError" in out, out
 
 
 CLOSE_SCRIPT = textwrap.dedent("""
