@@ -12,6 +12,7 @@ cut short, so that ``except ValueError:`` still works and the call still finishe
 from __future__ import annotations
 
 import asyncio
+import builtins
 import copyreg
 import pickle
 import traceback
@@ -28,6 +29,7 @@ __all__ = ["encode_exception", "encode_failure", "decode_exception", "call_in_th
            "call_caught", "UNPICKLING_ERRORS"]
 
 _BRIEF = 1 << 16  # what a too-big exception keeps of its message and traceback text
+_GROUPS = getattr(builtins, "BaseExceptionGroup", ())  # (Python 3.11 on)
 
 
 def _type_name(t: type) -> str:
@@ -90,11 +92,11 @@ def _pickle_exception(exc: BaseException, dumps, msg: str) -> bytes | None:
     if blob is not None and _rebuilds(blob, exc, msg):
         return blob
     try:
-        return dumps(_ByState(exc), protocol=5)
+        return dumps(_ByState(exc, dumps), protocol=5)
     except Exception:
         pass
     try:  # a slot's value (say, AttributeError.obj) does not pickle: without the slots
-        return dumps(_ByState(exc, slots=False), protocol=5)
+        return dumps(_ByState(exc, dumps, slots=False), protocol=5)
     except Exception:
         return None
 
@@ -185,15 +187,41 @@ class _ByState:
     its type (by reference, or by value as ``dumps`` does it), ``args``, slots and
     ``__dict__``, rebuilt without calling ``__init__``."""
 
-    def __init__(self, exc: BaseException, slots: bool = True) -> None:
+    def __init__(self, exc: BaseException, dumps, slots: bool = True) -> None:
         self.exc = exc
+        self.dumps = dumps
         self.slots = slots
 
     def __reduce__(self):
         exc = self.exc
         slots = _slots(exc) if self.slots else None
-        return _rebuild_exception, (type(exc), exc.args, dict(vars(exc)) or None,
+        args = exc.args
+        if isinstance(exc, _GROUPS) and len(args) == 2:
+            # (an ExceptionGroup of a TaskGroup): each exception in it as one raised
+            # alone goes, so that ``except*`` finds its type
+            args = (args[0], [_Member(e, self.dumps) for e in exc.exceptions])
+            if slots:  # (made from the args again)
+                slots = {k: v for k, v in slots.items() if k not in ("message", "exceptions")}
+        return _rebuild_exception, (type(exc), args, dict(vars(exc)) or None,
                                     slots or None)
+
+
+class _Member:
+    """An exception in a group, pickled as ``_pickle_exception`` would pickle it alone
+    (a group, pickle's own way, fails as a whole where one of its exceptions does)."""
+
+    def __init__(self, exc: BaseException, dumps) -> None:
+        self.exc = exc
+        self.dumps = dumps
+
+    def __reduce__(self):
+        exc = self.exc
+        try:
+            if _rebuilds(self.dumps(exc, protocol=5), exc, _text(exc)):
+                return exc.__reduce_ex__(5)
+        except Exception:
+            pass
+        return _ByState(exc, self.dumps).__reduce__()
 
 
 def _rebuild_exception(cls: type, args: tuple, state: dict | None,

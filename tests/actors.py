@@ -293,6 +293,14 @@ class Faulty:
         raise {"kw": lambda: KwOnlyError(code=4), "none": NoArgsError,
                "two": lambda: TwoArgsError(1, 2)}[which]()
 
+    async def raise_group(self):
+        """What a TaskGroup raises when its tasks fail: an ExceptionGroup, nested here."""
+        async def fail(exc):
+            raise exc
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(fail(TwoArgsError(1, 2)))
+            tg.create_task(fail(ExceptionGroup("inner", [KwOnlyError(code=4), KeyError(5)])))
+
     def rebuilt_by_state(self, which):
         raise {"formats": lambda: FormatsError(4), "path": lambda: PathError(path="/x"),
                "slots": lambda: SlotsError(code=4), "new": lambda: NewKwError(code=4),

@@ -1929,3 +1929,19 @@ def test_a_request_no_node_of_a_local_ray_can_meet_is_refused_at_once(tmp_path):
     assert all("no node of this Ray cluster" in line and "has 2 CPU" in line
                and "forever" in line for line in refused)
     assert "fits 2" in stdout
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="ExceptionGroup: Python 3.11 on")
+async def test_an_exception_group_keeps_the_types_of_its_exceptions(art):
+    # A group pickles as a whole: one exception in it whose __init__ cannot take back its
+    # args made the whole group a RemoteError, and ``except*`` found nothing
+    f = await Faulty.spawn()
+    with pytest.raises(ExceptionGroup) as info:
+        await asyncio.wait_for(f.raise_group(), 30)
+    group = info.value
+    assert "unhandled errors in a TaskGroup" in str(group) and group.__cause__ is not None
+    two, = group.subgroup(TwoArgsError).exceptions
+    assert (two.a, two.b) == (1, 2)
+    inner = group.subgroup(KwOnlyError).exceptions[0]
+    assert inner.message == "inner" and inner.exceptions[0].code == 4
+    assert group.subgroup(KeyError) is not None
