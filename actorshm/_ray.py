@@ -28,7 +28,7 @@ from ._results import CallFuture, DependencyFailed, futures_in, with_results
 from ._errors import ActorDiedError
 from ._ray_errors import check_args, outcome, pickling_failed, translate, unavailable_error
 from ._ray_host import Host, simple
-from ._ray_order import CallOrder, ray_up
+from ._ray_order import CallOrder, end_actor, ray_up
 from ._ray_placement import await_ready, check_feasible, requested
 from ._remote_errors import copy_exc, decode_exception
 from ._streams import chain
@@ -125,15 +125,6 @@ def current_job() -> str | None:
 def _stale(key: str, streams: frozenset, job: str | None) -> RayActorId:
     """A handle of a Ray runtime that closed, received: its calls fail (ActorDiedError)."""
     return RayActorId(None, key, streams, job=job)
-
-
-def _kill_started(ray: Any, handle: Any) -> None:
-    """End an actor whose spawn failed or was given up (not restarted)."""
-    try:
-        if ray_up():  # (Ray shut down ended it already)
-            ray.kill(handle, no_restart=True)
-    except Exception:
-        pass
 
 
 async def _name_released(ray: Any, name: str, handle: Any, limit: float = 5.0) -> None:
@@ -584,14 +575,14 @@ class RayClient(CallOrder):
         try:
             named, (ok, payload) = await self.wait(started())
         except ActorDiedError:  # the runtime closed meanwhile (``abort_waits``)
-            _kill_started(ray, handle)
+            end_actor(handle)
             raise
         except asyncio.CancelledError:
             # The spawn was cancelled (a time-out): the actor goes now, and its name with
             # it, as locally. Left to Ray, it went only once its handle was collected: it
             # kept its name until then, and ran on while anything held the handle (the
             # cancel's traceback, say).
-            _kill_started(ray, handle)
+            end_actor(handle)
             if options.name is not None:
                 await _name_released(ray, options.name, handle)
             raise
@@ -599,10 +590,10 @@ class RayClient(CallOrder):
             try:
                 exc = await self._death_cause(handle, exc)
             finally:  # (dead; or restarted meanwhile, under its name: it goes too)
-                _kill_started(ray, handle)
+                end_actor(handle)
             raise translate(exc, what, None) from exc
         if not ok:
-            _kill_started(ray, handle)
+            end_actor(handle)
             raise decode_exception(payload, f"{cls.__qualname__}.__init__")
         aid = RayActorId(handle, handle._actor_id.hex(), streams, named,
                          options.max_restarts)

@@ -20,7 +20,7 @@ from typing import Any
 from . import _events
 from ._actor import ActorHandle
 from ._ray_errors import unavailable_error
-from ._ray_order import RESTART_WAIT, ready_after_restart
+from ._ray_order import RESTART_WAIT, end_actor, ready_after_restart
 from ._remote_errors import decode_exception
 
 __all__ = ["watch", "describe"]
@@ -82,6 +82,12 @@ async def _children(runtime: Any, host: Any) -> None:
             runtime.adopt(handle, options)
 
 
+def _dead_for_good(runtime: Any, rec: _Record) -> None:
+    runtime._gone.add(rec.actor_id.key)
+    if rec.options.name is not None:  # its name is free at once, as locally
+        end_actor(rec.actor_id.handle)
+
+
 async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
     host, key = rec.actor_id.handle, rec.actor_id.key
     unavailable, limit = unavailable_error(), rec.options.max_restarts
@@ -108,20 +114,20 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
             "its process died (another answered in its place)"
         _events.emit(runtime, "died", rec, reason, will_restart=again)
         if not again:
-            runtime._gone.add(key)
+            _dead_for_good(runtime, rec)
             return
         client.watch_restart(rec.actor_id, runtime.loop, True)  # calls wait for it
         try:  # queued by Ray until the restarted process runs
             ok, pid = await asyncio.wait_for(ready_after_restart(host), RESTART_WAIT)
         except Exception as exc:  # the restart failed (or never came)
             if not runtime._closing:
-                runtime._gone.add(key)
+                _dead_for_good(runtime, rec)
                 # (a kill() that cut the restart short is named as every kill is)
                 _events.emit(runtime, "died", rec,
                              "kill()" if key in client._dead else describe(exc))
             return
         if not ok:  # the restarted process's __init__ raised
-            runtime._gone.add(key)
+            _dead_for_good(runtime, rec)
             err = decode_exception(pid, f"{rec.cls_name}.__init__")
             _events.emit(runtime, "died", rec, f"__init__ raised on restart: {err!r}")
             return

@@ -36,6 +36,17 @@ def ray_up() -> bool:
     return ray is not None and ray.is_initialized()
 
 
+def end_actor(handle: Any) -> None:
+    """Tell Ray that an actor is done with for good (no restart), quietly: it ends one
+    whose spawn failed or was given up, and frees the name of one that died for good
+    at once (Ray kept it taken for up to a minute: a respawn under it failed)."""
+    try:
+        if ray_up():  # (a Ray that shut down ended it already)
+            sys.modules["ray"].kill(handle, no_restart=True)
+    except Exception:
+        pass
+
+
 async def ready_after_restart(host: Any) -> tuple:
     """``Host.ready`` of a restarted actor: ``(True, pid)``, or ``(False, error)`` when
     its ``__init__`` raised. A call that still reached the old process (Ray had not yet

@@ -234,6 +234,23 @@ async def test_names_and_get_actor(art):
         await actorshm.get_actor("ctr")
 
 
+async def test_the_name_of_an_actor_that_died_for_good_is_free_again_soon(art):
+    # Ray kept a crashed actor's name taken for 40 s and more (a respawn under it
+    # failed "already exists"), though get_actor already said it was gone
+    f = await Faulty.options(name="crashes").spawn()
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(f.exit(3), 30)
+    for _ in range(100):
+        try:
+            again = await asyncio.wait_for(Faulty.options(name="crashes").spawn(), 30)
+            break
+        except ValueError:
+            await asyncio.sleep(0.1)
+    else:
+        pytest.fail("the name stayed taken 10 s after the death")
+    assert await again.ok() == "ok"
+
+
 async def test_get_actor_answers_while_a_long_sync_method_runs(art):
     c = await Counter.options(name="busy").spawn(0)
     busy = c.slow_record(1, 4.0)
