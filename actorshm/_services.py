@@ -13,6 +13,7 @@ import socket
 
 from . import _shm
 from ._errors import ActorDiedError
+from ._framing import close_fd
 from ._serialization import PassFd
 
 
@@ -29,19 +30,7 @@ def serve(runtime, conn, cid: int, call: list) -> None:
     call.clear()
     try:
         if method == "__connect__":
-            (target,) = args
-            rec = runtime.record(target)
-            if rec is None or not rec.alive or rec.conn is None or rec.conn.closed:
-                raise ActorDiedError(runtime.death_of(target))
-            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            fa, fb = a.detach(), b.detach()
-            caller = runtime.record(conn.peer_id)
-            rec.conn.call("__accept_peer__", (PassFd(fb), conn.peer_id,
-                                              caller.pid if caller else None), {}) \
-                .add_done_callback(_ignore)
-            rec.conn.close_after_send([fb])
-            conn.reply(cid, (PassFd(fa), rec.label, rec.pid))
-            conn.close_after_send([fa])
+            _connect(runtime, conn, cid, *args)
         elif method == "__get_actor__":
             task = runtime.loop.create_task(runtime.get_actor(*args))
             task.add_done_callback(lambda t: _reply_task(conn, cid, t))
@@ -59,6 +48,38 @@ def serve(runtime, conn, cid: int, call: list) -> None:
             raise AttributeError(f"the driver has no service {method!r}")
     except BaseException as exc:
         conn.reply_error(cid, exc)
+
+
+def _connect(runtime, conn, cid: int, target: int) -> None:
+    """Connect the actor on ``conn`` to actor ``target``: a socket pair, one end to
+    each. A target that is restarting gets its end once its new process runs (the call
+    waits in its fresh connection, as the driver's own calls do), and the asker its end
+    once that one took it: calls made after a death wait for the new process, from an
+    actor as from the driver (they failed at once, one after another, until it ran)."""
+    rec = runtime.record(target)
+    if rec is None or rec.conn is None or rec.conn.closed:
+        raise ActorDiedError(runtime.death_of(target))
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fa, fb = a.detach(), b.detach()
+    caller = runtime.record(conn.peer_id)
+    accepted = rec.conn.call("__accept_peer__", (PassFd(fb), conn.peer_id,
+                                                 caller.pid if caller else None), {})
+    rec.conn.close_after_send([fb])
+    if rec.alive:  # (it runs: no need to wait for its answer)
+        accepted.add_done_callback(_ignore)
+        conn.reply(cid, (PassFd(fa), rec.label, rec.pid))
+        conn.close_after_send([fa])
+        return
+
+    def answered(f: asyncio.Future) -> None:
+        if f.cancelled() or f.exception() is not None:
+            close_fd(fa)
+            conn.reply_error(cid, ActorDiedError(runtime.death_of(target)) if
+                             f.cancelled() else f.exception())
+        else:
+            conn.reply(cid, (PassFd(fa), rec.label, rec.pid))
+            conn.close_after_send([fa])
+    accepted.add_done_callback(answered)
 
 
 # The latest spawns made for actors, by (connection, call id): the task while it runs,

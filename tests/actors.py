@@ -376,6 +376,16 @@ class Caller:
     def pid_of(self, handle):
         return handle.pid
 
+    async def hit_other_times(self, k):
+        """``other.hit()`` ``k`` times, one after another: each pid, or "died"."""
+        out = []
+        for _ in range(k):
+            try:
+                out.append((await asyncio.wait_for(self.other.hit(), 10))[2])
+            except actorshm.ActorDiedError:
+                out.append("died")
+        return out
+
     async def hit_other(self):
         """``other.hit()``'s pid, and what ``other.pid`` says afterwards."""
         return (await self.other.hit())[2], self.other.pid

@@ -633,6 +633,25 @@ async def test_a_handle_inside_an_actor_follows_a_restart_once_a_call_reaches_it
     assert await c.hit_other() == (pid2, pid2)
 
 
+async def test_calls_from_an_actor_after_a_death_wait_for_the_restart(rt, monkeypatch):
+    # They failed at once, one after another, until the new process ran: the driver
+    # refused to connect the caller to an actor that was restarting
+    from actors import Caller, Phoenix
+    p = await Phoenix.spawn("t")
+    c = await Caller.spawn(p)
+    await c.hit_other()
+    start = rt._start_process
+
+    async def slow_start(rec):  # the restart's process starts 0.5 s after the death
+        await asyncio.sleep(0.5)
+        await start(rec)
+    monkeypatch.setattr(rt, "_start_process", slow_start)
+    with pytest.raises(ActorDiedError):
+        await p.crash()
+    got = await c.hit_other_times(3)  # (the first may have gone out on the dead link)
+    assert got[1:] == [p.pid] * 2 and got[0] in ("died", p.pid), got
+
+
 async def test_a_kill_whose_await_times_out_still_kills(rt):
     """A kill stopped half way (its ``await`` timed out while the actor, busy, had its
     grace to settle) left the actor running with its restarts spent: a later crash was
