@@ -70,20 +70,17 @@ class ActorOptions:
             kw["max_pending_calls"] = -1  # (no limit, as by default)
         new = replace(self, **kw)
         # (a bool is an int to Python: max_restarts=True would mean one restart)
-        if not _is_int(new.max_concurrency) or new.max_concurrency < 1:
-            raise ValueError("max_concurrency must be an int >= 1")
-        if not _is_int(new.num_gpus) or new.num_gpus < 0:
-            raise ValueError("num_gpus must be an int >= 0")
-        if not _is_int(new.max_restarts) or new.max_restarts < -1:
-            raise ValueError("max_restarts must be an int >= 0 (or -1 for unlimited)")
-        if (isinstance(new.num_cpus, bool) or not isinstance(new.num_cpus, (int, float))
-                or not 0 < new.num_cpus < 1 << 16):
+        _check_int("max_concurrency", new.max_concurrency, 1, "an int >= 1")
+        _check_int("num_gpus", new.num_gpus, 0, "an int >= 0")
+        _check_int("max_restarts", new.max_restarts, -1, "an int >= 0 (or -1 for unlimited)")
+        if isinstance(new.num_cpus, bool) or not isinstance(new.num_cpus, (int, float)):
+            raise TypeError(f"num_cpus must be a number (the thread count), not "
+                            f"{new.num_cpus!r}")
+        if not 0 < new.num_cpus < 1 << 16:
             raise ValueError("num_cpus must be a number > 0 and below 65536 (the thread "
                              f"count), not {new.num_cpus!r}")
-        if (isinstance(new.max_pending_calls, bool) or not isinstance(new.max_pending_calls, int)
-                or new.max_pending_calls == 0 or new.max_pending_calls < -1):
-            raise ValueError("max_pending_calls must be an int >= 1 (or -1 or None for no "
-                             "limit)")
+        _check_int("max_pending_calls", new.max_pending_calls, -1,
+                   "an int >= 1 (or -1 or None for no limit)", not_zero=True)
         if new.env is not None and not (isinstance(new.env, dict) and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in new.env.items())):
             raise TypeError("env must be a dict of str to str (environment variables)")
@@ -106,6 +103,15 @@ class ActorOptions:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, least: int, what: str, not_zero: bool = False) -> None:
+    """Refuse option ``name``: a ``TypeError`` if ``value`` is not an int (a bool is
+    not one here), a ``ValueError`` if it is below ``least`` (or 0, with ``not_zero``)."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be {what}, not {value!r}")
+    if value < least or not_zero and value == 0:
+        raise ValueError(f"{name} must be {what}, not {value!r}")
 
 
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, not built in
@@ -220,6 +226,11 @@ def actor(cls: type | None = None, /, **options: Any):
         raise TypeError(f"@actor decorates classes of your own; {cls.__qualname__} is "
                         "built in: subclass it (`class MyList(list): ...`) and decorate that")
     _refuse_reserved(cls)
+    if inspect.iscoroutinefunction(getattr(cls, "__init__", None)):
+        raise TypeError(f"actor class {cls.__qualname__} has an `async def __init__`, which "
+                        "Python cannot run (a constructor returns None, not a coroutine): "
+                        "make __init__ sync, and put the async set-up in an async method "
+                        "called after the spawn (`h = await Cls.spawn(); await h.setup()`)")
     opts = ActorOptions().merged(**options)
     cls.__actorshm_options__ = opts
     cls.spawn = _ClassBinder("spawn")
@@ -249,7 +260,7 @@ class ActorMethod:
 
         Raises:
             TypeError: the method does not stream (``run_ahead`` would do nothing).
-            ValueError: ``run_ahead`` is not an int >= 1.
+            ValueError: ``run_ahead`` is below 1 (TypeError: not an int).
         """
         # (Every backend's handles come through here, Ray's too.)
         if self._handle._methods.get(self._name) != STREAM:
@@ -258,8 +269,7 @@ class ActorMethod:
                 f"methods (generators) only, and {self._what} is not one: it returns one "
                 f"result, so there is nothing to run ahead of; call it without "
                 f"options: `handle.{self._name}(...)`")
-        if isinstance(run_ahead, bool) or not isinstance(run_ahead, int) or run_ahead < 1:
-            raise ValueError("run_ahead must be an int >= 1")
+        _check_int("run_ahead", run_ahead, 1, "an int >= 1")
         return ActorMethod(self._handle, self._name, run_ahead)
 
     def __call__(self, *args: Any, **kwargs: Any):
@@ -305,7 +315,11 @@ class ActorHandle:
 
     def __getattr__(self, name: str) -> ActorMethod:
         if name.startswith("_"):
-            raise AttributeError(name)
+            if name.startswith("__"):  # (asked by libraries: copy, numpy, pickle...)
+                raise AttributeError(name)
+            raise AttributeError(f"{name!r}: an actor's methods whose names start with '_' "
+                                 "are private, not callable through its handle (rename "
+                                 "the method without the '_' to call it)")
         try:
             return self._bound[name]
         except KeyError:

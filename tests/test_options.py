@@ -43,6 +43,31 @@ def test_bad_options_are_refused_where_given_naming_the_option(bad):
 
 
 @pytest.mark.parametrize("bad", [
+    {"max_pending_calls": "3"}, {"max_restarts": True}, {"max_concurrency": 2.0},
+    {"num_gpus": "1"}, {"num_cpus": "2"}])
+def test_an_option_of_the_wrong_type_is_a_type_error(bad):
+    with pytest.raises(TypeError, match=rf"{list(bad)[0]} must be .*not {list(bad.values())[0]!r}"):
+        Counter.options(**bad)
+
+
+def test_an_async_init_is_refused_where_the_class_is_decorated():
+    with pytest.raises(TypeError, match=r"async def __init__.*h\.setup\(\)"):
+        actorshm.actor(type("AsyncInit", (), {"__init__": _async_init}))
+
+
+async def _async_init(self):
+    pass
+
+
+async def test_a_private_name_on_a_handle_says_why_at_once(rt):
+    c = await Counter.spawn()
+    with pytest.raises(AttributeError, match=r"'_secret'.*private.*rename"):
+        c._secret
+    with pytest.raises(AttributeError):
+        c.__array_interface__  # (libraries probe for these: a bare AttributeError)
+
+
+@pytest.mark.parametrize("bad", [
     {"shm_budget": "1GB"}, {"shm_budget": 0}, {"shm_budget": -1}, {"shm_budget": 1 << 20},
     {"shm_budget": 1 << 70}, {"shm_budget": 1e30},
     {"start_timeout": "x"}, {"start_timeout": 0}, {"start_timeout": -0.5},
