@@ -512,6 +512,9 @@ class RayClient(CallOrder):
                 raise
             return
         self._release(actor_id, None)  # calls waiting for a restart fail now
+        # and those under way, as killed (Ray's word: "died unexpectedly"), retrieved as
+        # locally (a call nobody awaits printed "exception was never retrieved")
+        self.close_calls({actor_id.key}, "the actor was killed by kill()")
         self._open.pop(actor_id.key, None)
         try:  # wait until Ray reports the death, so pending calls have failed
             await asyncio.wait_for(actor_id.handle.ready.remote(), 10)

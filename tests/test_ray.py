@@ -633,12 +633,15 @@ async def test_kill_fails_pending_and_later_calls_promptly(art):
     pending = c.slow_record(1, 30)
     await asyncio.sleep(0.2)
     t0 = time.monotonic()
+    forgotten = c.slow_record(2, 30)  # (nobody awaits it: no "never retrieved" for it)
+    await asyncio.sleep(0.2)
     await c.kill()
-    with pytest.raises(actorshm.ActorDiedError):
+    with pytest.raises(actorshm.ActorDiedError, match="kill"):  # (Ray's: "unexpectedly")
         await asyncio.wait_for(pending, 5)
     with pytest.raises(actorshm.ActorDiedError):
         await asyncio.wait_for(c.incr(), 5)
     assert time.monotonic() - t0 < 5
+    assert forgotten.done() and not forgotten._log_traceback
 
 
 async def test_kill_returns_once_the_process_is_gone_and_streams_fail_in_the_loop(art):
