@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any
 
+from . import _registry
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._descendants import process_start
 from ._client import ThreadCallFuture
@@ -703,3 +704,16 @@ CLIENT = RayClient()
 def get_client() -> RayClient:
     """This process's Ray client (a Ray-hosted actor installs it as its client)."""
     return CLIENT
+
+
+def _refuse_in_local_message(enc, actor_id: RayActorId):
+    """How actorshm's own encoder (the local backend's messages; Ray pickles its own)
+    meets a Ray actor's handle: refused before sending, as an argument that cannot be
+    serialized (the local actor failed to rebuild it: "Ray has not been started")."""
+    raise TypeError("a handle of an actor of the Ray backend cannot be passed to an "
+                    "actor of the local backend: an actor is called only from its own "
+                    "runtime's backend (make the call in the driver, or spawn the actor "
+                    "in the runtime whose actors call it)")
+
+
+_registry.register_reducer(RayActorId, _refuse_in_local_message)

@@ -2000,3 +2000,16 @@ async def test_an_exception_group_keeps_the_types_of_its_exceptions(art):
     inner = group.subgroup(KwOnlyError).exceptions[0]
     assert inner.message == "inner" and inner.exceptions[0].code == 4
     assert group.subgroup(KeyError) is not None
+
+
+async def test_a_ray_actors_handle_passed_to_a_local_actor_is_refused_naming_why():
+    # The local actor failed to rebuild it ("Ray has not been started yet"); the other
+    # way round, a local handle in a Ray actor, its calls say whose it is
+    async with actorshm.Runtime(backend="ray"):
+        on_ray = await Counter.spawn()
+        async with actorshm.Runtime(shutdown_grace=1.0):
+            local = await Caller.spawn()
+            with pytest.raises(TypeError, match="Ray backend cannot be passed to an actor "
+                                                "of the local backend"):
+                local.call_handle(on_ray, 1)
+            assert await asyncio.wait_for(local.call_handle(await Counter.spawn(), 1), 30) == 1
