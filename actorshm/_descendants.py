@@ -290,6 +290,12 @@ def process_start(pid: int) -> bytes | None:
     return fields[19]
 
 
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, Ctrl-Z, a debugger's stop)."""
+    fields = _stat_fields(pid) if pid else None
+    return fields is not None and fields[0] in (b"T", b"t")
+
+
 def _is_resource_tracker(pid: int) -> bool:
     """Whether ``pid`` is multiprocessing's resource tracker (it unlinks the shared memory
     and semaphores of processes that died without doing so)."""

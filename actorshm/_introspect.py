@@ -30,6 +30,7 @@ import traceback
 from typing import Any, TextIO
 
 from . import _leases, _shm
+from ._descendants import is_stopped
 from ._oom import oom_kill_count
 from ._serialization import PassFd
 
@@ -466,6 +467,11 @@ class Inspectable:
                        "its faulthandler dump follows on stderr")
                 if rec.probe is None or not rec.probe.ready:
                     why = f"no answer within {timeout} s (still starting?)"
+                elif is_stopped(rec.pid):
+                    # No dump: it would run once the process goes on, while its threads
+                    # run again (faulthandler then crashed it, on Python 3.13).
+                    why = (f"no answer within {timeout} s: its process is stopped "
+                           "(SIGSTOP, Ctrl-Z or a debugger)")
                 elif threading.get_ident() == self._loop_thread:
                     rec.send_signal(STACK_SIGNAL)  # (nothing, if it died meanwhile)
                 else:  # (the loop's thread owns its pidfd, which closes when it dies)
