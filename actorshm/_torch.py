@@ -309,12 +309,14 @@ def _reduce_bare(enc, t: torch.Tensor):
     if made is not None and span <= made[0]:
         return _copied(enc, t, made, kind, requires_grad)
     spent = made[2] if made is not None else 0
-    if _shm.keeps_layout(n, nbytes) or spent + span > n:
+    if _shm.keeps_layout(n, nbytes):
         span = n
     elif not _shm.keeps_layout(span, nbytes):
         t = t.detach().clone()
         st = t.untyped_storage()
         return _copied(enc, t, _copy(enc, st, st.nbytes()), kind, requires_grad)
+    elif spent + span > n:
+        span = n
     if copies is None:
         copies = enc.copies = {}
     made = copies[st.data_ptr()] = _copy(enc, st, span, spent)

@@ -334,6 +334,13 @@ async def test_the_rows_of_an_ordinary_batch_copy_its_storage_about_once(rt):
     assert batch.nbytes <= copied <= 2 * batch.nbytes + 65536
     for got, sent in zip(back[::499], rows[::499]):
         _same_tensors(got, sent)
+    # rows over 64 KiB from the storage's start are copied alone (compactly), and nothing
+    # copies the whole storage again beside them
+    wide = list(torch.zeros(400, 2048))  # 8 KiB rows
+    s0 = actorshm.stats()
+    await w.echo(wide)
+    copied = actorshm.stats()["bytes_copied"] - s0["bytes_copied"]
+    assert 400 * 8192 <= copied <= 1.2 * 400 * 8192  # (the first rows: up to themselves)
 
 
 async def test_a_tensor_shared_by_torch_itself_is_copied_with_a_warning_once(rt,
