@@ -35,23 +35,6 @@ def _user_paths() -> list[str]:
 _LOCAL_ONLY = {"shutdown_grace", "start_timeout", "gpus"}
 
 
-def _check_ray_init_options(ray: Any, options: dict) -> None:
-    """Refuse, naming them, keywords that neither the Ray backend nor ``ray.init`` takes,
-    before Ray starts (Ray said "Unknown keyword argument(s)", as a RuntimeError).
-    ``ray.init``'s own private keywords (``_temp_dir``...) pass, unchecked."""
-    unknown = [k for k in options if not k.startswith("_")]
-    if not unknown:
-        return
-    import inspect
-    known = {n for n, p in inspect.signature(ray.init).parameters.items()
-             if p.kind is not p.VAR_KEYWORD}
-    unknown = sorted(set(unknown) - known)
-    if unknown:
-        raise TypeError(f"Runtime(backend='ray') got unknown option(s) {unknown}: besides "
-                        "address, start_method and shm_budget, its keywords go to "
-                        f"ray.init, which takes {sorted(known - {'address'})}")
-
-
 class RayRuntime(_events.EventSource, RayInspectable):
     """``Runtime(backend="ray")``: actors run as Ray actors, locally or on a cluster.
 
@@ -152,7 +135,6 @@ class RayRuntime(_events.EventSource, RayInspectable):
         connected already: then the options given here cannot apply, and say so."""
         self.connect_on_first_use = False
         ray = import_ray()
-        _check_ray_init_options(ray, self.ray_init_options)
         if ray.is_initialized():
             given = self._given()
             if given and not self._owns_ray:
@@ -174,11 +156,16 @@ class RayRuntime(_events.EventSource, RayInspectable):
         # runs or RAY_ADDRESS is set (``None`` would join that one).
         try:
             ray.init(address=self.address or "local", **opts)
-        except (AssertionError, TypeError, ValueError) as exc:  # a bad value (Ray asserts)
-            given = ", ".join(f"{k}={v!r}" for k, v in self.ray_init_options.items())
-            raise (TypeError if isinstance(exc, TypeError) else ValueError)(
-                f"ray.init refused the options of Runtime(backend='ray', {given}): "
-                f"{exc or type(exc).__name__}") from exc
+        except AssertionError as exc:  # how Ray refuses a bad value (num_cpus="x")
+            raise ValueError(f"ray.init refused a value among the options of Runtime("
+                             f"backend='ray', {', '.join(self.ray_init_options)}): "
+                             f"{exc or 'an assertion failed'}") from exc
+        except RuntimeError as exc:
+            if "Unknown keyword argument" not in str(exc):
+                raise
+            raise TypeError(f"Runtime(backend='ray'): {exc}; besides address, start_method "
+                            "and shm_budget, its keywords go to ray.init (see its "
+                            "documentation for what it takes)") from None
         self._owns_ray = True
         _connected_by[0] = self
         CLIENT.fixed_cluster = self.address is None  # a local Ray: no autoscaler
