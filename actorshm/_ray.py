@@ -64,12 +64,14 @@ class RayActorId:
     """The actor id of a handle on the Ray backend: the Ray actor handle and its facts."""
 
     def __init__(self, handle: Any, key: str, streams: frozenset,
-                 named: bool = False, restarts: int = 0, job: str | None = None) -> None:
-        now = current_job()
-        if handle is not None and job is not None and now is not None and job != now:
-            handle = None  # unpickled after its runtime closed: as ``_stale``
+                 named: bool = False, restarts: int = 0, session: str | None = None) -> None:
+        now = ray_connection()
+        if handle is not None and session is not None and now is not None and \
+                session != now[0]:
+            handle = None  # unpickled in another Ray session: as ``_stale``
         self.handle = handle  # (None: a handle of a Ray session that ended, ``_stale``)
-        self.job = job if job is not None else now  # the Ray session and job it belongs to
+        self.session = session if session is not None else now and now[0]
+        self._worker = now and now[1]  # this process's connection to Ray it came through
         self.key = key
         if handle is None:
             CLIENT.killed(key)  # (its calls fail, as the local backend's do)
@@ -86,14 +88,17 @@ class RayActorId:
         return self._methods
 
     def __reduce__(self):
-        job = current_job()
-        if self.handle is None or self.job and job and job != self.job:
-            # A handle of a runtime that closed (its Ray job ended): Ray itself cannot
-            # pickle its actor handle in another job (the driver died on a check in Ray's
-            # C++ code), so it goes as a handle whose calls fail, as locally.
-            return (_stale, (self.key, self.streams, self.job))
+        now = ray_connection()
+        if self.handle is None or now is not None and (
+                self.session and self.session != now[0]
+                or self._worker and self._worker != now[1]):
+            # A handle of a runtime that closed, whose connection to Ray (or whose Ray)
+            # is gone: Ray cannot pickle its actor handle through another connection
+            # (the driver died on a check in Ray's C++ code), so it goes as a handle whose
+            # calls fail, as locally.
+            return (_stale, (self.key, self.streams, self.session))
         return (RayActorId, (self.handle, self.key, self.streams, self.named,
-                             self.restarts, self.job))
+                             self.restarts, self.session))
 
     def actorshm_client(self) -> "RayClient":
         return CLIENT
@@ -108,9 +113,10 @@ class RayActorId:
         return self.key[:12]
 
 
-def current_job() -> str | None:
-    """The Ray session and job this process works for (the driver's, in its actors), or
-    None. (A job id alone repeats: each new local Ray numbers its jobs from 1 again.)"""
+def ray_connection() -> tuple | None:
+    """This process's connection to Ray: ``(the Ray session, its worker id)``, or None.
+    The session is the cluster's (every driver and actor of one Ray shares it); the
+    worker id changes each time this process connects anew."""
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return None
@@ -118,14 +124,14 @@ def current_job() -> str | None:
         ctx = ray.get_runtime_context()
         session = ctx.get_session_name() if hasattr(ctx, "get_session_name") else \
             ctx.gcs_address
-        return f"{session}/{ctx.get_job_id()}"
+        return session, ctx.get_worker_id()
     except Exception:
         return None
 
 
-def _stale(key: str, streams: frozenset, job: str | None) -> RayActorId:
+def _stale(key: str, streams: frozenset, session: str | None) -> RayActorId:
     """A handle of a Ray runtime that closed, received: its calls fail (ActorDiedError)."""
-    return RayActorId(None, key, streams, job=job)
+    return RayActorId(None, key, streams, session=session)
 
 
 async def _name_released(ray: Any, name: str, handle: Any, limit: float = 5.0) -> None:

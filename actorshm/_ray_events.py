@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 from typing import Any
 
 from . import _events
@@ -82,10 +83,17 @@ async def _children(runtime: Any, host: Any) -> None:
             runtime.adopt(handle, options)
 
 
-def _dead_for_good(runtime: Any, rec: _Record) -> None:
+def _dead_for_good(runtime: Any, rec: _Record, sure: bool) -> None:
+    """The actor will not come back; ``sure``: it is gone for certain, so that a name it
+    has is freed at once, as locally (Ray kept it taken for a minute or so)."""
     runtime._gone.add(rec.actor_id.key)
-    if rec.options.name is not None:  # its name is free at once, as locally
+    if sure and rec.options.name is not None:
         end_actor(rec.actor_id.handle)
+
+
+def _ray_says_dead(exc: BaseException | None) -> bool:
+    rex = getattr(sys.modules.get("ray"), "exceptions", None)
+    return rex is not None and isinstance(exc, rex.ActorDiedError)
 
 
 async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
@@ -113,21 +121,23 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
             "its process got SIGTERM" if left == "leaving" else \
             "its process died (another answered in its place)"
         _events.emit(runtime, "died", rec, reason, will_restart=again)
-        if not again:
-            _dead_for_good(runtime, rec)
+        if not again:  # (its name is freed where Ray's word or the restarts left say it
+            # is gone: not on another error of the watch itself)
+            _dead_for_good(runtime, rec, killed or _ray_says_dead(death) or (
+                death is None or unavailable and isinstance(death, unavailable)))
             return
         client.watch_restart(rec.actor_id, runtime.loop, True)  # calls wait for it
         try:  # queued by Ray until the restarted process runs
             ok, pid = await asyncio.wait_for(ready_after_restart(host), RESTART_WAIT)
         except Exception as exc:  # the restart failed (or never came)
-            if not runtime._closing:
-                _dead_for_good(runtime, rec)
+            if not runtime._closing:  # (a restart slow to come is not ended)
+                _dead_for_good(runtime, rec, key in client._dead or _ray_says_dead(exc))
                 # (a kill() that cut the restart short is named as every kill is)
                 _events.emit(runtime, "died", rec,
                              "kill()" if key in client._dead else describe(exc))
             return
         if not ok:  # the restarted process's __init__ raised
-            _dead_for_good(runtime, rec)
+            _dead_for_good(runtime, rec, True)
             err = decode_exception(pid, f"{rec.cls_name}.__init__")
             _events.emit(runtime, "died", rec, f"__init__ raised on restart: {err!r}")
             return

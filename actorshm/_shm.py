@@ -524,10 +524,12 @@ def share(arr) -> np.ndarray:
 def _refuse_other_library(arr) -> None:
     """``share`` of a torch tensor gave a numpy array, a CuPy array numpy's refusal:
     name the function that shares each."""
-    for module, share in (("torch", "actorshm.torch.share"), ("cupy", "actorshm.cuda.share")):
-        if type(arr).__module__.partition(".")[0] == module:
-            raise TypeError(f"actorshm.share shares numpy arrays; a {type(arr).__module__}."
-                            f"{type(arr).__name__} is shared with {share}")
+    for module, kind, share in (("torch", "Tensor", "actorshm.torch.share"),
+                                ("cupy", "ndarray", "actorshm.cuda.share")):
+        lib = sys.modules.get(module)  # (loaded wherever one of its arrays exists)
+        if lib is not None and isinstance(arr, getattr(lib, kind, ())):
+            raise TypeError(f"actorshm.share shares numpy arrays; a {module}.{kind} is "
+                            f"shared with {share}")
 
 
 def _share_masked(arr, ma):
