@@ -18,6 +18,7 @@ import pickle
 import traceback
 import types
 import weakref
+from typing import Any
 
 import cloudpickle
 
@@ -29,7 +30,13 @@ __all__ = ["encode_exception", "encode_failure", "decode_exception", "call_in_th
            "call_caught", "UNPICKLING_ERRORS"]
 
 _BRIEF = 1 << 16  # what a too-big exception keeps of its message and traceback text
-_GROUPS = getattr(builtins, "BaseExceptionGroup", ())  # (Python 3.11 on)
+try:  # exception groups: built in from Python 3.11, the backport's before
+    _GROUPS: Any = builtins.BaseExceptionGroup
+except AttributeError:  # pragma: no cover - Python 3.10
+    try:
+        from exceptiongroup import BaseExceptionGroup as _GROUPS
+    except ImportError:
+        _GROUPS = ()
 
 
 def _type_name(t: type) -> str:
