@@ -16,7 +16,7 @@ import numpy as np
 from . import _client, _shm
 from ._actor import STREAM, ActorHandle, _Spawner
 from ._client import ThreadCallFuture
-from ._errors import ActorGroupError
+from ._errors import ActorError, ActorGroupError
 from ._pool import check_handles
 from ._results import JoinedFuture
 
@@ -282,11 +282,17 @@ def _settle(out, futs: list, handles: tuple, name: str) -> None:
     results, errors, failed = [], [], []
     for i, f in enumerate(futs):
         if f.cancelled():
-            errors.append(asyncio.CancelledError(f"the call to member {i} was cancelled"))
+            errors.append(ActorError(f"the call to member {i} was cancelled"))
             failed.append(i)
             results.append(None)
         elif f.exception() is not None:
-            errors.append(f.exception())
+            exc = f.exception()
+            if not isinstance(exc, Exception):  # (an ExceptionGroup holds Exceptions only:
+                # it refused one, and the group call never ended)
+                err = ActorError(f"the call to member {i} failed: {exc!r}")
+                err.__cause__ = exc
+                exc = err
+            errors.append(exc)
             failed.append(i)
             results.append(None)
         else:

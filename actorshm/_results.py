@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from ._errors import ActorError
+
 __all__ = ["CallFuture", "JoinedFuture", "reduce_future", "Unfinished", "DependencyFailed",
            "futures_in", "with_results"]
 
@@ -98,9 +100,10 @@ def reduce_future(fut: asyncio.Future):
                         "passed unfinished)")
     if not fut.done():
         raise Unfinished(fut)
-    if fut.cancelled():
-        raise DependencyFailed(asyncio.CancelledError("a call given as an argument was "
-                                                      "cancelled"))
+    if fut.cancelled():  # (not a CancelledError: that would read as the cancellation
+        # of whoever awaits this call, and a TaskGroup would drop it without a word)
+        raise DependencyFailed(ActorError("a call given as an argument was cancelled, so "
+                                          "this call was not made"))
     exc = fut.exception()
     if exc is not None:
         raise DependencyFailed(exc)

@@ -143,6 +143,18 @@ async def test_an_unfinished_result_as_argument_goes_to_every_member(rt):
     assert counted[0] == counted[1]
 
 
+async def test_a_cancelled_call_as_argument_fails_the_group_call_naming_it(rt):
+    # Each member's call failed with a CancelledError, which the group's error (an
+    # ExceptionGroup) cannot hold: a TypeError in a callback, and the await never ended
+    g, other = await asyncio.gather(ActorGroup.spawn(Counter, 2), Counter.spawn(0))
+    dep = other.slow_record(1, 5.0)
+    dep.cancel()
+    with pytest.raises(ActorGroupError, match="given as an argument was cancelled") as info:
+        await asyncio.wait_for(g.echo(dep), 10)
+    assert info.value.failed == [0, 1]
+    assert await g.echo(3) == [3, 3]
+
+
 async def test_cancelling_a_group_call_cancels_every_members_call(rt):
     g = await ActorGroup.spawn(PoolWorker, 3)
     fut = g.work(actorshm.zeros(100), 30)
