@@ -210,14 +210,22 @@ class Worker(StreamingClient):
         self.holding[key] = self.seq
         if kind == "stream" or "run_ahead" in meta:
             slot = StreamSlot(self, key, self.seq)
-            task = self.running_calls[key] = self.loop.create_task(
-                self._run_stream(conn, cid, fn, args, kwargs, what, meta, slot))
+            task = self._task(self._run_stream(conn, cid, fn, args, kwargs, what, meta, slot),
+                              conn, cid, what)
             chain.reset(token)
+            if task is None:
+                slot.done()
+                return
+            self.running_calls[key] = task
             task.add_done_callback(lambda t: slot.done())
         elif kind:
-            task = self.running_calls[key] = self.loop.create_task(
-                self._run_async(conn, cid, fn, args, kwargs, what))
+            task = self._task(self._run_async(conn, cid, fn, args, kwargs, what),
+                              conn, cid, what)
             chain.reset(token)
+            if task is None:
+                self._finished(key)
+                return
+            self.running_calls[key] = task
             task.add_done_callback(lambda t: self._finished(key))
         elif self.max_concurrency > 1:
             self.running_calls[key] = None
@@ -260,6 +268,21 @@ class Worker(StreamingClient):
             else:
                 self.fast.discard(method)
             self._finished(key, blocked=took > 0.002)
+
+    def _task(self, coro, conn, cid, what) -> asyncio.Task | None:
+        """A task running ``coro`` for call ``cid``; None, the call answered with the
+        error, where the loop cannot make one (a task factory set on it that fails:
+        ``asyncio.eager_task_factory`` under uvloop on Python 3.13 does). The call was
+        left unanswered, and its slot taken for good: the actor answered nothing more."""
+        try:
+            return self.loop.create_task(coro)
+        except Exception as exc:
+            coro.close()
+            conn.reply_error(cid, RuntimeError(
+                f"{what}: the actor's event loop could not start a task for this call "
+                f"({type(exc).__name__}: {exc}); a task factory set on that loop "
+                "(loop.set_task_factory) fails there"))
+            return None
 
     async def _run_async(self, conn, cid, fn, args, kwargs, what) -> None:
         try:

@@ -935,3 +935,23 @@ class SubCounter(Counter):
 
     def kind(self):
         return type(self).__name__
+
+
+@actor
+class TaskFactorySetter:
+    """Sets a task factory on its own loop that fails, as ``asyncio.eager_task_factory``
+    does under uvloop on Python 3.13."""
+
+    async def break_tasks(self):
+        def factory(loop, coro, **kw):
+            raise TypeError("this factory makes no tasks")
+        asyncio.get_running_loop().set_task_factory(factory)
+
+    async def aping(self, x):
+        return x
+
+    def ping(self, x):
+        return x
+
+    def agen(self):
+        yield 1

@@ -456,3 +456,19 @@ async def test_a_cancelled_spawn_says_so_in_the_actors_record(rt):
         await asyncio.wait_for(Faulty.spawn(), 0.001)
     (record,) = rt.actors()
     assert "its spawn was cancelled" in record["death"] and not record["alive"]
+
+
+async def test_an_actor_whose_loop_cannot_make_tasks_answers_its_calls_with_the_error(rt):
+    # The call was left unanswered, and its slot taken for good: the actor answered
+    # nothing more (an eager task factory under uvloop on Python 3.13)
+    from actors import TaskFactorySetter
+    a = await TaskFactorySetter.spawn()
+    await a.break_tasks()
+    with pytest.raises(RuntimeError, match="could not start a task.*set_task_factory"):
+        await asyncio.wait_for(a.aping(1), 10)
+    assert await asyncio.wait_for(a.ping(2), 10) == 2
+    with pytest.raises(RuntimeError, match="could not start a task"):
+        async with asyncio.timeout(10):
+            async for _ in a.agen():
+                pass
+    assert await asyncio.wait_for(a.ping(3), 10) == 3
