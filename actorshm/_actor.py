@@ -7,10 +7,11 @@ A second backend slots in as another client.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Awaitable
 
 from ._errors import PendingCallsLimitError
 from ._util import THREAD_VARS
@@ -360,9 +361,20 @@ class ActorHandle:
             return self.__getattr__("name")
         return self._actor_name
 
-    async def kill(self) -> None:
-        """End the actor's process now (SIGKILL); pending calls raise ActorDiedError."""
-        await self._client.kill(self._actor_id)
+    def kill(self) -> Awaitable[None]:
+        """End the actor's process now (SIGKILL); pending calls raise ActorDiedError.
+
+        The kill is under way once this returns (it starts at the event loop's next
+        turn), as a call is sent when made: ``await`` it to wait until the process is
+        gone. Cancelling that wait (a time-out, even of 0 s) does not stop the kill."""
+        work = self._client.kill(self._actor_id)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop runs here: the caller runs it on one
+            return work
+        task = loop.create_task(work)
+        task.add_done_callback(_seen)  # (an error nobody awaits is no "never retrieved")
+        return asyncio.shield(task)
 
     def __reduce__(self):
         # The current pid (``pid``), not the one this handle was made with: the process
@@ -378,6 +390,11 @@ class ActorHandle:
 
     def __hash__(self) -> int:
         return hash(("actorshm.ActorHandle", self._actor_id))
+
+
+def _seen(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1):

@@ -668,6 +668,24 @@ async def test_a_kill_whose_await_times_out_still_kills(rt):
         await asyncio.wait_for(p.hit(), 5)  # dead for good: kill() never restarts
 
 
+async def test_a_kill_begins_when_called_even_under_a_time_out_of_0(rt):
+    # kill() was a coroutine: a time-out of 0 (or a cancel before the loop turned)
+    # cancelled it before it began, and the actor lived on
+    from actors import Phoenix
+    for limit in (0, -1):
+        p = await Phoenix.spawn("t")
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(p.kill(), limit)
+        await asyncio.sleep(0.5)  # (a call made while a kill settles may still run)
+        with pytest.raises(ActorDiedError, match="kill"):
+            await asyncio.wait_for(p.hit(), 5)
+    p = await Phoenix.spawn("t")
+    p.kill().cancel()  # (nobody waits: it runs on)
+    await asyncio.sleep(0.5)
+    with pytest.raises(ActorDiedError, match="kill"):
+        await asyncio.wait_for(p.hit(), 5)
+
+
 async def test_restart_that_dies_while_starting_is_retried(rt, tmp_path):
     from actors import FlakyStart
     marker = tmp_path / "crash-next-start"
