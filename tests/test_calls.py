@@ -10,6 +10,7 @@ import pytest
 
 from actorshm import RemoteError
 import actorshm
+from compat import noted, timeout
 from actors import (BreaksOnArrival, CalledBack, Caller, CallsBack, Concurrent, Counter,
                     CustomError, Faulty, FormatsError, KwOnlyError, NewKwError,
                     NoArgsError, PathError, PoolWorker, RefusesReduceError, SlotsError,
@@ -136,7 +137,7 @@ async def test_an_exception_pickle_does_not_rebuild_as_it_was_keeps_type_and_mes
         await f.rebuilt_by_state("formats")
     assert str(info.value) == "code=4" and info.value.code == 4
     assert "rebuilt_by_state" in str(info.value.__cause__)
-    assert any("rebuilt_by_state" in n for n in info.value.__notes__)
+    assert noted(info.value, "rebuilt_by_state")
     with pytest.raises(FileNotFoundError) as info:  # errno, strerror, filename kept
         await f.rebuilt_by_state("path")
     e = info.value
@@ -468,7 +469,7 @@ async def test_an_actor_whose_loop_cannot_make_tasks_answers_its_calls_with_the_
         await asyncio.wait_for(a.aping(1), 10)
     assert await asyncio.wait_for(a.ping(2), 10) == 2
     with pytest.raises(RuntimeError, match="could not start a task"):
-        async with asyncio.timeout(10):
+        async with timeout(10):
             async for _ in a.agen():
                 pass
     assert await asyncio.wait_for(a.ping(3), 10) == 3

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import actorshm
+from compat import TimeoutError, noted, timeout
 import reentrant_cases
 from call_actors import Relay, Worker
 
@@ -42,7 +43,7 @@ async def test_cancelled_async_call_is_cancelled_in_the_actor(rt):
 async def test_asyncio_timeout_and_task_cancel_reach_the_actor(rt):
     w = await Worker.spawn()
     with pytest.raises(TimeoutError):
-        async with asyncio.timeout(0.1):
+        async with timeout(0.1):
             await w.awork(30)
     fut = asyncio.ensure_future(w.awork(30))
     await asyncio.sleep(0.1)
@@ -239,7 +240,7 @@ async def test_a_loop_cancelled_while_waiting_stops_the_stream(rt, how):
             pass
     if how == "timeout":
         try:
-            async with asyncio.timeout(0.3):
+            async with timeout(0.3):
                 await consume()
         except TimeoutError as exc:
             kept.append(exc)
@@ -486,7 +487,7 @@ async def test_a_failed_call_as_argument_fails_the_call_with_that_error_as_it_wa
         e = info.value
         assert str(e) == "code=4" and e.code == 4
         assert "rebuilt_by_state" in str(e.__cause__)  # the remote traceback
-        assert any("rebuilt_by_state" in n for n in e.__notes__)
+        assert noted(e, "rebuilt_by_state")
     assert await w.get_log() == []
 
 

@@ -7,6 +7,7 @@ import pytest
 
 import actorshm
 from actorshm import ActorDiedError, ActorPool
+from compat import TimeoutError, timeout
 from actors import Counter, FlakyStart, Phoenix, PoolWorker
 from call_actors import Relay
 
@@ -226,7 +227,7 @@ async def test_a_map_cut_by_a_time_out_says_so_when_asked_for_more(rt, method):
         await anext(it)
     results = getattr(pool, method)(lambda a, v: a.work(v, 0.5), range(6))
     with pytest.raises(TimeoutError):
-        async with asyncio.timeout(0.05):
+        async with timeout(0.05):
             async for _ in results:
                 pass
     with pytest.raises(RuntimeError, match="were stopped"):  # also in a later loop

@@ -26,6 +26,7 @@ from actorshm._ray import ray_env  # noqa: E402
 from actorshm._errors import RemoteTraceback  # noqa: E402
 
 ray_env()  # what a runtime that starts Ray sets: Ray binds 127.0.0.1, deaths fail calls at once
+from compat import TimeoutError, noted  # noqa: E402
 from actors import (Arrays, BreaksOnArrival, Caller, Concurrent, Counter,  # noqa: E402
                     CustomError, EnvReader, Faulty, FormatsError, KwOnlyError, PathError, Phoenix,
                     PoolWorker, Probe, Quirks, SlowStart, ThreadedCaller, TwoArgsError)
@@ -1601,7 +1602,7 @@ async def test_a_result_that_cannot_be_pickled_or_an_open_file_argument(art):
         except TypeError as exc:
             assert isinstance(exc.__cause__, RemoteTraceback), exc.__cause__
             if sys.version_info >= (3, 11):
-                assert any("ArrayUser.lock" in n for n in exc.__notes__), exc.__notes__
+                assert noted(exc, "ArrayUser.lock"), exc
         else:
             raise AssertionError("no error")
     with open(__file__) as f, pytest.raises(TypeError, match="open file .* pass its path"):
