@@ -365,16 +365,14 @@ class ActorHandle:
         """End the actor's process now (SIGKILL); pending calls raise ActorDiedError.
 
         The kill is under way once this returns (it starts at the event loop's next
-        turn), as a call is sent when made: ``await`` it to wait until the process is
-        gone. Cancelling that wait (a time-out, even of 0 s) does not stop the kill."""
-        work = self._client.kill(self._actor_id)
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no event loop runs here: the caller runs it on one
-            return work
-        task = loop.create_task(work)
-        task.add_done_callback(_seen)  # (an error nobody awaits is no "never retrieved")
-        return asyncio.shield(task)
+        turn), as a call is sent when made, and it returns what a call does: a future
+        (not a coroutine: ``await`` it, or hand it to ``asyncio.wait_for``, ``gather``
+        or ``wait``). Cancelling the wait (a time-out, even of 0 s) does not stop the
+        kill. With no event loop running here, a coroutine to run on one."""
+        return start_shielded(self._kill())
+
+    async def _kill(self) -> None:
+        await self._client.kill(self._actor_id)
 
     def __reduce__(self):
         # The current pid (``pid``), not the one this handle was made with: the process
@@ -392,9 +390,23 @@ class ActorHandle:
         return hash(("actorshm.ActorHandle", self._actor_id))
 
 
-def _seen(task: asyncio.Task) -> None:
-    if not task.cancelled():
-        task.exception()
+def start_shielded(work) -> Awaitable:
+    """Start coroutine ``work`` on the running loop now, where waiting for it is up to
+    the caller and cancelling that wait does not stop it: a future (``kill``). With no
+    loop running here, or one whose task factory fails, ``work`` itself, to be awaited."""
+    try:
+        task = asyncio.get_running_loop().create_task(work)
+    except Exception:  # no loop runs here, or it cannot make tasks
+        return work
+    task.add_done_callback(_seen)
+    outer = asyncio.shield(task)
+    outer.add_done_callback(_seen)  # (an error nobody awaits is no "never retrieved")
+    return outer
+
+
+def _seen(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1):

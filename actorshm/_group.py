@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Iterable, Iterator
+from typing import Any, Awaitable, Iterable, Iterator
 
 import numpy as np
 
 from . import _client, _shm
-from ._actor import STREAM, ActorHandle, _Spawner
+from ._actor import STREAM, ActorHandle, _Spawner, start_shielded
 from ._client import ThreadCallFuture
 from ._errors import ActorError, ActorGroupError
 from ._pool import check_handles
@@ -151,8 +151,12 @@ class ActorGroup:
         common = set.intersection(*(set(h._methods) for h in self._handles))
         return sorted(set(super().__dir__()) | common)
 
-    async def kill(self) -> None:
-        """End every member's process (``handle.kill()`` on each, at once)."""
+    def kill(self) -> Awaitable[None]:
+        """End every member's process (``handle.kill()`` on each, at once); a future,
+        as ``handle.kill()`` returns: cancelling the wait does not stop the kills."""
+        return start_shielded(self._kill_all())
+
+    async def _kill_all(self) -> None:
         await asyncio.gather(*(h.kill() for h in self._handles), return_exceptions=True)
 
 

@@ -209,8 +209,11 @@ class _ByState:
             args = (args[0], [_Member(e, self.dumps) for e in exc.exceptions])
             if slots:  # (made from the args again)
                 slots = {k: v for k, v in slots.items() if k not in ("message", "exceptions")}
-        return _rebuild_exception, (type(exc), args, dict(vars(exc)) or None,
-                                    slots or None)
+            # (the backport keeps them in its __dict__: they would come back unrebuilt)
+            state = {k: v for k, v in vars(exc).items() if k not in ("_exceptions", "_message")}
+        else:
+            state = dict(vars(exc))
+        return _rebuild_exception, (type(exc), args, state or None, slots or None)
 
 
 class _Member:

@@ -277,6 +277,8 @@ class Worker(StreamingClient):
         try:
             return self.loop.create_task(coro)
         except Exception as exc:
+            if inspect.getcoroutinestate(coro) != inspect.CORO_CREATED:
+                raise  # (a factory that ran it, then failed: the call is the task's)
             coro.close()
             conn.reply_error(cid, RuntimeError(
                 f"{what}: the actor's event loop could not start a task for this call "
@@ -435,7 +437,7 @@ class Worker(StreamingClient):
                 if not self.stopped.done():
                     self.stopped.set_result(None)
             elif method == "__settle__":
-                self.loop.create_task(self._settle(conn, cid, *args))
+                self._task(self._settle(conn, cid, *args), conn, cid, "settling")
             elif method == "__stats__":
                 conn.reply(cid, _shm.stats())
             elif method == "__ping__":

@@ -14,6 +14,12 @@ import actorshm
 from actorshm import actor
 
 
+
+try:
+    _ExceptionGroup = ExceptionGroup
+except NameError:  # Python 3.10: the backport, which the package depends on there
+    from exceptiongroup import ExceptionGroup as _ExceptionGroup
+
 @actor
 class Counter:
     def __init__(self, start=0):
@@ -292,6 +298,10 @@ class Faulty:
     def not_rebuilt_by_init(self, which):
         raise {"kw": lambda: KwOnlyError(code=4), "none": NoArgsError,
                "two": lambda: TwoArgsError(1, 2)}[which]()
+
+    def raise_plain_group(self):
+        """An ExceptionGroup raised as it is (the backport's, on Python 3.10)."""
+        raise _ExceptionGroup("grp", [TwoArgsError(1, 2), KeyError(5)])
 
     async def raise_group(self):
         """What a TaskGroup raises when its tasks fail: an ExceptionGroup, nested here."""

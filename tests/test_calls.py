@@ -129,6 +129,18 @@ async def test_an_exception_whose_init_cannot_take_back_its_args_keeps_its_type(
     assert type(info.value) is TwoArgsError and (info.value.a, info.value.b) == (1, 2)
 
 
+async def test_an_exception_group_keeps_its_members_types_on_the_local_backend(rt):
+    # (tests/test_ray.py has the TaskGroup case on both backends; this one runs on 3.10
+    # too, with the backport's groups, which keep their members in their __dict__)
+    f = await Faulty.spawn()
+    with pytest.raises(Exception) as info:
+        await f.raise_plain_group()
+    group = info.value
+    assert type(group).__name__ == "ExceptionGroup" and group.message == "grp"
+    two, key = group.exceptions
+    assert type(two) is TwoArgsError and (two.a, two.b) == (1, 2) and type(key) is KeyError
+
+
 async def test_an_exception_pickle_does_not_rebuild_as_it_was_keeps_type_and_message(rt):
     # Rebuilt by its state where pickle's cls(*args) gives something else, or fails
     # elsewhere than __init__: each came back with a wrong message, or as RemoteError.

@@ -684,6 +684,12 @@ async def test_a_kill_begins_when_called_even_under_a_time_out_of_0(rt):
     await asyncio.sleep(0.5)
     with pytest.raises(ActorDiedError, match="kill"):
         await asyncio.wait_for(p.hit(), 5)
+    group = await actorshm.ActorGroup.spawn(Phoenix, 2, "g")
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(group.kill(), 0)
+    await asyncio.sleep(0.5)
+    with pytest.raises(actorshm.ActorGroupError, match="kill"):
+        await asyncio.wait_for(group.hit(), 5)
 
 
 async def test_restart_that_dies_while_starting_is_retried(rt, tmp_path):
