@@ -157,6 +157,8 @@ class RayRuntime(_events.EventSource, RayInspectable):
         try:
             ray.init(address=self.address or "local", **opts)
         except AssertionError as exc:  # how Ray refuses a bad value (num_cpus="x")
+            if not self.ray_init_options:  # (none of the user's: not theirs to fix)
+                raise
             raise ValueError(f"ray.init refused a value among the options of Runtime("
                              f"backend='ray', {', '.join(self.ray_init_options)}): "
                              f"{exc or 'an assertion failed'}") from exc
