@@ -61,7 +61,7 @@ counters: dict[str, int] = dict.fromkeys(
     ["bytes_copied", "bytes_zero_copy", "arrays_copied", "arrays_zero_copy",
      "pool_allocs", "pool_reuses", "blocks_live", "arenas_owned", "arena_bytes_owned",
      "arenas_mapped", "releases_sent", "releases_received", "calls_sent", "calls_received",
-     "forward_notices_sent",
+     "forward_notices_sent", "messages_spilled", "bytes_spilled",
      # GPU arrays (``_cuda``): present, at zero, also where CuPy was never imported.
      "cuda_bytes_zero_copy", "cuda_bytes_copied", "cuda_arrays_zero_copy",
      "cuda_arrays_copied", "cuda_pool_allocs", "cuda_pool_reuses", "cuda_handles_opened",

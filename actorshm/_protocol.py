@@ -179,6 +179,9 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             # The common call, builtin scalars only: one short path to the socket.
             data = _plain_call(method, args, kwargs)
             if data is not None:
+                if len(data) > ser.SPILL_MIN:  # (through shared memory: ``ser.spill``)
+                    self._send_call(fut, method, args, kwargs, what, None, None, data)
+                    return fut
                 cid = self._next_id
                 self._next_id = cid + 1
                 self.pending[cid] = fut
@@ -200,10 +203,15 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
                 self._hold(entry, u.fut)
         return fut
 
-    def _send_call(self, fut, method, args, kwargs, what, meta, stream) -> None:
+    def _send_call(self, fut, method, args, kwargs, what, meta, stream,
+                   plain: bytes | None = None) -> None:
+        """Send a call (``plain``: its payload, pickled already by the plain path)."""
         call = (method, args, kwargs) if meta is None else (method, args, kwargs, meta)
         try:
-            payload, fds, enc, flags = ser.encode(call, self)
+            if plain is None:
+                payload, fds, enc, flags = ser.encode(call, self)
+            else:
+                payload, fds, enc, flags = ser.spill(plain, (), None, PLAIN, self)
         except _results.Unfinished:
             raise
         except _results.DependencyFailed as dep:

@@ -40,7 +40,7 @@ from ._encoding import SCALARS, Encoding, MessageTooBig, add_wait, arena_fd, che
 from ._flat import decode_flat, encode_flat
 from ._inband import INLINE_BUDGET, INLINE_MAX, dtype_token, inline_array, rebuild_inline
 from ._errors import ProtocolError
-from ._wire import ARENA, FLAT, GPU_SLAB, HAS_BLOCKS, LEN, PLAIN  # noqa: F401
+from ._wire import ARENA, FLAT, GPU_SLAB, HAS_BLOCKS, LEN, PLAIN, RECV_SIZE  # noqa: F401
 
 __all__ = ["encode", "encode_plain_call", "decode", "Unsendable", "MessageTooBig", "PassFd",
            "register_reducer", "register_region_kind", "register_lazy_plugin",
@@ -469,6 +469,8 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     if _simple(obj[1]) and _simple(obj[2]) if call else _simple(obj):
         data = _dumps(obj, 5)
         check_size(len(data))
+        if len(data) > SPILL_MIN:
+            return spill(data, _NO_FDS, None, PLAIN, conn)
         return data, _NO_FDS, None, PLAIN
     # Arrays too: when all of them are shared, no pickler is needed either. (A call's
     # arguments go straight to ``_flat``, which checks every item and gives up at the
@@ -477,7 +479,7 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
         if type(obj[1]) is tuple and type(obj[2]) is dict:
             out = encode_flat(obj, conn)
             if out is not None:
-                return out
+                return out if len(out[0][2]) <= SPILL_MIN else spill(*out, conn)
         flat = _scalars_and_arrays(obj[1])
         if flat:
             kwargs = _scalars_and_arrays(obj[2])
@@ -487,7 +489,7 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
         if flat:
             out = encode_flat(obj, conn)
             if out is not None:
-                return out
+                return out if len(out[0][2]) <= SPILL_MIN else spill(*out, conn)
     f = io.BytesIO()
     enc = (_ArrayEncoder if flat == 1 else _Encoder)(f, conn)
     enc.dump(obj)
@@ -498,11 +500,82 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     for fn, items in enc.waits.items():
         fn(items)
     enc.settle_counts(_leases.counters)
+    if f.tell() > SPILL_MIN:
+        return spill(f.getbuffer(), enc.fds, enc, HAS_BLOCKS if enc.table else 0, conn)
     if not enc.table:
         return f.getvalue(), enc.fds, enc, 0
     table = _dumps(enc.table, 5)
     # Parts, not one bytes object: the frame writer joins them with the header in one copy.
     return [_TLEN.pack(len(table)), table, f.getbuffer()], enc.fds, enc, HAS_BLOCKS
+
+
+# A message whose pickle is bigger than the receive buffer would come through the socket
+# in many reads (each a wake-up of the receiver, a copy into its buffer and a wait for
+# room on the sender's side: 64 MiB of bytes took ~200 ms): it goes through this
+# process's pool instead, as an ordinary array does (``spill``).
+SPILL_MIN = RECV_SIZE
+
+
+def spill(payload, fds, enc: "Encoding | None", flags: int, conn):
+    """The frame of a message whose pickle is over ``SPILL_MIN`` bytes: the pickle is
+    copied into a block of this process's pool and leased to the receiver like an
+    array's (one more row of the block table; counted in ``messages_spilled`` and
+    ``bytes_spilled``, not in ``bytes_copied``, which is about arrays), and the
+    frame carries only the table and a small pickle that, unpickled, unpickles the
+    block's bytes (``_unspill``) in the same decoding context. The receiver's copy is
+    made by unpickling, which leaves nothing viewing the block, so its lease comes home
+    with the reply. Where the pool has no room, the socket takes the message as before.
+
+    Args: what ``encode`` would return (payload, fds, its encoder or None, flags), and
+    the connection it is for.
+    """
+    body = payload[2] if type(payload) is list else payload  # (table, then the pickle)
+    src = np.frombuffer(body, np.uint8)
+    try:
+        a = _shm.copy_to_shared(src)
+    except MemoryError:  # (over the shared-memory budget: a frame of its own then)
+        if type(payload) is memoryview:  # (``encode``'s pickler's buffer)
+            if not flags & HAS_BLOCKS:
+                return bytes(payload), fds, enc, flags
+            table = _dumps(enc.table, 5)
+            payload = [_TLEN.pack(len(table)), table, payload]
+        return payload, fds, enc, flags
+    view = _shm.find_block(a)
+    if enc is None:
+        enc = Encoding()
+        enc._start(conn)
+    row = enc.lease(view, ARENA, arena_fd)
+    aoff = a.__array_interface__["data"][0] - view.region.addr - view.offset
+    counters = _leases.counters
+    counters["messages_spilled"] += 1
+    counters["bytes_spilled"] += len(src)
+    table = _dumps(enc.table, 5)
+    outer = _dumps(_Spilled(row, aoff, len(src), flags), 5)
+    return [_TLEN.pack(len(table)), table, outer], enc.fds, enc, HAS_BLOCKS
+
+
+class _Spilled:
+    """What a spilled message's frame carries in place of its pickle."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, *args) -> None:
+        self.args = args
+
+    def __reduce__(self):
+        return _unspill, self.args
+
+
+def _unspill(row: int, aoff: int, n: int, flags: int):
+    """The message ``spill`` put in row ``row`` of the block table, unpickled."""
+    ctx = _ctx()
+    body = memoryview(np.asarray(ctx.blocks[row])).cast("B")[aoff:aoff + n]
+    try:
+        if flags & FLAT:
+            return decode_flat(body, ctx.blocks)
+        return _loads(body)
+    finally:
+        del body  # (a failure's traceback keeps this frame: it must not keep the block)
 
 
 def decode(payload, fds, conn, flags: int = 0, waits: dict | None = None) -> Any:

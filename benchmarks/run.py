@@ -301,6 +301,44 @@ async def small_arrays(c: Contenders, rounds: int, n: int = 1000) -> dict[str, l
     return samples
 
 
+async def big_bytes(c: Contenders, sizes: list[int], rounds: int) -> dict[str, dict]:
+    """Seconds per call with one ``bytes`` argument of each size (``bytes`` is no
+    array: it is pickled, and a pickle this big travels through the sender's shared-memory
+    pool, not the socket), against the same object pickled through a
+    ``multiprocessing.Pipe`` and, where installed, a Ray actor call."""
+    pc = time.perf_counter
+    out: dict[str, dict] = {}
+    for size in sizes:
+        blob = os.urandom(size)
+
+        async def actorshm_call():
+            t = pc()
+            await c.sink.noop(blob)
+            return pc() - t
+
+        async def pipe_call():
+            t = pc()
+            c.pipe.send(blob)
+            c.pipe.recv()
+            return pc() - t
+        fns = {"actorshm call": actorshm_call, "multiprocessing.Pipe, pickled": pipe_call}
+        if c.ray is not None:  # pragma: no cover - needs ray
+            async def ray_call():
+                t = pc()
+                c.ray["ray"].get(c.ray["h"].noop.remote(blob))
+                return pc() - t
+            fns["Ray actor call (ray.get)"] = ray_call
+        samples: dict[str, list[float]] = {k: [] for k in fns}
+        for fn in fns.values():
+            await fn()
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                samples[k].append(await fn())
+        for k, v in samples.items():
+            out.setdefault(k, {})[size] = statistics.median(v)
+    return out
+
+
 def goals(rt: dict, pl: dict, arr: dict, small: dict, recycle: tuple,
           pipe: tuple) -> list[list[str]]:
     """The targets of the call path, each as a ratio measured in this run, and whether
@@ -602,6 +640,12 @@ async def run(args, data: dict | None = None) -> str:
                   ["contender", "median ms", "vs pickle round trip"],
                   [[k, _ms(statistics.median(v)), f"{statistics.median(v) / small_ref:.2f}x"]
                    for k, v in sm.items()])
+        bsizes = [MiB, 16 * MiB] if quick else [MiB, 16 * MiB, 64 * MiB]
+        bb = await big_bytes(c, bsizes, rounds=3 if quick else 7)
+        data["big_bytes"] = bb
+        table.add("A call with one big `bytes` argument (median ms)",
+                  ["contender"] + [_size(s) for s in bsizes],
+                  [[k] + [_ms(v[s]) for s in bsizes] for k, v in bb.items()])
         per, refill, copied, allocs = await recycling(64 * MiB, 10 if quick else 40)
         rows = [["actorshm", _ms(per), _ms(refill), _ms(max(per - refill, 0)), f"{copied:.0f}",
                  f"{allocs:.2f}"]]

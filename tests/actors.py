@@ -554,8 +554,9 @@ class Arrays:
 
     async def lend_kept_behind_a_full_socket_then_die(self, other, nbytes):
         """Fill our socket to the driver, pass the driver's block on, then die."""
-        from actorshm import _client
+        from actorshm import _client, _serialization
         driver = _client._worker[0].driver
+        _serialization.SPILL_MIN = 1 << 40  # (big messages through the socket)
         driver.call("echo_to_nobody", (b"x" * nbytes,), {})  # the driver is not reading
         await asyncio.sleep(0.05)
         assert driver._writing, "the socket to the driver did not fill up"
@@ -686,6 +687,8 @@ class Dying:
         return value
 
     async def big_reply_then_exit(self, code):
+        from actorshm import _serialization
+        _serialization.SPILL_MIN = 1 << 40  # through the socket: a reply read in many reads
         asyncio.get_running_loop().call_later(0.01, os._exit, code)
         return b"x" * (4 << 20)
 

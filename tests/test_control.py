@@ -87,10 +87,24 @@ async def test_queued_call_that_brings_a_new_arena_never_runs_once_cancelled(rt)
                                                  np.zeros(1 << 20)))
 
 
-async def test_queued_call_too_large_for_one_read_never_runs_once_cancelled(rt):
+async def test_queued_call_spilled_to_shared_memory_never_runs_once_cancelled(rt):
+    # A big pickle goes through a block of our pool (``spill``): cancelled while queued,
+    # the call never runs, and its block comes home all the same.
+    w = await Worker.spawn()
+    before = actorshm.stats()
+    await _cancelled_while_queued_never_runs(w, (b"x" * (4 << 20), ["y" * (1 << 20)]))
+    assert actorshm.stats()["messages_spilled"] - before["messages_spilled"] == 2
+    gc.collect()
+    await asyncio.sleep(0.05)
+    assert actorshm.stats()["blocks_live"] == before["blocks_live"]
+
+
+async def test_queued_call_too_large_for_one_read_never_runs_once_cancelled(rt, monkeypatch):
     # Before: the caller could write the cancel only after the call's last bytes, which
     # the actor read after its sync call ended; it started the call as soon as it had
     # it whole, and read the cancel behind it too late.
+    from actorshm import _serialization
+    monkeypatch.setattr(_serialization, "SPILL_MIN", 1 << 40)  # (not through shared memory)
     w = await Worker.spawn()  # (in band)
     await _cancelled_while_queued_never_runs(w, (b"x" * (4 << 20),
                                                  [np.zeros(2000) for _ in range(60)]))

@@ -93,6 +93,25 @@ async def test_out_of_budget_while_copying_an_argument_is_a_memory_error(rt):
     assert await w.echo(3) == 3
 
 
+async def test_a_big_message_goes_through_the_socket_when_shared_memory_is_full(rt):
+    # A pickle over 256 KiB is spilled into our pool; with no room there, the socket
+    # takes it as before: no MemoryError for an argument that holds no array.
+    w = await Arrays.spawn()
+    shared = actorshm.zeros(3)
+    pool = _shm.pool()
+    old = pool.budget
+    pool.budget = pool.reserved + (1 << 20)
+    before = actorshm.stats()["messages_spilled"]
+    try:
+        for big in (b"x" * (4 << 20), [shared, "y" * (4 << 20)],
+                    [np.ones(2), b"z" * (4 << 20)], {"k": bytearray(4 << 20)}):
+            back = await w.echo(big)
+            assert type(back) is type(big) and len(back) == len(big)
+    finally:
+        pool.budget = old
+    assert actorshm.stats()["messages_spilled"] == before
+
+
 async def test_out_of_budget_while_copying_a_result_is_a_memory_error(rt):
     o = await Oversized.spawn()
     await o.call(_shm.set_budget, 4 << 20)  # the actor's budget only

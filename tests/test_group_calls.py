@@ -103,6 +103,23 @@ async def test_an_ordinary_array_deep_in_an_object_is_copied_once_per_group_call
     assert np.shares_memory(out[0].a, out[1].a) and np.shares_memory(out[1].a, out[2].a)
 
 
+async def test_a_big_message_is_spilled_once_for_every_member(rt):
+    # Its pickle goes into one block of our pool, leased to each member, and home.
+    g = await ActorGroup.spawn(Counter, 3)
+    box = types.SimpleNamespace(text="é" * (1 << 20), a=actorshm.zeros(4))
+    await g.echo(0)
+    before = actorshm.stats()
+    for _ in range(3):
+        out = await g.echo(box)
+        assert all(o.text == box.text and np.shares_memory(o.a, box.a) for o in out)
+    s = actorshm.stats()
+    assert s["messages_spilled"] - before["messages_spilled"] == 3  # once per group call
+    assert s["bytes_spilled"] - before["bytes_spilled"] >= 3 * len(box.text)
+    assert s["pool_allocs"] - before["pool_allocs"] <= 1  # then reused
+    del out
+    assert await _until(lambda: actorshm.stats()["blocks_live"] == before["blocks_live"])
+
+
 async def test_a_small_array_in_band_is_a_copy_for_every_member(rt):
     g = await ActorGroup.spawn(Counter, 3)
     box = types.SimpleNamespace(a=np.arange(16, dtype=np.float64))  # small: in band
