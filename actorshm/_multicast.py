@@ -51,6 +51,8 @@ class Lease:
 
 # The counters an encoding moves (arrays copied into shared memory or sent by reference).
 _COUNTED = [k for k in _leases.counters if k.endswith(("_copied", "_zero_copy"))]
+# (and a spill's, ``_serialization.spill``: one per group call, whatever is sent)
+_ROLLBACK = _COUNTED + ["messages_spilled", "bytes_spilled"]
 _ZERO_COPY = [(k, k.replace("_zero_copy", "_copied")) for k in _COUNTED
               if k.endswith("_zero_copy") and k.replace("_zero_copy", "_copied") in _COUNTED]
 
@@ -76,14 +78,14 @@ def call_many(conns: list, method: str, args: tuple, kwargs: dict, what: list,
     """
     call = (method, args, kwargs) if meta is None else (method, args, kwargs, meta)
     counters = _leases.counters
-    before = [counters[k] for k in _COUNTED]
+    before = [counters[k] for k in _ROLLBACK]
     try:
         payload, fds, enc, flags = ser.encode(call, _NO_PEER)
         frames = _Frames(payload, fds, enc, flags)
     except Exception:  # the per-connection path raises it, or holds the call
         frames = None
     # What the one encoding counted (arrays copied, sent by reference), for one member.
-    moved = {k: counters[k] - b for k, b in zip(_COUNTED, before)}
+    moved = {k: counters[k] - b for k, b in zip(_ROLLBACK, before)}
     if frames is None:
         _count(moved, -1)
         return None

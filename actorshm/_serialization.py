@@ -524,7 +524,10 @@ def spill(payload, fds, enc: "Encoding | None", flags: int, conn):
     frame carries only the table and a small pickle that, unpickled, unpickles the
     block's bytes (``_unspill``) in the same decoding context. The receiver's copy is
     made by unpickling, which leaves nothing viewing the block, so its lease comes home
-    with the reply. Where the pool has no room, the socket takes the message as before.
+    with the reply. The block comes only from memory to spare (``Pool.alloc(spare=
+    True)``: a recycled block, or a new region that leaves half the budget free, with
+    no waiting and nothing of the pool's given back): else the socket takes the
+    message as before, and arrays keep the budget.
 
     Args: what ``encode`` would return (payload, fds, its encoder or None, flags), and
     the connection it is for.
@@ -532,14 +535,20 @@ def spill(payload, fds, enc: "Encoding | None", flags: int, conn):
     body = payload[2] if type(payload) is list else payload  # (table, then the pickle)
     src = np.frombuffer(body, np.uint8)
     try:
-        a = _shm.copy_to_shared(src)
-    except MemoryError:  # (over the shared-memory budget: a frame of its own then)
+        # Only memory to spare: the socket can take it, arrays cannot.
+        block = _shm.pool().alloc(len(src), spare=True)
+    except (MemoryError, OSError):  # (short of budget; no fd or memfd to be had)
+        block = None
+    if block is None:  # a frame of its own, then
         if type(payload) is memoryview:  # (``encode``'s pickler's buffer)
             if not flags & HAS_BLOCKS:
                 return bytes(payload), fds, enc, flags
             table = _dumps(enc.table, 5)
             payload = [_TLEN.pack(len(table)), table, payload]
         return payload, fds, enc, flags
+    a = np.asarray(block)[:len(src)]
+    a[:] = src
+    del block
     view = _shm.find_block(a)
     if enc is None:
         enc = Encoding()

@@ -40,6 +40,9 @@ __all__ = ["Pool", "HostPool", "Arena", "HostBlock", "empty", "zeros", "share", 
 PAGE = mmap.PAGESIZE
 CHUNK_SIZE = 64 << 20  # arena size for small blocks
 LARGE = MIN_BUDGET  # 4 MiB: blocks this big or more get an arena of their own
+# The most a pool keeps idle of the regions made for memory to spare (and an eighth of
+# its budget at most): the last one, for the next big message (``Pool._spare_returned``).
+KEEP_SPARE = 128 << 20
 MIN_BLOCK = 256
 ALIGN = 64
 
@@ -97,6 +100,12 @@ class Pool:
         self.reserved = 0
         self.blocks_live = 0
         self._in_use: dict[int, int] = collections.defaultdict(int)  # region -> live blocks
+        # Regions made for one block of memory to spare (``alloc(spare=True)``), given
+        # back to the system once that block comes home, but for the last one of up to
+        # ``KEEP_SPARE`` bytes (and an eighth of the budget), kept idle for the next
+        # (``_kept_spare``: its index).
+        self._transient: set[int] = set()
+        self._kept_spare: int | None = None
         self._k_reuses = self.prefix + "pool_reuses"
         self._k_allocs = self.prefix + "pool_allocs"
         _pools.append(self)
@@ -127,9 +136,26 @@ class Pool:
         """Short of budget with no idle region left here: whether room came (charged)."""
         return False
 
-    def _new_region(self, size: int, dedicated: bool) -> Region:
+    def _spare(self, size: int) -> bool:
+        """Whether a new region of ``size`` bytes leaves at least half the budget free
+        (``alloc(spare=True)``)."""
+        return self.reserved + size <= self.budget // 2
+
+    def _alloc_spare(self, size: int):
+        """``alloc(spare=True)`` when no recycled block fits (under the lock): a region
+        of its own, given back once its block comes home (``_transient``), so that
+        memory to spare never grows what the pool keeps; or None."""
+        if not self._spare(size):
+            return None
+        region = self._new_region(size, dedicated=True, spare=True)
+        self._transient.add(region.key[1])
+        return region
+
+    def _new_region(self, size: int, dedicated: bool, spare: bool = False) -> Region:
         short = self._charge(size)
         if short:
+            if spare:  # (nothing idle given back, no wait: the caller has another way)
+                raise self._over_budget(size)
             self._retire_free(short)
             if self._charge(size) and not self._wait_for_room(size):
                 raise self._over_budget(size)
@@ -180,6 +206,9 @@ class Pool:
 
     def _retire(self, region: Region) -> None:
         del self.regions[region.key[1]]
+        self._transient.discard(region.key[1])
+        if self._kept_spare == region.key[1]:
+            self._kept_spare = None
         self._in_use.pop(region.key[1], None)
         _leases.unregister_region(region)
         self.reserved -= region.size
@@ -199,7 +228,7 @@ class Pool:
         this or another thread holds the pool's lock meanwhile: the next ``drain`` does
         it.)"""
         self._returned.append((region, offset, size))
-        if self.trim_below and self.lock.acquire(blocking=False):
+        if (self.trim_below or self._transient) and self.lock.acquire(blocking=False):
             try:
                 self._drain_locked()
                 self._retire_free(self.reserved + 1, self.trim_below)
@@ -220,9 +249,32 @@ class Pool:
         ret = self._returned
         while ret:
             free = ret.popleft()  # (region, offset, size)
-            self.free[free[2]].append(free)
+            index = free[0].key[1]
             self.blocks_live -= 1
-            self._in_use[free[0].key[1]] -= 1
+            self._in_use[index] -= 1
+            if index in self._transient:
+                self._spare_returned(free)
+            else:
+                self.free[free[2]].append(free)
+
+    def _spare_returned(self, free: tuple) -> None:
+        """The block of a region made for memory to spare came home (under the lock):
+        the region is kept idle for the next such block if it is small enough (and the
+        one kept before goes), else given back now."""
+        region, _, size = free
+        index = region.key[1]
+        if region.size > min(KEEP_SPARE, self.budget // 8):
+            self._retire(region)
+            return
+        kept = self._kept_spare
+        if kept is not None and kept != index:
+            old = self.regions.get(kept)
+            if old is not None and not self._in_use.get(kept):
+                for sz, blocks in self.free.items():
+                    self.free[sz] = [b for b in blocks if b[0] is not old]
+                self._retire(old)
+        self._kept_spare = index
+        self.free[size].append(free)
 
     def _idle_pressure(self) -> None:
         """Hook for subclasses: give idle regions back when a resource runs short (called
@@ -240,8 +292,14 @@ class Pool:
     def size_class(self, nbytes: int) -> int:
         return size_class(nbytes)
 
-    def alloc(self, nbytes: int) -> Block:
-        """A block of at least ``nbytes``: a recycled one when one fits, else a new one."""
+    def alloc(self, nbytes: int, spare: bool = False) -> Block | None:
+        """A block of at least ``nbytes``: a recycled one when one fits, else a new one.
+
+        With ``spare``, only memory to spare (a message that could go another way, such
+        as a big pickle, ``_serialization.spill``): a recycled block, else a region of
+        its own that goes back to the system with the block (``_alloc_spare``), made
+        only while it leaves half the budget free, without giving idle regions back or
+        waiting for room; else None."""
         size = self.size_class(max(int(nbytes), 1))
         self.drain()
         with self.lock:
@@ -249,6 +307,13 @@ class Pool:
             if free:
                 region, offset, _ = free.pop()
                 counters[self._k_reuses] += 1
+                if region.key[1] == self._kept_spare:
+                    self._kept_spare = None  # (in use again)
+            elif spare:
+                region, offset = self._alloc_spare(size), 0
+                if region is None:
+                    return None
+                counters[self._k_allocs] += 1
             elif size >= self.large:
                 region, offset = self._new_region(size, dedicated=True), 0
                 counters[self._k_allocs] += 1
@@ -271,6 +336,8 @@ class Pool:
         self.regions.clear()
         self.free.clear()
         self._in_use.clear()
+        self._transient.clear()
+        self._kept_spare = None
         self._chunk = None
         self._refund(self.reserved)
         self.reserved = 0
@@ -317,6 +384,11 @@ class HostPool(Pool):
             shared.attach(slot, self.reserved)
             self.chunk_size = chunk_size_for(shared.budget, CHUNK_SIZE, LARGE, PAGE)
         self.shared, self.slot = shared, slot
+
+    def _spare(self, size: int) -> bool:
+        shared = self.shared
+        return super()._spare(size) and \
+            (shared is None or shared.total() + size <= shared.budget // 2)
 
     def _wait_for_room(self, size: int) -> bool:
         """Short of the shared budget: ask the runtime's other processes for their idle

@@ -120,6 +120,25 @@ async def test_a_big_message_is_spilled_once_for_every_member(rt):
     assert await _until(lambda: actorshm.stats()["blocks_live"] == before["blocks_live"])
 
 
+async def test_a_group_call_made_member_by_member_counts_each_spill_once(rt):
+    # An fd riding along: the call cannot be encoded once for all, and the spill of the
+    # encoding given up must not be counted beside each member's own.
+    import os
+    from actorshm._serialization import PassFd
+    g = await ActorGroup.spawn(Counter, 3)
+    r, w = os.pipe()
+    try:
+        before = actorshm.stats()
+        out = await g.echo((PassFd(r), b"x" * (1 << 20)))
+        s = actorshm.stats()
+    finally:
+        os.close(w)
+        os.close(r)
+    assert all(blob == b"x" * (1 << 20) for _, blob in out)  # (each fd is the actor's)
+    assert s["messages_spilled"] - before["messages_spilled"] == 3
+    assert s["bytes_spilled"] - before["bytes_spilled"] < 4 << 20
+
+
 async def test_a_small_array_in_band_is_a_copy_for_every_member(rt):
     g = await ActorGroup.spawn(Counter, 3)
     box = types.SimpleNamespace(a=np.arange(16, dtype=np.float64))  # small: in band

@@ -68,6 +68,47 @@ def test_the_budget_frees_unused_dedicated_regions_before_it_fails(pool):
         pool.alloc(2 * _shm.LARGE)
 
 
+def test_memory_to_spare_never_takes_the_last_half_of_the_budget(pool):
+    # (a big pickle, ``spill``: the socket can take it instead, so it must neither wait
+    # for room, nor give back idle regions kept for reuse, nor crowd arrays out)
+    idle = pool.alloc(_shm.LARGE)
+    del idle
+    gc.collect()
+    pool.drain()
+    kept = set(pool.regions)
+    held = [pool.alloc(_shm.LARGE * 2) for _ in range(15)]  # 40 MiB of 256 in use
+    assert pool.alloc(100 << 20, spare=True) is None  # would leave less than half
+    assert set(pool.regions) >= kept  # nothing idle given back
+    pool.budget = pool.reserved + (1 << 20)
+    assert pool.alloc(2 << 20, spare=True) is None  # short of budget: no wait, no error
+    del held
+
+
+def test_a_region_made_for_memory_to_spare_goes_back_but_the_last_small_one(pool):
+    before = pool.reserved
+    a = pool.alloc(3 << 20, spare=True)  # a region of its own, even under LARGE
+    assert a.region.dedicated and pool.reserved > before
+    ka = a.region.key
+    del a
+    gc.collect()
+    pool.drain()
+    assert ka[1] in pool.regions  # kept idle: the last one, small enough
+    again = pool.alloc(3 << 20, spare=True)
+    assert again.region.key == ka  # and reused
+    b = pool.alloc(5 << 20, spare=True)
+    del again, b
+    gc.collect()
+    pool.drain()
+    assert ka[1] not in pool.regions and len(pool.regions) == 1  # only the last kept
+    huge = pool.alloc(pool.budget // 8 + 1, spare=True)  # over an eighth of the budget
+    kh = huge.region.key
+    del huge
+    gc.collect()
+    pool.drain()
+    assert kh[1] not in pool.regions  # given back at once
+    assert pool.blocks_live == 0
+
+
 def test_arrays_on_a_block_keep_it_alive(pool):
     block = pool.alloc(800)
     arr = _shm.array_from_block(block, (100,), np.float64)
