@@ -228,10 +228,12 @@ class Pool:
         this or another thread holds the pool's lock meanwhile: the next ``drain`` does
         it.)"""
         self._returned.append((region, offset, size))
-        if (self.trim_below or self._transient) and self.lock.acquire(blocking=False):
+        if (self.trim_below or region.key[1] in self._transient) and \
+                self.lock.acquire(blocking=False):
             try:
                 self._drain_locked()
-                self._retire_free(self.reserved + 1, self.trim_below)
+                if self.trim_below:
+                    self._retire_free(self.reserved + 1, self.trim_below)
             finally:
                 self.lock.release()
 
@@ -263,13 +265,13 @@ class Pool:
         one kept before goes), else given back now."""
         region, _, size = free
         index = region.key[1]
-        if region.size > min(KEEP_SPARE, self.budget // 8):
+        if region.size > min(KEEP_SPARE, self.budget // 8) and region.retirable():
             self._retire(region)
             return
         kept = self._kept_spare
         if kept is not None and kept != index:
             old = self.regions.get(kept)
-            if old is not None and not self._in_use.get(kept):
+            if old is not None and not self._in_use.get(kept) and old.retirable():
                 for sz, blocks in self.free.items():
                     self.free[sz] = [b for b in blocks if b[0] is not old]
                 self._retire(old)
@@ -309,6 +311,8 @@ class Pool:
                 counters[self._k_reuses] += 1
                 if region.key[1] == self._kept_spare:
                     self._kept_spare = None  # (in use again)
+                    if not spare:  # an array's now: an ordinary region of the pool
+                        self._transient.discard(region.key[1])
             elif spare:
                 region, offset = self._alloc_spare(size), 0
                 if region is None:

@@ -106,6 +106,14 @@ def test_a_region_made_for_memory_to_spare_goes_back_but_the_last_small_one(pool
     gc.collect()
     pool.drain()
     assert kh[1] not in pool.regions  # given back at once
+    # An array that takes the kept region makes it an ordinary region of the pool.
+    kept = pool._kept_spare
+    arr = pool.alloc(5 << 20)
+    assert arr.region.key[1] == kept
+    del arr
+    gc.collect()
+    pool.drain()
+    assert kept in pool.regions and kept not in pool._transient
     assert pool.blocks_live == 0
 
 
