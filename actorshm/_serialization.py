@@ -446,6 +446,9 @@ def encode_plain_call(method: str, args: tuple, kwargs: dict) -> bytes | None:
     ``PLAIN``: no cloudpickle, no block table, no decoding context), or None for any
     other call (``encode`` makes that one)."""
     if _simple(args) and _simple(kwargs):
+        for x in args:  # (``_big_text``, inline: every call passes here)
+            if type(x) in _TEXT and len(x) > SPILL_MIN:
+                return None  # ``encode`` pickles it straight for its spill
         data = _dumps((method, args, kwargs), 5)
         if len(data) <= _encoding.MAX_MESSAGE:
             return data
@@ -467,6 +470,9 @@ def encode(obj: Any, conn) -> tuple[Any, list[int], "_Encoder | None", int]:
     n = len(obj) if type(obj) is tuple else 0
     call = (n == 3 or (n == 4 and _plain_meta(obj[3]))) and type(obj[0]) is str
     if _simple(obj[1]) and _simple(obj[2]) if call else _simple(obj):
+        if (type(obj[1]) is tuple and _big_text(obj[1])) if call else \
+                (type(obj) in _TEXT and len(obj) > SPILL_MIN):
+            return _spill_plain(obj, conn)
         data = _dumps(obj, 5)
         check_size(len(data))
         if len(data) > SPILL_MIN:
@@ -532,23 +538,33 @@ def spill(payload, fds, enc: "Encoding | None", flags: int, conn):
     Args: what ``encode`` would return (payload, fds, its encoder or None, flags), and
     the connection it is for.
     """
-    body = payload[2] if type(payload) is list else payload  # (table, then the pickle)
-    src = np.frombuffer(body, np.uint8)
+    if type(payload) is _Parts:
+        parts, n = payload.parts, payload.n
+    else:
+        body = payload[2] if type(payload) is list else payload  # (table, then the pickle)
+        parts, n = (body,), len(body)
     try:
         # Only memory to spare: the socket can take it, arrays cannot.
-        block = _shm.pool().alloc(len(src), spare=True)
+        block = _shm.pool().alloc(n, spare=True)
     except (MemoryError, OSError):  # (short of budget; no fd or memfd to be had)
         block = None
     if block is None:  # a frame of its own, then
+        if type(payload) is _Parts:
+            return b"".join(parts), fds, enc, flags
         if type(payload) is memoryview:  # (``encode``'s pickler's buffer)
             if not flags & HAS_BLOCKS:
                 return bytes(payload), fds, enc, flags
             table = _dumps(enc.table, 5)
             payload = [_TLEN.pack(len(table)), table, payload]
         return payload, fds, enc, flags
-    a = np.asarray(block)[:len(src)]
-    a[:] = src
-    del block
+    a = np.asarray(block)[:n]
+    pos = 0
+    for part in parts:
+        k = len(part)
+        if k:
+            a[pos:pos + k] = np.frombuffer(part, np.uint8)
+            pos += k
+    del block, parts
     view = _shm.find_block(a)
     if enc is None:
         enc = Encoding()
@@ -557,10 +573,48 @@ def spill(payload, fds, enc: "Encoding | None", flags: int, conn):
     aoff = a.__array_interface__["data"][0] - view.region.addr - view.offset
     counters = _leases.counters
     counters["messages_spilled"] += 1
-    counters["bytes_spilled"] += len(src)
+    counters["bytes_spilled"] += n
     table = _dumps(enc.table, 5)
-    outer = _dumps(_Spilled(row, aoff, len(src), flags), 5)
+    outer = _dumps(_Spilled(row, aoff, n, flags), 5)
     return [_TLEN.pack(len(table)), table, outer], enc.fds, enc, HAS_BLOCKS
+
+
+class _Parts:
+    """A pickle as the pickler wrote it (its ``file``): the big payloads it hands over
+    whole (a ``bytes`` argument, a ``str``'s UTF-8) by reference, no copy, so that a big
+    plain message is copied once, into its spill block, not first into a new pickle."""
+
+    __slots__ = ("parts", "n")
+
+    def __init__(self) -> None:
+        self.parts: list = []
+        self.n = 0
+
+    def write(self, data) -> int:
+        self.parts.append(data)
+        self.n += len(data)
+        return len(data)
+
+
+def _spill_plain(obj: Any, conn):
+    """``encode``'s plain path for a message with a big ``bytes`` or ``str`` at its top
+    (``_big_text``): pickled into ``_Parts`` and spilled."""
+    out = _Parts()
+    pickle.Pickler(out, 5).dump(obj)
+    check_size(out.n)
+    return spill(out, _NO_FDS, None, PLAIN, conn)
+
+
+_TEXT = frozenset({bytes, str})
+
+
+def _big_text(items) -> bool:
+    """Whether ``items`` holds a ``bytes`` or ``str`` over ``SPILL_MIN``: its message
+    is pickled straight for a spill (``_spill_plain``)."""
+    for x in items:
+        if type(x) in _TEXT and len(x) > SPILL_MIN:
+            return True
+    return False
 
 
 class _Spilled:

@@ -95,8 +95,11 @@ async def test_queued_call_spilled_to_shared_memory_never_runs_once_cancelled(rt
     await _cancelled_while_queued_never_runs(w, (b"x" * (4 << 20), ["y" * (1 << 20)]))
     assert actorshm.stats()["messages_spilled"] - before["messages_spilled"] == 2
     gc.collect()
-    await asyncio.sleep(0.05)
-    assert actorshm.stats()["blocks_live"] == before["blocks_live"]
+    for _ in range(100):  # (no more than at the start: none of ours left behind)
+        if actorshm.stats()["blocks_live"] <= before["blocks_live"]:
+            break
+        await asyncio.sleep(0.02)
+    assert actorshm.stats()["blocks_live"] <= before["blocks_live"]
 
 
 async def test_queued_call_too_large_for_one_read_never_runs_once_cancelled(rt, monkeypatch):

@@ -117,7 +117,7 @@ async def test_a_big_message_is_spilled_once_for_every_member(rt):
     assert s["bytes_spilled"] - before["bytes_spilled"] >= 3 * len(box.text)
     assert s["pool_allocs"] - before["pool_allocs"] <= 1  # then reused
     del out
-    assert await _until(lambda: actorshm.stats()["blocks_live"] == before["blocks_live"])
+    assert await _until(lambda: actorshm.stats()["blocks_live"] <= before["blocks_live"])
 
 
 async def test_a_group_call_made_member_by_member_counts_each_spill_once(rt):
