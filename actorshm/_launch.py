@@ -342,11 +342,14 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
             child.close()
     else:
         try:
+            # A session of its own from the fork on (``_descendants`` would make one only
+            # once its bootstrap runs): a Ctrl-C on the driver's terminal while actors
+            # start is the driver's alone, not a KeyboardInterrupt in each one's imports.
             rec.popen = subprocess.Popen(
                 worker_command(child.fileno()),
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                cwd=os.getcwd())
+                cwd=os.getcwd(), start_new_session=True)
         except OSError as exc:
             raise fork_failed(exc) from None
         finally:

@@ -844,3 +844,33 @@ async def test_a_death_just_after_init_answered_fails_the_spawn(rt, monkeypatch)
     else:  # (or it restarts, as any death after a spawn that returned)
         await asyncio.sleep(1.0)
         assert await asyncio.wait_for(h.incr(), 10) == 1  # (it was dead for good)
+
+
+def test_a_ctrl_c_while_actors_start_is_the_drivers_alone():
+    # An actor made a session of its own only once its bootstrap ran: a Ctrl-C in the
+    # window (the driver's whole group, as a terminal sends it) raised KeyboardInterrupt
+    # in each starting actor's imports, each printing its traceback.
+    code = ("import asyncio, sys\n"
+            "sys.path.insert(0, %r)\n"
+            "import actorshm\n"
+            "from actors import Counter\n"
+            "async def main():\n"
+            "    print('READY', flush=True)\n"
+            "    await actorshm.ActorGroup.spawn(Counter, 4)\n"
+            "    await asyncio.sleep(30)\n"
+            "actorshm.run(main())\n") % os.path.dirname(__file__)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert p.stdout.readline() == b"READY\n"
+        time.sleep(0.2)  # (the actors are starting: importing Python's modules)
+        os.killpg(p.pid, signal.SIGINT)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        p.kill()
+        p.wait()
+    text = out.decode(errors="replace")
+    assert p.returncode != 0 and "KeyboardInterrupt" in text  # (the driver's own)
+    assert not [line for line in text.splitlines()
+                if line.startswith("(Counter") and "KeyboardInterrupt" in line], text
+    assert "Fatal Python error" not in text, text
