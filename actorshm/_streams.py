@@ -22,6 +22,7 @@ import inspect
 from typing import Any
 
 from ._errors import ReentrantCallError
+from ._remote_errors import copy_exc
 from ._util import exit_code, leave_if_forked
 
 __all__ = ["Stream", "CallStream", "StreamLoop", "SecondConsumer", "StreamingClient",
@@ -296,15 +297,19 @@ class CallStream(Stream):
                     box.conn.send_credit(box.cid, self._owed)
                     self._owed = 0
                 return box.items.popleft()
+            # An error kept here is raised as a copy: raised itself, it would take the
+            # consumer's frames in its traceback, and keep their locals (the last item,
+            # a whole batch) alive for as long as the stream is kept (its connection's
+            # record of it, after the producer died).
             if box.error is not None:
-                raise box.error
+                raise copy_exc(box.error)
             fut = self.fut
             if fut.done():
                 if fut.cancelled():
                     raise StopAsyncIteration
                 exc = fut.exception()
                 if exc is not None:
-                    raise exc
+                    raise copy_exc(exc)
                 raise StopAsyncIteration
             if box.waiter is not None and not box.waiter.done():
                 raise SecondConsumer(self.what)

@@ -69,6 +69,14 @@ class Worker:
         time.sleep(0.05)
         os._exit(3)
 
+    def arrays_then_die(self, n, nbytes):
+        for i in range(n):
+            a = actorshm.empty(nbytes, "uint8")
+            a[0] = i
+            yield a
+        time.sleep(0.05)
+        os._exit(3)
+
     def arrays(self, n, nbytes):
         for i in range(n):
             a = actorshm.empty(nbytes, "uint8")
@@ -119,6 +127,16 @@ class Relay:
 
     async def ping_via_stream(self, other):
         return [x async for x in other.pings_back(self_handle[0], 2)]
+
+    async def until_death(self, source, n):
+        """Take ``source``'s arrays until it dies: how many came."""
+        k = 0
+        try:
+            async for a in source.arrays_then_die(n, 1 << 20):
+                k += 1
+        except actorshm.ActorDiedError:
+            return k
+        return k
 
     async def hold_stream(self, target, n):
         async for _ in target.acount(n):

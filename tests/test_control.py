@@ -360,6 +360,20 @@ async def test_death_mid_stream_raises_actor_died(rt):
     assert got == [0, 1]
 
 
+async def test_a_consumer_keeps_no_item_of_a_stream_whose_producer_died(rt):
+    # The stream's error, raised itself, took the consumer's frame into its traceback
+    # and kept it (its last item: a whole batch) alive, for as long as the dead
+    # producer's connection kept the stream: gc.collect() did not free it.
+    w, r = await Worker.spawn(), await Relay.spawn()
+    assert await r.until_death(w, 3) == 3
+    for _ in range(100):
+        rows = (await rt.memory()).rows
+        if not rows:
+            break
+        await asyncio.sleep(0.02)
+    assert rows == []
+
+
 async def test_stream_of_arrays_by_reference_blocks_recycled(rt):
     w = await Worker.spawn()
     before = await w.stats()
