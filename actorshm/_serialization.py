@@ -581,8 +581,9 @@ def spill(payload, fds, enc: "Encoding | None", flags: int, conn):
 
 class _Parts:
     """A pickle as the pickler wrote it (its ``file``): the big payloads it hands over
-    whole (a ``bytes`` argument, a ``str``'s UTF-8) by reference, no copy, so that a big
-    plain message is copied once, into its spill block, not first into a new pickle."""
+    whole by reference (a ``bytes`` itself; a ``str``'s UTF-8, a fresh bytes made in one
+    piece), so that a big plain message is copied once, into its spill block, not first
+    into a growing new pickle."""
 
     __slots__ = ("parts", "n")
 

@@ -62,14 +62,17 @@ def _connect(runtime, conn, cid: int, target: int) -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     fa, fb = a.detach(), b.detach()
     caller = runtime.record(conn.peer_id)
-    accepted = rec.conn.call("__accept_peer__", (PassFd(fb), conn.peer_id,
-                                                 caller.pid if caller else None), {})
-    rec.conn.close_after_send([fb])
+    peer = (conn.peer_id, caller.pid if caller else None)
+    accepted = rec.conn.call("__accept_peer__", (PassFd(fb), *peer), {})
     if rec.alive:  # (it runs: no need to wait for its answer)
-        accepted.add_done_callback(_ignore)
+        # ... unless it is dying, its death not yet seen here (the asker saw its own
+        # link break first): then its new process takes the asker's end, with the calls
+        # written into it meanwhile (it never read them: it answers before it reads).
+        accepted.add_done_callback(lambda f: _hand_over(runtime, rec, target, fb, peer, f))
         conn.reply(cid, (PassFd(fa), rec.label, rec.pid))
         conn.close_after_send([fa])
         return
+    rec.conn.close_after_send([fb])
 
     def answered(f: asyncio.Future) -> None:
         if f.cancelled() or f.exception() is not None:
@@ -80,6 +83,22 @@ def _connect(runtime, conn, cid: int, target: int) -> None:
             conn.reply(cid, (PassFd(fa), rec.label, rec.pid))
             conn.close_after_send([fa])
     accepted.add_done_callback(answered)
+
+
+def _hand_over(runtime, rec, target: int, fb: int, peer: tuple, f: asyncio.Future) -> None:
+    """The running target answered the asker's socket end ``fb``: done with it here.
+    If it died first, the process that replaces it gets it (``_after_death`` made the
+    record's fresh connection before this runs), else it is closed, and the asker's
+    calls fail as the target is gone."""
+    if not f.cancelled() and f.exception() is None:
+        close_fd(fb)
+        return
+    if runtime.record(target) is rec and not rec.alive and rec.conn is not None \
+            and not rec.conn.closed:
+        rec.conn.call("__accept_peer__", (PassFd(fb), *peer), {}).add_done_callback(_ignore)
+        rec.conn.close_after_send([fb])
+    else:
+        close_fd(fb)
 
 
 # The latest spawns made for actors, by (connection, call id): the task while it runs,

@@ -396,6 +396,15 @@ class Caller:
                 out.append("died")
         return out
 
+    async def crash_other_then_hit(self, k):
+        """Crash ``other`` (its death seen here first: our link to it breaks), then
+        ``hit_other_times(k)``."""
+        try:
+            await self.other.crash()
+        except actorshm.ActorDiedError:
+            pass
+        return await self.hit_other_times(k)
+
     async def hit_other(self):
         """``other.hit()``'s pid, and what ``other.pid`` says afterwards."""
         return (await self.other.hit())[2], self.other.pid

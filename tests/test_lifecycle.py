@@ -652,6 +652,25 @@ async def test_calls_from_an_actor_after_a_death_wait_for_the_restart(rt, monkey
     assert got[1:] == [p.pid] * 2 and got[0] in ("died", p.pid), got
 
 
+async def test_a_call_from_an_actor_before_the_driver_sees_the_death_waits_too(rt,
+                                                                             monkeypatch):
+    # The caller saw its link break before the driver saw the death: the driver gave it
+    # a link to the dying process, and its next calls failed ("is gone") as well.
+    from actors import Caller, Phoenix
+    loop = asyncio.get_running_loop()
+    on_exit = rt._on_exit
+
+    def late(rec):  # the driver learns of the exit 0.15 s after it (a busy loop)
+        rec.unwatch_exit(loop)
+        loop.call_later(0.15, on_exit, rec)
+    monkeypatch.setattr(rt, "_on_exit", late)
+    p = await Phoenix.spawn("t")
+    c = await Caller.spawn(p)
+    old = (await c.hit_other())[0]
+    got = await c.crash_other_then_hit(3)
+    assert "died" not in got and len(set(got)) == 1 and got[0] != old, got
+
+
 async def test_a_kill_whose_await_times_out_still_kills(rt):
     """A kill stopped half way (its ``await`` timed out while the actor, busy, had its
     grace to settle) left the actor running with its restarts spent: a later crash was
