@@ -467,7 +467,7 @@ class ForkServerClient:
             popen = subprocess.Popen([sys.executable, "-c", _bootstrap("_forkserver"),
                                       str(b.fileno())],
                                      pass_fds=(b.fileno(),), stdin=subprocess.DEVNULL,
-                                     env=fs_env)
+                                     env=fs_env, start_new_session=True)  # (as an actor)
             b.close()
             self._fs = (popen, a)
             self.loop.add_reader(a.fileno(), self._on_forkserver)

@@ -68,7 +68,8 @@ def _connect(runtime, conn, cid: int, target: int) -> None:
         # ... unless it is dying, its death not yet seen here (the asker saw its own
         # link break first): then its new process takes the asker's end, with the calls
         # written into it meanwhile (it never read them: it answers before it reads).
-        accepted.add_done_callback(lambda f: _hand_over(runtime, rec, target, fb, peer, f))
+        accepted.add_done_callback(
+            lambda f: _hand_over(runtime, rec, target, fb, peer, conn, f))
         conn.reply(cid, (PassFd(fa), rec.label, rec.pid))
         conn.close_after_send([fa])
         return
@@ -85,18 +86,26 @@ def _connect(runtime, conn, cid: int, target: int) -> None:
     accepted.add_done_callback(answered)
 
 
-def _hand_over(runtime, rec, target: int, fb: int, peer: tuple, f: asyncio.Future) -> None:
+def _hand_over(runtime, rec, target: int, fb: int, peer: tuple, asker,
+               f: asyncio.Future) -> None:
     """The running target answered the asker's socket end ``fb``: done with it here.
     If it died first, the process that replaces it gets it (``_after_death`` made the
-    record's fresh connection before this runs), else it is closed, and the asker's
-    calls fail as the target is gone."""
+    record's fresh connection before this runs), and the asker (on connection
+    ``asker``) is told that process's pid once it took it; else ``fb`` is closed, and
+    the asker's calls fail as the target is gone."""
     if not f.cancelled() and f.exception() is None:
         close_fd(fb)
         return
     if runtime.record(target) is rec and not rec.alive and rec.conn is not None \
             and not rec.conn.closed:
-        rec.conn.call("__accept_peer__", (PassFd(fb), *peer), {}).add_done_callback(_ignore)
+        taken = rec.conn.call("__accept_peer__", (PassFd(fb), *peer), {})
         rec.conn.close_after_send([fb])
+
+        def tell(t: asyncio.Future) -> None:
+            if not t.cancelled() and t.exception() is None and not asker.closed:
+                asker.call("__peer_moved__", (target, rec.pid), {}).add_done_callback(
+                    _ignore)
+        taken.add_done_callback(tell)
     else:
         close_fd(fb)
 

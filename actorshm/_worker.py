@@ -431,6 +431,12 @@ class Worker(StreamingClient):
                 peer.peer_id, peer.peer_pid = peer_id, peer_pid
                 self.peers.setdefault(peer_id, peer)
                 conn.reply(cid, None)
+            elif method == "__peer_moved__":  # (``_services._hand_over``)
+                peer_id, pid = args
+                link = self.peers.get(peer_id)
+                if link is not None and not link.closed:
+                    link.peer_pid = pid
+                conn.reply(cid, None)
             elif method == "__stop__":
                 self._closing = True  # the runtime closes: every actor is stopping
                 conn.reply(cid, None)
