@@ -446,9 +446,8 @@ def encode_plain_call(method: str, args: tuple, kwargs: dict) -> bytes | None:
     ``PLAIN``: no cloudpickle, no block table, no decoding context), or None for any
     other call (``encode`` makes that one)."""
     if _simple(args) and _simple(kwargs):
-        for x in args:  # (``_big_text``, inline: every call passes here)
-            if type(x) in _TEXT and len(x) > SPILL_MIN:
-                return None  # ``encode`` pickles it straight for its spill
+        if args and _big_text(args):
+            return None  # ``encode`` pickles it straight for its spill
         data = _dumps((method, args, kwargs), 5)
         if len(data) <= _encoding.MAX_MESSAGE:
             return data
@@ -633,7 +632,7 @@ class _Spilled:
 def _unspill(row: int, aoff: int, n: int, flags: int):
     """The message ``spill`` put in row ``row`` of the block table, unpickled."""
     ctx = _ctx()
-    body = memoryview(np.asarray(ctx.blocks[row])).cast("B")[aoff:aoff + n]
+    body = memoryview(np.asarray(ctx.blocks[row]))[aoff:aoff + n]  # (a block's bytes)
     try:
         if flags & FLAT:
             return decode_flat(body, ctx.blocks)
