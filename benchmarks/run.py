@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import actorshm  # noqa: E402
 from benchmarks import _peers, plots  # noqa: E402
+from benchmarks._timing import sample as _sample  # noqa: E402
 from benchmarks._bench_actors import PipeProducer, Producer, Sink  # noqa: E402
 
 HEADER = _peers.HEADER
@@ -274,31 +275,31 @@ async def pipelined(c: Contenders, rounds: int, n: int = 100, batches: int = 20)
     return rates
 
 
-async def small_arrays(c: Contenders, rounds: int, n: int = 1000) -> dict[str, list[float]]:
-    """Seconds per round trip of a list of ``n`` small ordinary arrays (``np.ones(10)``):
-    as an actorshm call's argument, and pickled through a ``multiprocessing.Pipe``."""
-    small = [np.ones(10) for _ in range(n)]
+def _call_and_pipe(c: Contenders, obj, pipe_label: str) -> dict:
+    """Timed functions: an actorshm call with ``obj`` as its argument (the sink does
+    nothing), and ``obj`` pickled through a ``multiprocessing.Pipe`` (its peer answers
+    with a tiny object)."""
     pc = time.perf_counter
 
     async def actorshm_call():
         t = pc()
-        await c.sink.noop(small)
+        await c.sink.noop(obj)
         return pc() - t
 
-    async def pickle_rt():
+    async def pipe_call():
         t = pc()
-        c.pipe.send(small)
+        c.pipe.send(obj)
         c.pipe.recv()
         return pc() - t
-    fns = {"actorshm call": actorshm_call, "pickle round trip (multiprocessing.Pipe)": pickle_rt}
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        await fn()
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            for _ in range(5):
-                samples[k].append(await fn())
-    return samples
+    return {"actorshm call": actorshm_call, pipe_label: pipe_call}
+
+
+async def small_arrays(c: Contenders, rounds: int, n: int = 1000) -> dict[str, list[float]]:
+    """Seconds per round trip of a list of ``n`` small ordinary arrays (``np.ones(10)``):
+    as an actorshm call's argument, and pickled through a ``multiprocessing.Pipe``."""
+    small = [np.ones(10) for _ in range(n)]
+    return await _sample(_call_and_pipe(c, small, "pickle round trip (multiprocessing.Pipe)"),
+                         rounds, reps=5)
 
 
 async def big_bytes(c: Contenders, sizes: list[int], rounds: int) -> dict[str, dict]:
@@ -306,35 +307,17 @@ async def big_bytes(c: Contenders, sizes: list[int], rounds: int) -> dict[str, d
     array: it is pickled, and a pickle this big travels through the sender's shared-memory
     pool, not the socket), against the same object pickled through a
     ``multiprocessing.Pipe`` and, where installed, a Ray actor call."""
-    pc = time.perf_counter
     out: dict[str, dict] = {}
     for size in sizes:
         blob = os.urandom(size)
-
-        async def actorshm_call():
-            t = pc()
-            await c.sink.noop(blob)
-            return pc() - t
-
-        async def pipe_call():
-            t = pc()
-            c.pipe.send(blob)
-            c.pipe.recv()
-            return pc() - t
-        fns = {"actorshm call": actorshm_call, "multiprocessing.Pipe, pickled": pipe_call}
+        fns = _call_and_pipe(c, blob, "multiprocessing.Pipe, pickled")
         if c.ray is not None:  # pragma: no cover - needs ray
             async def ray_call():
-                t = pc()
+                t = time.perf_counter()
                 c.ray["ray"].get(c.ray["h"].noop.remote(blob))
-                return pc() - t
+                return time.perf_counter() - t
             fns["Ray actor call (ray.get)"] = ray_call
-        samples: dict[str, list[float]] = {k: [] for k in fns}
-        for fn in fns.values():
-            await fn()
-        for _ in range(rounds):
-            for k, fn in fns.items():
-                samples[k].append(await fn())
-        for k, v in samples.items():
+        for k, v in (await _sample(fns, rounds)).items():
             out.setdefault(k, {})[size] = statistics.median(v)
     return out
 
@@ -425,15 +408,10 @@ async def array_sizes(c: Contenders, sizes: list[int], rounds: int):
                 return time.perf_counter() - t
             fns["Ray, argument"] = ray_arg
             fns["Ray, put once, pass ref"] = ray_ref
-        samples = {k: [] for k in fns}
-        for fn in fns.values():
-            await fn()
-        for _ in range(rounds):
-            for k, fn in fns.items():
-                # The zero-copy call is cheap at every size: sample it as often as a
-                # small call, so that one slow wake-up does not make its median.
-                for _ in range(30 if k == "actorshm, shared argument" else reps):
-                    samples[k].append(await fn())
+        # The zero-copy call is cheap at every size: sample it as often as a small
+        # call, so that one slow wake-up does not make its median.
+        samples = await _sample(fns, rounds, {k: 30 if k == "actorshm, shared argument"
+                                              else reps for k in fns})
         for k, v in samples.items():
             out.setdefault(k, {})[size] = statistics.median(v)
         del shared, ordinary, dst

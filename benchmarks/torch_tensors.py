@@ -13,6 +13,8 @@ import asyncio
 import statistics
 import time
 
+from benchmarks._timing import sample
+
 KiB, MiB = 1 << 10, 1 << 20
 GOAL_VS_TRIVIAL = 1.5
 SHARED = "actorshm, shared tensor"
@@ -69,17 +71,11 @@ async def tensor_arguments(c, sizes: list[int], rounds: int) -> dict[str, dict[i
                 ray.get(h.touch.remote(ordinary))
                 return pc() - t
             fns[RAY] = ray_arg
-        samples: dict[str, list[float]] = {k: [] for k in fns}
-        for fn in fns.values():
-            await fn()
         reps = 2 if size >= 64 * MiB else 10
-        for _ in range(rounds):
-            for k, fn in fns.items():
-                # The by-reference calls are cheap at every size: sample them as often
-                # as small calls, so that one slow wake-up does not make their median.
-                n = 30 if k in (SHARED, TMP_QUEUE) else reps
-                for _ in range(n):
-                    samples[k].append(await fn())
+        # The by-reference calls are cheap at every size: sample them as often as small
+        # calls, so that one slow wake-up does not make their median.
+        samples = await sample(fns, rounds, {k: 30 if k in (SHARED, TMP_QUEUE) else reps
+                                             for k in fns})
         for k, v in samples.items():
             out.setdefault(k, {})[size] = statistics.median(v)
         del shared, ordinary, mp_shared
