@@ -12,6 +12,7 @@ import actorshm
 from compat import TimeoutError, noted, timeout
 import reentrant_cases
 from call_actors import Relay, Worker
+from waits import until
 
 
 def _pending(rt, h):
@@ -95,11 +96,8 @@ async def test_queued_call_spilled_to_shared_memory_never_runs_once_cancelled(rt
     await _cancelled_while_queued_never_runs(w, (b"x" * (4 << 20), ["y" * (1 << 20)]))
     assert actorshm.stats()["messages_spilled"] - before["messages_spilled"] == 2
     gc.collect()
-    for _ in range(100):  # (no more than at the start: none of ours left behind)
-        if actorshm.stats()["blocks_live"] <= before["blocks_live"]:
-            break
-        await asyncio.sleep(0.02)
-    assert actorshm.stats()["blocks_live"] <= before["blocks_live"]
+    # (no more than at the start: none of ours left behind)
+    assert await until(lambda: actorshm.stats()["blocks_live"] <= before["blocks_live"])
 
 
 async def test_queued_call_too_large_for_one_read_never_runs_once_cancelled(rt, monkeypatch):
@@ -366,12 +364,9 @@ async def test_a_consumer_keeps_no_item_of_a_stream_whose_producer_died(rt):
     # producer's connection kept the stream: gc.collect() did not free it.
     w, r = await Worker.spawn(), await Relay.spawn()
     assert await r.until_death(w, 3) == 3
-    for _ in range(100):
-        rows = (await rt.memory()).rows
-        if not rows:
-            break
-        await asyncio.sleep(0.02)
-    assert rows == []
+    async def nothing_held():
+        return not (await rt.memory()).rows
+    assert await until(nothing_held), (await rt.memory()).rows
 
 
 async def test_stream_of_arrays_by_reference_blocks_recycled(rt):

@@ -14,18 +14,11 @@ from actorshm import _encoding, _shm
 from actorshm import _wire as W
 from actors import Arrays, BigInitError, BigKwError, Counter, Oversized
 from recorder import Recorder
+from waits import until
 
 
 def _fd_count():
     return len(os.listdir("/proc/self/fd"))
-
-
-async def _until(cond, timeout=2.0):
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return True
-        await asyncio.sleep(0.01)
-    return cond()
 
 
 # -- what cannot be sent: the error says why, and only why --------------------------------
@@ -204,7 +197,7 @@ async def _receiver_of(frames_with_fds, settle=lambda conn: conn.closed):
             except OSError:  # it closed its end: the rest is not read
                 break
             await asyncio.sleep(0)
-        await _until(lambda: settle(conn))
+        await until(lambda: settle(conn))
     return conn, fut, fd0
 
 
@@ -251,7 +244,7 @@ async def test_announced_fds_of_a_frame_cut_across_reads_are_kept_for_it():
                 await asyncio.sleep(0.05)
                 assert not conn.closed
                 b.sendall(whole[cut:])
-                assert await _until(lambda: len(host.calls) == 1 or conn.closed)
+                assert await until(lambda: len(host.calls) == 1 or conn.closed)
                 assert not conn.closed and host.calls.pop()[1] == (1,)
         conn.close()
     finally:
@@ -289,7 +282,7 @@ async def _feed_after_truncated_frame(swallowed, rest, caplog):
     head = P.HEADER.pack(len(_EMPTY_RELEASES) + swallowed, P.RELEASE, 0, 0, 0)
     with b:
         b.sendall(head + _EMPTY_RELEASES + rest)
-        await _until(lambda: conn.closed)
+        await until(lambda: conn.closed)
     return conn, fut
 
 
@@ -341,7 +334,7 @@ async def test_a_call_made_after_the_peer_went_away_is_not_written_nor_reported_
     conn = P.Connection(asyncio.get_running_loop(), host, a, "caller")
     try:
         b.close()
-        await _until(lambda: host.eofs)
+        await until(lambda: host.eofs)
         assert host.eofs == 1
         if cork:
             conn.cork()

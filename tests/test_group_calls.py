@@ -10,18 +10,11 @@ import actorshm
 from actorshm import ActorDiedError, ActorGroup, ActorGroupError
 from actorshm import _serialization, _shm
 from actors import Arrays, Counter, PoolWorker
+from waits import until
 
 
 def _ledger(rt, h):
     return rt._actors[h._actor_id].conn.ledger
-
-
-async def _until(cond, timeout=5.0):
-    for _ in range(int(timeout / 0.02)):
-        if cond():
-            return True
-        await asyncio.sleep(0.02)
-    return cond()
 
 
 async def test_a_group_call_is_encoded_once(rt, monkeypatch):
@@ -57,7 +50,7 @@ async def test_one_lease_per_member_and_each_region_introduced_once_per_member(r
         assert _shm.find_block(b).region.key in _ledger(rt, h).sent_regions
     assert await g.drop() == [True] * 3
     del out
-    assert await _until(lambda: all(not _ledger(rt, h).grants for h in g))
+    assert await until(lambda: all(not _ledger(rt, h).grants for h in g))
 
 
 async def test_each_member_maps_the_arena_once(rt):
@@ -86,9 +79,9 @@ async def test_a_member_dying_mid_call_fails_alone_and_the_block_goes_home(rt):
     assert [r is None for r in err.results] == [False, True, False]
     assert np.shares_memory(err.results[0][1], a) and np.shares_memory(err.results[2][1], a)
     del err, info, call
-    assert await _until(lambda: not _ledger(rt, g[0]).grants and not _ledger(rt, g[2]).grants)
+    assert await until(lambda: not _ledger(rt, g[0]).grants and not _ledger(rt, g[2]).grants)
     del a
-    assert await _until(lambda: actorshm.stats()["blocks_live"] < live)
+    assert await until(lambda: actorshm.stats()["blocks_live"] < live)
 
 
 async def test_an_ordinary_array_deep_in_an_object_is_copied_once_per_group_call(rt):
@@ -117,7 +110,7 @@ async def test_a_big_message_is_spilled_once_for_every_member(rt):
     assert s["bytes_spilled"] - before["bytes_spilled"] >= 3 * len(box.text)
     assert s["pool_allocs"] - before["pool_allocs"] <= 1  # then reused
     del out
-    assert await _until(lambda: actorshm.stats()["blocks_live"] <= before["blocks_live"])
+    assert await until(lambda: actorshm.stats()["blocks_live"] <= before["blocks_live"])
 
 
 async def test_a_group_call_made_member_by_member_counts_each_spill_once(rt):
@@ -207,7 +200,7 @@ async def test_cancelling_a_group_call_cancels_every_members_call(rt):
             break
         await asyncio.sleep(0.05)
     assert await idle()
-    assert await _until(lambda: all(not _ledger(rt, h).grants for h in g))
+    assert await until(lambda: all(not _ledger(rt, h).grants for h in g))
 
 
 async def test_an_actor_passes_a_block_it_received_on_to_its_group(rt):
@@ -219,4 +212,4 @@ async def test_an_actor_passes_a_block_it_received_on_to_its_group(rt):
     assert [t for t, _ in direct] == tags
     assert all(np.shares_memory(x, a) for _, x in direct)
     del direct, a
-    assert await _until(lambda: actorshm.stats()["blocks_live"] < live)
+    assert await until(lambda: actorshm.stats()["blocks_live"] < live)

@@ -15,6 +15,7 @@ from actorshm import _protocol as P
 from actorshm import _wire as W
 from actors import Arrays, Counter
 from recorder import Recorder, receive_raw, trip
+from waits import until
 
 
 async def _wire_bytes(loop, calls):
@@ -635,8 +636,5 @@ async def test_a_big_message_travels_through_shared_memory_not_the_socket(rt):
     assert kept == bytearray(big)
     del kept
     gc.collect()
-    for _ in range(100):  # (no more than at the start: none of ours left behind)
-        if actorshm.stats()["blocks_live"] <= before["blocks_live"]:
-            break
-        await asyncio.sleep(0.02)
-    assert actorshm.stats()["blocks_live"] <= before["blocks_live"]
+    # (no more than at the start: none of ours left behind)
+    assert await until(lambda: actorshm.stats()["blocks_live"] <= before["blocks_live"])
