@@ -61,6 +61,9 @@ class RayStream(Stream):
                     self._stop()
                 else:  # a failed argument, a kill: it never started
                     self._finish()
+                    # (nothing left to stop: the failed start and its stored error,
+                    # whose traceback grows with the consumer's frames, are let go)
+                    self._start = self._gen = None
                 raise
             self._start = None
         try:

@@ -334,17 +334,20 @@ class Pool:
         return region.block(offset, size, self)
 
     def close(self) -> None:
-        for region in list(self.regions.values()):
-            _leases.unregister_region(region)
-            region.close()
-        self.regions.clear()
-        self.free.clear()
-        self._in_use.clear()
-        self._transient.clear()
-        self._kept_spare = None
-        self._chunk = None
-        self._refund(self.reserved)
-        self.reserved = 0
+        """Unmap every region (a pool made apart from this process's own; under the
+        lock, as every change of its regions is)."""
+        with self.lock:
+            for region in list(self.regions.values()):
+                _leases.unregister_region(region)
+                region.close()
+            self.regions.clear()
+            self.free.clear()
+            self._in_use.clear()
+            self._transient.clear()
+            self._kept_spare = None
+            self._chunk = None
+            self._refund(self.reserved)
+            self.reserved = 0
 
 
 class HostPool(Pool):
