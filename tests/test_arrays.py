@@ -125,7 +125,8 @@ async def test_small_ordinary_arrays_travel_in_band(rt):
     # in band (small) or in a shared block, a view keeps its strides; a small view of a
     # much larger array is copied compactly (in its axis order), not with the rest
     big = np.arange(40000.0).reshape(200, 200)
-    for x in (big[:, ::2], big[::-1, 3:], big.T[::2], big[5:6, ::7]):
+    for x in (big[:, ::2], big[::-1, 3:], big.T[::2], big[5:6, ::7], big[::2, ::2],
+              big[::-2, 1::2].T):  # (every other row and column: four times its bytes)
         assert (await a.info(x))[2] == x.strides and np.array_equal(await a.echo(x), x)
     x = big.T[::20, ::20]
     strides = (await a.info(x))[2]
