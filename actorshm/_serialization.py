@@ -30,6 +30,8 @@ from concurrent.futures import Future as _ThreadFuture
 import pickle
 import sys
 import threading
+import types
+from collections import ChainMap
 from typing import Any
 
 import cloudpickle
@@ -118,9 +120,27 @@ def result_mistake(value: Any) -> str | None:
     return None
 
 
+# cloudpickle (3.1 on) names the file of every code object it sends by value
+# "<dynamic-code>", so that a remote traceback through an actor class of the driver's
+# script showed no file and no source line. Its file is kept here: on this one machine
+# the receiver's ``linecache`` reads the line from it, as in the driver's own tracebacks.
+_DYNAMIC_CODE = "<dynamic-code>"
+_cloudpickle_code = cloudpickle.Pickler.dispatch_table.get(types.CodeType)
+
+
+def _reduce_code(code: types.CodeType):
+    rebuild, args = _cloudpickle_code(code)
+    return rebuild, tuple(code.co_filename if type(a) is str and a == _DYNAMIC_CODE else a
+                          for a in args)
+
+
 class _Encoder(_Encoding, cloudpickle.Pickler):
-    """Any message: cloudpickle (classes and functions of ``__main__`` travel by value),
-    with arrays, fds and plug-in types reduced here."""
+    """Any message: cloudpickle (classes and functions of ``__main__`` travel by value,
+    keeping their file for tracebacks), with arrays, fds and plug-in types reduced here."""
+
+    if _cloudpickle_code is not None:
+        dispatch_table = ChainMap({types.CodeType: _reduce_code},
+                                  cloudpickle.Pickler.dispatch_table)
 
     def __init__(self, file, conn) -> None:
         cloudpickle.Pickler.__init__(self, file, protocol=5)

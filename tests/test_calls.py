@@ -485,3 +485,18 @@ async def test_an_actor_whose_loop_cannot_make_tasks_answers_its_calls_with_the_
             async for _ in a.agen():
                 pass
     assert await asyncio.wait_for(a.ping(3), 10) == 3
+
+
+async def test_a_class_sent_by_value_keeps_its_file_in_remote_tracebacks(rt):
+    # A class the actor cannot import (the driver's script, here a local class) travels
+    # by value; its remote traceback named "<dynamic-code>" with no source line
+    @actorshm.actor
+    class Local:
+        def fail(self):
+            raise ValueError("sent by value")  # the line the traceback quotes
+
+    a = await Local.spawn()
+    with pytest.raises(ValueError, match="sent by value") as info:
+        await a.fail()
+    text = str(info.value.__cause__)
+    assert f'File "{__file__}"' in text and "# the line the traceback quotes" in text
