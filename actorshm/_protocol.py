@@ -121,16 +121,8 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         self.close_exc = exc if exc is not None else ActorDiedError(
             f"the connection to {self.label} is closed")
         waiting = self._close_socket()
-        pending, self.pending = self.pending, {}
-        self.pending_meta.clear()
+        self.fail_pending(self.close_exc)
         self.reply_waits.clear()
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(copy_exc(self.close_exc))
-                # One connection's end fails all its calls at once: an awaited one raises,
-                # one nobody awaits any more must not print "exception was never
-                # retrieved" (the caller has moved on, often after an earlier error).
-                fut.exception()
         held, self.held = self.held, collections.deque()
         for entry in held:
             if not entry[0].done():
@@ -337,6 +329,19 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             except Exception:  # (a broken CUDA context): the reply goes all the same
                 logger.exception("actorshm: waiting before the reply to %s failed",
                                  self.label)
+
+    def fail_pending(self, exc: BaseException) -> None:
+        """Fail every call sent on this connection and still unanswered with a copy of
+        ``exc``; their replies, should any come, are dropped as a cancelled call's are."""
+        pending, self.pending = self.pending, {}
+        self.pending_meta.clear()
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(copy_exc(exc))
+                # All at once: an awaited one raises, one nobody awaits any more must not
+                # print "exception was never retrieved" (the caller has moved on, often
+                # after an earlier error).
+                fut.exception()
 
     def _send(self, kind: int, flags: int, cid: int, payload, fds, close_fds=None) -> None:
         """Queue one frame (``kind`` 0: none, just the pending releases) and write."""

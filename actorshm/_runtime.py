@@ -410,6 +410,11 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         # it nor be named. (Inside an actor the driver's kill runs on regardless.)
         task = self._killing.get(actor_id)
         if task is None:
+            if rec.conn is not None and not rec.conn.closed:
+                # What this process asked and has not heard back fails now, as on Ray,
+                # not only if the process dies before answering (the settling below
+                # gives a quick call time to answer).
+                rec.conn.fail_pending(ActorDiedError(rec.death))
             task = self._killing[actor_id] = asyncio.ensure_future(self._kill_now(rec))
             task.add_done_callback(lambda _t: self._killing.pop(actor_id, None))
         await asyncio.shield(task)

@@ -712,6 +712,24 @@ async def test_a_kill_begins_when_called_even_under_a_time_out_of_0(rt):
         await asyncio.wait_for(group.hit(), 5)
 
 
+async def test_calls_unanswered_when_kill_is_called_fail_with_it(rt):
+    # Quick calls sent just before kill() were answered during its settling wait, or
+    # failed if the kill came first: one outcome here, another on Ray (where they fail)
+    c = await Counter.spawn()
+    for _ in range(3):
+        sent = [c.incr() for _ in range(3)]
+        await c.kill()
+        for fut in sent:
+            with pytest.raises(ActorDiedError, match="kill"):
+                await fut
+        c = await Counter.spawn()
+    assert await c.incr() == 1  # (what was answered before is kept: this one was)
+    answered = c.incr()
+    assert await answered == 2
+    await c.kill()
+    assert answered.result() == 2
+
+
 async def test_restart_that_dies_while_starting_is_retried(rt, tmp_path):
     from actors import FlakyStart
     marker = tmp_path / "crash-next-start"
