@@ -22,9 +22,9 @@ import threading
 from ._util import fmt_bytes
 
 __all__ = ["default_budget", "fd_limit", "SharedBudget", "chunk_size_for", "MIN_BUDGET",
-           "MAX_BUDGET"]
+           "MAX_BUDGET", "what_for"]
 
-_HEAD = 8  # int64s: magic, budget, pressure, (unused)
+_HEAD = 8  # int64s: magic, budget, asks for room, answers to them, (unused)
 _SLOT = 8  # int64s per slot: pid, charge, then a 48-byte label
 _MAGIC = 0x4143_5453_484D_4244  # "ACTSHMBD"
 
@@ -158,11 +158,30 @@ class SharedBudget:
             self._q[base] = os.getpid()
             self._q[base + 1] += charge
 
-    def ask_for_room(self) -> None:
+    def ask_for_room(self) -> int:
         """Tell every process that the budget is short: each gives back its idle arenas
-        the next time it allocates (``pressure``)."""
+        the next time it looks (``pressure``), then answers (``answer``).
+
+        Returns:
+            How many answers were given before this ask (see ``answers``).
+        """
         with self._locked():
             self._q[2] += 1
+            return self._q[3]
+
+    def answer(self) -> None:
+        """This process gave back its idle arenas, as asked (``pressure``)."""
+        with self._locked():
+            self._q[3] += 1
+
+    def answers(self) -> int:
+        """Answers given so far, by all processes together."""
+        return self._q[3]
+
+    def others(self, slot: int) -> int:
+        """How many processes but the one of ``slot`` hold a slot (each answers an ask)."""
+        held = sum(1 for pid in self._q[_HEAD::_SLOT] if pid)
+        return held - (self._q[_HEAD + slot * _SLOT] != 0)
 
     def pressure(self) -> bool:
         """Whether room was asked for since this process last looked."""
@@ -208,22 +227,30 @@ class SharedBudget:
                                 self._q[base], self._q[base + 1]))
         return sorted(out, key=lambda u: -u[2])
 
-    def over_budget_message(self, size: int) -> str:
-        """The error text when ``size`` more bytes do not fit: the budget, who uses how
-        much, and the fix."""
+    def over_budget_message(self, size: int, want: int | None = None) -> str:
+        """The error text when ``size`` more bytes (an arena, for an array of ``want``)
+        do not fit: the budget, who uses how much, and the fix."""
         users = self.users()
         used = sum(u[2] for u in users)
         who = ", ".join(f"{label or 'pid'} (pid {pid}) {fmt_bytes(n)}"
                         for label, pid, n in users[:8])
         if len(users) > 8:
             who += f", and {len(users) - 8} more"
-        return (f"actorshm: cannot allocate {fmt_bytes(size)} of shared memory: the "
+        return (f"actorshm: cannot allocate {what_for(size, want)} of shared memory: the "
                 f"runtime's budget is {fmt_bytes(self.budget)} for the driver and its actors "
                 f"together, and {fmt_bytes(used)} is in use ({who or 'none'}). Drop arrays "
                 "you no longer need (a stream's items made ahead of its consumer count too: "
                 "lower its run_ahead, h.method.options(run_ahead=2)(...)), or raise the "
                 "budget with actorshm.Runtime(shm_budget=...) "
                 "(or ACTORSHM_SHM_BUDGET=bytes).")
+
+
+def what_for(size: int, want: int | None) -> str:
+    """``size`` bytes, or, for an array of ``want`` bytes carved from a new arena of
+    ``size``, both (so that the error names the array's own size too)."""
+    if want is None or want >= size:
+        return fmt_bytes(size)
+    return f"{fmt_bytes(want)} (a new {fmt_bytes(size)} arena, which small arrays share)"
 
 
 class _Locked:

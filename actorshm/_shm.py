@@ -29,7 +29,7 @@ from ._arena import (Arena, HostBlock, array_from_block, copy_layout,  # noqa: F
                      copy_nbytes, find_block, is_shared, keeps_layout, map_fd, nbytes_of,
                      new_arena)  # (re-exported)
 from ._budget import (MAX_BUDGET, MIN_BUDGET, SharedBudget, chunk_size_for, default_budget,  # noqa: F401
-                      fd_limit)
+                      fd_limit, what_for)
 from ._errors import SharedMemoryError
 from ._leases import Block, Region, counters
 from ._util import fmt_bytes
@@ -114,9 +114,9 @@ class Pool:
     def _make_region(self, key: tuple, size: int, dedicated: bool) -> Region:
         raise NotImplementedError
 
-    def _over_budget(self, size: int) -> SharedMemoryError:
+    def _over_budget(self, size: int, want: int | None = None) -> SharedMemoryError:
         return SharedMemoryError(
-            f"actorshm: cannot allocate {fmt_bytes(size)} of shared memory: this process's "
+            f"actorshm: cannot allocate {what_for(size, want)} of shared memory: this process's "
             f"budget is {fmt_bytes(self.budget)} and {fmt_bytes(self.reserved)} is already in "
             "use. Drop arrays you no longer need (a stream's items made ahead of its "
             "consumer count too: lower its run_ahead, h.method.options(run_ahead=2)(...)), "
@@ -151,14 +151,17 @@ class Pool:
         self._transient.add(region.key[1])
         return region
 
-    def _new_region(self, size: int, dedicated: bool, spare: bool = False) -> Region:
+    def _new_region(self, size: int, dedicated: bool, spare: bool = False,
+                    want: int | None = None) -> Region:
+        """A new region of ``size`` bytes (for a block of ``want``, named by the error
+        when the budget has no room)."""
         short = self._charge(size)
         if short:
             if spare:  # (nothing idle given back, no wait: the caller has another way)
-                raise self._over_budget(size)
+                raise self._over_budget(size, want)
             self._retire_free(short)
             if self._charge(size) and not self._wait_for_room(size):
-                raise self._over_budget(size)
+                raise self._over_budget(size, want)
         index = self._next_index
         try:
             region = self._make_region((self.token, index), size, dedicated)
@@ -324,7 +327,8 @@ class Pool:
             else:
                 chunk = self._chunk
                 if chunk is None or self._chunk_pos + size > chunk.size:
-                    chunk = self._chunk = self._new_region(self.chunk_size, dedicated=False)
+                    chunk = self._chunk = self._new_region(self.chunk_size, dedicated=False,
+                                                           want=size)
                     self._chunk_pos = 0
                 region, offset = chunk, self._chunk_pos
                 self._chunk_pos += size
@@ -399,20 +403,28 @@ class HostPool(Pool):
 
     def _wait_for_room(self, size: int) -> bool:
         """Short of the shared budget: ask the runtime's other processes for their idle
-        arenas (each looks every ``ROOM_POLL`` seconds) and wait a little for them."""
+        arenas (each looks every ``ROOM_POLL`` seconds) and wait for them, until each has
+        answered (no more room will come) or ``ROOM_WAIT`` seconds passed. (The wait
+        blocks this thread, an event loop's too: waiting for every answer, not the whole
+        ``ROOM_WAIT``, keeps it short when all their memory is in use.)"""
         if not self._short_shared:
             return False
-        self.shared.ask_for_room()
+        shared = self.shared
+        before = shared.ask_for_room()
+        others = shared.others(self.slot)
         for _ in range(int(ROOM_WAIT / 0.01)):
             time.sleep(0.01)
+            answered = shared.answers() - before >= others
             if not self._charge(size):
                 return True
+            if answered:
+                return False
         return False
 
-    def _over_budget(self, size: int) -> SharedMemoryError:
+    def _over_budget(self, size: int, want: int | None = None) -> SharedMemoryError:
         if self._short_shared:
-            return SharedMemoryError(self.shared.over_budget_message(size))
-        return super()._over_budget(size)
+            return SharedMemoryError(self.shared.over_budget_message(size, want))
+        return super()._over_budget(size, want)
 
     def report(self, out: dict) -> None:
         super().report(out)
@@ -521,6 +533,7 @@ def watch_for_room(loop, shared: SharedBudget | None = None) -> None:
         return
     if shared.pressure():
         p.trim()
+        shared.answer()
     loop.call_later(ROOM_POLL, watch_for_room, loop, shared)
 
 

@@ -1,11 +1,13 @@
 """Host memory hardening: budgets end with their runtime, idle memory goes back, fds."""
 
+import asyncio
 import gc
 import os
 import resource
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -229,3 +231,24 @@ async def test_one_budget_for_the_driver_and_its_actors_together():
         del x
     a = actorshm.empty(100 * mib, np.uint8)  # the runtime (and its budget) closed
     del a
+
+
+async def test_short_of_the_budget_a_process_waits_only_until_the_others_answered(
+        monkeypatch):
+    # With the budget's memory all in use, every allocation over it waited the whole
+    # wait for room that could not come, blocking the driver's event loop (40 clients
+    # sending ordinary arrays: 14 s, and no time-out fired meanwhile)
+    mib = 1 << 20
+    monkeypatch.setattr(_shm, "ROOM_WAIT", 30.0)  # (only the answers can end it early)
+    async with actorshm.Runtime(shm_budget=64 * mib, shutdown_grace=1.0):
+        a, b = await asyncio.gather(Holder.spawn(), Holder.spawn())
+        await a.take(48 * mib)  # in use, not idle: nothing to give back
+        await b.take(8 * mib)
+        for _ in range(3):
+            t = time.monotonic()
+            with pytest.raises(actorshm.SharedMemoryError, match="runtime's budget"):
+                actorshm.empty(16 * mib, np.uint8)
+            assert time.monotonic() - t < 15  # each actor answered (in ~0.1 s)
+        await b.drop()  # idle in its pool: given back when asked, so the wait succeeds
+        x = actorshm.empty(16 * mib, np.uint8)
+        del x

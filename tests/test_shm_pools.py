@@ -140,3 +140,16 @@ def test_stats_names_the_budget_before_the_first_block():
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == 64 << 20
+
+
+def test_over_budget_names_the_array_and_the_arena_it_needs(pool):
+    # A 1 MiB array over the budget said "cannot allocate 4.0 MiB": the size of the chunk
+    # that small arrays share, not the array's
+    pool.chunk_size = pool.budget = _shm.LARGE
+    held = [pool.alloc(1 << 20) for _ in range(4)]  # the one chunk, full
+    with pytest.raises(SharedMemoryError,
+                       match=r"cannot allocate 1\.0 MiB \(a new 4\.0 MiB arena, which small "):
+        pool.alloc(1 << 20)
+    with pytest.raises(SharedMemoryError, match=r"cannot allocate 8\.0 MiB of shared"):
+        pool.alloc(2 * _shm.LARGE)  # (an arena of its own: one size to name)
+    del held
