@@ -1,9 +1,17 @@
-"""Forwarding an actor's stdout and stderr to the driver's, line by line."""
+"""Forwarding an actor's stdout and stderr to the driver's, line by line.
+
+The lines are written by one thread of the driver (``_Writer``), not on its event loop:
+a stdout that nobody reads (a pipe whose reader stalled, ``| less`` left open) blocks
+that thread's write, and with it the actors printing (as a full pipe blocks any
+program's print), never the loop that serves every other call.
+"""
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
+import threading
 
 
 class OutputForwarder:
@@ -11,18 +19,21 @@ class OutputForwarder:
 
     A carriage return ends a line too (progress bars update in place), and a line longer
     than ``max_line`` is forwarded in pieces, so output without line ends costs bounded
-    memory and time.
+    memory and time. While the writer is ``_Writer.HIGH`` bytes behind, the pipe is not
+    read (``pause``) until it caught up.
     """
 
     max_line = 64 << 10
 
-    def __init__(self, rec: ActorRecord, stream, which: str) -> None:
+    def __init__(self, rec: ActorRecord, stream, which: str, loop=None) -> None:
         self.rec = rec
         self.stream = stream
         self.fd = stream.fileno()
         self.which = which
+        self.loop = loop  # (None: not read from a loop, only ``drain``ed)
         self.partial = b""
         self.closed = False
+        self.paused = False
 
     def on_readable(self) -> None:
         try:
@@ -49,11 +60,18 @@ class OutputForwarder:
         if self.which == "stderr":
             self.rec.stderr_tail.extend(ln.decode(errors="replace") + "\n" for ln in lines)
         out = sys.stderr if self.which == "stderr" else sys.stdout
-        try:
-            out.write(text)
-            out.flush()
-        except Exception:  # pragma: no cover
-            pass
+        if _writer.put(out, text, self) and not self.closed:
+            self.paused = True
+            try:
+                self.loop.remove_reader(self.fd)
+            except Exception:  # the loop is closing
+                pass
+
+    def resume(self) -> None:
+        """The writer caught up: read the pipe again (on the loop)."""
+        if self.paused and not self.closed:
+            self.paused = False
+            self.loop.add_reader(self.fd, self.on_readable)
 
     def drain(self) -> None:
         while not self.closed:
@@ -73,8 +91,74 @@ class OutputForwarder:
         if self.partial:
             self._emit(b"\n")
         try:
-            if self.rec.conn is not None:
-                self.rec.conn.loop.remove_reader(self.fd)
+            if self.loop is not None:
+                self.loop.remove_reader(self.fd)
         except Exception:  # the loop is closing
             pass
         self.stream.close()
+
+
+class _Writer:
+    """The thread that writes forwarded lines to the driver's stdout and stderr."""
+
+    HIGH = 1 << 20  # bytes waiting to be written past which forwarders stop reading
+    LOW = 256 << 10  # and below which they read again
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.lines: collections.deque = collections.deque()
+        self.pending = 0  # bytes queued or being written
+        self.paused: list[OutputForwarder] = []
+        self.thread: threading.Thread | None = None
+
+    def put(self, out, text: str, fwd: OutputForwarder) -> bool:
+        """Queue ``text`` for ``out``; whether ``fwd`` should stop reading for now."""
+        with self.cond:
+            if self.thread is None or not self.thread.is_alive():  # (a fork's child)
+                self.thread = threading.Thread(target=self._run, daemon=True,
+                                               name="actorshm-output")
+                self.thread.start()
+            self.lines.append((out, text))
+            self.pending += len(text)
+            self.cond.notify_all()
+            if self.pending > self.HIGH and fwd.loop is not None:
+                self.paused.append(fwd)
+                return True
+        return False
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.lines:
+                    self.cond.wait()
+                out, text = self.lines.popleft()
+            try:
+                out.write(text)
+                out.flush()
+            except Exception:  # a closed stdout (``| head``): the lines go nowhere
+                pass
+            with self.cond:
+                self.pending -= len(text)
+                resume = ()
+                if self.pending <= self.LOW and self.paused:
+                    resume, self.paused = self.paused, []
+                self.cond.notify_all()
+            for fwd in resume:
+                try:
+                    fwd.loop.call_soon_threadsafe(fwd.resume)
+                except Exception:  # its loop has closed
+                    pass
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every queued line to be written."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.pending == 0, timeout)
+
+
+_writer = _Writer()
+
+
+def flush_output(timeout: float = 2.0) -> bool:
+    """Wait (up to ``timeout`` seconds) until the actors' output forwarded so far is
+    written to this process's stdout and stderr; whether it was."""
+    return _writer.flush(timeout)
