@@ -139,11 +139,11 @@ class Worker(StreamingClient):
 
     async def kill(self, actor_id: int) -> None:
         """Ask the driver to kill actor ``actor_id`` (``Runtime.kill``)."""
-        await self.driver.call("__kill__", (actor_id,), {})
+        await self._ask_driver("__kill__", (actor_id,))
 
     async def spawn(self, cls, options, args, kwargs):
         """Ask the driver to spawn an actor (``Runtime.spawn``, whose errors it raises)."""
-        return await self.driver.call("__spawn__", (cls, options, args, kwargs), {},
+        return await self._ask_driver("__spawn__", (cls, options, args, kwargs),
                                       f"{cls.__qualname__}.spawn")
 
     async def get_actor(self, name: str):
@@ -152,7 +152,16 @@ class Worker(StreamingClient):
         Raises:
             ValueError: no live actor has that name.
         """
-        return await self.driver.call("__get_actor__", (name,), {})
+        return await self._ask_driver("__get_actor__", (name,))
+
+    async def _ask_driver(self, service: str, args: tuple, what: str = ""):
+        """A service call to the driver, awaited from any event loop of this process:
+        the connection is this worker's loop's, so a thread's own loop (``asyncio.run``
+        in a sync method of an actor with max_concurrency > 1) waits for it there."""
+        if asyncio.get_running_loop() is self.loop:
+            return await self.driver.call(service, args, {}, what)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+            self._ask_driver(service, args, what), self.loop))
 
     # -- host side -------------------------------------------------------------
     def handle_call(self, conn: Connection, cid: int, call: list) -> None:

@@ -980,3 +980,18 @@ class TaskFactorySetter:
 
     def agen(self):
         yield 1
+
+
+@actor(max_concurrency=2)
+class ThreadLoopUser:
+    """Uses the runtime from a thread's own event loop (``asyncio.run`` in a sync
+    method, which runs in a thread of its own when max_concurrency > 1)."""
+
+    def spawn_find_kill(self, name):
+        async def go():
+            h = await Counter.options(name=name).spawn(5)
+            same = await actorshm.get_actor(name)
+            n = await same.incr()
+            await h.kill()
+            return n, h.actor_id
+        return asyncio.run(go())

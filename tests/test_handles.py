@@ -1,5 +1,7 @@
 """Handles: attributes are methods, including names the handle also uses."""
 
+import asyncio
+
 import pytest
 
 import actorshm
@@ -20,3 +22,16 @@ async def test_unknown_attribute_lists_the_methods(rt):
         c.no_such_method
     assert "incr" in dir(c)
     assert isinstance(c, actorshm.ActorHandle)
+
+
+async def test_an_actor_spawns_finds_and_kills_from_a_threads_own_event_loop(rt):
+    # The driver's services were asked on the worker's connection from whichever loop
+    # awaited: "attached to a different loop", and the spawn went through regardless,
+    # leaving an actor nobody had a handle to
+    from actors import ThreadLoopUser
+    u = await ThreadLoopUser.spawn()
+    n, spawned = await asyncio.wait_for(u.spawn_find_kill("thread-loop"), 60)
+    assert n == 6
+    rows = {r["id"]: r for r in rt.actors()}
+    assert not rows[spawned]["alive"] and "kill" in rows[spawned]["death"]
+    assert [r["class"] for r in rows.values() if r["alive"]] == ["ThreadLoopUser"]
