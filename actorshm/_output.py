@@ -1,15 +1,18 @@
 """Forwarding an actor's stdout and stderr to the driver's, line by line.
 
-The lines are written by one thread of the driver (``_Writer``), not on its event loop:
-a stdout that nobody reads (a pipe whose reader stalled, ``| less`` left open) blocks
-that thread's write, and with it the actors printing (as a full pipe blocks any
-program's print), never the loop that serves every other call.
+Where the driver's stdout or stderr is a pipe or a socket, the lines are written by one
+thread of the driver (``_Writer``), not on its event loop: one that nobody reads (a pipe
+whose reader stalled, ``| less`` left open) blocks that thread's write, and with it the
+actors printing (as a full pipe blocks any program's print), never the loop that serves
+every other call. Anything else (a terminal, a file, a notebook's stream, which routes
+a thread's output by the thread) is written to at once, as before.
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import stat
 import sys
 import threading
 
@@ -19,8 +22,9 @@ class OutputForwarder:
 
     A carriage return ends a line too (progress bars update in place), and a line longer
     than ``max_line`` is forwarded in pieces, so output without line ends costs bounded
-    memory and time. While the writer is ``_Writer.HIGH`` bytes behind, the pipe is not
-    read (``pause``) until it caught up.
+    memory and time. While the writer thread is ``_Writer.HIGH`` bytes behind (a driver
+    stdout that is a pipe nobody reads), the actor's pipe is not read (``pause``) until
+    it caught up.
     """
 
     max_line = 64 << 10
@@ -60,7 +64,13 @@ class OutputForwarder:
         if self.which == "stderr":
             self.rec.stderr_tail.extend(ln.decode(errors="replace") + "\n" for ln in lines)
         out = sys.stderr if self.which == "stderr" else sys.stdout
-        if _writer.put(out, text, self) and not self.closed:
+        if not _may_block(out):
+            try:
+                out.write(text)
+                out.flush()
+            except Exception:  # pragma: no cover
+                pass
+        elif _writer.put(out, text, self) and not self.closed:
             self.paused = True
             try:
                 self.loop.remove_reader(self.fd)
@@ -96,6 +106,15 @@ class OutputForwarder:
         except Exception:  # the loop is closing
             pass
         self.stream.close()
+
+
+def _may_block(out) -> bool:
+    """Whether a write to ``out`` may wait on a reader: a pipe or a socket."""
+    try:
+        mode = os.fstat(out.fileno()).st_mode
+    except Exception:  # no file of its own (a StringIO, a notebook's stream)
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
 class _Writer:
