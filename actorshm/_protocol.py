@@ -331,11 +331,12 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
                                  self.label)
 
     def fail_pending(self, exc: BaseException) -> None:
-        """Fail every call sent on this connection and still unanswered with a copy of
-        ``exc``; their replies, should any come, are dropped as a cancelled call's are."""
+        """Fail every call made on this connection and still unanswered with a copy of
+        ``exc``: those sent (their replies, should any come, are dropped as a cancelled
+        call's are) and those held back (never sent: ``_send_held`` drops them)."""
         pending, self.pending = self.pending, {}
         self.pending_meta.clear()
-        for fut in pending.values():
+        for fut in (*pending.values(), *(entry[0] for entry in self.held)):
             if not fut.done():
                 fut.set_exception(copy_exc(exc))
                 # All at once: an awaited one raises, one nobody awaits any more must not
