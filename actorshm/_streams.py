@@ -75,9 +75,11 @@ def reentrant_error(calls: tuple, worker: Any, what: str):
     loop = calls[calls.index(mine[0]):]
     names = " -> ".join(f"{w} (actor {a})" for a, w, _seq in loop)
     name, n = worker.cls_name, worker.max_concurrency
-    why = (f"Actor {name} runs one call at a time (max_concurrency=1) and its running call "
-           f"is waiting for this one. Give {name} max_concurrency > 1 with async methods, "
-           "or do not call back into an actor from a call it is waiting for.") if n == 1 \
+    why = (f"Actor {name} runs one call at a time (max_concurrency=1) and this call comes "
+           "from its running call's chain, which is taken to wait for it (a call sent "
+           f"and never awaited too). Give {name} max_concurrency > 1 with async methods, "
+           "or return the data to the running call instead of calling back into its "
+           "actor.") if n == 1 \
         else (f"All {n} slots of actor {name} (max_concurrency={n}) are held by calls "
               "waiting, through chains of calls, for this call or for calls queued behind "
               f"them. Raise {name}'s max_concurrency, or do not call back into an actor "
