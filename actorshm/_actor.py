@@ -292,6 +292,14 @@ class ActorMethod:
             return _limited_call(h, self._name, args, kwargs, self._what)
         return h._client.call(h._actor_id, self._name, args, kwargs, self._what)
 
+    def __getattr__(self, name: str):
+        if name in ("remote", "bind"):  # Ray's way to call an actor method
+            raise AttributeError(
+                f"{self._what}.{name}: an actorshm method is called directly, and the call "
+                f"is sent at once: `await handle.{self._name}(...)`, on Ray too (see "
+                "docs/ray.md)")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def __repr__(self) -> str:
         return f"<actor method {self._what}>"
 

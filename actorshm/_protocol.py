@@ -67,6 +67,17 @@ class Host(Protocol):
     # ``stream_credit(conn, cid, n)``, the caller of streaming call ``cid`` took n items.
 
 
+TOO_DEEP = ("nested too deeply to pickle (Python's recursion limit, "
+            "sys.getrecursionlimit()): flatten the data (a list of rows, a numpy array), or "
+            "raise the limit with sys.setrecursionlimit.")
+
+
+def _too_deep(exc: BaseException) -> bool:
+    """Whether pickling failed for want of recursion depth."""
+    return isinstance(exc, RecursionError) or \
+        isinstance(exc.__cause__ or exc.__context__, RecursionError)
+
+
 class Connection(CallControl, LeaseTraffic, FramedSocket):
     """One end of a socket pair, speaking actorshm frames, driven by the event loop.
 
@@ -215,11 +226,8 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             raise TypeError(f"cannot send the arguments of {what or method}(): {exc}") \
                 from exc
         except Exception as exc:
-            if isinstance(exc.__cause__ or exc.__context__, RecursionError) or \
-                    isinstance(exc, RecursionError):
-                hint = ("They are nested too deeply to pickle (Python's recursion limit, "
-                        "sys.getrecursionlimit()): flatten them (a list of rows, a numpy "
-                        "array), or raise the limit with sys.setrecursionlimit.")
+            if _too_deep(exc):
+                hint = f"They are {TOO_DEEP}"
             else:
                 hint = ("Arguments must be picklable (cloudpickle); pass data, not open "
                         "files, locks or sockets.")
@@ -282,7 +290,8 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             mistake = ser.result_mistake(value)
             if mistake is not None:
                 exc = TypeError(mistake)
-            err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}")
+            err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}"
+                            + (f". It is {TOO_DEEP}" if _too_deep(exc) else ""))
             err.__cause__ = exc
             self.reply_error(cid, err)
             # ``err`` -> its cause's traceback -> this frame -> ``err``: a cycle that would

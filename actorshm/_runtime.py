@@ -531,7 +531,11 @@ async def get_actor(name: str) -> ActorHandle:
 
     Raises:
         ValueError: no live actor has that name.
+        TypeError: ``name`` is not a str.
     """
+    if not isinstance(name, str):
+        raise TypeError(f"get_actor(name): a name is a str, as given with "
+                        f"Cls.options(name=...), not {type(name).__name__} {name!r}")
     return await _client.client().get_actor(name)
 
 

@@ -237,6 +237,13 @@ class Faulty:
         for i in range(n):
             yield i
 
+    def nested(self, depth):
+        deep = inner = []
+        for _ in range(depth):
+            inner.append([])
+            inner = inner[0]
+        return deep
+
     def __init__(self, fail=False):
         if fail == "exit":
             sys.exit(3)

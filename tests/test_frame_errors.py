@@ -12,7 +12,7 @@ import actorshm
 from actorshm import _protocol as P
 from actorshm import _encoding, _shm
 from actorshm import _wire as W
-from actors import Arrays, BigInitError, BigKwError, Counter, Oversized
+from actors import Arrays, BigInitError, BigKwError, Counter, Faulty, Oversized
 from recorder import Recorder
 from waits import until
 
@@ -43,6 +43,15 @@ async def test_arguments_nested_too_deeply_say_so_and_how_to_fix_it(rt):
         c.echo(deep)
     assert "open files" not in str(info.value) and ".." not in str(info.value)
     assert await c.incr() == 1  # nothing was sent; the actor carries on
+
+
+async def test_a_result_nested_too_deeply_says_so_and_how_to_fix_it(rt):
+    # (the arguments' error said so; the result's only "excessively deep recursion")
+    f = await Faulty.spawn()
+    with pytest.raises(TypeError, match=r"Faulty.nested cannot be sent back: .*nested too "
+                                        r"deeply.*setrecursionlimit"):
+        await f.nested(5000)
+    assert await f.nested(3) == [[[[]]]]
 
 
 @pytest.mark.parametrize("mode", ["r", "rb", "w", "r+b"])
