@@ -24,8 +24,9 @@ from ._util import fmt_bytes
 __all__ = ["default_budget", "fd_limit", "SharedBudget", "chunk_size_for", "MIN_BUDGET",
            "MAX_BUDGET", "what_for"]
 
-_HEAD = 8  # int64s: magic, budget, asks for room, answers to them, (unused)
-_SLOT = 8  # int64s per slot: pid, charge, then a 48-byte label
+_HEAD = 8  # int64s: magic, budget, asks for room, (unused)
+_SLOT = 8  # int64s per slot: pid, charge, a 40-byte label, the last ask it answered
+_LABEL = (_SLOT - 3) * 8
 _MAGIC = 0x4143_5453_484D_4244  # "ACTSHMBD"
 
 
@@ -163,25 +164,25 @@ class SharedBudget:
         the next time it looks (``pressure``), then answers (``answer``).
 
         Returns:
-            How many answers were given before this ask (see ``answers``).
+            This ask's number (``answered``).
         """
         with self._locked():
             self._q[2] += 1
-            return self._q[3]
+            return self._q[2]
 
-    def answer(self) -> None:
-        """This process gave back its idle arenas, as asked (``pressure``)."""
-        with self._locked():
-            self._q[3] += 1
+    def answer(self, slot: int) -> None:
+        """The process of ``slot`` gave back its idle arenas, as asked up to the last
+        ask it saw (``pressure``)."""
+        self._q[_HEAD + slot * _SLOT + _SLOT - 1] = self.pressure_seen
 
-    def answers(self) -> int:
-        """Answers given so far, by all processes together."""
-        return self._q[3]
-
-    def others(self, slot: int) -> int:
-        """How many processes but the one of ``slot`` hold a slot (each answers an ask)."""
-        held = sum(1 for pid in self._q[_HEAD::_SLOT] if pid)
-        return held - (self._q[_HEAD + slot * _SLOT] != 0)
+    def answered(self, ask: int, slot: int) -> bool:
+        """Whether every process but the one of ``slot`` answered ask number ``ask``
+        (or a later one)."""
+        q = self._q
+        for base in range(_HEAD, _HEAD + self.slots * _SLOT, _SLOT):
+            if q[base] and base != _HEAD + slot * _SLOT and q[base + _SLOT - 1] < ask:
+                return False
+        return True
 
     def pressure(self) -> bool:
         """Whether room was asked for since this process last looked."""
@@ -212,8 +213,8 @@ class SharedBudget:
         with self._locked():
             base = _HEAD + slot * _SLOT
             self._q[base] = pid
-            raw = label.encode()[:(_SLOT - 2) * 8].ljust((_SLOT - 2) * 8, b"\0")
-            self._q[base + 2:base + _SLOT] = memoryview(raw).cast("q")
+            raw = label.encode()[:_LABEL].ljust(_LABEL, b"\0")
+            self._q[base + 2:base + _SLOT - 1] = memoryview(raw).cast("q")
 
     def users(self) -> list[tuple[str, int, int]]:
         """``(label, pid, bytes)`` of every slot charged, largest first."""
@@ -222,7 +223,7 @@ class SharedBudget:
             for slot in range(self.slots):
                 base = _HEAD + slot * _SLOT
                 if self._q[base + 1]:
-                    raw = bytes(self._q[base + 2:base + _SLOT].cast("B"))
+                    raw = bytes(self._q[base + 2:base + _SLOT - 1].cast("B"))
                     out.append((raw.rstrip(b"\0").decode(errors="replace"),
                                 self._q[base], self._q[base + 1]))
         return sorted(out, key=lambda u: -u[2])

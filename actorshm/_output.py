@@ -10,7 +10,9 @@ a thread's output by the thread) is written to at once, as before.
 
 from __future__ import annotations
 
+import atexit
 import collections
+import io
 import os
 import stat
 import sys
@@ -109,10 +111,13 @@ class OutputForwarder:
 
 
 def _may_block(out) -> bool:
-    """Whether a write to ``out`` may wait on a reader: a pipe or a socket."""
+    """Whether a write to ``out`` may wait on a reader: a file object of a pipe or a
+    socket (not a notebook's stream, whose ``fileno`` may be the kernel's own pipe)."""
+    if not isinstance(out, io.TextIOWrapper):
+        return False
     try:
         mode = os.fstat(out.fileno()).st_mode
-    except Exception:  # no file of its own (a StringIO, a notebook's stream)
+    except Exception:  # no file of its own
         return False
     return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
@@ -133,10 +138,13 @@ class _Writer:
     def put(self, out, text: str, fwd: OutputForwarder) -> bool:
         """Queue ``text`` for ``out``; whether ``fwd`` should stop reading for now."""
         with self.cond:
-            if self.thread is None or not self.thread.is_alive():  # (a fork's child)
+            if self.thread is None:
+                # A daemon, so that it never keeps the process alive itself; what it
+                # has yet to write is waited for at a runtime's close and at exit.
                 self.thread = threading.Thread(target=self._run, daemon=True,
                                                name="actorshm-output")
                 self.thread.start()
+                atexit.register(self.flush, None)
             self.lines.append((out, text))
             self.pending += len(text)
             self.cond.notify_all()
@@ -168,8 +176,9 @@ class _Writer:
                 except Exception:  # its loop has closed
                     pass
 
-    def flush(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for every queued line to be written."""
+    def flush(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` seconds (None: for as long as it takes, as a print to
+        a full pipe does) for every queued line to be written."""
         with self.cond:
             return self.cond.wait_for(lambda: self.pending == 0, timeout)
 
@@ -177,7 +186,17 @@ class _Writer:
 _writer = _Writer()
 
 
-def flush_output(timeout: float = 2.0) -> bool:
-    """Wait (up to ``timeout`` seconds) until the actors' output forwarded so far is
-    written to this process's stdout and stderr; whether it was."""
+def _forked() -> None:
+    """In a child made by ``os.fork``: the lines queued are the parent's to write, and
+    the thread that wrote them was not copied."""
+    global _writer
+    _writer = _Writer()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def flush_output(timeout: float | None = None) -> bool:
+    """Wait (up to ``timeout`` seconds; None: until done) until the actors' output
+    forwarded so far is written to this process's stdout and stderr; whether it was."""
     return _writer.flush(timeout)

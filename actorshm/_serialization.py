@@ -31,7 +31,6 @@ import pickle
 import sys
 import threading
 import types
-from collections import ChainMap
 from typing import Any
 
 import cloudpickle
@@ -126,21 +125,21 @@ def result_mistake(value: Any) -> str | None:
 # the receiver's ``linecache`` reads the line from it, as in the driver's own tracebacks.
 _DYNAMIC_CODE = "<dynamic-code>"
 _cloudpickle_code = cloudpickle.Pickler.dispatch_table.get(types.CodeType)
+_CodeType = types.CodeType
 
 
 def _reduce_code(code: types.CodeType):
     rebuild, args = _cloudpickle_code(code)
-    return rebuild, tuple(code.co_filename if type(a) is str and a == _DYNAMIC_CODE else a
-                          for a in args)
+    # (its file is the first str of ``CodeType``'s arguments: the name comes after it)
+    i = next((i for i, a in enumerate(args) if type(a) is str), None)
+    if i is not None and args[i] == _DYNAMIC_CODE:
+        args = (*args[:i], code.co_filename, *args[i + 1:])
+    return rebuild, args
 
 
 class _Encoder(_Encoding, cloudpickle.Pickler):
     """Any message: cloudpickle (classes and functions of ``__main__`` travel by value,
     keeping their file for tracebacks), with arrays, fds and plug-in types reduced here."""
-
-    if _cloudpickle_code is not None:
-        dispatch_table = ChainMap({types.CodeType: _reduce_code},
-                                  cloudpickle.Pickler.dispatch_table)
 
     def __init__(self, file, conn) -> None:
         cloudpickle.Pickler.__init__(self, file, protocol=5)
@@ -160,6 +159,8 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
             return _results.reduce_future(obj)
         if isinstance(obj, _ThreadFuture):
             raise Unsendable(THREAD_FUTURE)
+        if t is _CodeType and _cloudpickle_code is not None:
+            return _reduce_code(obj)
         if t in FILE_TYPES and obj is not sys.stdout and obj is not sys.stderr:
             refuse_file(obj)
         if _reducers or _lazy_plugins:

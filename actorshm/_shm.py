@@ -328,7 +328,7 @@ class Pool:
                 chunk = self._chunk
                 if chunk is None or self._chunk_pos + size > chunk.size:
                     chunk = self._chunk = self._new_region(self.chunk_size, dedicated=False,
-                                                           want=size)
+                                                           want=int(nbytes))
                     self._chunk_pos = 0
                 region, offset = chunk, self._chunk_pos
                 self._chunk_pos += size
@@ -410,11 +410,10 @@ class HostPool(Pool):
         if not self._short_shared:
             return False
         shared = self.shared
-        before = shared.ask_for_room()
-        others = shared.others(self.slot)
+        ask = shared.ask_for_room()
         for _ in range(int(ROOM_WAIT / 0.01)):
             time.sleep(0.01)
-            answered = shared.answers() - before >= others
+            answered = shared.answered(ask, self.slot)
             if not self._charge(size):
                 return True
             if answered:
@@ -533,7 +532,7 @@ def watch_for_room(loop, shared: SharedBudget | None = None) -> None:
         return
     if shared.pressure():
         p.trim()
-        shared.answer()
+        shared.answer(p.slot)
     loop.call_later(ROOM_POLL, watch_for_room, loop, shared)
 
 

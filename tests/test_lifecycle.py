@@ -728,6 +728,13 @@ async def test_calls_unanswered_when_kill_is_called_fail_with_it(rt):
     assert await answered == 2
     await c.kill()
     assert answered.result() == 2
+    # calls held back behind a result they take (and those behind them) fail too
+    c, a = await asyncio.gather(Counter.spawn(), Counter.spawn())
+    held = [c.incr(a.slow_record(1, 0.05)), c.incr()]
+    await c.kill()
+    for fut in held:
+        with pytest.raises(ActorDiedError, match="kill"):
+            await fut
 
 
 async def test_restart_that_dies_while_starting_is_retried(rt, tmp_path):
