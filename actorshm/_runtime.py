@@ -530,12 +530,8 @@ async def get_actor(name: str) -> ActorHandle:
         name: the name given at spawn, as in ``Cls.options(name="ps").spawn()``.
 
     Raises:
-        ValueError: no live actor has that name.
-        TypeError: ``name`` is not a str.
+        ValueError: no live actor has that name (whatever its type: API.md's rule).
     """
-    if not isinstance(name, str):
-        raise TypeError(f"get_actor(name): a name is a str, as given with "
-                        f"Cls.options(name=...), not {type(name).__name__} {name!r}")
     return await _client.client().get_actor(name)
 
 
