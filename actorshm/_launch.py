@@ -374,7 +374,7 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
     rec.pipes = []
     for stream, out in zip(streams, ("stdout", "stderr")):
         os.set_blocking(stream.fileno(), False)
-        fwd = OutputForwarder(rec, stream, out, loop)
+        fwd = OutputForwarder(rec, stream, out)
         rec.pipes.append(fwd)
         loop.add_reader(stream.fileno(), fwd.on_readable)
 

@@ -30,7 +30,6 @@ from ._backend import BackendChoice
 from ._errors import ActorDiedError
 from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, check_number,
                       check_start_options, kill_all, out_of_fds, start_process)
-from ._output import flush_output
 from ._protocol import Connection
 from ._streams import StreamingClient
 from ._supervise import Supervisor
@@ -187,7 +186,6 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             kill_all(self._actors, self._ending, self._owner)
             for r in list(self._actors.values()):
                 self._reap(r)
-            flush_output()  # (what they printed last: before main's own last lines)
             if self._forkserver is not None:
                 self._forkserver.stop()
             _events.close(self)
