@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
+
+
+_LINE_END = re.compile(rb"(\r|\n)")
 
 
 class OutputForwarder:
     """Copies an actor's stdout/stderr to the driver's, each line prefixed as Ray does.
 
-    A carriage return ends a line too (progress bars update in place), and a line longer
-    than ``max_line`` is forwarded in pieces, so output without line ends costs bounded
-    memory and time.
+    A carriage return ends a line too, and what a progress bar writes after its last
+    ``\r`` (its state) is forwarded at once: each update is a line of its own in the
+    driver's output. A line longer than ``max_line`` is forwarded in pieces, so output
+    without line ends costs bounded memory and time.
     """
 
     max_line = 64 << 10
@@ -22,6 +27,7 @@ class OutputForwarder:
         self.fd = stream.fileno()
         self.which = which
         self.partial = b""
+        self.after_cr = False  # the last line forwarded ended with (or after) a "\r"
         self.closed = False
 
     def on_readable(self) -> None:
@@ -38,7 +44,18 @@ class OutputForwarder:
 
     def _emit(self, data: bytes) -> None:
         data = self.partial + data
-        *lines, self.partial = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        if self.after_cr and data[:1] == b"\n":  # (a \r\n split between two reads)
+            data = data[1:]
+        parts = _LINE_END.split(data.replace(b"\r\n", b"\n"))
+        # A carriage return ends a line too, but for the empty one before it: a progress
+        # bar writes "\r" + its state, and what follows its last "\r" is that state,
+        # shown now rather than at its next update.
+        lines = [t for t, end in zip(parts[0:-1:2], parts[1::2]) if t or end == b"\n"]
+        self.partial = parts[-1]
+        self.after_cr = len(parts) > 1 and parts[-2] == b"\r"
+        if self.partial and self.after_cr:
+            lines.append(self.partial)
+            self.partial = b""
         while len(self.partial) > self.max_line:
             cut = self.max_line  # (not inside a UTF-8 character: back to its first byte)
             while cut > self.max_line - 4 and self.partial[cut] & 0xC0 == 0x80:

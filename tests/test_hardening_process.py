@@ -138,6 +138,14 @@ def test_output_without_newlines_is_capped_and_carriage_returns_forwarded(monkey
     fwd = _forwarder()
     fwd._emit(b"10%\r20%\r")
     assert out.getvalue() == "(A pid=1) 10%\n(A pid=1) 20%\n"
+    # a bar that writes "\r" then its state: each state at once, no empty lines
+    for i, chunk in enumerate((b"\r30%", b"\r40%", b"\r", b"\n", b"done\r\n")):
+        fwd._emit(chunk)
+        assert out.getvalue().endswith(("(A pid=1) 30%\n", "(A pid=1) 40%\n", "40%\n",
+                                        "40%\n", "(A pid=1) done\n")[i])
+    assert out.getvalue().count("(A pid=1)") == 5
+    out.seek(0)
+    out.truncate()
     for _ in range(100):
         fwd._emit(b"x" * 65536)  # 6.4 MiB and no line end
         assert len(fwd.partial) <= OutputForwarder.max_line
