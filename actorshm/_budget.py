@@ -178,11 +178,9 @@ class SharedBudget:
     def answered(self, ask: int, slot: int) -> bool:
         """Whether every process but the one of ``slot`` answered ask number ``ask``
         (or a later one)."""
-        q = self._q
-        for base in range(_HEAD, _HEAD + self.slots * _SLOT, _SLOT):
-            if q[base] and base != _HEAD + slot * _SLOT and q[base + _SLOT - 1] < ask:
-                return False
-        return True
+        pids, asks = self._q[_HEAD::_SLOT], self._q[_HEAD + _SLOT - 1::_SLOT]
+        return all(a >= ask for i, (pid, a) in enumerate(zip(pids, asks))
+                   if pid and i != slot)
 
     def pressure(self) -> bool:
         """Whether room was asked for since this process last looked."""

@@ -132,13 +132,9 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         self.close_exc = exc if exc is not None else ActorDiedError(
             f"the connection to {self.label} is closed")
         waiting = self._close_socket()
-        self.fail_pending(self.close_exc)
+        self.fail_pending(self.close_exc)  # (the held calls too)
         self.reply_waits.clear()
-        held, self.held = self.held, collections.deque()
-        for entry in held:
-            if not entry[0].done():
-                entry[0].set_exception(copy_exc(self.close_exc))
-                entry[0].exception()
+        self.held = collections.deque()  # (a new one: see ``_send_held``)
         streams, self.streams = self.streams, {}
         for st in streams.values():
             st.wake()
