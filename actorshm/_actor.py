@@ -377,6 +377,9 @@ class ActorHandle:
         (not a coroutine: ``await`` it, or hand it to ``asyncio.wait_for``, ``gather``
         or ``wait``). Cancelling the wait (a time-out, even of 0 s) does not stop the
         kill. With no event loop running here, a coroutine to run on one."""
+        begins = getattr(self._client, "kill_begins", None)  # (the local runtime's)
+        if begins is not None:
+            begins(self._actor_id)
         return start_shielded(self._kill())
 
     async def _kill(self) -> None:

@@ -2,15 +2,19 @@
 
 ``main`` runs on the socket fd the driver passed (the ``spawn`` start method runs it
 through ``python -c``); ``forked_child_main`` turns a fork server's child into an actor
-process and calls ``main``. Both end with ``os._exit``: the interpreter's teardown could
-only run user ``__del__``s against closed sockets. Between start and exit the process
-belongs to its ``_worker.Worker``.
+process and calls ``main``. An actor that is asked to stop (its runtime closes, a method
+calls ``sys.exit``) ends as a Python program does, while its connections are still open
+(``_end_like_a_program``); then both end with ``os._exit``, since the interpreter's own
+teardown could only run more of the user's code against closed sockets. Between start
+and exit the process belongs to its ``_worker.Worker``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import faulthandler
+import gc
 import json
 import os
 import signal
@@ -32,6 +36,7 @@ async def _amain(fd: int) -> int:
     _leases.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks
     try:
         await worker.stopped
+        await _end_like_a_program(worker, worker.shutdown_grace / 4)
         await _wait_for_gpu_leases(worker, worker.shutdown_grace / 2)
     finally:
         worker._closing = True
@@ -54,6 +59,27 @@ async def _amain(fd: int) -> int:
         if worker.executor is not None:
             worker.executor.shutdown(wait=False, cancel_futures=True)
     return worker.exit_code
+
+
+async def _end_like_a_program(worker: "Worker", timeout: float) -> None:
+    """What a Python program does as it ends, done by a stopping actor while its
+    connections are open: running async calls and streams are cancelled and given up to
+    ``timeout`` seconds for their ``finally`` blocks (as ``asyncio.run`` does with the
+    tasks left at the end), the instance is dropped (its ``__del__`` runs, and files only
+    it holds are flushed and closed), and the ``atexit`` functions registered in this
+    process run. A sync call still running in a thread keeps the instance; non-daemon
+    threads are not waited for. Whatever hangs here meets the driver's SIGTERM at the end
+    of its grace period."""
+    worker.exited = True  # (no queued call starts now)
+    tasks = [t for t in worker.running_calls.values() if t is not None]
+    for conn, cid in list(worker.running_calls):
+        worker.cancel_call(conn, cid)
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+    worker.instance = None
+    del tasks
+    gc.collect()
+    atexit._run_exitfuncs()
 
 
 async def _written(conn, timeout: float) -> None:
@@ -142,6 +168,7 @@ def forked_child_main(server_sock, rfd, wfd, env, cwd, fds) -> None:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
+        atexit._clear()  # (the server's exit functions are not this actor's)
         os.environ.clear()
         os.environ.update(env)
         _blas_threads(env)

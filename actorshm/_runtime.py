@@ -378,6 +378,19 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         gone = self.forgotten(actor_id) if rec is None else None
         return rec.pid if rec is not None else gone["pid"] if gone else pid
 
+    def kill_begins(self, actor_id: int) -> None:
+        """``handle.kill()`` was called: what this process asked actor ``actor_id`` and
+        has not heard back fails now, as on Ray, not only if its process dies before
+        answering (``kill`` gives a quick call time to answer while it settles), nor only
+        if no answer is read before the kill's task first runs. (From another thread's
+        event loop, ``kill`` does it on the runtime's.)"""
+        if threading.get_ident() != self._loop_thread:
+            return
+        rec = self._actors.get(actor_id)
+        if rec is not None and rec.alive and rec.conn is not None and not rec.conn.closed \
+                and actor_id not in self._killing:
+            rec.conn.fail_pending(ActorDiedError(f"{rec.label} was killed by actorshm kill()"))
+
     async def kill(self, actor_id: int) -> None:
         """Kill actor ``actor_id`` at once (SIGKILL, no restart); return once it is gone.
         Its calls fail with ``ActorDiedError``; an unknown or dead actor is no error.
@@ -410,11 +423,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         # it nor be named. (Inside an actor the driver's kill runs on regardless.)
         task = self._killing.get(actor_id)
         if task is None:
-            if rec.conn is not None and not rec.conn.closed:
-                # What this process asked and has not heard back fails now, as on Ray,
-                # not only if the process dies before answering (the settling below
-                # gives a quick call time to answer).
-                rec.conn.fail_pending(ActorDiedError(rec.death))
+            self.kill_begins(actor_id)
             task = self._killing[actor_id] = asyncio.ensure_future(self._kill_now(rec))
             task.add_done_callback(lambda _t: self._killing.pop(actor_id, None))
         await asyncio.shield(task)

@@ -1,6 +1,7 @@
 """Actor classes the tests spawn. Kept free of pytest so actor processes import it fast."""
 
 import asyncio
+import atexit
 import errno
 import os
 import signal
@@ -1002,3 +1003,35 @@ class ThreadLoopUser:
             await h.kill()
             return n, h.actor_id
         return asyncio.run(go())
+
+
+@actor
+class Tidy:
+    """Leaves traces of its ending, as a program's own clean-up would: what its file
+    holds, its ``__del__``, an ``atexit`` function and an async method's ``finally``."""
+
+    def __init__(self, path):
+        self.path = path
+        self.f = open(path, "w")  # buffered: only closing it writes the lines out
+        atexit.register(_mark, path + ".atexit")
+
+    def log(self, line):
+        self.f.write(line + "\n")
+
+    async def wait(self):
+        try:
+            await asyncio.sleep(60)
+        finally:
+            _mark(self.path + ".finally")
+
+    def exit(self):
+        sys.exit(0)
+
+    def __del__(self):
+        self.f.close()
+        _mark(self.path + ".del")
+
+
+def _mark(path):
+    with open(path, "w") as f:
+        f.write("ran")

@@ -15,7 +15,7 @@ import pytest
 
 import actorshm
 from actorshm import ActorDiedError
-from actors import Caller, Counter, Dying, Faulty, Starter
+from actors import Caller, Counter, Dying, Faulty, Starter, Tidy
 
 
 @pytest.mark.parametrize("how,expect", [
@@ -55,6 +55,28 @@ async def test_sys_exit_in_a_method_says_which_method(rt, capfd):
             break
         await asyncio.sleep(0.02)
     assert "Faulty.exit raised SystemExit(3) (sys.exit)" in err
+
+
+async def test_a_stopping_actor_ends_as_a_program_does(start_method, tmp_path):
+    # Its file's buffered lines are written, its __del__ and atexit functions run, and a
+    # running async call's finally: on a close and on sys.exit in a method alike.
+    closed, exited = str(tmp_path / "closed"), str(tmp_path / "exited")
+    async with actorshm.Runtime(start_method=start_method, shutdown_grace=2.0):
+        t, u = await Tidy.spawn(closed), await Tidy.spawn(exited)
+        for i in range(3):
+            await t.log(f"line {i}")
+        waiting = asyncio.ensure_future(t.wait())
+        await u.log("bye")
+        with pytest.raises(ActorDiedError):
+            await u.exit()
+        await asyncio.sleep(0.1)  # (the wait has started)
+    with pytest.raises(ActorDiedError):
+        await waiting
+    assert (tmp_path / "closed").read_text() == "line 0\nline 1\nline 2\n"
+    assert (tmp_path / "exited").read_text() == "bye\n"
+    for end in ("del", "atexit", "finally"):
+        assert os.path.exists(f"{closed}.{end}"), end
+    assert os.path.exists(f"{exited}.del") and os.path.exists(f"{exited}.atexit")
 
 
 async def test_pending_calls_name_the_exit_code_when_the_death_is_seen_first(rt):
