@@ -41,7 +41,10 @@ class ActorOptions:
             at once; one more raises ``PendingCallsLimitError``. -1 (default) or None:
             no limit.
         env: environment variables for the actor's process; they win over what
-            ``num_cpus`` sets.
+            ``num_cpus`` sets. Under ``start_method="forkserver"``, an actor whose
+            ``env`` changes a ``PYTHON*`` variable (``PYTHONHASHSEED``,
+            ``PYTHONIOENCODING``, ``PYTHONWARNINGS``...), which Python reads only as it
+            starts, is started as with ``"spawn"``, so that it applies.
 
     Raises:
         TypeError: an unknown option, or a value of the wrong type.

@@ -61,9 +61,19 @@ _WATCHDOG_FIRST = (
 _WORKER_CMD = _bootstrap("_actor_process", first=_WATCHDOG_FIRST)
 
 
+def python_command(code: str, fd: int) -> list[str]:
+    """The argv that runs ``python -c code fd`` with the driver's interpreter flags (``-O``,
+    ``-W``, ``-X dev``, ``-I``...), as ``multiprocessing`` starts its children: an actor's
+    asserts, warnings filters and isolation are the driver's."""
+    return [sys.executable, *_flags(), "-c", code, str(fd)]
+
+
+_flags = getattr(subprocess, "_args_from_interpreter_flags", list)
+
+
 def worker_command(fd: int) -> list[str]:
     """The argv that starts an actor process on inherited socket ``fd`` ("spawn")."""
-    return [sys.executable, "-c", _WORKER_CMD, str(fd)]
+    return python_command(_WORKER_CMD, fd)
 
 
 def check_number(name: str, value: Any, least: float, kind: type, unit: str, *,
@@ -317,6 +327,14 @@ def out_of_fds(exc: OSError) -> OSError:
                                 "need, close files, or raise the limit")
 
 
+def _startup_vars_differ(env: dict) -> bool:
+    """Whether an actor's ``env`` option sets a ``PYTHON*`` variable (``PYTHONHASHSEED``,
+    ``PYTHONIOENCODING``, ``PYTHONWARNINGS``...) to other than the driver's value, which
+    the fork server started with: Python reads those only as it starts, so a forked child
+    would show them in ``os.environ`` and not apply them."""
+    return any(k.startswith("PYTHON") and os.environ.get(k) != v for k, v in env.items())
+
+
 async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
                         child: socket.socket, env: dict,
                         forkserver: "ForkServerClient | None", on_exit) -> None:
@@ -335,6 +353,8 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
         ActorDiedError: the fork server died.
     """
     pidfd = -1
+    if forkserver is not None and _startup_vars_differ(rec.options.env or {}):
+        forkserver = None  # (a fork would only pretend to apply them: a fresh interpreter)
     if forkserver is not None:
         try:
             rec.pid, pidfd, streams = await forkserver.fork(child, env)
@@ -464,8 +484,7 @@ class ForkServerClient:
             # actor forked from it: one, as ``num_cpus`` defaults to (a child that asks
             # for more sets it again, ``_actor_process.forked_child_main``).
             fs_env.update(dict.fromkeys(THREAD_VARS, "1"))
-            popen = subprocess.Popen([sys.executable, "-c", _bootstrap("_forkserver"),
-                                      str(b.fileno())],
+            popen = subprocess.Popen(python_command(_bootstrap("_forkserver"), b.fileno()),
                                      pass_fds=(b.fileno(),), stdin=subprocess.DEVNULL,
                                      env=fs_env, start_new_session=True)  # (as an actor)
             b.close()

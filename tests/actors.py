@@ -719,6 +719,10 @@ class EnvReader:
         import os
         return {n: os.environ.get(n) for n in names}
 
+    def startup(self):
+        """What Python set up from its environment as it started."""
+        return sys.stdout.encoding, hash("actorshm")
+
     def blas_threads(self):
         """The thread counts of the BLAS libraries numpy loaded here (threadpoolctl)."""
         import numpy  # noqa: F401  (loaded, so that its BLAS is listed)

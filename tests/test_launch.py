@@ -293,3 +293,40 @@ def test_working_directory_files_do_not_shadow_the_standard_library(tmp_path):
                        cwd=tmp_path / "work", capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split() == ["spawn", "1.0", "forkserver", "1.0"]
+
+
+FLAGS_SCRIPT = """
+import sys, warnings
+import actorshm
+
+@actorshm.actor
+class Flags:
+    def read(self):
+        try:
+            warnings.warn("careful", UserWarning)
+            warned = "printed"
+        except UserWarning:
+            warned = "raised"
+        return sys.flags.optimize, sys.flags.dev_mode, warned
+
+async def main():
+    for method in ("spawn", "forkserver"):
+        async with actorshm.Runtime(start_method=method):
+            print(method, *await (await Flags.spawn()).read())
+
+if __name__ == "__main__":
+    actorshm.run(main())
+"""
+
+
+def test_actors_run_with_the_drivers_interpreter_flags(tmp_path):
+    # As multiprocessing's children do: -O strips the asserts of an actor's own modules
+    # too, and -W error raises in the actor as in the driver.
+    (tmp_path / "drv.py").write_text(FLAGS_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(actorshm.__file__)))
+    p = subprocess.run([sys.executable, "-OO", "-X", "dev", "-W", "error::UserWarning",
+                        str(tmp_path / "drv.py")], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["spawn", "2", "True", "raised",
+                                "forkserver", "2", "True", "raised"]

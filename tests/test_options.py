@@ -1,6 +1,7 @@
 """Actor options: num_cpus sets the actor's thread counts; max_pending_calls bounds calls."""
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -30,6 +31,17 @@ async def test_num_cpus_sets_the_blas_thread_count_with_either_start_method(rt_e
     assert await one.blas_threads() in ([1], [])  # ([]: a numpy with no BLAS listed)
     two = await EnvReader.options(num_cpus=2).spawn()
     assert await two.blas_threads() in ([2], [])
+
+
+async def test_python_startup_variables_in_env_apply_with_either_start_method(rt_each):
+    # A forked actor shows them in os.environ, but Python read them as it started.
+    import subprocess
+    import sys
+    env = {"PYTHONIOENCODING": "latin-1", "PYTHONHASHSEED": "7"}
+    seeded = subprocess.run([sys.executable, "-c", "print(hash('actorshm'))"],
+                            env={**os.environ, **env}, capture_output=True, text=True)
+    e = await EnvReader.options(env=env).spawn()
+    assert await e.startup() == ("iso8859-1", int(seeded.stdout))
 
 
 @pytest.mark.parametrize("bad", [
