@@ -70,7 +70,11 @@ class OutputForwarder:
             self.rec.stderr_tail.extend(ln.decode(errors="replace") + "\n" for ln in lines)
         out = sys.stderr if self.which == "stderr" else sys.stdout
         try:
-            out.write(text)
+            try:
+                out.write(text)
+            except UnicodeEncodeError:  # (the driver's stdout is ASCII or latin-1, say):
+                enc = out.encoding or "ascii"  # shown escaped, as its stderr would, not lost
+                out.write(text.encode(enc, "backslashreplace").decode(enc))
             out.flush()
         except Exception:  # pragma: no cover
             pass

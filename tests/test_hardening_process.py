@@ -160,6 +160,17 @@ def test_output_without_newlines_is_capped_and_carriage_returns_forwarded(monkey
     fwd.close()
 
 
+def test_output_the_drivers_stdout_cannot_encode_is_escaped_not_lost(monkeypatch):
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="ascii", write_through=True)
+    monkeypatch.setattr(sys, "stdout", out)
+    fwd = _forwarder()
+    fwd._emit("one\ntwo \u00e9 \u2713\nthree\n".encode())
+    assert raw.getvalue() == (b"(A pid=1) one\n(A pid=1) two \\xe9 \\u2713\n"
+                              b"(A pid=1) three\n")
+    fwd.close()
+
+
 async def test_progress_output_reaches_the_driver(rt, capfd):
     from actors import Shell
     s = await Shell.spawn()
