@@ -8,6 +8,7 @@ A second backend slots in as another client.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import threading
 from dataclasses import dataclass, replace
@@ -125,7 +126,12 @@ STREAM = "stream"  # the kind of a generator method: its calls stream (``_stream
 
 def public_methods(cls: type) -> dict[str, bool | str]:
     """Public method names of ``cls`` -> whether each is a coroutine function, or
-    ``STREAM`` for a generator (sync or async)."""
+    ``STREAM`` for a generator (sync or async).
+
+    A method is known by the function it wraps: a ``functools.wraps`` decorator's
+    ``__wrapped__``, a ``partialmethod``'s or ``singledispatchmethod``'s function, so
+    that a decorated ``async def`` is awaited and a decorated generator streams. Classes
+    and properties in the class are not methods."""
     out = {}
     for name in dir(cls):
         if name.startswith("_") or name in ("spawn", "options"):
@@ -133,11 +139,31 @@ def public_methods(cls: type) -> dict[str, bool | str]:
         attr = inspect.getattr_static(cls, name)
         if isinstance(attr, (staticmethod, classmethod)):
             attr = attr.__func__
-        if inspect.isgeneratorfunction(attr) or inspect.isasyncgenfunction(attr):
+        elif isinstance(attr, (functools.partialmethod, functools.singledispatchmethod)):
+            attr = attr.func
+        if isinstance(attr, type) or not callable(attr):
+            continue
+        fn = _innermost(attr)
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
             out[name] = STREAM
-        elif callable(attr):
-            out[name] = inspect.iscoroutinefunction(attr)
+        else:
+            out[name] = inspect.iscoroutinefunction(fn)
     return out
+
+
+def _innermost(fn: Any) -> Any:
+    """The function that ``fn`` wraps (``__wrapped__``, ``functools.partial``), if any."""
+    for _ in range(100):  # (a wrapper that wraps itself must not loop)
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif isinstance(fn, functools.partialmethod):
+            fn = fn.func
+        else:
+            inner = getattr(fn, "__wrapped__", None)
+            if inner is None or not callable(inner):
+                return fn
+            fn = inner
+    return fn
 
 
 class _Spawner:

@@ -3,6 +3,7 @@
 import asyncio
 import atexit
 import errno
+import functools
 import os
 import signal
 import sys
@@ -1039,3 +1040,48 @@ class Tidy:
 def _mark(path):
     with open(path, "w") as f:
         f.write("ran")
+
+
+def _logged(fn):
+    """A decorator as timing and logging ones are written: a plain function wrapper."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+@actor
+class Decorated:
+    """Methods made by decorators and descriptors, and class members that are not
+    methods."""
+
+    class Config:
+        pass
+
+    dtype = float
+
+    def _scale(self, x, k):
+        return x * k
+
+    double = functools.partialmethod(_scale, k=2)
+
+    @functools.singledispatchmethod
+    def describe(self, x):
+        return "something"
+
+    @describe.register
+    def _(self, x: int):
+        return "an int"
+
+    @_logged
+    async def fetch(self, x):
+        await asyncio.sleep(0)
+        return x + 1
+
+    @_logged
+    def count(self, n):
+        yield from range(n)
+
+    @property
+    def state(self):
+        return 1

@@ -12,6 +12,7 @@ from actorshm import RemoteError
 import actorshm
 from compat import noted, timeout
 from actors import (BreaksOnArrival, CalledBack, Caller, CallsBack, Concurrent, Counter,
+                    Decorated,
                     CustomError, Faulty, FormatsError, KwOnlyError, NewKwError,
                     NoArgsError, PathError, PoolWorker, RefusesReduceError, SlotsError,
                     TwoArgsError)
@@ -500,3 +501,17 @@ async def test_a_class_sent_by_value_keeps_its_file_in_remote_tracebacks(rt):
         await a.fail()
     text = str(info.value.__cause__)
     assert f'File "{__file__}"' in text and "# the line the traceback quotes" in text
+
+
+async def test_methods_made_by_decorators_and_descriptors_are_called_as_written(rt):
+    # functools.wraps around an async def is awaited (its coroutine is no result), around
+    # a generator streams; partialmethod and singledispatchmethod are methods; a nested
+    # class, a class attribute and a property are not.
+    d = await Decorated.spawn()
+    assert await d.fetch(1) == 2
+    assert [x async for x in d.count(3)] == [0, 1, 2]
+    assert await d.double(4) == 8
+    assert (await d.describe(1), await d.describe("x")) == ("an int", "something")
+    for member in ("Config", "dtype", "state"):
+        with pytest.raises(AttributeError, match="no public method"):
+            getattr(d, member)
