@@ -96,7 +96,7 @@ def _fmt_bytes(n):
 
 
 async def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, few samples")
     args = p.parse_args(argv)
     big = (16 << 20) if args.quick else (1 << 30)

@@ -761,7 +761,7 @@ software's own cost (docs/benchmarks-pinned.md).
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="actorshm and the floors only, sizes up to 64 MiB, under a minute")
     p.add_argument("--out", help="also write the Markdown report to this file")

@@ -139,7 +139,7 @@ def drained() -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--seconds", type=float, default=600)
     ap.add_argument("--every", type=float, default=60)
     ap.add_argument("--actors", type=int, default=4)

@@ -87,7 +87,7 @@ class Trainer:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--loaders", type=int, default=2)
     p.add_argument("--batches", type=int, default=400)
     p.add_argument("--warmup", type=int, default=20)

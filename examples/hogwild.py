@@ -83,7 +83,7 @@ class HogwildWorker:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--lr", type=float, default=0.5)

@@ -268,7 +268,7 @@ class Worker:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--mode", choices=["sync", "async"], default="sync")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=30)

@@ -110,7 +110,7 @@ def single(args, data) -> tuple[float, float]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.05)
