@@ -108,7 +108,10 @@ def main() -> None:
                     children.discard(pid)
                     _report(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
         if sock in ready:
-            msg = recv_msg(sock)
+            try:
+                msg = recv_msg(sock)
+            except ConnectionResetError:  # (it exited with our reports unread)
+                msg = None
             if msg is None:  # the driver is gone: its actors die too (they watch it)
                 os._exit(0)
             (kind, env, cwd, argv), fds = msg

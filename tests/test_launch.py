@@ -330,3 +330,31 @@ def test_actors_run_with_the_drivers_interpreter_flags(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split() == ["spawn", "2", "True", "raised",
                                 "forkserver", "2", "True", "raised"]
+
+
+UNCLOSED_SCRIPT = """
+import asyncio
+import actorshm
+
+@actorshm.actor
+class Sum:
+    def total(self, a):
+        return float(a.sum())
+
+async def main():
+    rt = actorshm.Runtime(start_method="forkserver")
+    await rt.__aenter__()  # (left open, as a notebook's runtime is)
+    print(await (await Sum.spawn()).total(actorshm.zeros(3)))
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_a_driver_that_exits_with_its_runtime_open_ends_the_fork_server_quietly(tmp_path):
+    (tmp_path / "drv.py").write_text(UNCLOSED_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(actorshm.__file__)))
+    p = subprocess.run([sys.executable, str(tmp_path / "drv.py")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout == "0.0\n", p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
