@@ -237,6 +237,12 @@ def actor(cls: type | None = None, /, **options: Any):
             ``num_cpus``, ``max_restarts``, ``max_pending_calls``, ``env`` (see
             "Actor options" in the API reference).
 
+    The class itself is made an actor class, not a copy of it: decorating it again gives
+    it new default options (``actor(env=...)(Cls)`` twice makes one class, with the
+    second's options; for options that differ between spawns, use ``Cls.options``). A
+    decorated subclass of an actor class starts from its base's options, as an
+    undecorated one keeps them.
+
     Returns:
         The class itself (or, with options only, a decorator that returns it).
 
@@ -261,7 +267,7 @@ def actor(cls: type | None = None, /, **options: Any):
                         "Python cannot run (a constructor returns None, not a coroutine): "
                         "make __init__ sync, and put the async set-up in an async method "
                         "called after the spawn (`h = await Cls.spawn(); await h.setup()`)")
-    opts = ActorOptions().merged(**options)
+    opts = _options_of(cls).merged(**options)
     cls.__actorshm_options__ = opts
     cls.spawn = _ClassBinder("spawn")
     cls.options = _ClassBinder("options")

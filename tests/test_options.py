@@ -104,6 +104,16 @@ def test_decorating_again_sets_new_default_options():
         actorshm.actor(int)
 
 
+def test_a_decorated_subclass_starts_from_its_bases_options():
+    base = actorshm.actor(max_concurrency=3, num_cpus=2)(type("Base", (), {}))
+    child = actorshm.actor(env={"ROLE": "child"})(type("Child", (base,), {}))
+    plain = type("Plain", (base,), {})
+    assert (child.__actorshm_options__.max_concurrency, child.__actorshm_options__.num_cpus,
+            child.__actorshm_options__.env) == (3, 2, {"ROLE": "child"})
+    assert base.__actorshm_options__.env is None  # (the base keeps its own)
+    assert actorshm._actor._options_of(plain) is base.__actorshm_options__
+
+
 async def test_max_pending_calls_refuses_without_sending(rt):
     c = await Counter.options(name="limited", max_pending_calls=2).spawn(0)
     same = await actorshm.get_actor("limited")
