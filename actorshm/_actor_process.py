@@ -172,7 +172,8 @@ def forked_child_main(server_sock, rfd, wfd, env, cwd, fds) -> None:
         os.environ.clear()
         os.environ.update(env)
         _blas_threads(env)
-        os.chdir(cwd)
+        if cwd is not None:
+            os.chdir(cwd)
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
         sys.argv = ["actorshm-worker", str(conn_fd)]

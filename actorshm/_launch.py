@@ -283,19 +283,30 @@ def actor_env(rec: ActorRecord) -> dict:
     """The environment an actor process starts with: the driver's, the actor's options,
     the driver's import path, and its GPUs."""
     env = dict(os.environ)
+    cwd = working_directory()
     env.update(rec.options.thread_env())
     env.update(rec.options.env or {})
     # The driver's import path, '' (its working directory, the actor's too) made
     # absolute: the actor imports what the driver would.
     env["ACTORSHM_SYS_PATH"] = json.dumps(
-        [os.fspath(p) or os.getcwd() for p in sys.path
-         if isinstance(p, (str, os.PathLike)) and isinstance(os.fspath(p), str)])
+        [os.fspath(p) or cwd for p in sys.path
+         if isinstance(p, (str, os.PathLike)) and isinstance(os.fspath(p), str)
+         and (os.fspath(p) or cwd)])
     env["PYTHONUNBUFFERED"] = "1"
     # It dies with this process, its parent (a fork server names itself instead).
     env["ACTORSHM_DRIVER_PID"] = env["ACTORSHM_PARENT_PID"] = str(os.getpid())
     if rec.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in rec.gpus)
     return env
+
+
+def working_directory() -> str | None:
+    """The driver's working directory, its actors' too; None where it was deleted (an
+    actor then starts where it can: in it still, when spawned; a fork, in the server's)."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        return None
 
 
 def fork_failed(exc: OSError) -> OSError:
@@ -369,7 +380,7 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
                 worker_command(child.fileno()),
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                cwd=os.getcwd(), start_new_session=True)
+                cwd=working_directory(), start_new_session=True)
         except OSError as exc:
             raise fork_failed(exc) from None
         finally:
@@ -499,7 +510,7 @@ class ForkServerClient:
             raise
         fut = self.loop.create_future()
         try:
-            self._send(_forkserver.encode_msg(("fork", env, os.getcwd(), None)),
+            self._send(_forkserver.encode_msg(("fork", env, working_directory(), None)),
                        [child.fileno(), out_w, err_w])
         except BaseException:
             os.close(out_r)

@@ -358,3 +358,17 @@ def test_a_driver_that_exits_with_its_runtime_open_ends_the_fork_server_quietly(
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout == "0.0\n", p.stderr[-2000:]
     assert "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_a_driver_whose_working_directory_was_deleted_starts_actors(tmp_path):
+    # (os.getcwd() raised a bare FileNotFoundError from every spawn)
+    (tmp_path / "drv.py").write_text(FLAGS_SCRIPT)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(actorshm.__file__)))
+    code = f"import os, runpy; os.rmdir({str(gone)!r}); runpy.run_path(" \
+           f"{str(tmp_path / 'drv.py')!r}, run_name='__main__')"
+    p = subprocess.run([sys.executable, "-c", code], cwd=gone, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split()[::4] == ["spawn", "forkserver"]
