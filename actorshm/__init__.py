@@ -72,7 +72,10 @@ del _name, _obj
 def __getattr__(name: str):
     if name in ("cuda", "torch"):  # lazily: importing actorshm needs no CuPy, GPU or torch
         import importlib
-        mod = importlib.import_module("actorshm." + name)
+        try:
+            mod = importlib.import_module("actorshm." + name)
+        except ImportError as exc:  # (its library is missing): hasattr() is False, and
+            raise AttributeError(str(exc)) from exc  # the message says what to install
         globals()[name] = mod
         return mod
     raise AttributeError(f"module 'actorshm' has no attribute {name!r}")

@@ -1,7 +1,10 @@
 """The public surface: names, modules, and imports that must not need a GPU."""
 
+import importlib
 import subprocess
 import sys
+
+import pytest
 
 import actorshm
 
@@ -64,3 +67,16 @@ def test_decorator_rejects_reserved_names_and_bad_options():
         actorshm.actor(max_concurency=2)(type("X", (), {}))
     with pytest.raises(ValueError, match="max_concurrency"):
         actorshm.actor(max_concurrency=0)(type("Y", (), {}))
+
+
+def test_an_optional_module_whose_library_is_missing_is_no_attribute(monkeypatch):
+    # hasattr / getattr(..., None) probe for optional features: False, not an ImportError;
+    # using it says what to install, and importing it raises ImportError as any import.
+    monkeypatch.setitem(sys.modules, "torch", None)  # (an import of torch fails)
+    monkeypatch.delitem(sys.modules, "actorshm.torch", raising=False)
+    monkeypatch.delitem(actorshm.__dict__, "torch", raising=False)
+    assert not hasattr(actorshm, "torch") and getattr(actorshm, "torch", None) is None
+    with pytest.raises(AttributeError, match=r"pip install 'actorshm\[torch\]'"):
+        actorshm.torch.empty(3)
+    with pytest.raises(ImportError, match=r"pip install 'actorshm\[torch\]'"):
+        importlib.import_module("actorshm.torch")
