@@ -128,10 +128,11 @@ def public_methods(cls: type) -> dict[str, bool | str]:
     """Public method names of ``cls`` -> whether each is a coroutine function, or
     ``STREAM`` for a generator (sync or async).
 
-    A method is known by the function it wraps: a ``functools.wraps`` decorator's
-    ``__wrapped__``, a ``partialmethod``'s or ``singledispatchmethod``'s function, so
-    that a decorated ``async def`` is awaited and a decorated generator streams. Classes
-    and properties in the class are not methods."""
+    A method that is a plain function is known by the function it wraps, if any: a
+    ``functools.wraps`` decorator's ``__wrapped__``, a ``partialmethod``'s or
+    ``singledispatchmethod``'s function, so that an ``async def`` under a sync decorator
+    is awaited and a generator under one streams. A wrapper that is itself a coroutine
+    or generator function is what it is. Classes and properties are not methods."""
     out = {}
     for name in dir(cls):
         if name.startswith("_") or name in ("spawn", "options"):
@@ -143,12 +144,17 @@ def public_methods(cls: type) -> dict[str, bool | str]:
             attr = attr.func
         if isinstance(attr, type) or not callable(attr):
             continue
-        fn = _innermost(attr)
+        fn = attr if _kind_of_its_own(attr) else _innermost(attr)
         if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
             out[name] = STREAM
         else:
             out[name] = inspect.iscoroutinefunction(fn)
     return out
+
+
+def _kind_of_its_own(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or \
+        inspect.isasyncgenfunction(fn)
 
 
 def _innermost(fn: Any) -> Any:
@@ -237,9 +243,10 @@ def actor(cls: type | None = None, /, **options: Any):
             ``num_cpus``, ``max_restarts``, ``max_pending_calls``, ``env`` (see
             "Actor options" in the API reference).
 
-    The class itself is made an actor class, not a copy of it: decorating it again gives
-    it new default options (``actor(env=...)(Cls)`` twice makes one class, with the
-    second's options; for options that differ between spawns, use ``Cls.options``). A
+    The class itself is made an actor class, not a copy of it: decorating it again
+    merges the new options onto its current ones (``Slow = actor(env=a)(Cls)`` then
+    ``Fast = actor(env=b)(Cls)`` are one class, with ``env=b``; for options that differ
+    between spawns, use ``Cls.options``). A
     decorated subclass of an actor class starts from its base's options, as an
     undecorated one keeps them.
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import inspect
 import os
 import pickle
 import sys
@@ -22,7 +21,7 @@ import time
 from typing import Any
 
 from . import _registry
-from ._actor import ActorHandle, ActorOptions, public_methods
+from ._actor import STREAM, ActorHandle, ActorOptions, public_methods
 from ._descendants import process_start
 from ._client import ThreadCallFuture
 from ._results import CallFuture, DependencyFailed, futures_in, with_results
@@ -542,7 +541,7 @@ class RayClient(CallOrder):
                 # Cancel messages run in their own group: their own thread and loop.
                 self._remote_host = ray.remote(concurrency_groups={"control": 1})(Host)
         methods = public_methods(cls)
-        streams = frozenset(n for n in methods if _is_generator(cls, n))
+        streams = frozenset(n for n, kind in methods.items() if kind == STREAM)
         # The host enforces max_concurrency and call order itself (Ray runs async actor
         # tasks out of order), so Ray may hand it every call at once.
         opts: dict[str, Any] = {"max_concurrency": 1000 + options.max_concurrency,
@@ -695,13 +694,6 @@ def _with_results(args: tuple, kwargs: dict) -> tuple:
 
 class _Dropped(Exception):
     """A call that waited for its arguments is not sent (``_send_when_ready``)."""
-
-
-def _is_generator(cls: type, name: str) -> bool:
-    attr = inspect.getattr_static(cls, name, None)
-    if isinstance(attr, (staticmethod, classmethod)):
-        attr = attr.__func__
-    return inspect.isgeneratorfunction(attr) or inspect.isasyncgenfunction(attr)
 
 
 CLIENT = RayClient()

@@ -1050,6 +1050,22 @@ def _logged(fn):
     return wrapper
 
 
+def _in_a_thread(fn):
+    """An async decorator of a sync function (the async wrapper is the method)."""
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return wrapper
+
+
+def _as_a_stream(fn):
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        for x in fn(*args, **kwargs):
+            yield x
+    return wrapper
+
+
 @actor
 class Decorated:
     """Methods made by decorators and descriptors, and class members that are not
@@ -1085,3 +1101,12 @@ class Decorated:
     @property
     def state(self):
         return 1
+
+    @_in_a_thread
+    def blocking(self, x):
+        return x * 2
+
+    @_as_a_stream
+    def items(self):
+        return [1, 2, 3]
+

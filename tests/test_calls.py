@@ -510,6 +510,9 @@ async def test_methods_made_by_decorators_and_descriptors_are_called_as_written(
     d = await Decorated.spawn()
     assert await d.fetch(1) == 2
     assert [x async for x in d.count(3)] == [0, 1, 2]
+    # (a wrapper that is itself async, or an async generator, is what it is)
+    assert await d.blocking(3) == 6
+    assert [x async for x in d.items()] == [1, 2, 3]
     assert await d.double(4) == 8
     assert (await d.describe(1), await d.describe("x")) == ("an int", "something")
     for member in ("Config", "dtype", "state"):
