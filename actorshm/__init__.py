@@ -74,8 +74,12 @@ def __getattr__(name: str):
         import importlib
         try:
             mod = importlib.import_module("actorshm." + name)
-        except ImportError as exc:  # (its library is missing): hasattr() is False, and
-            raise AttributeError(str(exc)) from exc  # the message says what to install
+        except ImportError as exc:
+            if not isinstance(exc.__cause__, ModuleNotFoundError):
+                raise  # (its library is there, and broken: say so)
+            # Its library is not installed: hasattr() is False, and the message says
+            # what to install.
+            raise AttributeError(str(exc)) from exc
         globals()[name] = mod
         return mod
     raise AttributeError(f"module 'actorshm' has no attribute {name!r}")

@@ -36,8 +36,8 @@ async def _amain(fd: int) -> int:
     _leases.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks
     try:
         await worker.stopped
-        await _end_like_a_program(worker, worker.shutdown_grace / 4)
-        await _wait_for_gpu_leases(worker, worker.shutdown_grace / 2)
+        await _end_like_a_program(worker, worker.shutdown_grace / 8)
+        await _wait_for_gpu_leases(worker, worker.shutdown_grace / 4)
     finally:
         worker._closing = True
         worker.exited = True  # (no queued call starts while the last writes go out)
@@ -45,9 +45,10 @@ async def _amain(fd: int) -> int:
         # passed them: closing keeps those, and our forward notices for them stand, so
         # their owners keep them too. (Closing the peers may let go of more: the
         # driver's connection goes last.)
-        # One time limit for them all, within the driver's grace (it asked us to stop,
-        # and sends SIGTERM once that has passed); peers that do not read take at most
-        # half of it, so the driver's last frames get the rest.
+        # One time limit for them all, within what is left of the driver's grace (it
+        # asked us to stop, and sends SIGTERM once that has passed: the waits above
+        # take at most 3/8 of it, with the user's own clean-up besides); peers that do
+        # not read take at most half of it, so the driver's last frames get the rest.
         now = loop.time()
         end = now + worker.shutdown_grace / 2
         peers_end = now + worker.shutdown_grace / 4
@@ -66,16 +67,21 @@ async def _end_like_a_program(worker: "Worker", timeout: float) -> None:
     connections are open: running async calls and streams are cancelled and given up to
     ``timeout`` seconds for their ``finally`` blocks (as ``asyncio.run`` does with the
     tasks left at the end), the instance is dropped (its ``__del__`` runs, and files only
-    it holds are flushed and closed), and the ``atexit`` functions registered in this
-    process run. A sync call still running in a thread keeps the instance; non-daemon
+    it holds are flushed and closed), and the ``atexit`` functions run (``logging``'s,
+    which flushes its handlers, among them; a forked actor's include those its fork
+    server's imports registered, as a forked process's do). A sync call still running in a thread keeps the instance; non-daemon
     threads are not waited for. Whatever hangs here meets the driver's SIGTERM at the end
     of its grace period."""
-    worker.exited = True  # (no queued call starts now)
+    worker.exited = True  # (no call starts now: those that come are queued)
     tasks = [t for t in worker.running_calls.values() if t is not None]
     for conn, cid in list(worker.running_calls):
         worker.cancel_call(conn, cid)
     if tasks:
         await asyncio.wait(tasks, timeout=timeout)
+    # What is owed goes out first, in case the user's clean-up never ends.
+    _leases.dispatch_releases()
+    for c in worker.connections():
+        c.send_owed()
     worker.instance = None
     del tasks
     gc.collect()
@@ -122,6 +128,12 @@ def main() -> None:
     faulthandler.enable()
     faulthandler.register(STACK_SIGNAL, all_threads=True)  # rt.dump_stacks's fallback
     leave_ctrl_c_to_the_driver()
+    # Its output reaches the driver a line (or a progress bar's "\r") at a time: a fork
+    # server's child, and a spawned actor under -E or -I (which ignore PYTHONUNBUFFERED),
+    # would hold it until 8 KiB had gathered.
+    for f in (sys.stdout, sys.stderr):
+        if hasattr(f, "reconfigure"):  # (a sitecustomize may have replaced them)
+            f.reconfigure(line_buffering=True)
     os.set_inheritable(fd := int(sys.argv[1]), False)  # (not for programs it starts)
     extra = os.environ.pop("ACTORSHM_SYS_PATH", None)
     if extra:
@@ -168,14 +180,11 @@ def forked_child_main(server_sock, rfd, wfd, env, cwd, fds) -> None:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
-        atexit._clear()  # (the server's exit functions are not this actor's)
         os.environ.clear()
         os.environ.update(env)
         _blas_threads(env)
         if cwd is not None:
             os.chdir(cwd)
-        sys.stdout.reconfigure(line_buffering=True)
-        sys.stderr.reconfigure(line_buffering=True)
         sys.argv = ["actorshm-worker", str(conn_fd)]
         main()
     finally:

@@ -171,6 +171,11 @@ class ActorRecord:
     def label(self) -> str:
         return f"actor {self.cls_name}(id={self.actor_id}, pid={self.pid})"
 
+    @property
+    def killed(self) -> str:
+        """Its death, once ``kill()`` ended it."""
+        return f"{self.label} was killed by actorshm kill()"
+
     async def stop(self, grace: float) -> None:
         """Ask the actor to stop; after ``grace`` seconds SIGTERM, then SIGKILL; return
         once it has exited."""
@@ -338,12 +343,25 @@ def out_of_fds(exc: OSError) -> OSError:
                                 "need, close files, or raise the limit")
 
 
+# What Python reads from the environment only as it starts (its command line's
+# "Environment variables"; PYTHONPATH too, as the fork server's path is set by then).
+_STARTUP_VARS = frozenset(
+    "PYTHON" + v for v in (
+        "HASHSEED IOENCODING WARNINGS DEVMODE UTF8 OPTIMIZE DONTWRITEBYTECODE FAULTHANDLER "
+        "TRACEMALLOC MALLOC MALLOCSTATS VERBOSE DEBUG NOUSERSITE USERBASE SAFEPATH "
+        "PYCACHEPREFIX PLATLIBDIR HOME PATH COERCECLOCALE INTMAXSTRDIGITS PERFSUPPORT "
+        "NODEBUGRANGES WARNDEFAULTENCODING PROFILEIMPORTTIME INSPECT CASEOK "
+        "_CPU_COUNT _GIL _FROZEN_MODULES _PERF_JIT_SUPPORT _JIT").split())
+
+
 def _startup_vars_differ(env: dict) -> bool:
-    """Whether an actor's ``env`` option sets a ``PYTHON*`` variable (``PYTHONHASHSEED``,
-    ``PYTHONIOENCODING``, ``PYTHONWARNINGS``...) to other than the driver's value, which
-    the fork server started with: Python reads those only as it starts, so a forked child
-    would show them in ``os.environ`` and not apply them."""
-    return any(k.startswith("PYTHON") and os.environ.get(k) != v for k, v in env.items())
+    """Whether an actor's ``env`` option sets a variable Python reads only as it starts
+    (``PYTHONHASHSEED``, ``PYTHONIOENCODING``, ``PYTHONWARNINGS``...) to other than the
+    driver's value, which the fork server started with: a forked child would show it in
+    ``os.environ`` and not apply it. (Under ``-E`` or ``-I`` every actor ignores them.)"""
+    if sys.flags.ignore_environment:
+        return False
+    return any(k in _STARTUP_VARS and os.environ.get(k) != v for k, v in env.items())
 
 
 async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,

@@ -389,7 +389,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         rec = self._actors.get(actor_id)
         if rec is not None and rec.alive and rec.conn is not None and not rec.conn.closed \
                 and actor_id not in self._killing:
-            rec.conn.fail_pending(ActorDiedError(f"{rec.label} was killed by actorshm kill()"))
+            rec.conn.fail_pending(ActorDiedError(rec.killed))
 
     async def kill(self, actor_id: int) -> None:
         """Kill actor ``actor_id`` at once (SIGKILL, no restart); return once it is gone.
@@ -409,14 +409,14 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         rec.no_restart = True  # also ends a restart in progress
         if not rec.alive:
             if rec.conn is not None and not rec.conn.closed:  # calls waiting for a restart
-                rec.death = f"{rec.label} was killed by actorshm kill()"
+                rec.death = rec.killed
                 rec.conn.close(ActorDiedError(rec.death))
                 if not rec.starting:  # (a process starting reports its own end)
                     # Its last event said a restart follows; none will (``_restart``).
                     _events.emit(self, "died", rec, rec.death, will_restart=False)
             self._maybe_forget(rec)
             return
-        rec.death = f"{rec.label} was killed by actorshm kill()"
+        rec.death = rec.killed
         # Begun, a kill goes through even if its caller stops waiting (a time-out, a
         # cancel): stopped half way, it would leave the actor running with its restarts
         # and its record's death already spent, so a later crash would neither restart

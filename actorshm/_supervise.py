@@ -221,7 +221,7 @@ class Supervisor:
                 return
             rec.failed_starts = 0
             if rec.no_restart:  # killed while it was starting
-                rec.death = f"{rec.label} was killed by actorshm kill()"
+                rec.death = rec.killed
                 rec.send_signal(signal.SIGKILL)
                 return
             logger.warning("actorshm: restarted %s (restart %d of %s) after: %s", rec.label,

@@ -173,7 +173,8 @@ class Worker(StreamingClient):
             call.clear()
             self._service(conn, cid, method, args)
             return
-        if self.instance is None:  # not initialized yet: calls wait for __init__
+        if self.instance is None or self.exited:  # not initialized yet: calls wait for
+            # __init__; or stopping: they never start, and fail as its connections close
             self.queue.append((conn, cid, call))
             return
         if len(call) == 4 and (self.running >= self.max_concurrency or self.queue) \

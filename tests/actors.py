@@ -703,6 +703,18 @@ class Dying:
     async def hang(self):
         await asyncio.sleep(60)
 
+    async def slow_finally(self, seconds):
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await asyncio.sleep(seconds)
+
+    def exit_now(self):
+        sys.exit(0)
+
+    def ping(self):
+        return os.getpid()
+
     async def reply_then_exit(self, value, code):
         asyncio.get_running_loop().call_later(0.01, os._exit, code)
         return value
@@ -1016,9 +1028,15 @@ class Tidy:
     holds, its ``__del__``, an ``atexit`` function and an async method's ``finally``."""
 
     def __init__(self, path):
+        import logging.handlers
         self.path = path
         self.f = open(path, "w")  # buffered: only closing it writes the lines out
         atexit.register(_mark, path + ".atexit")
+        # A logger that writes only when flushed (logging's own exit function does it)
+        log = logging.getLogger(f"tidy.{os.getpid()}")
+        log.addHandler(logging.handlers.MemoryHandler(
+            100, target=logging.FileHandler(path + ".log", delay=True)))
+        log.warning("started")
 
     def log(self, line):
         self.f.write(line + "\n")

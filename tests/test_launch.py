@@ -372,3 +372,37 @@ def test_a_driver_whose_working_directory_was_deleted_starts_actors(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split()[::4] == ["spawn", "forkserver"]
+
+
+SHOUT_SCRIPT = """
+import time
+import actorshm
+
+@actorshm.actor
+class Shout:
+    def shout(self):
+        print("from the actor")
+        time.sleep(0.5)
+
+async def main():
+    for method in ("spawn", "forkserver"):
+        async with actorshm.Runtime(start_method=method):
+            await (await Shout.spawn()).shout()
+            print("then the driver")
+
+if __name__ == "__main__":
+    actorshm.run(main())
+"""
+
+
+def test_actor_output_comes_a_line_at_a_time_under_isolated_mode(tmp_path):
+    # -I (and -E) make actors ignore PYTHONUNBUFFERED: their output came at their exit
+    (tmp_path / "drv.py").write_text(SHOUT_SCRIPT)
+    code = f"import runpy, sys; sys.path.insert(0, " \
+           f"{os.path.dirname(os.path.dirname(actorshm.__file__))!r}); " \
+           f"runpy.run_path({str(tmp_path / 'drv.py')!r}, run_name='__main__')"
+    p = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [ln.split(") ")[-1] for ln in p.stdout.splitlines()]
+    assert lines == ["from the actor", "then the driver"] * 2, p.stdout

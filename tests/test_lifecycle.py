@@ -77,6 +77,24 @@ async def test_a_stopping_actor_ends_as_a_program_does(start_method, tmp_path):
     for end in ("del", "atexit", "finally"):
         assert os.path.exists(f"{closed}.{end}"), end
     assert os.path.exists(f"{exited}.del") and os.path.exists(f"{exited}.atexit")
+    for path in (closed, exited):  # (logging's exit function, the fork server's import)
+        with open(path + ".log") as f:
+            assert f.read() == "started\n"
+
+
+async def test_calls_that_reach_a_stopping_actor_never_start():
+    # sys.exit while an async call's finally is still running (it has 1/8 of the grace,
+    # 0.5 s): a call sent then fails with the actor's death rather than run on an
+    # instance that is being let go
+    async with actorshm.Runtime(shutdown_grace=4.0):
+        d = await Dying.spawn()  # (max_concurrency=2)
+        slow = d.slow_finally(2.0)
+        exiting = d.exit_now()
+        await asyncio.sleep(0.2)  # (the slow call's finally is running)
+        ping = d.ping()
+        for fut in (slow, exiting, ping):
+            with pytest.raises(ActorDiedError):
+                await fut
 
 
 async def test_pending_calls_name_the_exit_code_when_the_death_is_seen_first(rt):
