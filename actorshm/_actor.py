@@ -378,7 +378,8 @@ class ActorHandle:
         if name not in self._methods:
             raise AttributeError(
                 f"actor {self._cls_name} has no public method {name!r}; its methods are "
-                f"{sorted(self._methods)}")
+                f"{sorted(self._methods)} (a handle reaches methods only: for an "
+                "attribute or property, add a method that returns it)")
         m = self._bound[name] = ActorMethod(self, name)
         # Found by ordinary attribute lookup from now on: ``__getattr__`` runs only after
         # that lookup failed, which costs an AttributeError per call.
