@@ -72,12 +72,18 @@ async def _end_like_a_program(worker: "Worker", timeout: float) -> None:
     server's imports registered, as a forked process's do). A sync call still running in a thread keeps the instance; non-daemon
     threads are not waited for. Whatever hangs here meets the driver's SIGTERM at the end
     of its grace period."""
-    worker.exited = True  # (no call starts now: those that come are queued)
+    # No call starts now, queued or sent later (their callers hear of the actor's end);
+    # streams that are stopped still take slots in turn, to run their finally blocks.
+    worker.stopping = True
+    streams = [entry for entry in worker.queue if entry[0] is None]
+    worker.queue.clear()
+    worker.queue.extend(streams)
     tasks = [t for t in worker.running_calls.values() if t is not None]
     for conn, cid in list(worker.running_calls):
         worker.cancel_call(conn, cid)
     if tasks:
         await asyncio.wait(tasks, timeout=timeout)
+    worker.exited = True
     # What is owed goes out first, in case the user's clean-up never ends.
     _leases.dispatch_releases()
     for c in worker.connections():

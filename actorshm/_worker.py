@@ -55,6 +55,7 @@ class Worker(StreamingClient):
         self.queue: collections.deque = collections.deque()
         self.executor = None
         self.exited = False  # the process is leaving: no queued call starts any more
+        self.stopping = False  # ... and no call that arrives starts (``_actor_process``)
         self.seq = 0  # calls started
         self.holding: dict[tuple, int] = {}  # (conn, cid) of calls in a slot -> their seq
         self.held = False  # a sync call just held the loop: calls wait a moment (_finished)
@@ -173,8 +174,10 @@ class Worker(StreamingClient):
             call.clear()
             self._service(conn, cid, method, args)
             return
-        if self.instance is None or self.exited:  # not initialized yet: calls wait for
-            # __init__; or stopping: they never start, and fail as its connections close
+        if self.stopping:  # it never starts: its caller hears of the actor's end
+            call.clear()
+            return
+        if self.instance is None:  # not initialized yet: calls wait for __init__
             self.queue.append((conn, cid, call))
             return
         if len(call) == 4 and (self.running >= self.max_concurrency or self.queue) \

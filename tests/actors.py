@@ -1050,6 +1050,12 @@ class Tidy:
     def exit(self):
         sys.exit(0)
 
+    def numbers(self):
+        try:
+            yield from range(100)
+        finally:
+            _mark(self.path + ".stream")
+
     def __del__(self):
         self.f.close()
         _mark(self.path + ".del")

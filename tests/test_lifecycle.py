@@ -65,6 +65,8 @@ async def test_a_stopping_actor_ends_as_a_program_does(start_method, tmp_path):
         t, u = await Tidy.spawn(closed), await Tidy.spawn(exited)
         for i in range(3):
             await t.log(f"line {i}")
+        numbers = t.numbers()
+        assert await anext(numbers) == 0
         waiting = asyncio.ensure_future(t.wait())
         await u.log("bye")
         with pytest.raises(ActorDiedError):
@@ -74,7 +76,7 @@ async def test_a_stopping_actor_ends_as_a_program_does(start_method, tmp_path):
         await waiting
     assert (tmp_path / "closed").read_text() == "line 0\nline 1\nline 2\n"
     assert (tmp_path / "exited").read_text() == "bye\n"
-    for end in ("del", "atexit", "finally"):
+    for end in ("del", "atexit", "finally", "stream"):
         assert os.path.exists(f"{closed}.{end}"), end
     assert os.path.exists(f"{exited}.del") and os.path.exists(f"{exited}.atexit")
     for path in (closed, exited):  # (logging's exit function, the fork server's import)
