@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import weakref
 
 from . import _client, _descendants, _leases
 from ._introspect import STACK_SIGNAL
@@ -88,9 +89,14 @@ async def _end_like_a_program(worker: "Worker", timeout: float) -> None:
     _leases.dispatch_releases()
     for c in worker.connections():
         c.send_owed()
+    try:
+        alive = weakref.ref(worker.instance)
+    except TypeError:  # (a class with __slots__ and no __weakref__; or no instance)
+        alive = None
     worker.instance = None
     del tasks
-    gc.collect()
+    if alive is None or alive() is not None:  # (kept by a cycle: a full collection, tens
+        gc.collect()  # of milliseconds where numpy and torch are loaded)
     atexit._run_exitfuncs()
 
 

@@ -1050,6 +1050,9 @@ class Tidy:
     def exit(self):
         sys.exit(0)
 
+    def make_cycle(self):
+        self.me = self  # (now only a garbage collection frees it)
+
     def numbers(self):
         try:
             yield from range(100)

@@ -65,6 +65,7 @@ async def test_a_stopping_actor_ends_as_a_program_does(start_method, tmp_path):
         t, u = await Tidy.spawn(closed), await Tidy.spawn(exited)
         for i in range(3):
             await t.log(f"line {i}")
+        await t.make_cycle()
         numbers = t.numbers()
         assert await anext(numbers) == 0
         waiting = asyncio.ensure_future(t.wait())
