@@ -70,9 +70,9 @@ async def _end_like_a_program(worker: "Worker", timeout: float) -> None:
     tasks left at the end), the instance is dropped (its ``__del__`` runs, and files only
     it holds are flushed and closed), and the ``atexit`` functions run (``logging``'s,
     which flushes its handlers, among them; a forked actor's include those its fork
-    server's imports registered, as a forked process's do). A sync call still running in a thread keeps the instance; non-daemon
-    threads are not waited for. Whatever hangs here meets the driver's SIGTERM at the end
-    of its grace period."""
+    server's imports registered, as a forked process's do). A sync call still running in
+    a thread keeps the instance; non-daemon threads are not waited for. Whatever hangs
+    here meets the driver's SIGTERM at the end of its grace period."""
     # No call starts now, queued or sent later (their callers hear of the actor's end);
     # streams that are stopped still take slots in turn, to run their finally blocks.
     worker.stopping = True
