@@ -19,11 +19,13 @@ import json
 import os
 import signal
 import sys
+import threading
 import weakref
 
 from . import _client, _descendants, _leases
 from ._introspect import STACK_SIGNAL
-from ._util import coalesced_call, leave_ctrl_c_to_the_driver, new_event_loop, watch_forks
+from ._util import (coalesced_call, exit_code, leave_ctrl_c_to_the_driver, new_event_loop,
+                    watch_forks)
 from ._worker import Worker
 
 
@@ -65,25 +67,24 @@ async def _amain(fd: int) -> int:
 
 async def _end_like_a_program(worker: "Worker", timeout: float) -> None:
     """What a Python program does as it ends, done by a stopping actor while its
-    connections are open: running async calls and streams are cancelled and given up to
-    ``timeout`` seconds for their ``finally`` blocks (as ``asyncio.run`` does with the
-    tasks left at the end), the instance is dropped (its ``__del__`` runs, and files only
-    it holds are flushed and closed), and the ``atexit`` functions run (``logging``'s,
-    which flushes its handlers, among them; a forked actor's include those its fork
-    server's imports registered, as a forked process's do). A sync call still running in
-    a thread keeps the instance; non-daemon threads are not waited for. Whatever hangs
-    here meets the driver's SIGTERM at the end of its grace period."""
+    connections are open: its tasks (running async calls, streams, tasks its methods
+    started) are cancelled and given up to ``timeout`` seconds for their ``finally``
+    blocks, as ``asyncio.run`` does with the tasks left at the end; then the instance is
+    dropped (its ``__del__`` runs, and files only it holds are flushed and closed). The
+    ``atexit`` functions run once the event loop has stopped (``main``). A sync call
+    still running in a thread keeps the instance; non-daemon threads are not waited for.
+    All of it has the runtime's ``shutdown_grace``: the process then exits regardless
+    (``_exit_when_overdue``), so that calls on it end with its death."""
+    _exit_when_overdue(worker)
     # No call starts now, queued or sent later (their callers hear of the actor's end);
     # streams that are stopped still take slots in turn, to run their finally blocks.
     worker.stopping = True
     streams = [entry for entry in worker.queue if entry[0] is None]
     worker.queue.clear()
     worker.queue.extend(streams)
-    tasks = [t for t in worker.running_calls.values() if t is not None]
     for conn, cid in list(worker.running_calls):
         worker.cancel_call(conn, cid)
-    if tasks:
-        await asyncio.wait(tasks, timeout=timeout)
+    await _cancel_tasks(timeout)
     worker.exited = True
     # What is owed goes out first, in case the user's clean-up never ends.
     _leases.dispatch_releases()
@@ -94,10 +95,34 @@ async def _end_like_a_program(worker: "Worker", timeout: float) -> None:
     except TypeError:  # (a class with __slots__ and no __weakref__; or no instance)
         alive = None
     worker.instance = None
-    del tasks
     if alive is None or alive() is not None:  # (kept by a cycle: a full collection, tens
         gc.collect()  # of milliseconds where numpy and torch are loaded)
-    atexit._run_exitfuncs()
+
+
+async def _cancel_tasks(timeout: float) -> None:
+    """Cancel every task but this one; wait up to ``timeout`` for them to end. (A
+    function of its own: no variable of the caller's keeps one, and the instance
+    its frames refer to, alive.)"""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+
+
+def _exit_when_overdue(worker: "Worker") -> None:
+    """Exit (``os._exit``) should this stopping actor still run ``shutdown_grace`` from
+    now: its clean-up hangs (an ``atexit`` function joining a process that never ends).
+    A thread's timer, as the clean-up may hold the event loop. (A runtime that closes
+    sends SIGTERM at that time too; a method's ``sys.exit`` has no one else to.)"""
+    def overdue() -> None:
+        print(f"actorshm: actor {worker.cls_name}'s clean-up (finally, __del__, atexit) "
+              f"did not end within shutdown_grace ({worker.shutdown_grace:g} s): it exits "
+              "now", file=sys.stderr, flush=True)
+        os._exit(worker.exit_code)
+    timer = threading.Timer(worker.shutdown_grace, overdue)
+    timer.daemon = True
+    timer.start()
 
 
 async def _written(conn, timeout: float) -> None:
@@ -155,6 +180,11 @@ def main() -> None:
     asyncio.set_event_loop(loop)
     try:
         code = loop.run_until_complete(_amain(fd))
+        # As at a program's end, once its event loop has stopped (an exit function may
+        # run one of its own: ``asyncio.run(client.aclose())``).
+        atexit._run_exitfuncs()
+    except SystemExit as exc:  # (raised in a task a method started: it ends the loop)
+        code = exit_code(exc)
     finally:
         for f in (sys.stdout, sys.stderr):
             try:

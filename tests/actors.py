@@ -1037,6 +1037,20 @@ class Tidy:
         log.addHandler(logging.handlers.MemoryHandler(
             100, target=logging.FileHandler(path + ".log", delay=True)))
         log.warning("started")
+        # An exit function that runs an event loop of its own, as async clients close
+        atexit.register(lambda: asyncio.run(_amark(path + ".async_atexit")))
+
+    def start_background(self):
+        async def background():
+            try:
+                await asyncio.sleep(60)
+            finally:
+                _mark(self.path + ".background")
+        self.background = asyncio.get_running_loop().create_task(background())
+
+    def hang_at_exit(self):
+        atexit.register(time.sleep, 60)
+        sys.exit(0)
 
     def log(self, line):
         self.f.write(line + "\n")
@@ -1067,6 +1081,11 @@ class Tidy:
 def _mark(path):
     with open(path, "w") as f:
         f.write("ran")
+
+
+async def _amark(path):
+    await asyncio.sleep(0)
+    _mark(path)
 
 
 def _logged(fn):

@@ -66,6 +66,7 @@ async def test_a_stopping_actor_ends_as_a_program_does(start_method, tmp_path):
         for i in range(3):
             await t.log(f"line {i}")
         await t.make_cycle()
+        await t.start_background()
         numbers = t.numbers()
         assert await anext(numbers) == 0
         waiting = asyncio.ensure_future(t.wait())
@@ -77,12 +78,25 @@ async def test_a_stopping_actor_ends_as_a_program_does(start_method, tmp_path):
         await waiting
     assert (tmp_path / "closed").read_text() == "line 0\nline 1\nline 2\n"
     assert (tmp_path / "exited").read_text() == "bye\n"
-    for end in ("del", "atexit", "finally", "stream"):
+    for end in ("del", "atexit", "async_atexit", "finally", "stream", "background"):
         assert os.path.exists(f"{closed}.{end}"), end
     assert os.path.exists(f"{exited}.del") and os.path.exists(f"{exited}.atexit")
     for path in (closed, exited):  # (logging's exit function, the fork server's import)
         with open(path + ".log") as f:
             assert f.read() == "started\n"
+
+
+async def test_a_clean_up_that_hangs_ends_within_the_grace(tmp_path):
+    # sys.exit, then an exit function that would sleep a minute: the process exits once
+    # shutdown_grace has passed, and the calls waiting on it fail then, not a minute on
+    async with actorshm.Runtime(shutdown_grace=1.0):
+        t = await Tidy.spawn(str(tmp_path / "log"))
+        exiting, waiting = t.hang_at_exit(), t.wait()
+        start = time.monotonic()
+        for fut in (exiting, waiting):
+            with pytest.raises(ActorDiedError):
+                await asyncio.wait_for(fut, 30)
+        assert time.monotonic() - start < 20
 
 
 async def test_calls_that_reach_a_stopping_actor_never_start():
