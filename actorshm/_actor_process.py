@@ -90,9 +90,11 @@ async def _end_like_a_program(worker: "Worker", timeout: float) -> None:
     _leases.dispatch_releases()
     for c in worker.connections():
         c.send_owed()
+    if worker.instance is None:  # (its __init__ failed)
+        return
     try:
         alive = weakref.ref(worker.instance)
-    except TypeError:  # (a class with __slots__ and no __weakref__; or no instance)
+    except TypeError:  # (a class with __slots__ and no __weakref__)
         alive = None
     worker.instance = None
     if alive is None or alive() is not None:  # (kept by a cycle: a full collection, tens
@@ -110,17 +112,27 @@ async def _cancel_tasks(timeout: float) -> None:
         await asyncio.wait(tasks, timeout=timeout)
 
 
+_LEAST_CLEAN_UP = 0.5  # seconds a clean-up gets after sys.exit even with shutdown_grace=0
+
+
 def _exit_when_overdue(worker: "Worker") -> None:
     """Exit (``os._exit``) should this stopping actor still run ``shutdown_grace`` from
     now: its clean-up hangs (an ``atexit`` function joining a process that never ends).
     A thread's timer, as the clean-up may hold the event loop. (A runtime that closes
     sends SIGTERM at that time too; a method's ``sys.exit`` has no one else to.)"""
+    limit = max(worker.shutdown_grace, _LEAST_CLEAN_UP)
+
     def overdue() -> None:
-        print(f"actorshm: actor {worker.cls_name}'s clean-up (finally, __del__, atexit) "
-              f"did not end within shutdown_grace ({worker.shutdown_grace:g} s): it exits "
-              "now", file=sys.stderr, flush=True)
-        os._exit(worker.exit_code)
-    timer = threading.Timer(worker.shutdown_grace, overdue)
+        try:  # (straight to fd 2: a method may have closed sys.stderr, or a hung
+            # clean-up may hold its lock)
+            os.write(2, f"actorshm: actor {worker.cls_name}'s clean-up (finally, "
+                        f"__del__, atexit) did not end within {limit:g} s (its runtime's "
+                        "shutdown_grace): it exits now\n".encode())
+        except Exception:
+            pass
+        finally:
+            os._exit(worker.exit_code)
+    timer = threading.Timer(limit, overdue)
     timer.daemon = True
     timer.start()
 
@@ -179,12 +191,22 @@ def main() -> None:
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
     try:
-        code = loop.run_until_complete(_amain(fd))
+        task = loop.create_task(_amain(fd))
+        while True:
+            try:
+                code = loop.run_until_complete(task)
+                break
+            except SystemExit as exc:  # raised in a task a method started (or a
+                # callback): it ends the loop, not the stop, which goes on as after a
+                # method's sys.exit
+                worker = _client.current_worker()
+                if worker is None:
+                    code = exit_code(exc)
+                    break
+                worker._exit(exc, "a task of the actor")
         # As at a program's end, once its event loop has stopped (an exit function may
         # run one of its own: ``asyncio.run(client.aclose())``).
         atexit._run_exitfuncs()
-    except SystemExit as exc:  # (raised in a task a method started: it ends the loop)
-        code = exit_code(exc)
     finally:
         for f in (sys.stdout, sys.stderr):
             try:

@@ -413,7 +413,7 @@ class Worker(StreamingClient):
                 entry = self.queue.popleft()
                 if entry[0] is None:  # a stream waiting to take its next item
                     entry[1].grant()
-                else:
+                elif not self.stopping:  # (stopping: it never starts)
                     self._start(*entry)
         finally:
             self.draining = False
@@ -426,9 +426,18 @@ class Worker(StreamingClient):
         """Method ``what`` raised SystemExit: this process exits, saying so (its stderr
         reaches the driver's, where the call's ActorDiedError shows)."""
         self.exit_code = exit_code(exc)
-        print(f"actorshm: {what} raised SystemExit({exc.code!r}) (sys.exit): this "
-              "actor's process exits, and calls on it fail with ActorDiedError",
-              file=sys.stderr, flush=True)
+        try:
+            print(f"actorshm: {what} raised SystemExit({exc.code!r}) (sys.exit): this "
+                  "actor's process exits, and calls on it fail with ActorDiedError",
+                  file=sys.stderr, flush=True)
+        except (ValueError, OSError):  # (a method closed stderr)
+            pass
+        self.stop()
+
+    def stop(self) -> None:
+        """The actor stops: no call starts from now on (those queued or that arrive
+        are never run: their callers hear of its end), and ``_actor_process`` ends it."""
+        self.stopping = True
         if not self.stopped.done():
             self.stopped.set_result(None)
 
@@ -453,8 +462,7 @@ class Worker(StreamingClient):
             elif method == "__stop__":
                 self._closing = True  # the runtime closes: every actor is stopping
                 conn.reply(cid, None)
-                if not self.stopped.done():
-                    self.stopped.set_result(None)
+                self.stop()
             elif method == "__settle__":
                 self._task(self._settle(conn, cid, *args), conn, cid, "settling")
             elif method == "__stats__":
@@ -538,7 +546,6 @@ class Worker(StreamingClient):
         for key in [k for k in self.outflows if k[0] is conn]:
             self.cancel_call(conn, key[1])
         if conn is self.driver:
-            if not self.stopped.done():
-                self.stopped.set_result(None)
+            self.stop()
         elif conn.peer_id is not None and self.peers.get(conn.peer_id) is conn:
             del self.peers[conn.peer_id]

@@ -112,6 +112,13 @@ async def test_calls_that_reach_a_stopping_actor_never_start():
         for fut in (slow, exiting, ping):
             with pytest.raises(ActorDiedError):
                 await fut
+        # a call queued behind a sync method that calls sys.exit (in a thread: its slot
+        # comes free as it ends) never starts either
+        d = await Dying.spawn()
+        calls = [d.hang(), d.exit_now(), d.ping()]
+        for fut in calls:
+            with pytest.raises(ActorDiedError):
+                await fut
 
 
 async def test_pending_calls_name_the_exit_code_when_the_death_is_seen_first(rt):
