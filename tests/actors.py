@@ -1048,8 +1048,10 @@ class Tidy:
                 _mark(self.path + ".background")
         self.background = asyncio.get_running_loop().create_task(background())
 
-    def hang_at_exit(self):
+    def hang_at_exit(self, close_stderr=False):
         atexit.register(time.sleep, 60)
+        if close_stderr:
+            sys.stderr.close()
         sys.exit(0)
 
     def log(self, line):

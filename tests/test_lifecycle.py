@@ -99,6 +99,17 @@ async def test_a_clean_up_that_hangs_ends_within_the_grace(tmp_path):
         assert time.monotonic() - start < 20
 
 
+async def test_a_clean_up_that_hangs_ends_even_with_stderr_closed(rt, tmp_path):
+    # the overdue exit must not depend on printing its message (the process hung)
+    t = await Tidy.spawn(str(tmp_path / "log"))
+    with pytest.raises(ActorDiedError):
+        await t.hang_at_exit(close_stderr=True)
+    deadline = time.monotonic() + 20
+    while rt.record(t.actor_id).alive and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not rt.record(t.actor_id).alive
+
+
 async def test_calls_that_reach_a_stopping_actor_never_start():
     # sys.exit while an async call's finally is still running (it has 1/8 of the grace,
     # 0.5 s): a call sent then fails with the actor's death rather than run on an
