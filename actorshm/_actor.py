@@ -43,9 +43,10 @@ class ActorOptions:
             no limit.
         env: environment variables for the actor's process; they win over what
             ``num_cpus`` sets. Under ``start_method="forkserver"``, an actor whose
-            ``env`` changes a ``PYTHON*`` variable (``PYTHONHASHSEED``,
-            ``PYTHONIOENCODING``, ``PYTHONWARNINGS``...), which Python reads only as it
-            starts, is started as with ``"spawn"``, so that it applies.
+            ``env`` changes a variable that Python reads only as it starts
+            (``PYTHONHASHSEED``, ``PYTHONIOENCODING``, ``PYTHONWARNINGS``...) is started
+            as with ``"spawn"``, so that it applies (under ``-E`` or ``-I``, which
+            actors share, no actor reads them).
 
     Raises:
         TypeError: an unknown option, or a value of the wrong type.
@@ -162,8 +163,6 @@ def _innermost(fn: Any) -> Any:
     for _ in range(100):  # (a wrapper that wraps itself must not loop)
         if isinstance(fn, functools.partial):
             fn = fn.func
-        elif isinstance(fn, functools.partialmethod):
-            fn = fn.func
         else:
             inner = getattr(fn, "__wrapped__", None)
             if inner is None or not callable(inner):
@@ -246,9 +245,8 @@ def actor(cls: type | None = None, /, **options: Any):
     The class itself is made an actor class, not a copy of it: decorating it again
     merges the new options onto its current ones (``Slow = actor(env=a)(Cls)`` then
     ``Fast = actor(env=b)(Cls)`` are one class, with ``env=b``; for options that differ
-    between spawns, use ``Cls.options``). A
-    decorated subclass of an actor class starts from its base's options, as an
-    undecorated one keeps them.
+    between spawns, use ``Cls.options``). A decorated subclass of an actor class starts
+    from its base's options, as an undecorated one keeps them.
 
     Returns:
         The class itself (or, with options only, a decorator that returns it).

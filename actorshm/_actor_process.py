@@ -76,9 +76,9 @@ async def _end_like_a_program(worker: "Worker", timeout: float) -> None:
     All of it has the runtime's ``shutdown_grace``: the process then exits regardless
     (``_exit_when_overdue``), so that calls on it end with its death."""
     _exit_when_overdue(worker)
-    # No call starts now, queued or sent later (their callers hear of the actor's end);
-    # streams that are stopped still take slots in turn, to run their finally blocks.
-    worker.stopping = True
+    # No call starts now (``Worker.stop``): those queued are dropped (their callers hear
+    # of the actor's end); streams that are stopped still take slots in turn, to run
+    # their finally blocks.
     streams = [entry for entry in worker.queue if entry[0] is None]
     worker.queue.clear()
     worker.queue.extend(streams)

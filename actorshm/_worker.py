@@ -55,7 +55,7 @@ class Worker(StreamingClient):
         self.queue: collections.deque = collections.deque()
         self.executor = None
         self.exited = False  # the process is leaving: no queued call starts any more
-        self.stopping = False  # ... and no call that arrives starts (``_actor_process``)
+        self.stopping = False  # ... and no call starts from now on (``stop``)
         self.seq = 0  # calls started
         self.holding: dict[tuple, int] = {}  # (conn, cid) of calls in a slot -> their seq
         self.held = False  # a sync call just held the loop: calls wait a moment (_finished)
@@ -523,7 +523,7 @@ class Worker(StreamingClient):
                 qconn.reply_error(qcid, ActorDiedError(
                     f"actor {self.cls_name} failed in __init__: {exc!r}"))
             self.exit_code = code
-            self.loop.call_soon(lambda: self.stopped.done() or self.stopped.set_result(None))
+            self.loop.call_soon(self.stop)
             return
         conn.reply(cid, os.getpid())
         self.running += 1
