@@ -1048,6 +1048,11 @@ class Tidy:
                 _mark(self.path + ".background")
         self.background = asyncio.get_running_loop().create_task(background())
 
+    def exit_from_a_task(self, code):
+        async def later():
+            sys.exit(code)
+        self.exiting = asyncio.get_running_loop().create_task(later())
+
     def hang_at_exit(self, close_stderr=False):
         atexit.register(time.sleep, 60)
         if close_stderr:

@@ -86,6 +86,20 @@ async def test_a_stopping_actor_ends_as_a_program_does(start_method, tmp_path):
             assert f.read() == "started\n"
 
 
+async def test_sys_exit_in_a_task_an_actor_started_ends_it_as_a_method_would(
+        start_method, tmp_path):
+    # (it escaped the event loop: no clean-up, and exit code 1 under forkserver)
+    path = str(tmp_path / "log")
+    async with actorshm.Runtime(start_method=start_method):
+        t = await Tidy.spawn(path)
+        await t.start_background()
+        await t.exit_from_a_task(7)
+        with pytest.raises(ActorDiedError, match="code 7"):
+            await asyncio.wait_for(t.wait(), 30)
+    for end in ("del", "atexit", "background"):
+        assert os.path.exists(f"{path}.{end}"), end
+
+
 async def test_a_clean_up_that_hangs_ends_within_the_grace(tmp_path):
     # sys.exit, then an exit function that would sleep a minute: the process exits once
     # shutdown_grace has passed, and the calls waiting on it fail then, not a minute on
