@@ -127,3 +127,12 @@ def test_data_parallel_matches_the_parameter_server(capsys):
     assert [h["loss"] for h in hist] == pytest.approx([h["loss"] for h in ps["history"]])
     assert out["test_accuracy"] == pytest.approx(ps["test_accuracy"])
     assert "final test accuracy: " in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_the_examples_help_works_under_python_OO():
+    # -OO strips docstrings, which their argument parsers took their description from
+    import subprocess
+    for example in ("parameter_server", "hogwild", "data_pipeline", "data_parallel"):
+        p = subprocess.run([sys.executable, "-OO", os.path.join(EXAMPLES, f"{example}.py"),
+                            "--help"], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and "usage:" in p.stdout, (example, p.stderr[-1000:])
