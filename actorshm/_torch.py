@@ -255,6 +255,21 @@ def _set_subclass_state(t: torch.Tensor, state) -> None:
         torch._utils._set_obj_state(t, state)
 
 
+def _from_another_process(st) -> bool:
+    """Whether storage ``st``, in torch's shared memory, is one ``torch.multiprocessing``
+    brought in from another process (a ``DataLoader``'s batch from its workers, an item
+    of a torch queue): data, copied as any other, not a model the user shared here with
+    ``share_memory_()`` and expects actors to write (what the warning is for). Torch
+    keeps each storage it received in ``reductions.shared_cache``; a torch without it
+    answers False (the warning stays)."""
+    try:
+        from torch.multiprocessing import reductions
+        cdata = st._cdata
+        return any(ref.cdata == cdata for ref in list(reductions.shared_cache.values()))
+    except Exception:
+        return False
+
+
 def _reduce_bare(enc, t: torch.Tensor):
     """The reduction of tensor ``t`` without its attributes."""
     kind = type(t)
@@ -281,7 +296,7 @@ def _reduce_bare(enc, t: torch.Tensor):
         where = _shared(enc, t)
         if where is not None:
             return _rebuild_tensor, where
-    if st.is_shared() and not _warned[0]:
+    if st.is_shared() and not _warned[0] and not _from_another_process(st):
         _warned[0] = True
         warnings.warn(
             "a tensor in torch's shared memory (share_memory_(), Module.share_memory()) is "

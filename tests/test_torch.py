@@ -371,6 +371,20 @@ async def test_a_tensor_shared_by_torch_itself_is_copied_with_a_warning_once(rt,
         await w.sgd_step(shared, 0.5)
 
 
+async def test_a_dataloaders_batches_from_its_workers_are_copied_without_a_warning(rt):
+    # A DataLoader's workers hand their batches over in torch's shared memory: that is
+    # data (copied as any other tensor), not a model shared with share_memory() that an
+    # actor is expected to write, so the warning above must not fire for it. Run where
+    # users run it: in an actor (its workers forked from it) that sends the batches on.
+    loader, other = await asyncio.gather(TorchWorker.spawn(), TorchWorker.spawn())
+    got = await loader.send_loader_batches(other, 20, 5)
+    assert got["in_torch_shared_memory"] and got["same"]
+    assert got["warnings"] == []
+    assert got["bytes_copied"] >= 20 * 2 * 4
+    # one shared here with share_memory_() still warns
+    assert len(got["then"]) == 1 and "share(t)" in got["then"][0]
+
+
 async def test_small_ordinary_tensors_travel_in_band_as_writable_copies(rt):
     from actorshm._inband import INLINE_BUDGET, INLINE_MAX
     w = await TorchWorker.spawn()

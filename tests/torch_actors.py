@@ -55,6 +55,27 @@ class TorchWorker:
     def kept_sum(self):
         return float(self.kept.sum())
 
+    async def send_loader_batches(self, other, rows, batch_size):
+        """Send ``other`` the batches of a DataLoader with a worker; what warned."""
+        import warnings
+
+        from torch.utils.data import DataLoader, TensorDataset
+        data = torch.arange(rows * 2.0).reshape(rows, 2)
+        batches = [b for (b,) in DataLoader(TensorDataset(data), batch_size=batch_size,
+                                           num_workers=1)]
+        copied = actorshm.stats()["bytes_copied"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            back = [await other.echo(b) for b in batches]
+        copied = actorshm.stats()["bytes_copied"] - copied
+        with warnings.catch_warnings(record=True) as then:
+            warnings.simplefilter("always")
+            await other.echo(torch.ones(4).share_memory_())
+        return {"in_torch_shared_memory": batches[0].untyped_storage().is_shared(),
+                "same": torch.equal(torch.cat(back), data), "bytes_copied": copied,
+                "warnings": [str(w.message) for w in caught],
+                "then": [str(w.message) for w in then]}
+
     def sgd_step(self, model, lr):
         with torch.no_grad():
             for p in model.parameters():
