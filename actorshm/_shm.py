@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import mmap
+import os
 import secrets
 import sys
 import threading
@@ -452,6 +453,20 @@ def pool() -> HostPool:
     return p
 
 
+def _forget_pool_after_fork() -> None:
+    """In a child forked from this process (a DataLoader's worker, a ``multiprocessing``
+    pool's, an ``os.fork``): a pool of its own, made on first use. The inherited one's
+    free lists name blocks the parent still hands out, so a block allocated from it
+    would be written by both processes; its lock may be held by a thread that does not
+    exist here, and the budget it shares is the parent's. Inherited arrays stay
+    readable and writable (the mappings are shared); only allocation starts afresh."""
+    global _pool, _pool_lock, _shared
+    if _pool is not None and _pool in _pools:
+        _pools.remove(_pool)  # (``stats()`` reports this process's own pool)
+    _pool, _pool_lock, _shared = None, threading.Lock(), None
+    _budgets.clear()
+
+
 # Budgets of the open runtimes that set one (owner id -> bytes), latest last: the latest
 # applies, and once none is open the default does again.
 _budgets: dict[int, int] = {}
@@ -498,6 +513,7 @@ def release_budget(owner: int, trim: bool = False) -> None:
 
 # The budget this driver and its actors share, while a runtime is open (``Runtime``).
 _shared: SharedBudget | None = None
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def shared_budget() -> SharedBudget:

@@ -153,3 +153,45 @@ def test_over_budget_names_the_array_and_the_arena_it_needs(pool):
     with pytest.raises(SharedMemoryError, match=r"cannot allocate 8\.0 MiB of shared"):
         pool.alloc(2 * _shm.LARGE)  # (an arena of its own: one size to name)
     del held
+
+
+FORKED_CHILD_ALLOCATES = r"""
+import os, threading
+import actorshm
+from actorshm import _shm
+
+dropped = actorshm.zeros(1000); del dropped  # a block on the free list
+keep = actorshm.zeros(10)                    # an array the child inherits
+held, go = threading.Event(), threading.Event()
+def hold_the_lock():                         # another thread allocating as we fork
+    with _shm.pool().lock:
+        held.set(); go.wait()
+threading.Thread(target=hold_the_lock, daemon=True).start()
+held.wait()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    recycled, fresh = actorshm.empty(1000), actorshm.empty(1000)
+    recycled[:] = fresh[:] = 7
+    keep[0] = 5
+    os.write(w, str(actorshm.stats()["blocks_live"]).encode())
+    os._exit(0)
+go.set()
+os.waitpid(pid, 0)
+child_live = int(os.read(r, 100))
+mine = [actorshm.empty(1000), actorshm.empty(1000)]
+print(child_live, any((a == 7).any() for a in mine), keep[0] == 5)
+"""
+
+
+def test_a_forked_child_allocates_from_a_pool_of_its_own():
+    # A DataLoader's worker (forked) whose collate_fn allocates actorshm memory: from the
+    # parent's free lists and chunk, it was handed the blocks the parent handed out next,
+    # and the two processes wrote the same memory. And a pool lock another thread held
+    # at the fork was held forever in the child.
+    out = subprocess.run([sys.executable, "-c", FORKED_CHILD_ALLOCATES],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    # the child's two blocks are its own, the parent's next two are not them, and an
+    # inherited array is still the parent's memory
+    assert out.stdout.split() == ["2", "False", "True"]
