@@ -71,7 +71,8 @@ async def _end_like_a_program(worker: "Worker", timeout: float) -> None:
     started) are cancelled and given up to ``timeout`` seconds for their ``finally``
     blocks, as ``asyncio.run`` does with the tasks left at the end; then the instance is
     dropped (its ``__del__`` runs, and files only it holds are flushed and closed). The
-    ``atexit`` functions run once the event loop has stopped (``main``). A sync call
+    ``atexit`` functions run once the event loop has stopped (``main``), and then, if a
+    reference cycle kept the instance, a garbage collection. A sync call
     still running in a thread keeps the instance; non-daemon threads are not waited for.
     All of it has the runtime's ``shutdown_grace``: the process then exits regardless
     (``_exit_when_overdue``), so that calls on it end with its death."""
@@ -97,8 +98,12 @@ async def _end_like_a_program(worker: "Worker", timeout: float) -> None:
     except TypeError:  # (a class with __slots__ and no __weakref__)
         alive = None
     worker.instance = None
-    if alive is None or alive() is not None:  # (kept by a cycle: a full collection, tens
-        gc.collect()  # of milliseconds where numpy and torch are loaded)
+    # Kept by a cycle (a full collection: tens of milliseconds where numpy and torch are
+    # loaded), it is collected after the ``atexit`` functions, as a program's cycles
+    # are at its end: libraries count on that order (a DataLoader iterator that a
+    # method's exception keeps in a cycle joins its workers for 5 s unless torch's exit
+    # function ran first).
+    worker.collect_at_exit = alive is None or alive() is not None
 
 
 async def _cancel_tasks(timeout: float) -> None:
@@ -207,6 +212,9 @@ def main() -> None:
         # As at a program's end, once its event loop has stopped (an exit function may
         # run one of its own: ``asyncio.run(client.aclose())``).
         atexit._run_exitfuncs()
+        worker = _client.current_worker()
+        if worker is not None and worker.collect_at_exit:
+            gc.collect()
     finally:
         for f in (sys.stdout, sys.stderr):
             try:

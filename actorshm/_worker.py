@@ -68,6 +68,7 @@ class Worker(StreamingClient):
         self.outflows: dict[tuple, Outflow] = {}  # (conn, cid) of streams -> their credit
         self.peers: dict[int, Connection] = {}
         self.release_hook = None  # (set by ``_actor_process``: dispatches on this loop)
+        self.collect_at_exit = False  # a cycle keeps the instance: collect after atexit
         self.driver = Connection(loop, self, socket.socket(fileno=fd), label="the driver")
 
     closing = property(lambda self: self._closing, doc="Whether the actor is stopping.")

@@ -1082,12 +1082,15 @@ class Tidy:
 
     def __del__(self):
         self.f.close()
-        _mark(self.path + ".del")
+        # (an instance in a reference cycle is collected after atexit, as at a
+        # program's end; one that is not, when it is dropped, before)
+        _mark(self.path + ".del", "after atexit" if os.path.exists(self.path + ".atexit")
+              else "before atexit")
 
 
-def _mark(path):
+def _mark(path, text="ran"):
     with open(path, "w") as f:
-        f.write("ran")
+        f.write(text)
 
 
 async def _amark(path):

@@ -81,6 +81,10 @@ async def test_a_stopping_actor_ends_as_a_program_does(start_method, tmp_path):
     for end in ("del", "atexit", "async_atexit", "finally", "stream", "background"):
         assert os.path.exists(f"{closed}.{end}"), end
     assert os.path.exists(f"{exited}.del") and os.path.exists(f"{exited}.atexit")
+    # dropped, its instance's __del__ ran at once; kept by a cycle, once the atexit
+    # functions had run, as a program's cycles are collected at its end
+    with open(f"{exited}.del") as f, open(f"{closed}.del") as g:
+        assert (f.read(), g.read()) == ("before atexit", "after atexit")
     for path in (closed, exited):  # (logging's exit function, the fork server's import)
         with open(path + ".log") as f:
             assert f.read() == "started\n"

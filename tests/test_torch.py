@@ -385,6 +385,19 @@ async def test_a_dataloaders_batches_from_its_workers_are_copied_without_a_warni
     assert len(got["then"]) == 1 and "share(t)" in got["then"][0]
 
 
+async def test_an_actor_whose_dataloader_raised_stops_at_once():
+    # The method's exception keeps the DataLoader's iterator in a reference cycle with
+    # the instance. Collected before torch's exit function ran, the iterator joined its
+    # worker for 5 s (cut short at the shutdown grace); after it, as at a program's end,
+    # torch leaves its workers to the process's end.
+    async with actorshm.Runtime(shutdown_grace=8.0):
+        w = await TorchWorker.spawn()
+        with pytest.raises(ValueError, match="no item"):
+            await w.load_failing()
+        start = time.monotonic()
+    assert time.monotonic() - start < 4.0  # (5 s or more before; ~0.1 s here)
+
+
 async def test_small_ordinary_tensors_travel_in_band_as_writable_copies(rt):
     from actorshm._inband import INLINE_BUDGET, INLINE_MAX
     w = await TorchWorker.spawn()

@@ -12,6 +12,16 @@ class Tagged(torch.Tensor):
     """A tensor subclass of one's own, as torchvision's ``tv_tensors.Image`` is."""
 
 
+class _Failing:
+    """A dataset whose every item raises."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        raise ValueError(f"no item {i}")
+
+
 @actor
 class TorchWorker:
     def echo(self, x):
@@ -54,6 +64,12 @@ class TorchWorker:
 
     def kept_sum(self):
         return float(self.kept.sum())
+
+    def load_failing(self):
+        """Iterate a DataLoader with a worker over items that raise (the method raises,
+        and its exception keeps the iterator, and the instance, in a reference cycle)."""
+        from torch.utils.data import DataLoader
+        return list(DataLoader(_Failing(), batch_size=2, num_workers=1))
 
     async def send_loader_batches(self, other, rows, batch_size):
         """Send ``other`` the batches of a DataLoader with a worker; what warned."""
