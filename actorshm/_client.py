@@ -14,14 +14,47 @@ _runtimes: list = []  # open runtimes in the driver, innermost last
 runtimes_lock = threading.Lock()
 
 
-def _new_lock() -> None:
-    """A forked child (an actor) gets a lock of its own: another thread of the driver
-    may have held this one at the fork, and nothing in the child would release it."""
-    global runtimes_lock
+# In a child forked (``os.fork``) from a driver with a runtime open, or from an actor:
+# which process that was. Empty elsewhere (an actor a fork server forks is not one).
+_forked_from = ""
+
+
+def _after_fork_in_child() -> None:
+    """A forked child gets a lock of its own: another thread of the parent may have held
+    this one at the fork, and nothing in the child would release it. A child of a
+    process that makes calls (a DataLoader's worker, a ``fork`` pool's) shares that
+    process's sockets to its actors: its calls are refused (``forked_error``), as its
+    frames would mix with the parent's (a call's answer went to the parent's next call).
+    Every call of a client the child inherited then takes the path of a call from
+    another thread (its loop thread is no thread here), where the refusal is."""
+    global runtimes_lock, _forked_from
     runtimes_lock = threading.Lock()
+    w = _worker[0]
+    if w is None and not _runtimes:
+        return
+    _forked_from = (f"an actorshm actor's process (pid {os.getppid()})" if w is not None
+                    else f"a driver with an actorshm runtime open (pid {os.getppid()})")
+    if w is not None:
+        w.loop_thread = None
+    for rt in _runtimes:
+        rt._loop_thread = None
 
 
-os.register_at_fork(after_in_child=_new_lock)
+def forked_error() -> RuntimeError | None:
+    """The error a call made in a forked child raises (``_after_fork_in_child``), or
+    None: this process may call actors."""
+    if not _forked_from:
+        return None
+    return RuntimeError(
+        f"actorshm: this process (pid {os.getpid()}) was forked from {_forked_from}, "
+        "as a DataLoader's workers and a multiprocessing pool with the 'fork' start "
+        "method are, and shares that process's connections to its actors, so it cannot "
+        "call them (its messages would mix with that process's). Call actors in the "
+        "process that holds the handles (before the workers run, or on what they "
+        "return), or do the work in actors (an actorshm.ActorPool) instead")
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 _worker: list = [None]  # the worker, inside an actor process
 
 
@@ -147,6 +180,9 @@ def call_from_thread(loop, make_call):
     Cancelling it cancels the call, as cancelling the asyncio future does: cancelled
     before the loop got to it, the call is never made.
     """
+    refused = forked_error()
+    if refused is not None:
+        return failed_call(refused)
     cf = ThreadCallFuture()
 
     def go() -> None:

@@ -399,6 +399,9 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             actor_id: the actor, as its handle names it.
         """
         if self._open and threading.get_ident() != self._loop_thread:
+            refused = _client.forked_error()
+            if refused is not None:
+                raise refused
             # (another thread's event loop: the runtime's loop owns the record, and its
             # exit event, which a wait on this loop would bind here)
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
@@ -496,6 +499,9 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         _services.cancel_spawn(self, conn, cid)
 
     def _check_open(self) -> None:
+        refused = _client.forked_error()
+        if refused is not None:
+            raise refused
         if not self._open or self._closing:
             raise RuntimeError("this actorshm Runtime is not open; spawn actors inside "
                                "`async with actorshm.Runtime():`")

@@ -272,6 +272,14 @@ class Faulty:
         raise {"genexit": GeneratorExit("raised by the generator"),
                "group": BaseExceptionGroup("a group", [KeyboardInterrupt("in a group")])}[kind]
 
+    def call_in_a_forked_child(self, other):
+        """What a child forked from this actor hears when it calls ``other`` (as a
+        DataLoader worker whose dataset holds a handle would)."""
+        return call_in_a_forked_child(lambda: other.incr(100))
+
+    async def incr_on(self, other):
+        return await other.incr()
+
     def fork_and_return(self):
         return os.fork()  # the child returns too, into actorshm's code
 
@@ -1086,6 +1094,27 @@ class Tidy:
         # program's end; one that is not, when it is dropped, before)
         _mark(self.path + ".del", "after atexit" if os.path.exists(self.path + ".atexit")
               else "before atexit")
+
+
+def call_in_a_forked_child(call):
+    """Fork; in the child, ``call()`` and wait for its answer: what it said (its error's
+    text; "answered" if it was answered)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            call().result(timeout=5)
+            said = "answered"
+        except RuntimeError as exc:
+            said = str(exc)
+        except BaseException as exc:
+            said = repr(exc)
+        os.write(w, said.encode()[:4000])
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    with os.fdopen(r) as f:
+        return f.read()
 
 
 def _mark(path, text="ran"):

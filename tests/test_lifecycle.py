@@ -390,6 +390,35 @@ def test_a_forked_copy_of_the_driver_leaves_its_actors_alone(start_method):
     assert "after the fork 1" in out, out
 
 
+_FORKED_CALLER = """
+import os, sys
+sys.path.insert(0, %r)
+import actorshm
+from actors import Counter, Faulty, call_in_a_forked_child
+async def main():
+    async with actorshm.Runtime(start_method=%r) as rt:
+        c, f = await Counter.spawn(0), await Faulty.spawn()
+        print("driver's child:", call_in_a_forked_child(lambda: c.incr(100)), flush=True)
+        print("actor's child:", await f.call_in_a_forked_child(c), flush=True)
+        print("after the forks", await c.incr(), await f.incr_on(c), flush=True)
+actorshm.run(main())
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_a_process_forked_from_a_driver_or_an_actor_cannot_call_actors(start_method):
+    # A DataLoader's worker forked from the driver (or an actor) whose dataset calls an
+    # actor: its call went out on the parent's socket, and the answer went to the
+    # parent's next call (which returned 100 for an incr() of 1). Now the child hears
+    # why it cannot, and the parent's connections are untouched.
+    out = _run_driver(_FORKED_CALLER, start_method, timeout=60)
+    assert "driver's child: actorshm: this process" in out, out
+    assert "forked from a driver with an actorshm runtime open" in out, out
+    assert "actor's child: actorshm: this process" in out, out
+    assert "forked from an actorshm actor's process" in out, out
+    assert "after the forks 1 2" in out, out
+
+
 _REAPER_DRIVER = """
 import asyncio, ctypes, os, sys
 sys.path.insert(0, %r)
