@@ -444,6 +444,10 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
                 err = undeserializable_arguments(f"{type(exc).__name__}: {exc}")
                 err.__cause__ = exc
                 self.reply_error(cid, err)
+                # (as for a result that cannot be sent: ``err`` -> its cause's traceback
+                # -> this frame -> ``err``, a cycle, and the traceback's frames hold the
+                # arguments rebuilt so far, their leases with them)
+                del err
                 return
             if len(call) not in (3, 4) or (len(call) == 4 and type(call[3]) is not dict) \
                     or type(method) is not str or type(args) is not tuple \

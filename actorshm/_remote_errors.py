@@ -354,4 +354,12 @@ def result_undecodable(fut, what: str, exc: Exception) -> None:
         err = TypeError(f"the result of {what or 'the call'} could not be deserialized "
                         f"here: {type(exc).__name__}: {exc}")
         err.__cause__ = exc
+        # Its traceback's lines stay, not what its frames held: the objects rebuilt so
+        # far (arrays leased from the actor, which must go back now, not when the
+        # caller drops the error) and the frame that caught it (which holds ``fut``:
+        # a cycle).
+        tb = exc.__traceback__
+        if tb is not None:
+            traceback.clear_frames(tb.tb_next)
+            exc.__traceback__ = tb.tb_next
         fut.set_exception(err)

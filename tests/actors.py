@@ -472,6 +472,10 @@ class Arrays:
     def __init__(self):
         self.kept = None
 
+    def breaking_with_array(self, n):
+        """A result that cannot be rebuilt in the driver, an array of ours in its state."""
+        return BreaksOnArrival(payload=actorshm.zeros(n))
+
     def fill(self, a, value):
         a[...] = value
         return None
@@ -693,9 +697,10 @@ class BreaksOnArrival:
     """Pickles fine here; unpickling it in another process raises RuntimeError (or,
     given ``kind``, a CancelledError, GeneratorExit, KeyboardInterrupt or SystemExit)."""
 
-    def __init__(self, kind="error"):
+    def __init__(self, kind="error", payload=None):
         self.pid = os.getpid()
         self.kind = kind
+        self.payload = payload  # (what its state holds as it fails to arrive)
 
     def __setstate__(self, state):
         if state["pid"] != os.getpid():

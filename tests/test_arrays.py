@@ -489,12 +489,32 @@ async def test_argument_failing_to_unpickle_gives_leases_back(rt):
     x = actorshm.zeros(1000)
     with pytest.raises(TypeError, match="could not deserialize"):
         await a.echo((x, BreaksOnArrival()))  # x is leased, then the tuple fails
+    # x in the state of the object that fails (its __setstate__'s frame holds it, and
+    # the error's traceback that frame): back with the reply, not at the actor's next
+    # garbage collection
+    with pytest.raises(TypeError, match="could not deserialize"):
+        await a.echo(BreaksOnArrival(payload=x))
     del x
     gc.collect()
     await asyncio.sleep(0.1)
     assert actorshm.stats()["blocks_live"] == base  # the actor gave x's lease back
     y = actorshm.zeros(1000)  # same arena as x: the connection still knows it
     assert np.shares_memory(await a.echo(y), y)
+
+
+async def test_result_failing_to_unpickle_gives_leases_back(rt):
+    # The error the caller gets (and keeps, here) held the frames of the failed
+    # unpickling, and with them the actor's array: leased until it let go of the error
+    a = await Arrays.spawn()
+    base = (await a.stats())["blocks_live"]
+    with pytest.raises(TypeError, match="could not be deserialized here") as caught:
+        await a.breaking_with_array(1000)
+    assert "cannot be rebuilt" in str(caught.value)
+    for _ in range(50):
+        if (await a.stats())["blocks_live"] == base:
+            break
+        await asyncio.sleep(0.02)
+    assert (await a.stats())["blocks_live"] == base
 
 
 async def test_dead_peers_memory_is_let_go(rt):
