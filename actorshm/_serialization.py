@@ -192,6 +192,10 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     if t is not _ndarray and t is not _memmap:
         ma = sys.modules.get("numpy.ma")  # loaded wherever a masked array exists
         if ma is not None and isinstance(a, ma.MaskedArray):
+            if t.__new__ is not ma.MaskedArray.__new__ or a is ma.masked:
+                # A subclass made its own way (``np.ma.mrecords``), or ``np.ma.masked``
+                # (a singleton): numpy's pickling, by value.
+                return None
             # Its data and mask travel as arrays of their own (by reference when shared);
             # viewing the data as a MaskedArray would drop the mask.
             return _rebuild_masked, (t, a.data, ma.getmask(a), a.fill_value, a.hardmask)

@@ -621,7 +621,15 @@ def share(arr) -> np.ndarray:
         if ma is not None and isinstance(arr, ma.MaskedArray):
             if t is ma.MaskedArray:
                 return _share_masked(arr, ma)
-            t = np.ndarray  # (a subclass of it, np.ma.mrecords': its data, as before)
+            if arr is ma.masked:
+                raise TypeError("np.ma.masked (numpy's constant for a masked element) "
+                                "has no memory to share: send it as it is")
+            # (its data alone would drop the mask in silence)
+            raise TypeError(
+                f"actorshm.share shares numpy arrays and np.ma.MaskedArray, not a "
+                f"{t.__module__}.{t.__qualname__}: share its data and its mask "
+                "(np.ma.getmaskarray) as arrays of their own, or send it as it is (it is "
+                "then copied)")
     if find_block(arr) is not None:
         return arr
     out = copy_to_shared(arr)
