@@ -12,6 +12,7 @@ import errno
 import os
 import resource
 import socket
+from time import perf_counter as _clock
 
 from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, LAST_KIND, MARK, MAX_FDS_PER_FRAME,
                     MAX_FLAGS, MAX_FRAME)
@@ -103,6 +104,7 @@ class FrameReader:
         if not nread:
             self._broken()
             return False
+        self.host.read_at = _clock()  # (a worker's burst of sync calls: ``burst_over``)
         # The common case: this read holds whole frames only, parsed straight out of the
         # receive buffer (each payload a view that ``_frame`` decodes at once). A frame
         # cut off at the end of a read is kept in ``_inbuf``, and the frames that span

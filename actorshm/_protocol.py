@@ -53,6 +53,7 @@ class Host(Protocol):
     """What a connection needs of the object that owns it (a runtime or a worker)."""
 
     closing: bool  # it is stopping everything: nobody is left to use kept blocks
+    read_at: float  # when a connection last read (``perf_counter``), set by the reader
 
     def handle_call(self, conn: "Connection", cid: int, call: list) -> None:
         """Answer call ``cid`` (``[method, args, kwargs]``) with ``conn.reply``."""

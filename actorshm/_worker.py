@@ -34,6 +34,53 @@ from ._util import describe_exit, exit_code, leave_if_forked
 # handled, unless a sync call that may take long is about to run (``Worker._start``).
 FAST_CALL = 0.0005  # a sync method whose last run took less is taken to be fast again
 FLUSH_AFTER = 0.001  # replies wait at most this long behind fast calls
+BURST = 0.002  # sync calls run back to back this long at most before a read (cancels)
+
+
+class CallQueue:
+    """The calls waiting for a slot, in order; each found at once by its key,
+    ``(conn, cid)`` (a stream waiting for a slot again: ``(None, slot)``), so that a
+    burst of cancels of queued calls costs each a lookup, not a scan of the queue (40k
+    calls cancelled in reverse order took 25 s). Entries are ``(conn, cid, call)`` and
+    ``(None, slot, None)``; as a deque of them, plus ``discard``."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self) -> None:
+        self._d: collections.OrderedDict = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __bool__(self) -> bool:
+        return bool(self._d)
+
+    def __iter__(self):
+        return iter(self._d.values())
+
+    def append(self, entry: tuple) -> None:
+        self._d[entry[0], entry[1]] = entry
+
+    def appendleft(self, entry: tuple) -> None:
+        key = entry[0], entry[1]
+        self._d[key] = entry
+        self._d.move_to_end(key, last=False)
+
+    def extend(self, entries) -> None:
+        for entry in entries:
+            self.append(entry)
+
+    def popleft(self) -> tuple:
+        return self._d.popitem(last=False)[1]
+
+    def remove(self, entry: tuple) -> None:
+        del self._d[entry[0], entry[1]]
+
+    def discard(self, key: tuple) -> None:
+        self._d.pop(key, None)
+
+    def clear(self) -> None:
+        self._d.clear()
 
 
 class Worker(StreamingClient):
@@ -52,7 +99,8 @@ class Worker(StreamingClient):
         self.methods: dict[str, bool] = {}
         self.max_concurrency = 1
         self.running = 0
-        self.queue: collections.deque = collections.deque()
+        self.queue = CallQueue()
+        self.read_at = _clock()  # when a connection last read (``burst_over``)
         self.executor = None
         self.exited = False  # the process is leaving: no queued call starts any more
         self.stopping = False  # ... and no call starts from now on (``stop``)
@@ -284,7 +332,7 @@ class Worker(StreamingClient):
                 self.fast.add(method)
             else:
                 self.fast.discard(method)
-            self._finished(key, blocked=took > 0.002)
+            self._finished(key, blocked=took > BURST or self.burst_over())
 
     def _task(self, coro, conn, cid, what) -> asyncio.Task | None:
         """A task running ``coro`` for call ``cid``; None, the call answered with the
@@ -373,10 +421,7 @@ class Worker(StreamingClient):
             setattr(task, CANCELLED_BY_CALLER, True)  # (no reply owed: nobody waits)
             task.cancel()
             return
-        for i, (qconn, qcid, _call) in enumerate(self.queue):
-            if qconn is conn and qcid == cid:
-                del self.queue[i]
-                return
+        self.queue.discard(key)
 
     def _sync_done(self, conn, cid, fut, what) -> None:
         key = (conn, cid)
@@ -393,6 +438,13 @@ class Worker(StreamingClient):
             conn.reply(cid, fut.result(), what)
         self._finished(key)
 
+    def burst_over(self) -> bool:
+        """Whether sync calls have run back to back for over ``BURST`` seconds since
+        this process last read its sockets: the next waits for a read, so that the
+        cancels written meanwhile are seen before it starts (a burst of 1 ms calls read
+        at once ran whole, each too short to hold the loop alone)."""
+        return _clock() - self.read_at > BURST
+
     def _finished(self, key, blocked: bool = False) -> None:
         """A call left its slot (``key``: ``(conn, cid)``, or None): start the next."""
         if key is not None:
@@ -400,7 +452,8 @@ class Worker(StreamingClient):
             self.holding.pop(key, None)
         self.running -= 1
         if blocked:
-            # A sync call held the loop over 2 ms: it reads cancels before the next starts.
+            # Sync calls held the loop over ``BURST``: it reads cancels before the next
+            # starts.
             self.running += 1
             if not self.held:
                 self.held = True
@@ -424,6 +477,7 @@ class Worker(StreamingClient):
 
     def _release_hold(self) -> None:
         self.held = False
+        self.read_at = _clock()  # (the loop polled its sockets since the hold began)
         self._finished(None)
 
     def _exit(self, exc: SystemExit, what: str) -> None:

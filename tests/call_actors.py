@@ -21,6 +21,13 @@ class Worker:
         self.log.append(("work", t))
         return t
 
+    def spin(self, t):
+        """Keep the CPU busy for ``t`` seconds (a short call that holds the loop)."""
+        end = time.perf_counter() + t
+        while time.perf_counter() < end:
+            pass
+        self.log.append(("spin", t))
+
     async def awork(self, t):
         try:
             await asyncio.sleep(t)

@@ -125,6 +125,36 @@ async def test_hundreds_of_queued_calls_cancelled_at_once_never_run(rt):
         await w.clear_log()
 
 
+async def test_a_burst_of_short_sync_calls_reads_cancels_as_it_runs(rt):
+    # Calls of 1 ms read together ran back to back, the actor reading nothing until the
+    # last had run (each alone too short to count as holding the loop): cancelled 50 ms
+    # in, all 400 ran. Now it reads between calls every 2 ms.
+    w = await Worker.spawn()
+    calls = [w.spin(0.001) for _ in range(400)]
+    await asyncio.sleep(0.05)
+    for c in calls:
+        c.cancel()
+    ran = len(await w.get_log())
+    assert ran < 250, ran  # (about 50)
+
+
+async def test_thousands_of_queued_calls_cancelled_in_reverse_order_end_at_once(rt):
+    # Each cancel looked for its call by scanning the queue: 30,000 queued calls
+    # cancelled last first kept the actor busy for seconds before its next call.
+    w = await Worker.spawn()
+    first = w.awork(60)  # holds the slot (not the loop): the calls behind it queue
+    calls = [w.awork(0) for _ in range(30000)]
+    await asyncio.sleep(0.1)
+    for c in reversed(calls):
+        c.cancel()
+    first.cancel()
+    start = time.monotonic()
+    assert await w.record("next") == "next"
+    took = time.monotonic() - start
+    assert await w.get_log() == ["cancelled", "next"]
+    assert took < 5.0, took  # (~0.3 s; over 10 s before)
+
+
 async def test_running_sync_call_finishes_and_its_result_is_dropped(rt):
     w = await Worker.spawn()
     t0 = time.monotonic()
