@@ -186,17 +186,18 @@ def _check(values: tuple, refused: str, warn_for: str | None) -> None:
             if depth < 3 and not set(map(type, items)) <= _SCALARS:
                 todo.extend((y, depth + 1) for y in items if type(y) not in _SCALARS)
         elif tensor is not None and isinstance(x, tensor):
-            from ._torch import check_sendable, storage_block
+            from ._torch import check_sendable, tensor_is_shared
             try:
                 check_sendable(x)
                 _check_picklable_dtype(x.dtype)
             except TypeError as exc:
                 raise TypeError(f"{refused}: {exc}") from None
-            if not warned and storage_block(x) is not None:
+            if not warned and tensor_is_shared(x):  # (sparse, a wrapper subclass: no
+                # storage of their own to ask about)
                 warned = _warn_shared(warn_for, "an actorshm shared tensor")
         elif module is not None and isinstance(x, module):
-            from ._torch import storage_block
-            if not warned and any(storage_block(p) is not None
+            from ._torch import tensor_is_shared
+            if not warned and any(tensor_is_shared(p)
                                   for p in (*x.parameters(), *x.buffers())):
                 warned = _warn_shared(warn_for, "a module whose parameters are shared "
                                                 "(share_module)")

@@ -126,6 +126,13 @@ class ArrayUser:
         t.fill_(v)  # a torch tensor argument: written in place
         return float(t.sum())
 
+    def dense(self, x):
+        """A tensor argument, or a module's buffers, as dense lists."""
+        import torch
+        if isinstance(x, torch.nn.Module):
+            return {name: b.to_dense().tolist() for name, b in x.named_buffers()}
+        return x.to_dense().tolist()
+
 
 @actor(max_concurrency=2)
 class ThreadCanceller:

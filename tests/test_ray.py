@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -1671,6 +1672,22 @@ async def test_tensors_on_ray_are_copies_and_shared_ones_warn(art, backend):
     except Exception:  # what Ray cannot rebuild: refused in the actor, the call fails
         with pytest.raises(TypeError, match=r"result of ArrayUser.graph .*float8_e4m3fn"):
             await a.graph("float8_e4m3fn")
+
+
+async def test_sparse_tensors_and_modules_holding_them_are_arguments(art):
+    # On Ray the check for shared tensors asked a sparse tensor for its storage, which
+    # it has none of: the call raised NotImplementedError before it was sent.
+    torch = pytest.importorskip("torch")
+    a = await ArrayUser.spawn()
+    coo = torch.eye(3).to_sparse()
+    assert await a.dense(coo) == torch.eye(3).tolist()
+    with warnings.catch_warnings():  # ("Sparse CSR tensor support is in beta state")
+        warnings.simplefilter("ignore", UserWarning)
+        csr = torch.eye(2).to_sparse_csr()
+    assert await a.dense(csr) == torch.eye(2).tolist()
+    m = torch.nn.Module()
+    m.register_buffer("mask", torch.eye(2).to_sparse())
+    assert await a.dense(m) == {"mask": torch.eye(2).tolist()}
 
 
 def test_run_with_backend_ray(ray_session):
