@@ -39,7 +39,7 @@ import numpy as np
 from . import _encoding, _leases, _results, _shm
 from ._encoding import SCALARS, Encoding, MessageTooBig, add_wait, arena_fd, check_size
 from ._flat import decode_flat, encode_flat
-from ._inband import INLINE_BUDGET, INLINE_MAX, dtype_token, inline_array, rebuild_inline
+from ._inband import dtype_token, in_band, inline_array, rebuild_inline
 from ._errors import ProtocolError
 from ._wire import ARENA, FLAT, GPU_SLAB, HAS_BLOCKS, LEN, PLAIN, RECV_SIZE  # noqa: F401
 
@@ -94,7 +94,7 @@ class _Encoding(Encoding):
         None: pickle it as numpy does."""
         if type(obj) is _ndarray and obj.base is None and not obj.dtype.hasobject:
             n = obj.nbytes
-            if 0 < n <= INLINE_MAX and self.inlined + n <= INLINE_BUDGET:
+            if n and in_band(n, self.inlined):
                 self.inlined += n
                 self.n_inlined += 1
                 return inline_array(obj)
@@ -205,7 +205,7 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
     view = _shm.find_block(a)
     if view is None:
         n = _shm.copy_nbytes(a)  # (bytes copied, in band or into a block: counted so)
-        if n <= INLINE_MAX and enc.inlined + n <= INLINE_BUDGET and \
+        if in_band(n, enc.inlined) and \
                 (type(a) is _ndarray or type(a) is _memmap):
             enc.inlined += n
             enc.n_inlined += 1

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import _leases, _serialization, _shm
-from ._inband import INLINE_BUDGET, INLINE_MAX
+from ._inband import in_band
 
 __all__ = ["storage_block", "tensor_over", "finish", "set_cuda_path", "tensor_is_shared"]
 
@@ -344,7 +344,7 @@ def _copy(enc, st, n: int, spent: int = 0) -> tuple:
     more than the bytes it carries; ``encode`` counts it), else in a new shared block.
     ``(n, where, bytes of this storage copied so far in the message)``; ``where`` is the
     in-band buffer (pickled once however many tensors use it), or the copy's array."""
-    if n <= INLINE_MAX and enc.inlined + n <= INLINE_BUDGET:
+    if in_band(n, enc.inlined):
         enc.inlined += n
         enc.n_inlined += 1
         return n, pickle.PickleBuffer(_bytes_of(st, n)), spent + n
