@@ -209,6 +209,7 @@ def main() -> None:
                     code = exit_code(exc)
                     break
                 worker._exit(exc, "a task of the actor")
+                _quiet_about(loop, exc)
         # As at a program's end, once its event loop has stopped (an exit function may
         # run one of its own: ``asyncio.run(client.aclose())``).
         atexit._run_exitfuncs()
@@ -223,6 +224,23 @@ def main() -> None:
                 pass
     # Skip interpreter teardown: it can only run user __del__s against closed sockets.
     os._exit(code)
+
+
+def _quiet_about(loop, exc: SystemExit) -> None:
+    """The task that raised ``exc`` holds it, never retrieved: when that task is
+    collected, asyncio would log it with its traceback, after the actor said what
+    happened. Drop that report (any other goes to the handler set before)."""
+    before = loop.get_exception_handler()
+
+    def handler(loop, context) -> None:
+        if context.get("exception") is exc and "never retrieved" in context.get("message", ""):
+            return
+        if before is not None:
+            before(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
 
 
 def forked_child_main(server_sock, rfd, wfd, env, cwd, fds) -> None:

@@ -91,7 +91,7 @@ async def test_a_stopping_actor_ends_as_a_program_does(start_method, tmp_path):
 
 
 async def test_sys_exit_in_a_task_an_actor_started_ends_it_as_a_method_would(
-        start_method, tmp_path):
+        start_method, tmp_path, capfd):
     # (it escaped the event loop: no clean-up, and exit code 1 under forkserver)
     path = str(tmp_path / "log")
     async with actorshm.Runtime(start_method=start_method):
@@ -102,6 +102,11 @@ async def test_sys_exit_in_a_task_an_actor_started_ends_it_as_a_method_would(
             await asyncio.wait_for(t.wait(), 30)
     for end in ("del", "atexit", "background"):
         assert os.path.exists(f"{path}.{end}"), end
+    # said once, as for a method's sys.exit: not again by asyncio, with a traceback,
+    # when the task (its instance's) was collected
+    err = capfd.readouterr().err
+    assert "a task of the actor raised SystemExit(7)" in err
+    assert "never retrieved" not in err, err
 
 
 async def test_a_clean_up_that_hangs_ends_within_the_grace(tmp_path):
