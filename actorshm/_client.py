@@ -15,18 +15,21 @@ runtimes_lock = threading.Lock()
 
 
 # In a child forked (``os.fork``) from a driver with a runtime open, or from an actor:
-# which process that was. Empty elsewhere (an actor a fork server forks is not one).
+# which process that was, and the event loops of the clients it inherited (refused).
 _forked_from = ""
+_inherited_loops: set = set()
 
 
 def _after_fork_in_child() -> None:
     """A forked child gets a lock of its own: another thread of the parent may have held
     this one at the fork, and nothing in the child would release it. A child of a
     process that makes calls (a DataLoader's worker, a ``fork`` pool's) shares that
-    process's sockets to its actors: its calls are refused (``forked_error``), as its
-    frames would mix with the parent's (a call's answer went to the parent's next call).
-    Every call of a client the child inherited then takes the path of a call from
-    another thread (its loop thread is no thread here), where the refusal is."""
+    process's sockets to its actors: calls through the clients it inherited are refused
+    (``forked_error``), as their frames would mix with the parent's (a call's answer
+    went to the parent's next call). Every call of such a client then takes the path of
+    a call from another thread (its loop thread is no thread here), where the refusal
+    is. The child itself has no runtime open, and is no actor: it may open a runtime
+    of its own."""
     global runtimes_lock, _forked_from
     runtimes_lock = threading.Lock()
     w = _worker[0]
@@ -36,14 +39,18 @@ def _after_fork_in_child() -> None:
                     else f"a driver with an actorshm runtime open (pid {os.getppid()})")
     if w is not None:
         w.loop_thread = None
+        _inherited_loops.add(w.loop)
+        _worker[0] = None
     for rt in _runtimes:
         rt._loop_thread = None
+        _inherited_loops.add(rt.loop)
+    _runtimes.clear()
 
 
-def forked_error() -> RuntimeError | None:
-    """The error a call made in a forked child raises (``_after_fork_in_child``), or
-    None: this process may call actors."""
-    if not _forked_from:
+def forked_error(loop) -> RuntimeError | None:
+    """The error a call made in a forked child through a client it inherited (whose
+    event loop is ``loop``) raises (``_after_fork_in_child``), or None: go on."""
+    if loop not in _inherited_loops:
         return None
     return RuntimeError(
         f"actorshm: this process (pid {os.getpid()}) was forked from {_forked_from}, "
@@ -180,7 +187,7 @@ def call_from_thread(loop, make_call):
     Cancelling it cancels the call, as cancelling the asyncio future does: cancelled
     before the loop got to it, the call is never made.
     """
-    refused = forked_error()
+    refused = forked_error(loop)
     if refused is not None:
         return failed_call(refused)
     cf = ThreadCallFuture()

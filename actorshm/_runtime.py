@@ -399,7 +399,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             actor_id: the actor, as its handle names it.
         """
         if self._open and threading.get_ident() != self._loop_thread:
-            refused = _client.forked_error()
+            refused = _client.forked_error(self.loop)
             if refused is not None:
                 raise refused
             # (another thread's event loop: the runtime's loop owns the record, and its
@@ -499,7 +499,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         _services.cancel_spawn(self, conn, cid)
 
     def _check_open(self) -> None:
-        refused = _client.forked_error()
+        refused = _client.forked_error(self.loop)
         if refused is not None:
             raise refused
         if not self._open or self._closing:

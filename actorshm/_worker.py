@@ -208,7 +208,7 @@ class Worker(StreamingClient):
         """A service call to the driver, awaited from any event loop of this process:
         the connection is this worker's loop's, so a thread's own loop (``asyncio.run``
         in a sync method of an actor with max_concurrency > 1) waits for it there."""
-        refused = _client.forked_error()
+        refused = _client.forked_error(self.loop)
         if refused is not None:
             raise refused
         if asyncio.get_running_loop() is self.loop:

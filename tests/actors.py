@@ -1122,6 +1122,28 @@ def call_in_a_forked_child(call):
         return f.read()
 
 
+def own_runtime_in_a_forked_child():
+    """Fork; the child opens a runtime of its own and calls an actor of it: what it
+    got (its error's repr if it failed)."""
+    async def main():
+        c = await Counter.spawn(41)
+        return await c.incr()
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            said = str(actorshm.run(main()))
+        except BaseException as exc:
+            said = repr(exc)
+        os.write(w, said.encode()[:4000])
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    with os.fdopen(r) as f:
+        return f.read()
+
+
 def _mark(path, text="ran"):
     with open(path, "w") as f:
         f.write(text)

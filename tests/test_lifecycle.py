@@ -399,12 +399,13 @@ _FORKED_CALLER = """
 import os, sys
 sys.path.insert(0, %r)
 import actorshm
-from actors import Counter, Faulty, call_in_a_forked_child
+from actors import Counter, Faulty, call_in_a_forked_child, own_runtime_in_a_forked_child
 async def main():
     async with actorshm.Runtime(start_method=%r) as rt:
         c, f = await Counter.spawn(0), await Faulty.spawn()
         print("driver's child:", call_in_a_forked_child(lambda: c.incr(100)), flush=True)
         print("actor's child:", await f.call_in_a_forked_child(c), flush=True)
+        print("own runtime:", own_runtime_in_a_forked_child(), flush=True)
         print("after the forks", await c.incr(), await f.incr_on(c), flush=True)
 actorshm.run(main())
 """
@@ -422,6 +423,7 @@ def test_a_process_forked_from_a_driver_or_an_actor_cannot_call_actors(start_met
     assert "actor's child: actorshm: this process" in out, out
     assert "forked from an actorshm actor's process" in out, out
     assert "after the forks 1 2" in out, out
+    assert "own runtime: 42" in out, out  # (a runtime of its own works there)
 
 
 _REAPER_DRIVER = """
