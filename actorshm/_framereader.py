@@ -104,7 +104,7 @@ class FrameReader:
         if not nread:
             self._broken()
             return False
-        self.host.read_at = _clock()  # (a worker's burst of sync calls: ``burst_over``)
+        self.host.read_at = _clock()  # (where a worker's burst of sync calls starts)
         # The common case: this read holds whole frames only, parsed straight out of the
         # receive buffer (each payload a view that ``_frame`` decodes at once). A frame
         # cut off at the end of a read is kept in ``_inbuf``, and the frames that span
