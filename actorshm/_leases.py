@@ -29,6 +29,7 @@ fenced.
 from __future__ import annotations
 
 import collections
+import os
 import weakref
 from typing import Any, Protocol
 
@@ -139,6 +140,16 @@ _release_hook = None  # ``set_release_hook``: schedules ``dispatch_releases`` on
 # Whether this process tells its upstream when it passes a peer's block on (actors do;
 # the driver does not need to, see the module docstring): ``set_forward_notices``.
 _forward_notices = False
+
+
+def _no_notices_after_fork() -> None:
+    """A child forked from an actor is no actor (it may open a runtime of its own, a
+    driver's role): a notice would go out on the actor's connection it inherited."""
+    global _forward_notices
+    _forward_notices = False
+
+
+os.register_at_fork(after_in_child=_no_notices_after_fork)
 
 
 def live_blocks() -> tuple[list, set]:

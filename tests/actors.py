@@ -40,6 +40,9 @@ class Counter:
         self.n += k
         return self.n
 
+    def first(self, a):
+        return float(a[0])
+
     def record(self, i):
         self.log.append(i)
         return i
@@ -279,6 +282,13 @@ class Faulty:
 
     async def incr_on(self, other):
         return await other.incr()
+
+    def relay_in_a_forked_childs_runtime(self, x):
+        """Keep ``x``; fork a child that opens a runtime of its own and passes ``x`` to
+        an actor of it (the child is no actor: it must tell this actor's upstream
+        nothing): what that actor read."""
+        self.kept = x
+        return own_runtime_in_a_forked_child(lambda c: c.first(x))
 
     def fork_and_return(self):
         return os.fork()  # the child returns too, into actorshm's code
@@ -1122,12 +1132,12 @@ def call_in_a_forked_child(call):
         return f.read()
 
 
-def own_runtime_in_a_forked_child():
-    """Fork; the child opens a runtime of its own and calls an actor of it: what it
-    got (its error's repr if it failed)."""
+def own_runtime_in_a_forked_child(call=lambda c: c.incr()):
+    """Fork; the child opens a runtime of its own and makes ``call(c)`` on a Counter
+    (41) of it: what it got (its error's repr if it failed)."""
     async def main():
         c = await Counter.spawn(41)
-        return await c.incr()
+        return await call(c)
 
     r, w = os.pipe()
     pid = os.fork()

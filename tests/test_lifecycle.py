@@ -426,6 +426,23 @@ def test_a_process_forked_from_a_driver_or_an_actor_cannot_call_actors(start_met
     assert "own runtime: 42" in out, out  # (a runtime of its own works there)
 
 
+async def test_a_forked_child_of_an_actor_passes_its_blocks_on_as_no_actor(rt, caplog):
+    # The child, with a runtime of its own, passed on a block the actor was leased: as
+    # if it were the actor, it wrote a forward notice on the actor's link to the driver
+    # (and its withdrawal never went out), so the driver took the block for passed on
+    # and kept it from its pool when the actor died.
+    f = await Faulty.spawn()
+    x = actorshm.zeros(1000)
+    x[0] = 7.0
+    assert await f.relay_in_a_forked_childs_runtime(x) == "7.0"
+    await asyncio.sleep(0.2)
+    grants = rt.record(f.actor_id).conn.ledger.grants.values()
+    assert [g.forwarded for g in grants] == [0]
+    await f.kill()
+    await asyncio.sleep(0.2)
+    assert "keeps those blocks" not in caplog.text
+
+
 _REAPER_DRIVER = """
 import asyncio, ctypes, os, sys
 sys.path.insert(0, %r)
