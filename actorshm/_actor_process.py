@@ -77,6 +77,9 @@ async def _end_like_a_program(worker: "Worker", timeout: float) -> None:
     All of it has the runtime's ``shutdown_grace``: the process then exits regardless
     (``_exit_when_overdue``), so that calls on it end with its death."""
     _exit_when_overdue(worker)
+    # Cycles are collected at the end, after the atexit functions (``main``), as a
+    # program's are: not by a collection that allocations here happen to start.
+    gc.disable()
     # No call starts now (``Worker.stop``): those queued are dropped (their callers hear
     # of the actor's end); streams that are stopped still take slots in turn, to run
     # their finally blocks.
