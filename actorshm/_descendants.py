@@ -325,4 +325,7 @@ def _send(pidfd: int, sig: int) -> None:
 
 def _close(fds: list[int]) -> None:
     for fd in fds:
-        os.close(fd)
+        try:
+            os.close(fd)
+        except OSError:  # (closed already, by code that held a stale fd number: the
+            pass  # runtime's close must still end)

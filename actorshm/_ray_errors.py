@@ -19,7 +19,8 @@ from typing import Any
 from . import _shm
 from ._errors import ActorDiedError, RemoteError, RemoteTraceback, undeserializable_arguments
 from ._remote_errors import decode_exception
-from ._serialization import FILE_TYPES, THREAD_FUTURE, refuse_file, result_mistake
+from ._serialization import (FILE_TYPES, THREAD_FUTURE, refuse_connection, refuse_file,
+                             result_mistake)
 
 __all__ = ["check_args", "check_result", "translate", "outcome", "unavailable_error",
            "died", "pickling_failed"]
@@ -204,6 +205,11 @@ def _check(values: tuple, refused: str, warn_for: str | None) -> None:
         elif t in FILE_TYPES and x is not sys.stdout and x is not sys.stderr:
             try:
                 refuse_file(x)
+            except TypeError as exc:
+                raise TypeError(f"{refused}: {exc}") from None
+        elif t.__module__ == "multiprocessing.connection":
+            try:
+                refuse_connection(x)
             except TypeError as exc:
                 raise TypeError(f"{refused}: {exc}") from None
         elif not warned and _shm.is_shared(x):

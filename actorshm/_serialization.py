@@ -47,7 +47,7 @@ __all__ = ["encode", "encode_plain_call", "decode", "Unsendable", "MessageTooBig
            "register_reducer", "register_region_kind", "register_lazy_plugin",
            "register_shared_check",
            "register_flat", "leased_block", "lease_host_block", "ARENA", "GPU_SLAB",
-           "FILE_TYPES", "refuse_file"]
+           "FILE_TYPES", "refuse_file", "refuse_connection"]
 
 from ._registry import (_OPENERS, _flat_holes, _lazy_plugins,  # noqa: F401
                         _not_reduced, _plugin_reducer, _reducers, register_flat,
@@ -74,6 +74,18 @@ def refuse_file(f) -> None:
     raise Unsendable(
         f"{what} cannot be sent to another process: pass its path and open it there, "
         "or its contents (f.read())")
+
+
+def refuse_connection(c) -> None:
+    """A ``multiprocessing`` pipe end (or listener) pickles as its fd's number, which in
+    another process names some other file of that process (closed there when the copy
+    is dropped: an actor's socket, in the driver)."""
+    if type(c).__name__ in ("Connection", "PipeConnection", "Listener"):
+        raise Unsendable(
+            f"a multiprocessing {type(c).__name__} (an end of multiprocessing.Pipe()) "
+            "cannot be sent to another process this way: its file descriptor does not "
+            "travel. Pass the data through calls (a streaming method for a flow of "
+            "items), or create the pipe where it is used")
 
 
 class PassFd:
@@ -163,6 +175,8 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
             return _reduce_code(obj)
         if t in FILE_TYPES and obj is not sys.stdout and obj is not sys.stderr:
             refuse_file(obj)
+        if t.__module__ == "multiprocessing.connection":
+            refuse_connection(obj)
         if _reducers or _lazy_plugins:
             r = _plugin_reducer(t)
             if r is not None:

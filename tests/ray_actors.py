@@ -97,6 +97,10 @@ class ArrayUser:
         import threading
         return threading.Lock()  # a result that cannot be pickled
 
+    def pipe_end(self):
+        import multiprocessing
+        return multiprocessing.Pipe()[0]  # pickles as a bare fd number
+
     def bad_reduce(self):
         return _NoPickle()
 

@@ -1610,6 +1610,17 @@ async def test_a_result_that_cannot_be_pickled_or_an_open_file_argument(art):
         a.total(f)
     with pytest.raises(TypeError, match="Runtime cannot be sent .* pass actor handles"):
         a.total(art)
+    # A pipe's end pickled as its fd number, which named another file there: the driver
+    # closed an actor's socket with the copy it was sent back (and its close then hung)
+    import multiprocessing
+    ours, theirs = multiprocessing.Pipe()
+    with pytest.raises(TypeError, match="multiprocessing Connection .* does not travel"):
+        a.total([{"end": ours}])
+    with pytest.raises(TypeError, match="result of ArrayUser.pipe_end cannot be sent back: "
+                                        "a multiprocessing Connection"):
+        await a.pipe_end()
+    ours.send(1)
+    assert theirs.recv() == 1  # (untouched)
     assert await a.total(np.ones(2)) == 2.0
 
 
