@@ -360,6 +360,20 @@ def result_undecodable(fut, what: str, exc: Exception) -> None:
         # a cycle).
         tb = exc.__traceback__
         if tb is not None:
-            traceback.clear_frames(tb.tb_next)
             exc.__traceback__ = tb.tb_next
+        _clear_frames(exc, set())
         fut.set_exception(err)
+
+
+def _clear_frames(exc: BaseException, seen: set) -> None:
+    """Drop what the frames of ``exc``'s traceback, and of the exceptions chained to it
+    (its cause, its context, a group's members), held; their lines stay."""
+    if exc is None or id(exc) in seen:
+        return
+    seen.add(id(exc))
+    traceback.clear_frames(exc.__traceback__)
+    _clear_frames(exc.__cause__, seen)
+    _clear_frames(exc.__context__, seen)
+    if _GROUPS and isinstance(exc, _GROUPS):
+        for member in exc.exceptions:
+            _clear_frames(member, seen)

@@ -482,9 +482,9 @@ class Arrays:
     def __init__(self):
         self.kept = None
 
-    def breaking_with_array(self, n):
+    def breaking_with_array(self, n, kind="error"):
         """A result that cannot be rebuilt in the driver, an array of ours in its state."""
-        return BreaksOnArrival(payload=actorshm.zeros(n))
+        return BreaksOnArrival(kind, payload=actorshm.zeros(n))
 
     def fill(self, a, value):
         a[...] = value
@@ -703,6 +703,10 @@ class Holder:
         self.arr = arr
 
 
+def _lookup(mapping, key):
+    return mapping[key]
+
+
 class BreaksOnArrival:
     """Pickles fine here; unpickling it in another process raises RuntimeError (or,
     given ``kind``, a CancelledError, GeneratorExit, KeyboardInterrupt or SystemExit)."""
@@ -713,6 +717,11 @@ class BreaksOnArrival:
         self.payload = payload  # (what its state holds as it fails to arrive)
 
     def __setstate__(self, state):
+        if state["pid"] != os.getpid() and state.get("kind") == "chained":
+            try:  # (a helper's frame, holding the state, in the error's context)
+                _lookup(state, "missing")
+            except KeyError:
+                raise RuntimeError("cannot be rebuilt in another process")
         if state["pid"] != os.getpid():
             raise {"error": RuntimeError("cannot be rebuilt in another process"),
                    "cancel": asyncio.CancelledError("raised while unpickling"),
