@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import os
 import threading
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable
@@ -481,6 +482,18 @@ def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1):
 # place at once, not when its callbacks run.
 _pending: dict[tuple, set] = {}
 _pending_lock = threading.Lock()
+
+
+def _forget_pending_after_fork() -> None:
+    """A forked child made none of its parent's calls (and another thread of the parent
+    may have held the lock at the fork): its calls are refused as the parent's client's
+    (``_client``), not counted against the parent's limit."""
+    global _pending_lock
+    _pending.clear()
+    _pending_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pending_after_fork)
 
 
 class _Reserved:

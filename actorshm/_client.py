@@ -28,8 +28,8 @@ def _after_fork_in_child() -> None:
     (``forked_error``), as their frames would mix with the parent's (a call's answer
     went to the parent's next call). Every call of such a client then takes the path of
     a call from another thread (its loop thread is no thread here), where the refusal
-    is. The child itself has no runtime open, and is no actor: it may open a runtime
-    of its own."""
+    is (``refuse_if_forked``). The child itself has no runtime open, and is no actor:
+    it may open a runtime of its own."""
     global runtimes_lock, _forked_from
     runtimes_lock = threading.Lock()
     w = _worker[0]
@@ -45,6 +45,16 @@ def _after_fork_in_child() -> None:
         rt._loop_thread = None
         _inherited_loops.add(rt.loop)
     _runtimes.clear()
+
+
+def refuse_if_forked(loop) -> None:
+    """Raise ``forked_error(loop)``, if any: a call made through an inherited client
+    raises it, as a call that cannot be encoded raises its TypeError (not from its
+    awaitable, which a coroutine in the child could not even await: its loop is the
+    parent's)."""
+    refused = forked_error(loop)
+    if refused is not None:
+        raise refused
 
 
 def forked_error(loop) -> RuntimeError | None:
@@ -187,9 +197,6 @@ def call_from_thread(loop, make_call):
     Cancelling it cancels the call, as cancelling the asyncio future does: cancelled
     before the loop got to it, the call is never made.
     """
-    refused = forked_error(loop)
-    if refused is not None:
-        return failed_call(refused)
     cf = ThreadCallFuture()
 
     def go() -> None:

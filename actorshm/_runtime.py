@@ -337,6 +337,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         if not self._open:  # (a handle kept past its runtime: maybe another loop's now)
             return _client.failed_call(ActorDiedError(self.death_of(actor_id)))
         if threading.get_ident() != self._loop_thread:
+            _client.refuse_if_forked(self.loop)
             return _client.call_from_thread(self.loop, lambda: self.call(
                 actor_id, method, args, kwargs, what, **kw))
         rec = self._actors.get(actor_id)
@@ -399,9 +400,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             actor_id: the actor, as its handle names it.
         """
         if self._open and threading.get_ident() != self._loop_thread:
-            refused = _client.forked_error(self.loop)
-            if refused is not None:
-                raise refused
+            _client.refuse_if_forked(self.loop)
             # (another thread's event loop: the runtime's loop owns the record, and its
             # exit event, which a wait on this loop would bind here)
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
@@ -499,9 +498,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         _services.cancel_spawn(self, conn, cid)
 
     def _check_open(self) -> None:
-        refused = _client.forked_error(self.loop)
-        if refused is not None:
-            raise refused
+        _client.refuse_if_forked(self.loop)
         if not self._open or self._closing:
             raise RuntimeError("this actorshm Runtime is not open; spawn actors inside "
                                "`async with actorshm.Runtime():`")

@@ -122,6 +122,7 @@ class Worker(StreamingClient):
             TypeError: an argument cannot be pickled (nothing is sent).
         """
         if threading.get_ident() != self.loop_thread:
+            _client.refuse_if_forked(self.loop)
             ctx = contextvars.copy_context()
             return _client.call_from_thread(self.loop, lambda: ctx.run(
                 self.call, actor_id, method, args, kwargs, what, meta, stream))
@@ -198,9 +199,7 @@ class Worker(StreamingClient):
         """A service call to the driver, awaited from any event loop of this process:
         the connection is this worker's loop's, so a thread's own loop (``asyncio.run``
         in a sync method of an actor with max_concurrency > 1) waits for it there."""
-        refused = _client.forked_error(self.loop)
-        if refused is not None:
-            raise refused
+        _client.refuse_if_forked(self.loop)
         if asyncio.get_running_loop() is self.loop:
             return await self.driver.call(service, args, {}, what)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(

@@ -406,6 +406,10 @@ async def main():
         print("driver's child:", call_in_a_forked_child(lambda: c.incr(100)), flush=True)
         print("actor's child:", await f.call_in_a_forked_child(c), flush=True)
         print("own runtime:", own_runtime_in_a_forked_child(), flush=True)
+        d = await Counter.options(max_pending_calls=1).spawn(0)
+        busy = d.slow_record(1, 0.3)  # (the parent's one call allowed, unanswered)
+        print("limited child:", call_in_a_forked_child(lambda: d.incr(100)), flush=True)
+        await busy
         print("after the forks", await c.incr(), await f.incr_on(c), flush=True)
 actorshm.run(main())
 """
@@ -424,6 +428,8 @@ def test_a_process_forked_from_a_driver_or_an_actor_cannot_call_actors(start_met
     assert "forked from an actorshm actor's process" in out, out
     assert "after the forks 1 2" in out, out
     assert "own runtime: 42" in out, out  # (a runtime of its own works there)
+    # (not the parent's count of unanswered calls: PendingCallsLimitError)
+    assert "limited child: actorshm: this process" in out, out
 
 
 async def test_a_forked_child_of_an_actor_passes_its_blocks_on_as_no_actor(rt, caplog):
