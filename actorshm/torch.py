@@ -235,7 +235,8 @@ def share_module(module):
 
     Raises:
         TypeError: not a module.
-        ValueError: a parameter or buffer on another device (e.g. MPS).
+        ValueError: a parameter or buffer on another device (e.g. MPS), or one not
+            initialized yet (a lazy module's, before its first forward pass).
         ImportError: CUDA parameters without CuPy installed.
         SharedMemoryError: over budget.
     """
@@ -251,6 +252,13 @@ def share_module(module):
     for m in module.modules():
         for kind, slots in (("p", m._parameters), ("b", m._buffers)):
             for name, v in slots.items():
+                if isinstance(v, _t.nn.parameter.UninitializedTensorMixin):
+                    # (a lazy module's, before its first forward: no memory to share
+                    # yet; the memory it gets then would be a private tensor's)
+                    raise ValueError(
+                        f"share_module: {type(m).__name__}.{name} is uninitialized (a "
+                        "lazy module's, such as LazyLinear): run a forward pass first "
+                        "(its shape is known then), then share the module")
                 t = None if v is None else v.data if kind == "p" else v
                 if t is None or is_shared(t):
                     continue

@@ -649,6 +649,18 @@ def test_share_module_moves_nothing_when_one_tensor_is_refused():
     assert not any(at.is_shared(p) for p in m.parameters())
 
 
+def test_share_module_refuses_a_lazy_module_until_its_first_forward():
+    # It returned as if done, the lazy parameters left private (empty, then given
+    # private memory at the first forward): actors trained copies. torch's own
+    # share_memory() refuses them too.
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LazyLinear(4))
+    with pytest.raises(ValueError, match=r"LazyLinear\.weight is uninitialized.*forward"):
+        at.share_module(m)
+    assert not any(at.is_shared(p) for p in m[0].parameters())  # (nothing moved)
+    m(torch.ones(2, 3))
+    assert all(at.is_shared(p) for p in at.share_module(m).parameters())
+
+
 def test_share_keeps_what_sending_keeps():
     p = torch.nn.Parameter(torch.ones(2, 3))
     sp = at.share(p)
