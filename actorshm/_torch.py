@@ -257,11 +257,13 @@ def _set_subclass_state(t: torch.Tensor, state) -> None:
 
 def _from_another_process(st) -> bool:
     """Whether storage ``st``, in torch's shared memory, is one ``torch.multiprocessing``
-    brought in from another process (a ``DataLoader``'s batch from its workers, an item
-    of a torch queue): data, copied as any other, not a model the user shared here with
-    ``share_memory_()`` and expects actors to write (what the warning is for). Torch
-    keeps each storage it received in ``reductions.shared_cache``; a torch without it
-    answers False (the warning stays)."""
+    carried between processes (a ``DataLoader``'s batch from its workers, an item of a
+    torch queue): data, copied as any other, not one the user shared here with
+    ``share_memory_()`` and expects actors to write (what the warning is for; a model's
+    parameters always warn). Torch keeps each storage it received or sent in
+    ``reductions.shared_cache``; a torch without it answers False (the warning stays).
+    (A scan of that cache, up to a few microseconds, for each such tensor sent until
+    the warning has fired.)"""
     try:
         from torch.multiprocessing import reductions
         cdata = st._cdata
@@ -296,7 +298,8 @@ def _reduce_bare(enc, t: torch.Tensor):
         where = _shared(enc, t)
         if where is not None:
             return _rebuild_tensor, where
-    if st.is_shared() and not _warned[0] and not _from_another_process(st):
+    if st.is_shared() and not _warned[0] and (
+            kind is _Parameter or t.requires_grad or not _from_another_process(st)):
         _warned[0] = True
         warnings.warn(
             "a tensor in torch's shared memory (share_memory_(), Module.share_memory()) is "

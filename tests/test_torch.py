@@ -385,6 +385,21 @@ async def test_a_dataloaders_batches_from_its_workers_are_copied_without_a_warni
     assert len(got["then"]) == 1 and "share(t)" in got["then"][0]
 
 
+async def test_a_model_sent_through_torch_multiprocessing_still_warns(rt, monkeypatch):
+    # torch keeps the storages it sent in its cache too: a model shared with
+    # share_memory() and once given to a torch.multiprocessing process looked like a
+    # DataLoader's batch, and its copy in an actor went unsaid
+    from multiprocessing.reduction import ForkingPickler
+
+    from actorshm import _torch
+    monkeypatch.setattr(_torch, "_warned", [False])
+    w = await TorchWorker.spawn()
+    model = torch.nn.Linear(4, 2).share_memory()
+    ForkingPickler.dumps(model)  # (what a torch queue's put does with it)
+    with pytest.warns(RuntimeWarning, match=r"share_module\(model\)"):
+        await w.sgd_step(model, 0.5)
+
+
 async def test_an_actor_whose_dataloader_raised_stops_at_once():
     # The method's exception keeps the DataLoader's iterator in a reference cycle with
     # the instance. Collected before torch's exit function ran, the iterator joined its
