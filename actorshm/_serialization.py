@@ -10,7 +10,8 @@ dtype, strides and offset inside the block, so views travel as views and nothing
 copied. An array that is not yet in shared memory is first copied into this process's
 pool (once per send; counted in ``bytes_copied``), except a small one: an ordinary array
 of up to ``INLINE_MAX`` bytes travels inside the pickle itself (pickle protocol 5,
-in band), up to ``INLINE_BUDGET`` bytes of them per message. It is a copy either way, and
+in band), up to ``INLINE_BUDGET`` bytes of them per message (one of up to
+``ALWAYS_IN_BAND`` bytes always: ``_inband.in_band``). It is a copy either way, and
 a shared block would cost more than the bytes it carries; the receiver gets a writable
 copy all the same, and the copy still counts in ``bytes_copied``.
 

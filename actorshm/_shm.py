@@ -621,6 +621,10 @@ def share(arr) -> np.ndarray:
         if ma is not None and isinstance(arr, ma.MaskedArray):
             if t is ma.MaskedArray:
                 return _share_masked(arr, ma)
+            if t.__new__ is ma.MaskedArray.__new__ and arr is not ma.masked:
+                # (a subclass that builds itself as MaskedArray does: it is sent so)
+                out = _share_masked(arr, ma)
+                return out if type(out) is t else out.view(t)
             if arr is ma.masked:
                 raise TypeError("np.ma.masked (numpy's constant for a masked element) "
                                 "has no memory to share: send it as it is")

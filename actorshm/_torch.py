@@ -8,8 +8,9 @@ whose storage lies in an actorshm host block goes by reference to that block: th
 receiver rebuilds a tensor of the same dtype, shape, strides and storage offset over
 the same memory, writable. Any other CPU tensor's storage is first copied into this
 process's pool (counted in ``bytes_copied``), as ``torch.multiprocessing`` moves a
-tensor to shared memory; a small one (up to ``_inband.INLINE_MAX`` bytes of storage, as
-for numpy arrays) travels inside the message instead, and arrives as a writable copy.
+tensor to shared memory; a small one (``_inband.in_band``: up to ``INLINE_MAX`` bytes
+of storage within the message's budget, as for numpy arrays) travels inside the message
+instead, and arrives as a writable copy.
 
 The bytes travel dtype-blind (a uint8 view of the storage), so every torch dtype
 travels, those numpy lacks (``bfloat16``, the float8 kinds) included. An

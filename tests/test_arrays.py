@@ -421,6 +421,10 @@ async def test_share_and_is_shared():
     assert not actorshm.is_shared([1, 2])
 
 
+class _MaskedSub(np.ma.MaskedArray):
+    """A masked array subclass of one's own (no construction of its own)."""
+
+
 async def test_share_keeps_the_class_and_a_masked_arrays_mask(rt, tmp_path):
     # as sending keeps them: a masked array's copy must not come back without its mask
     m = np.ma.array(np.arange(5000.0), mask=np.arange(5000) % 3 == 0, fill_value=-1.0)
@@ -443,6 +447,11 @@ async def test_share_keeps_the_class_and_a_masked_arrays_mask(rt, tmp_path):
     ss = actorshm.share(st)
     assert actorshm.is_shared(ss.mask) and actorshm.share(ss) is ss and ss.hardmask
     assert np.array_equal(ss.mask, st.mask)
+    # a subclass that builds itself as MaskedArray does: shared as sending goes
+    sub = m.view(_MaskedSub)
+    shared = actorshm.share(sub)
+    assert type(shared) is _MaskedSub and np.array_equal(shared.mask, m.mask)
+    assert actorshm.is_shared(shared.data) and actorshm.is_shared(shared.mask)
 
 
 async def test_forwarded_block_flows_home(rt):
