@@ -321,6 +321,8 @@ class ActorMethod:
             TypeError: an argument cannot be serialized (nothing is sent).
             PendingCallsLimitError: the actor's ``max_pending_calls`` calls from this
                 process are all unanswered (nothing is sent).
+            RuntimeError: this process is a fork (``os.fork``: a DataLoader's worker) of
+                the one whose runtime or actor the handle belongs to (nothing is sent).
         """
         h = self._handle
         if self._plain:

@@ -77,9 +77,10 @@ async def _end_like_a_program(worker: "Worker", timeout: float) -> None:
     All of it has the runtime's ``shutdown_grace``: the process then exits regardless
     (``_exit_when_overdue``), so that calls on it end with its death."""
     _exit_when_overdue(worker)
-    # Cycles are collected at the end, after the atexit functions (``main``), as a
-    # program's are: not by a collection that allocations here happen to start.
-    gc.disable()
+    # The cycles made before are collected at the end, after the atexit functions
+    # (``main``), as a program's are: not by a collection that allocations here happen
+    # to start. (Frozen, not disabled: what the clean-up makes is collected as usual.)
+    gc.freeze()
     # No call starts now (``Worker.stop``): those queued are dropped (their callers hear
     # of the actor's end); streams that are stopped still take slots in turn, to run
     # their finally blocks.
@@ -218,6 +219,7 @@ def main() -> None:
         atexit._run_exitfuncs()
         worker = _client.current_worker()
         if worker is not None and worker.collect_at_exit:
+            gc.unfreeze()
             gc.collect()
     finally:
         for f in (sys.stdout, sys.stderr):

@@ -33,6 +33,7 @@ by SIGTTOU as a background job would.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import select
 import signal
@@ -327,5 +328,6 @@ def _close(fds: list[int]) -> None:
     for fd in fds:
         try:
             os.close(fd)
-        except OSError:  # (closed already, by code that held a stale fd number: the
-            pass  # runtime's close must still end)
+        except OSError as exc:  # (closed already, by code that held a stale fd number:
+            if exc.errno != errno.EBADF:  # the runtime's close must still end)
+                raise

@@ -207,7 +207,7 @@ def _check(values: tuple, refused: str, warn_for: str | None) -> None:
                 refuse_file(x)
             except TypeError as exc:
                 raise TypeError(f"{refused}: {exc}") from None
-        elif t.__module__ == "multiprocessing.connection":
+        elif getattr(t, "__module__", None) == "multiprocessing.connection":
             try:
                 refuse_connection(x)
             except TypeError as exc:

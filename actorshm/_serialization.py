@@ -81,12 +81,13 @@ def refuse_connection(c) -> None:
     """A ``multiprocessing`` pipe end (or listener) pickles as its fd's number, which in
     another process names some other file of that process (closed there when the copy
     is dropped: an actor's socket, in the driver)."""
-    if type(c).__name__ in ("Connection", "PipeConnection", "Listener"):
+    kind = type(c).__name__
+    if kind in ("Connection", "PipeConnection", "Listener"):
+        what = "an end of multiprocessing.Pipe()" if kind != "Listener" else "listening"
         raise Unsendable(
-            f"a multiprocessing {type(c).__name__} (an end of multiprocessing.Pipe()) "
-            "cannot be sent to another process this way: its file descriptor does not "
-            "travel. Pass the data through calls (a streaming method for a flow of "
-            "items), or create the pipe where it is used")
+            f"a multiprocessing {kind} ({what}) cannot be sent to another process this "
+            "way: its file descriptor does not travel. Pass the data through calls (a "
+            "streaming method for a flow of items), or create it where it is used")
 
 
 class PassFd:
@@ -176,8 +177,8 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
             return _reduce_code(obj)
         if t in FILE_TYPES and obj is not sys.stdout and obj is not sys.stderr:
             refuse_file(obj)
-        if t.__module__ == "multiprocessing.connection":
-            refuse_connection(obj)
+        if getattr(t, "__module__", None) == "multiprocessing.connection":  # (a class
+            refuse_connection(obj)  # made by type() in exec'd code may have none)
         if _reducers or _lazy_plugins:
             r = _plugin_reducer(t)
             if r is not None:

@@ -1063,7 +1063,7 @@ class Tidy:
         import logging.handlers
         self.path = path
         self.f = open(path, "w")  # buffered: only closing it writes the lines out
-        atexit.register(_mark, path + ".atexit")
+        atexit.register(_mark_collecting, path + ".atexit")
         # A logger that writes only when flushed (logging's own exit function does it)
         log = logging.getLogger(f"tidy.{os.getpid()}")
         log.addHandler(logging.handlers.MemoryHandler(
@@ -1168,6 +1168,12 @@ def own_runtime_in_a_forked_child(call=lambda c: c.incr()):
 
 
 _KEPT = []  # (what ``Tidy.make_cycle`` keeps out of its cycle)
+
+
+def _mark_collecting(path):
+    """An exit function's trace: whether garbage collection runs while it does."""
+    import gc
+    _mark(path, f"gc {'on' if gc.isenabled() else 'off'}")
 
 
 def _mark(path, text="ran"):

@@ -518,3 +518,17 @@ async def test_methods_made_by_decorators_and_descriptors_are_called_as_written(
     for member in ("Config", "dtype", "state"):
         with pytest.raises(AttributeError, match="no public method"):
             getattr(d, member)
+
+
+async def test_an_object_of_a_class_without_a_module_travels(rt):
+    # (a class made by type() in code run by exec with globals that lack __name__ has no
+    # __module__ at all: a check of argument types by module must not fail on it)
+    ns: dict = {}
+    exec("Point = type('Point', (), {'__init__': lambda self, x: setattr(self, 'x', x)})",
+         ns)
+    point_cls = ns["Point"]
+    with pytest.raises(AttributeError):
+        point_cls.__module__
+    c = await Counter.spawn()
+    back = await c.echo(point_cls(3))
+    assert back.x == 3

@@ -85,6 +85,10 @@ async def test_a_stopping_actor_ends_as_a_program_does(start_method, tmp_path):
     # functions had run, as a program's cycles are collected at its end
     with open(f"{exited}.del") as f, open(f"{closed}.del") as g:
         assert (f.read(), g.read()) == ("before atexit", "after atexit")
+    # ... while garbage made meanwhile (by an exit function) is collected as usual
+    for path in (closed, exited):
+        with open(path + ".atexit") as f:
+            assert f.read() == "gc on"
     for path in (closed, exited):  # (logging's exit function, the fork server's import)
         with open(path + ".log") as f:
             assert f.read() == "started\n"

@@ -395,7 +395,11 @@ async def test_a_model_sent_through_torch_multiprocessing_still_warns(rt, monkey
     monkeypatch.setattr(_torch, "_warned", [False])
     w = await TorchWorker.spawn()
     model = torch.nn.Linear(4, 2).share_memory()
-    ForkingPickler.dumps(model)  # (what a torch queue's put does with it)
+    try:
+        ForkingPickler.dumps(model)  # (what a torch queue's put does with it)
+    finally:
+        import multiprocessing.resource_sharer
+        multiprocessing.resource_sharer.stop()  # (the thread and fds that dumps made)
     with pytest.warns(RuntimeWarning, match=r"share_module\(model\)"):
         await w.sgd_step(model, 0.5)
 
