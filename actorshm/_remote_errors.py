@@ -91,7 +91,10 @@ def _text(exc: BaseException) -> str:
 def _pickle_exception(exc: BaseException, dumps, msg: str) -> bytes | None:
     """``exc`` pickled so that it loads as its own type with its own message: the way
     pickle does it where that rebuilds it, else by its state (``_ByState``); ``None``
-    where neither pickles (its type cannot be, or an attribute such as a lock)."""
+    where neither pickles (its type cannot be, or an attribute such as a lock), or it
+    holds a ``multiprocessing`` pipe end (``_holds_a_pipe_end``)."""
+    if _holds_a_pipe_end(exc):
+        return None
     try:
         blob = dumps(exc, protocol=5)
     except Exception:  # its type or an attribute does not pickle, or its __reduce__ fails
@@ -106,6 +109,26 @@ def _pickle_exception(exc: BaseException, dumps, msg: str) -> bytes | None:
         return dumps(_ByState(exc, dumps, slots=False), protocol=5)
     except Exception:
         return None
+
+
+def _holds_a_pipe_end(exc: BaseException) -> bool:
+    """Whether ``exc``'s arguments or attributes (or the items of a list, tuple or dict
+    among them) hold a ``multiprocessing`` Connection: pickled, it would arrive as its
+    fd's number and close another file of the caller's when dropped (an actor's socket,
+    in the driver). Such an exception goes as its text (``RemoteError``), as arguments
+    and results with one are refused (``_serialization.refuse_connection``)."""
+    try:
+        items = [*exc.args, *vars(exc).values()]
+    except Exception:
+        return False
+    for x in list(items):
+        if type(x) in (list, tuple):
+            items.extend(x)
+        elif type(x) is dict:
+            items.extend(x.values())
+    return any(getattr(type(x), "__module__", None) == "multiprocessing.connection" and
+               type(x).__name__ in ("Connection", "PipeConnection", "Listener")
+               for x in items)
 
 
 def _rebuilds(blob: bytes, exc: BaseException, msg: str) -> bool:

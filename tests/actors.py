@@ -43,6 +43,15 @@ class Counter:
     def first(self, a):
         return float(a[0])
 
+    def raise_with_a_pipe_end(self):
+        import multiprocessing
+        self.pipe = multiprocessing.Pipe()
+        raise ValueError("boom", self.pipe[0])
+
+    def pipe_works(self):
+        self.pipe[0].send(1)
+        return self.pipe[1].recv()
+
     def record(self, i):
         self.log.append(i)
         return i

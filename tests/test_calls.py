@@ -532,3 +532,14 @@ async def test_an_object_of_a_class_without_a_module_travels(rt):
     c = await Counter.spawn()
     back = await c.echo(point_cls(3))
     assert back.x == 3
+
+
+async def test_an_exception_holding_a_pipe_end_comes_back_as_its_text(rt):
+    # pickled, the pipe end arrived as its fd's number, and dropping the error closed
+    # that fd of the driver's (an actor's socket: that actor was reported dead)
+    c = await Counter.spawn()
+    with pytest.raises(actorshm.RemoteError, match="ValueError: .*boom"):
+        await c.raise_with_a_pipe_end()
+    gc.collect()
+    await asyncio.sleep(0.05)
+    assert await c.pipe_works() == 1  # (the actor's own end untouched, its socket too)
