@@ -181,8 +181,12 @@ def _check(values: tuple, refused: str, warn_for: str | None) -> None:
     while todo:
         x, depth = todo.pop()
         t = type(x)
-        if t is list or t is tuple or t is dict:
-            items = x.values() if t is dict else x
+        if t is list or t is tuple or t is dict or (t not in _SCALARS and isinstance(
+                x, (list, tuple, dict))) or _dataclass_fields(t) is not None:
+            # (a namedtuple, an OrderedDict, a dataclass's fields: as the local backend
+            # finds what it refuses at any depth)
+            items = x.values() if isinstance(x, dict) else x if isinstance(
+                x, (list, tuple)) else [getattr(x, f, None) for f in _dataclass_fields(t)]
             # (a long list of numbers is common: one pass in C says there is nothing in it)
             if depth < 3 and not set(map(type, items)) <= _SCALARS:
                 todo.extend((y, depth + 1) for y in items if type(y) not in _SCALARS)
@@ -214,6 +218,12 @@ def _check(values: tuple, refused: str, warn_for: str | None) -> None:
                 raise TypeError(f"{refused}: {exc}") from None
         elif not warned and _shm.is_shared(x):
             warned = _warn_shared(warn_for, "an actorshm shared array")
+
+
+def _dataclass_fields(t: type):
+    """The field names of dataclass ``t``, or None (not a dataclass)."""
+    fields = getattr(t, "__dataclass_fields__", None)
+    return None if fields is None or not isinstance(fields, dict) else tuple(fields)
 
 
 def _warn_shared(what: str, thing: str) -> bool:

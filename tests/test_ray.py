@@ -8,6 +8,8 @@ copies (see docs/ray.md), which the Ray-only tests below pin down.
 """
 
 import asyncio
+import collections
+import dataclasses
 import gc
 import io
 import os
@@ -1564,12 +1566,21 @@ def test_freezing_received_arrays_leaves_the_receivers_own_alone():
     assert not frozen.x.flags.writeable and not frozen.inner.y.flags.writeable
 
 
+@dataclasses.dataclass
+class _Holder:
+    item: object
+
+
+_Pair = collections.namedtuple("_Pair", "a b")
+
+
 async def test_a_tensor_in_an_autograd_graph_is_refused_before_sending(art, backend):
-    # Ray's own pickling would send it as a new leaf, silently cut from its graph.
+    # Ray's own pickling would send it as a new leaf, silently cut from its graph. (In a
+    # dataclass or a namedtuple too: on Ray the check looked into plain containers only.)
     torch = pytest.importorskip("torch")
     a = await ArrayUser.spawn()
     non_leaf = torch.ones(3, requires_grad=True) * 2
-    for arg in (non_leaf, {"batch": [non_leaf]}):
+    for arg in (non_leaf, {"batch": [non_leaf]}, _Holder(non_leaf), _Pair(1, non_leaf)):
         with pytest.raises(TypeError, match=r"ArrayUser.total.*detach\(\)"):
             a.total(arg)
     assert await a.total(non_leaf.detach().numpy()) == 6.0  # the actor is unaffected
@@ -1614,8 +1625,9 @@ async def test_a_result_that_cannot_be_pickled_or_an_open_file_argument(art):
     # closed an actor's socket with the copy it was sent back (and its close then hung)
     import multiprocessing
     ours, theirs = multiprocessing.Pipe()
-    with pytest.raises(TypeError, match="multiprocessing Connection .* does not travel"):
-        a.total([{"end": ours}])
+    for arg in ([{"end": ours}], _Holder(ours)):
+        with pytest.raises(TypeError, match="multiprocessing Connection .* does not travel"):
+            a.total(arg)
     with pytest.raises(TypeError, match="result of ArrayUser.pipe_end cannot be sent back: "
                                         "a multiprocessing Connection"):
         await a.pipe_end()
