@@ -1133,15 +1133,14 @@ class Tidy:
               else "before atexit")
 
 
-def call_in_a_forked_child(call):
-    """Fork; in the child, ``call()`` and wait for its answer: what it said (its error's
-    text; "answered" if it was answered)."""
+def in_a_forked_child(work):
+    """Fork; the child runs ``work()`` and exits: the text of what it returned (of its
+    error, if it raised: a RuntimeError's message, else its repr)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            call().result(timeout=5)
-            said = "answered"
+            said = str(work())
         except RuntimeError as exc:
             said = str(exc)
         except BaseException as exc:
@@ -1154,26 +1153,24 @@ def call_in_a_forked_child(call):
         return f.read()
 
 
+def call_in_a_forked_child(call):
+    """Fork; in the child, ``call()`` and wait for its answer: what it said (its error's
+    text; "answered" if it was answered)."""
+    def answered():
+        call().result(timeout=5)
+        return "answered"
+
+    return in_a_forked_child(answered)
+
+
 def own_runtime_in_a_forked_child(call=lambda c: c.incr()):
     """Fork; the child opens a runtime of its own and makes ``call(c)`` on a Counter
-    (41) of it: what it got (its error's repr if it failed)."""
+    (41) of it: what it got."""
     async def main():
         c = await Counter.spawn(41)
         return await call(c)
 
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            said = str(actorshm.run(main()))
-        except BaseException as exc:
-            said = repr(exc)
-        os.write(w, said.encode()[:4000])
-        os._exit(0)
-    os.close(w)
-    os.waitpid(pid, 0)
-    with os.fdopen(r) as f:
-        return f.read()
+    return in_a_forked_child(lambda: actorshm.run(main()))
 
 
 _KEPT = []  # (what ``Tidy.make_cycle`` keeps out of its cycle)
