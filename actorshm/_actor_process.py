@@ -238,7 +238,8 @@ def _quiet_about(loop, exc: SystemExit) -> None:
     before = loop.get_exception_handler()
 
     def handler(loop, context) -> None:
-        if context.get("exception") is exc and "never retrieved" in context.get("message", ""):
+        if context.get("exception") is exc and \
+                "never retrieved" in context.get("message", ""):
             return
         if before is not None:
             before(loop, context)

@@ -2,8 +2,8 @@
 
 An ordinary array (not in shared memory) of up to ``INLINE_MAX`` bytes travels inside
 the pickle itself (protocol 5, in band), up to ``INLINE_BUDGET`` bytes of them per
-message (one of up to ``ALWAYS_IN_BAND`` bytes always): it is a copy either way, and a shared block would cost more than the bytes it
-carries. The receiver gets a writable copy with the same shape, dtype, strides and
+message (one of up to ``ALWAYS_IN_BAND`` bytes always): it is a copy either way, and a
+shared block would cost more than the bytes it carries. The receiver gets a writable copy with the same shape, dtype, strides and
 memory order (a small view of a much larger array: compact, ``_arena.copy_layout``).
 ``dtype_token`` is how any array's dtype travels (in band or leased).
 """
@@ -51,6 +51,8 @@ def in_band(n: int, inlined: int) -> bool:
     """Whether an ordinary array (or storage) of ``n`` bytes travels in band, in a
     message that carries ``inlined`` bytes in band already."""
     return n <= ALWAYS_IN_BAND or (n <= INLINE_MAX and inlined + n <= INLINE_BUDGET)
+
+
 _PickleBuffer = pickle.PickleBuffer
 
 

@@ -181,12 +181,8 @@ def _check(values: tuple, refused: str, warn_for: str | None) -> None:
     while todo:
         x, depth = todo.pop()
         t = type(x)
-        if t is list or t is tuple or t is dict or (t not in _SCALARS and isinstance(
-                x, (list, tuple, dict))) or _dataclass_fields(t) is not None:
-            # (a namedtuple, an OrderedDict, a dataclass's fields: as the local backend
-            # finds what it refuses at any depth)
-            items = x.values() if isinstance(x, dict) else x if isinstance(
-                x, (list, tuple)) else [getattr(x, f, None) for f in _dataclass_fields(t)]
+        items = _contents(x, t)
+        if items is not None:
             # (a long list of numbers is common: one pass in C says there is nothing in it)
             if depth < 3 and not set(map(type, items)) <= _SCALARS:
                 todo.extend((y, depth + 1) for y in items if type(y) not in _SCALARS)
@@ -220,10 +216,24 @@ def _check(values: tuple, refused: str, warn_for: str | None) -> None:
             warned = _warn_shared(warn_for, "an actorshm shared array")
 
 
-def _dataclass_fields(t: type):
-    """The field names of dataclass ``t``, or None (not a dataclass)."""
+def _contents(x, t: type):
+    """What container ``x`` (of type ``t``) holds, or None: not a container. Lists,
+    tuples and dicts, their subclasses (a namedtuple, an OrderedDict) and a dataclass's
+    fields, so that the checks find what the local backend refuses at any depth."""
+    if t is list or t is tuple:
+        return x
+    if t is dict:
+        return x.values()
+    if t in _SCALARS:
+        return None
+    if isinstance(x, (list, tuple)):
+        return x
+    if isinstance(x, dict):
+        return x.values()
     fields = getattr(t, "__dataclass_fields__", None)
-    return None if fields is None or not isinstance(fields, dict) else tuple(fields)
+    if isinstance(fields, dict):
+        return [getattr(x, f, None) for f in fields]
+    return None
 
 
 def _warn_shared(what: str, thing: str) -> bool:

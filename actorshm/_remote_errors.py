@@ -23,7 +23,7 @@ from typing import Any
 import cloudpickle
 
 from ._errors import ProtocolError, RemoteError, RemoteTraceback
-from ._util import leave_if_forked
+from ._util import leave_if_forked, pipe_end
 from ._wire import MAX_MESSAGE
 
 __all__ = ["encode_exception", "encode_failure", "decode_exception", "call_in_thread",
@@ -126,9 +126,7 @@ def _holds_a_pipe_end(exc: BaseException) -> bool:
             items.extend(x)
         elif type(x) is dict:
             items.extend(x.values())
-    return any(getattr(type(x), "__module__", None) == "multiprocessing.connection" and
-               type(x).__name__ in ("Connection", "PipeConnection", "Listener")
-               for x in items)
+    return any(pipe_end(x) for x in items)
 
 
 def _rebuilds(blob: bytes, exc: BaseException, msg: str) -> bool:

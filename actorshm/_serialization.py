@@ -42,6 +42,7 @@ from ._encoding import SCALARS, Encoding, MessageTooBig, add_wait, arena_fd, che
 from ._flat import decode_flat, encode_flat
 from ._inband import dtype_token, in_band, inline_array, rebuild_inline
 from ._errors import ProtocolError
+from ._util import pipe_end
 from ._wire import ARENA, FLAT, GPU_SLAB, HAS_BLOCKS, LEN, PLAIN, RECV_SIZE  # noqa: F401
 
 __all__ = ["encode", "encode_plain_call", "decode", "Unsendable", "MessageTooBig", "PassFd",
@@ -78,11 +79,11 @@ def refuse_file(f) -> None:
 
 
 def refuse_connection(c) -> None:
-    """A ``multiprocessing`` pipe end (or listener) pickles as its fd's number, which in
-    another process names some other file of that process (closed there when the copy
-    is dropped: an actor's socket, in the driver)."""
-    kind = type(c).__name__
-    if kind in ("Connection", "PipeConnection", "Listener"):
+    """Refuse ``c`` if it is a ``multiprocessing`` pipe end or listener (``pipe_end``):
+    it would arrive as its fd's number (in the driver, an actor's socket's, which the
+    copy closed when dropped)."""
+    kind = pipe_end(c)
+    if kind:
         what = "an end of multiprocessing.Pipe()" if kind != "Listener" else "listening"
         raise Unsendable(
             f"a multiprocessing {kind} ({what}) cannot be sent to another process this "
@@ -177,8 +178,8 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
             return _reduce_code(obj)
         if t in FILE_TYPES and obj is not sys.stdout and obj is not sys.stderr:
             refuse_file(obj)
-        if getattr(t, "__module__", None) == "multiprocessing.connection":  # (a class
-            refuse_connection(obj)  # made by type() in exec'd code may have none)
+        if getattr(t, "__module__", None) == "multiprocessing.connection":  # (cheap:
+            refuse_connection(obj)  # asked of every object; a class may have none)
         if _reducers or _lazy_plugins:
             r = _plugin_reducer(t)
             if r is not None:

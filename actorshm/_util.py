@@ -57,6 +57,18 @@ def leave_if_forked(code: int = 0) -> None:
         os._exit(code)
 
 
+def pipe_end(obj) -> str:
+    """The class name of ``obj`` if it is a ``multiprocessing`` pipe end or listener
+    (``Connection``, ``PipeConnection``, ``Listener``), else "". Pickled, one is its
+    fd's number, which in another process names some other file of that process (and
+    closes it when dropped): it must not travel."""
+    t = type(obj)
+    if getattr(t, "__module__", None) == "multiprocessing.connection" and \
+            t.__name__ in ("Connection", "PipeConnection", "Listener"):
+        return t.__name__
+    return ""
+
+
 def exit_code(exc: SystemExit) -> int:
     """The process exit code ``sys.exit(exc.code)`` gives: an int as it is, None 0,
     anything else (a message) 1."""
