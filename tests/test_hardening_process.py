@@ -279,3 +279,13 @@ async def test_the_group_of_a_dead_actors_reused_number_is_left_alone():
         ending.kill()
         other.kill()
         other.wait()
+
+
+def test_closing_the_fds_an_actor_left_ignores_one_closed_already():
+    # (a stale fd number, closed by code that held it, made the runtime's close raise
+    # EBADF before it said it was done: the close hung)
+    r, w = os.pipe()
+    os.close(r)
+    _descendants._close([r, w])
+    with pytest.raises(OSError):
+        os.fstat(w)  # (the others are closed all the same)
