@@ -32,7 +32,7 @@ def check_handles(handles: Iterable[Any], what: str) -> list[ActorHandle]:
                         f"{type(handles).__name__}") from None
     for i, h in enumerate(out):
         if not isinstance(h, ActorHandle):
-            raise TypeError(f"{what}: item {i} is a {type(h).__name__}, not an actor "
+            raise TypeError(f"{what}: item {i} is of type {type(h).__name__}, not an actor "
                             "handle (what `await Cls.spawn()` returns)")
     if not out:
         raise ValueError(f"{what} needs at least one actor handle; spawn some first, "

@@ -38,7 +38,7 @@ def _size(size) -> tuple:
             dims.append(operator.index(s))
         except TypeError:
             raise TypeError(f"actorshm.torch.empty: sizes must be ints >= 0, got {size!r}: "
-                            f"{s!r} is a {type(s).__name__}, not an integer") from None
+                            f"{s!r} is of type {type(s).__name__}, not an integer") from None
     if any(d < 0 for d in dims):
         raise ValueError(f"actorshm.torch.empty: sizes must be ints >= 0, got {tuple(dims)}")
     return tuple(dims)
@@ -200,8 +200,11 @@ def _dense(t) -> bool:
 
 def _require_tensor(obj, what: str) -> None:
     if not isinstance(obj, _t.Tensor):
-        hint = "; a numpy array is shared with actorshm.share" \
-            if isinstance(obj, np.ndarray) else ""
+        hint = ""
+        if isinstance(obj, np.ndarray):
+            hint = f"; for a numpy array, use actorshm.{what}"
+        elif isinstance(obj, _t.nn.Module):
+            hint = "; a module's parameters are shared with actorshm.torch.share_module"
         raise TypeError(f"actorshm.torch.{what} takes a torch.Tensor, not "
                         f"{type(obj).__name__}{hint}")
 

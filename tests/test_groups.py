@@ -226,7 +226,7 @@ async def test_bad_input_is_a_clear_error(rt):
     c = await Counter.spawn(0)
     with pytest.raises(ValueError, match="at least one actor"):
         ActorGroup([])
-    with pytest.raises(TypeError, match="not an actor handle"):
+    with pytest.raises(TypeError, match="item 1 is of type str, not an actor handle"):
         ActorGroup([c, "x"])
     with pytest.raises(TypeError, match="@actor class"):
         await ActorGroup.spawn(int, 2)

@@ -807,12 +807,16 @@ def test_bad_input_errors():
     assert at.zeros((np.int32(4),)).shape == (4,) and at.empty(torch.tensor(3)).shape == (3,)
     with pytest.raises(TypeError, match="nn.Module"):
         at.share_module(torch.zeros(3))
-    with pytest.raises(TypeError, match="torch.Tensor"):
+    # each names itself, and the way in for a numpy array or a module
+    with pytest.raises(TypeError, match=r"torch\.is_shared takes a torch\.Tensor, not "
+                                        r"ndarray; for a numpy array, use actorshm\.is_shared"):
         at.is_shared(np.zeros(3))
-    # each names itself, and a numpy array's way in
     with pytest.raises(TypeError, match=r"torch\.share takes a torch\.Tensor, not ndarray; "
-                                        r"a numpy array is shared with actorshm\.share"):
+                                        r"for a numpy array, use actorshm\.share"):
         at.share(np.zeros(3))
+    with pytest.raises(TypeError, match=r"not Linear; a module's parameters are shared with "
+                                        r"actorshm\.torch\.share_module"):
+        at.share(torch.nn.Linear(2, 2))
     for make in (at.empty, at.zeros):  # quantized: by value, so never in shared memory
         with pytest.raises(TypeError, match=r"torch\.qint8 is a quantized dtype"):
             make(3, dtype=torch.qint8)
