@@ -2,16 +2,41 @@
 
 from __future__ import annotations
 
+# Peers' contenders that failed in this run, each "name: why": the report lists them.
+FAILED: list[str] = []
+
 
 async def sample(fns: dict, rounds: int, reps=1) -> dict[str, list[float]]:
     """Seconds per run of each timed function of ``fns`` (name -> async function that
     returns its own duration): one warm-up run each, then ``rounds`` rounds, the
-    contenders interleaved, ``reps`` runs each per round (an int, or name -> int)."""
+    contenders interleaved, ``reps`` runs each per round (an int, or name -> int).
+
+    A peer's contender that raises (Ray out of object-store or disk space, say) is
+    dropped from the rest of the run, missing from the result and listed in ``FAILED``,
+    so that one peer's trouble costs its cells, not the run; actorshm's own contenders
+    (named ``actorshm...``) failing is an error.
+    """
+    live = dict(fns)
     samples: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        await fn()
+
+    async def run(k: str, keep: bool = True) -> None:
+        try:
+            took = await live[k]()
+        except Exception as exc:
+            if k.startswith("actorshm"):
+                raise
+            why = (str(exc).strip().splitlines() or [""])[0][:200]
+            FAILED.append(f"{k}: failed ({type(exc).__name__}: {why}); not measured")
+            del live[k], samples[k]
+        else:
+            if keep:
+                samples[k].append(took)
+
+    for k in list(live):
+        await run(k, keep=False)  # (a warm-up run)
     for _ in range(rounds):
-        for k, fn in fns.items():
+        for k in list(live):
             for _ in range(reps if isinstance(reps, int) else reps[k]):
-                samples[k].append(await fn())
+                if k in live:
+                    await run(k)
     return samples

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import actorshm  # noqa: E402
 from benchmarks import _peers, plots  # noqa: E402
-from benchmarks._timing import sample as _sample  # noqa: E402
+from benchmarks._timing import FAILED, sample as _sample  # noqa: E402
 from benchmarks._bench_actors import PipeProducer, Producer, Sink  # noqa: E402
 
 HEADER = _peers.HEADER
@@ -601,12 +601,13 @@ async def run(args, data: dict | None = None) -> str:
             table.notes.append(f"A {_size(size)} shared argument costs "
                                f"{shared_big / trivial:.2f}x a trivial call "
                                f"({_ms(shared_big)} ms vs {_us(trivial)} µs).")
-        if "Ray, argument" in arr and 512 * MiB in arr["Ray, argument"]:  # pragma: no cover
-            r = arr["Ray, argument"][512 * MiB] / arr["actorshm, shared argument"][512 * MiB]
-            r2 = (arr["Ray, put once, pass ref"][512 * MiB] /
-                  arr["actorshm, shared argument"][512 * MiB])
-            table.notes.append(f"512 MiB: Ray passing it as an argument takes {r:.0f}x "
-                               f"actorshm's time; Ray's put-once reference {r2:.1f}x.")
+        ray_512 = [(what, arr[k][512 * MiB] / arr["actorshm, shared argument"][512 * MiB])
+                   for k, what in (("Ray, argument", "passing it as an argument"),
+                                   ("Ray, put once, pass ref", "its put-once reference"))
+                   if 512 * MiB in arr.get(k, {})]
+        if ray_512:  # pragma: no cover - needs ray
+            table.notes.append("512 MiB: Ray " + "; ".join(
+                f"{what} takes {r:.1f}x" for what, r in ray_512) + " actorshm's time.")
         if "Ray actor (ray.get)" in rt:  # pragma: no cover
             table.notes.append(
                 f"Trivial call: Ray (ray.get) takes "
@@ -623,7 +624,8 @@ async def run(args, data: dict | None = None) -> str:
         data["big_bytes"] = bb
         table.add("A call with one big `bytes` argument (median ms)",
                   ["contender"] + [_size(s) for s in bsizes],
-                  [[k] + [_ms(v[s]) for s in bsizes] for k, v in bb.items()])
+                  [[k] + [_ms(v[s]) if s in v else "not measured" for s in bsizes]
+                   for k, v in bb.items()])
         per, refill, copied, allocs = await recycling(64 * MiB, 10 if quick else 40)
         rows = [["actorshm", _ms(per), _ms(refill), _ms(max(per - refill, 0)), f"{copied:.0f}",
                  f"{allocs:.2f}"]]
@@ -712,7 +714,7 @@ async def run(args, data: dict | None = None) -> str:
                                  f"{4 if quick else 16} actors at once "
                                  "(`ActorGroup.spawn`) ms"], rows)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    notes = "\n".join(f"- {n}" for n in table.notes + c.skipped +
+    notes = "\n".join(f"- {n}" for n in table.notes + c.skipped + FAILED +
                       [f"Peak RSS of the driver: {rss:.0f} MiB."])
     data["title"] = f"{_command(args)}, {machine()}"
     return (f"# Benchmarks\n\nMachine: {machine()}.\n"
