@@ -38,7 +38,10 @@ MAX_BUDGET = (1 << 63) - 1
 
 
 def default_budget() -> int:
-    """``ACTORSHM_SHM_BUDGET`` bytes, else half the machine's RAM."""
+    """``ACTORSHM_SHM_BUDGET`` bytes, else half the memory this process may use: the
+    machine's RAM, or its cgroup's limit where that is lower (a container's
+    ``docker run -m``, a systemd unit's ``MemoryMax``), so that shared arrays past it
+    are a ``SharedMemoryError`` rather than the OOM killer's SIGKILL."""
     env = os.environ.get("ACTORSHM_SHM_BUDGET")
     if env:
         try:
@@ -56,7 +59,61 @@ def default_budget() -> int:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):  # pragma: no cover
         total = 16 << 30
-    return total // 2
+    limit = cgroup_memory_limit()
+    if limit is not None:
+        total = min(total, limit)
+    return max(total // 2, MIN_BUDGET)
+
+
+def cgroup_memory_limit(root: str = "/sys/fs/cgroup",
+                        cgroups: str = "/proc/self/cgroup") -> int | None:
+    """The lowest memory limit set on this process's cgroup or one above it, in bytes
+    (cgroup v2's ``memory.max``, v1's ``memory.limit_in_bytes``), or None where none is.
+
+    In a container the cgroup file system shows the container's own cgroup at ``root``
+    (the path in ``/proc/self/cgroup`` may then name nothing there): the walk up from the
+    process's path to ``root`` itself finds its limit either way.
+    """
+    try:
+        with open(cgroups) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, path = parts[1], parts[2].strip("/")
+        if controllers == "":  # v2 (``unified``: v2 beside v1, the hybrid layout)
+            bases, name = (root, os.path.join(root, "unified")), "memory.max"
+        elif "memory" in controllers.split(","):
+            bases, name = (os.path.join(root, "memory"),), "memory.limit_in_bytes"
+        else:
+            continue
+        for base in bases:
+            p = path
+            while True:
+                limit = _read_limit(os.path.join(base, p, name))
+                if limit is not None:
+                    found.append(limit)
+                if not p:
+                    break
+                p = os.path.dirname(p)
+    return min(found) if found else None
+
+
+def _read_limit(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    try:
+        n = int(text)
+    except ValueError:  # "max": no limit
+        return None
+    return n if 0 < n < 1 << 60 else None  # (v1 writes "no limit" as about 2**63)
 
 
 def fd_limit() -> int:

@@ -26,6 +26,54 @@ async def test_runtime_budget_ends_with_the_runtime():
     del a
 
 
+def _cgroup_tree(root, files: dict) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+@pytest.mark.parametrize("cgroups, files, limit", [
+    # cgroup v2, a systemd unit under a slice with a limit (the lowest on the way up wins)
+    ("0::/user.slice/app.service\n",
+     {"user.slice/memory.max": "1073741824\n", "user.slice/app.service/memory.max": "max\n"},
+     1 << 30),
+    # v2 in a container (its own cgroup namespace: the path is "/")
+    ("0::/\n", {"memory.max": "536870912\n"}, 512 << 20),
+    # v1 beside v2 (the hybrid layout); v1 writes "no limit" as about 2**63
+    ("4:memory:/docker/abc\n0::/\n",
+     {"memory/memory.limit_in_bytes": "9223372036854771712\n",
+      "memory/docker/abc/memory.limit_in_bytes": "268435456\n", "unified/memory.max": "max"},
+     256 << 20),
+    # v1 in a container without a cgroup namespace: its path names nothing here
+    ("4:cpu,memory:/docker/abc\n", {"memory/memory.limit_in_bytes": "314572800"}, 300 << 20),
+    ("0::/\n", {"memory.max": "max"}, None),  # no limit anywhere
+    ("0::/\n", {}, None),  # no cgroup file system mounted
+])
+def test_a_cgroups_memory_limit_is_found(tmp_path, cgroups, files, limit):
+    from actorshm import _budget
+    (tmp_path / "cgroup").write_text(cgroups)
+    _cgroup_tree(tmp_path / "fs", files)
+    assert _budget.cgroup_memory_limit(str(tmp_path / "fs"), str(tmp_path / "cgroup")) == limit
+
+
+def test_the_default_budget_is_half_a_containers_memory_limit(monkeypatch):
+    # Run with `docker run -m 500m`, half the host's RAM as the budget let actors' shared
+    # arrays past the container's limit meet the OOM killer (SIGKILL) where the budget
+    # promises a SharedMemoryError.
+    from actorshm import _budget
+    monkeypatch.delenv("ACTORSHM_SHM_BUDGET", raising=False)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    monkeypatch.setattr(_budget, "cgroup_memory_limit", lambda: 500 << 20)
+    assert _budget.default_budget() == 250 << 20
+    monkeypatch.setattr(_budget, "cgroup_memory_limit", lambda: 4 * ram)  # above RAM
+    assert _budget.default_budget() == ram // 2
+    monkeypatch.setattr(_budget, "cgroup_memory_limit", lambda: None)
+    assert _budget.default_budget() == ram // 2
+    monkeypatch.setattr(_budget, "cgroup_memory_limit", lambda: 1 << 20)  # a tiny one
+    assert _budget.default_budget() == _budget.MIN_BUDGET
+
+
 async def test_freed_small_blocks_make_room_for_a_large_one():
     pool = _shm.pool()
     old = pool.budget
