@@ -143,7 +143,10 @@ def _exit_when_overdue(worker: "Worker") -> None:
             os._exit(worker.exit_code)
     timer = threading.Timer(limit, overdue)
     timer.daemon = True
-    timer.start()
+    try:
+        timer.start()
+    except RuntimeError:  # at its limit of threads (ulimit -u): the clean-up goes untimed
+        pass
 
 
 async def _written(conn, timeout: float) -> None:

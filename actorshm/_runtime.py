@@ -173,6 +173,10 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             return
         self._closing = True
         try:
+            if self.loop.is_closed():
+                # Its loop ended with it open (an ``asyncio.run`` that returned): nothing
+                # of it can run there any more, so its actors are killed, not asked.
+                return
             recs = [r for r in self._actors.values() if r.alive or r.popen is not None]
             task = asyncio.ensure_future(
                 asyncio.gather(*(r.stop(self.shutdown_grace) for r in recs), return_exceptions=True))
@@ -340,6 +344,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             _client.refuse_if_forked(self.loop)
             return _client.call_from_thread(self.loop, lambda: self.call(
                 actor_id, method, args, kwargs, what, **kw))
+        if self.loop.is_closed():  # (this thread's, ended: not the loop running now)
+            self._check_open()
         rec = self._actors.get(actor_id)
         if rec is None or rec.conn is None:
             return _client.failed_call(ActorDiedError(self.death_of(actor_id)))
@@ -451,6 +457,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         Raises:
             ValueError: no live actor has that name.
         """
+        self._check_open()
         actor_id = self._names.get(name)
         rec = self._actors.get(actor_id) if actor_id is not None else None
         if rec is None or not rec.has_future:
@@ -502,6 +509,13 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         if not self._open or self._closing:
             raise RuntimeError("this actorshm Runtime is not open; spawn actors inside "
                                "`async with actorshm.Runtime():`")
+        if self.loop is not None and self.loop.is_closed():
+            raise RuntimeError(
+                "this actorshm Runtime was opened on an event loop that has since closed "
+                "(an asyncio.run() that returned, a test's loop): its actors and calls "
+                "live on that loop. Open the runtime inside the asyncio.run() that uses "
+                "it (`async with actorshm.Runtime():` in main, or actorshm.run(main())), "
+                "or close it before its loop ends (`await rt.close()`)")
 
 
 def _raise_out_of_fds(exc: OSError):

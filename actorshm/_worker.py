@@ -14,9 +14,11 @@ import collections
 import contextvars
 import inspect
 import os
+import queue
 import socket
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from time import perf_counter as _clock
 from typing import Any
 
@@ -285,8 +287,17 @@ class Worker(StreamingClient):
             self.running_calls[key] = None
             ctx = contextvars.copy_context()
             chain.reset(token)
-            fut = self.loop.run_in_executor(
-                self.executor, lambda: ctx.run(call_in_thread, fn, args, kwargs, what))
+            try:
+                fut = self.loop.run_in_executor(
+                    self.executor, lambda: ctx.run(call_in_thread, fn, args, kwargs, what))
+            except RuntimeError as exc:  # "can't start new thread", with none running
+                conn.reply_error(cid, RuntimeError(
+                    f"{what} could not run: the actor could not start a thread for it "
+                    f"({exc}). With max_concurrency > 1 sync methods run in threads, and "
+                    "this process is at its limit of threads (ulimit -u, a container's "
+                    "pids limit): raise the limit, or lower max_concurrency"))
+                self._finished(key)
+                return
             fut.add_done_callback(lambda f: self._sync_done(conn, cid, f, what))
         else:
             # Replies made while reading a connection's frames wait to go out together,
@@ -555,9 +566,8 @@ class Worker(StreamingClient):
         from ._actor import public_methods
         self.methods = public_methods(cls)
         if self.max_concurrency > 1:
-            from concurrent.futures import ThreadPoolExecutor
-            self.executor = ThreadPoolExecutor(self.max_concurrency,
-                                               thread_name_prefix=f"actorshm-{self.cls_name}")
+            self.executor = _Threads(self.max_concurrency,
+                                     thread_name_prefix=f"actorshm-{self.cls_name}")
         try:
             self.instance = cls(*args, **kwargs)
         except BaseException as exc:
@@ -595,3 +605,27 @@ class Worker(StreamingClient):
             self.stop()
         elif conn.peer_id is not None and self.peers.get(conn.peer_id) is conn:
             del self.peers[conn.peer_id]
+
+
+class _Threads(ThreadPoolExecutor):
+    """The threads sync methods run in when ``max_concurrency > 1``.
+
+    At the process's limit of threads (``ulimit -u``, a container's pids limit) a call
+    waits for one of the threads already running; with none running, ``submit`` raises
+    and leaves nothing queued (a plain pool keeps the call queued though it raised, so
+    that it would run later, on the next thread that starts, after its caller was told
+    it failed; or never, its caller left waiting).
+    """
+
+    def _adjust_thread_count(self) -> None:
+        try:
+            super()._adjust_thread_count()
+        except RuntimeError:
+            if self._threads:
+                return  # those running take it in turn
+            while True:
+                try:
+                    self._work_queue.get_nowait()
+                except queue.Empty:
+                    break
+            raise

@@ -1260,3 +1260,26 @@ class Decorated:
     def items(self):
         return [1, 2, 3]
 
+
+
+@actor(max_concurrency=4)
+class AtThreadLimit:
+    """An actor at its process's limit of threads (``ulimit -u``, a container's pids
+    limit): starting one raises as CPython's does there, from ``__init__`` on when
+    ``at_start``, else once ``limit()`` ran."""
+
+    def __init__(self, at_start=True):
+        if at_start:
+            self.limit()
+
+    def limit(self):
+        def refuse(thread):
+            raise RuntimeError("can't start new thread")
+        threading.Thread.start = refuse
+
+    def sync(self, x):
+        time.sleep(0.05)
+        return x
+
+    async def ping(self):
+        return "pong"

@@ -289,3 +289,20 @@ def test_closing_the_fds_an_actor_left_ignores_one_closed_already():
     _descendants._close([r, w])
     with pytest.raises(OSError):
         os.fstat(w)  # (the others are closed all the same)
+
+
+async def test_sync_calls_at_the_thread_limit_fail_or_wait_never_hang(rt):
+    # max_concurrency > 1 runs sync methods in threads. At the limit of threads, every
+    # call went unanswered (a plain pool raised, yet kept the call queued, its slot
+    # taken): the caller hung.
+    from actors import AtThreadLimit
+    a = await AtThreadLimit.spawn()
+    for _ in range(2):  # no thread runs: each call fails at once, naming the limit
+        with pytest.raises(RuntimeError, match=r"could not start a thread.*ulimit -u"):
+            await asyncio.wait_for(a.sync(1), 10)
+    assert await asyncio.wait_for(a.ping(), 10) == "pong"  # the actor carries on
+    # One thread running before the limit was met: the calls take turns on it.
+    b = await AtThreadLimit.spawn(at_start=False)
+    await b.limit()  # (ran in the first thread)
+    assert await asyncio.wait_for(asyncio.gather(*(b.sync(i) for i in range(4))), 10) == \
+        [0, 1, 2, 3]

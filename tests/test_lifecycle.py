@@ -1077,3 +1077,33 @@ def test_a_ctrl_c_while_actors_start_is_the_drivers_alone(start_method):
     assert p.returncode != 0 and "KeyboardInterrupt" in text  # (the driver's own)
     assert text.count("KeyboardInterrupt") <= 2, text  # (the driver's: its traceback)
     assert "Fatal Python error" not in text, text
+
+
+def test_a_runtime_whose_event_loop_ended_says_so_and_closes_at_once():
+    # A runtime opened in one asyncio.run() and used in the next (a test fixture's loop,
+    # a notebook): a spawn waited 6.5 s, then raised asyncio's "Event loop is closed",
+    # calls failed with "attached to a different loop", and close() took 8 s.
+    rt = actorshm.Runtime()
+
+    async def first():
+        await rt.start()
+        h = await Counter.spawn(1)
+        return h, h.pid
+
+    h, pid = asyncio.run(first())
+
+    async def then(fn):
+        return await fn()
+
+    for fn in (Counter.spawn, h.incr, rt.stats, lambda: rt.get_actor("x")):
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match="opened on an event loop that has since "
+                                               r"closed .* Open the runtime inside"):
+            asyncio.run(then(fn))
+        assert time.monotonic() - t < 2
+    t = time.monotonic()
+    asyncio.run(rt.close())  # its actors cannot be asked: they are killed
+    assert time.monotonic() - t < 3
+    assert not os.path.exists(f"/proc/{pid}")  # (reaped too)
+    with pytest.raises(RuntimeError, match="no actorshm runtime is open"):
+        actorshm.current_runtime()
