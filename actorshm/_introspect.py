@@ -324,6 +324,18 @@ class MemoryReport:
         return "\n".join(lines)
 
 
+def check_timeout(what: str, timeout: Any) -> None:
+    """``rt.stats``/``memory``/``dump_stacks``'s ``timeout`` (``what``: what they ask)
+    is a number of seconds above 0: else every actor would be reported unresponsive."""
+    method = "dump_stacks" if what == "stacks" else what
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"rt.{method}(timeout=...) must be a number of seconds, not "
+                        f"{timeout!r}")
+    if not 0 < timeout < float("inf"):
+        raise ValueError(f"rt.{method}(timeout=...) must be more than 0 seconds (how long "
+                         f"to wait for each actor's answer), not {timeout!r}")
+
+
 def memory_report(views: list, unresponsive: list) -> MemoryReport:
     """A ``MemoryReport`` from each answering process's ``(label, held_blocks())``."""
     owners = {t: label for label, v in views for t in v["tokens"]}
@@ -382,6 +394,7 @@ class Inspectable:
                 if r.alive and getattr(r, "probe", None) is not None]
 
     async def _ask_all(self, what: str, timeout: float) -> tuple[list, list]:
+        check_timeout(what, timeout)
         self._check_open()
         recs = self._live()
         answers = await asyncio.gather(*(r.probe.ask(what, timeout) for r in recs),

@@ -14,7 +14,8 @@ import asyncio
 import sys
 from typing import Any, TextIO
 
-from ._introspect import MemoryReport, held_blocks, memory_report, stats_report
+from ._introspect import (MemoryReport, check_timeout, held_blocks, memory_report,
+                          stats_report)
 from ._ray import CLIENT
 
 __all__ = ["RayInspectable", "RayMemoryReport"]
@@ -46,6 +47,7 @@ class RayInspectable:
         return [h for h in self._spawned if h._actor_id.key not in dead]
 
     async def _ask_all(self, what: str, timeout: float) -> tuple[list, list]:
+        check_timeout(what, timeout)
         self._check_open()
         handles = self._live()
 

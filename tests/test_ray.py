@@ -1091,6 +1091,14 @@ async def test_stats_memory_and_stacks_of_every_actor(art, backend):
     assert "slow_record" in text and text == out.getvalue()
     assert f"pid={c.pid}" in text
     assert await stuck == 1
+    # A timeout that is no number of seconds is the caller's mistake, said at once (every
+    # actor was reported unresponsive, or, for stacks, the actor blamed).
+    for ask in (art.stats, art.memory, art.dump_stacks):
+        with pytest.raises(TypeError, match=r"\(timeout=\.\.\.\) must be a number of seconds"):
+            await ask(timeout="5")
+        for bad in (0, -1, float("nan")):
+            with pytest.raises(ValueError, match=r"must be more than 0 seconds"):
+                await ask(timeout=bad)
 
 
 async def test_stacks_show_a_pending_async_call_awaited_coroutine_by_coroutine(art):
