@@ -19,8 +19,8 @@ from typing import Any
 from . import _shm
 from ._errors import ActorDiedError, RemoteError, RemoteTraceback, undeserializable_arguments
 from ._remote_errors import decode_exception
-from ._serialization import (FILE_TYPES, THREAD_FUTURE, refuse_connection, refuse_file,
-                             result_mistake)
+from ._serialization import (FILE_TYPES, PROCESS_BOUND, THREAD_FUTURE, refuse_file,
+                             refuse_process_bound, result_mistake)
 
 __all__ = ["check_args", "check_result", "translate", "outcome", "unavailable_error",
            "died", "pickling_failed"]
@@ -207,9 +207,9 @@ def _check(values: tuple, refused: str, warn_for: str | None) -> None:
                 refuse_file(x)
             except TypeError as exc:
                 raise TypeError(f"{refused}: {exc}") from None
-        elif getattr(t, "__module__", None) == "multiprocessing.connection":
+        elif getattr(t, "__module__", None) in PROCESS_BOUND:
             try:
-                refuse_connection(x)
+                refuse_process_bound(x, t.__module__)
             except TypeError as exc:
                 raise TypeError(f"{refused}: {exc}") from None
         elif not warned and _shm.is_shared(x):

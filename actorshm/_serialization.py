@@ -49,7 +49,7 @@ __all__ = ["encode", "encode_plain_call", "decode", "Unsendable", "MessageTooBig
            "register_reducer", "register_region_kind", "register_lazy_plugin",
            "register_shared_check",
            "register_flat", "leased_block", "lease_host_block", "ARENA", "GPU_SLAB",
-           "FILE_TYPES", "refuse_file", "refuse_connection"]
+           "FILE_TYPES", "refuse_file", "refuse_process_bound", "PROCESS_BOUND"]
 
 from ._registry import (_OPENERS, _flat_holes, _lazy_plugins,  # noqa: F401
                         _not_reduced, _plugin_reducer, _reducers, register_flat,
@@ -89,6 +89,55 @@ def refuse_connection(c) -> None:
             f"a multiprocessing {kind} ({what}) cannot be sent to another process this "
             "way: its file descriptor does not travel. Pass the data through calls (a "
             "streaming method for a flow of items), or create it where it is used")
+
+
+_INHERITED = ("a multiprocessing {name} reaches only the processes that inherit it as they "
+              "start, and actors are started by actorshm: ")
+# Objects that work only within the process (or the event loop) that made them, by the
+# module of their class: why each is refused, and what to use instead. Pickled, an
+# asyncio one arrives as a copy that nothing else sets, releases or fills (silently);
+# the multiprocessing ones raise advice that leads nowhere here ("through inheritance",
+# or a manager's AuthenticationError in the actor).
+PROCESS_BOUND = {
+    "multiprocessing.connection": refuse_connection,
+    "asyncio.locks": (
+        "an asyncio.{name} works within one process's event loop: the actor would get a "
+        "copy that nothing else sets or releases. Coordinate through calls: await an "
+        "actor's async method (it may wait on an asyncio.{name} of the actor's own)"),
+    "asyncio.queues": (
+        "an asyncio.{name} works within one process's event loop: the actor would get a "
+        "copy that nothing else fills or empties. Send the items through calls, or "
+        "stream them from a generator method (`async for item in handle.method()`)"),
+    "multiprocessing.queues": _INHERITED + (
+        "send the items through calls, stream them from a generator method, or make an "
+        "actor the queue (its methods put and get)"),
+    "torch.multiprocessing.queue": _INHERITED + (
+        "send the items through calls (tensors travel by reference), stream them from a "
+        "generator method, or make an actor the queue (its methods put and get)"),
+    "multiprocessing.synchronize": _INHERITED + (
+        "an actor runs one call at a time (max_concurrency=1: a lock around its state), "
+        "and an async method of an actor can wait for an event there"),
+    "multiprocessing.sharedctypes": (
+        "a multiprocessing Value or Array ({name}) reaches only the processes that "
+        "inherit it as they start, and actors are started by actorshm: share an array "
+        "instead: actorshm.zeros(1) travels by reference, and the actor's writes to it "
+        "are seen by the caller"),
+    "multiprocessing.managers": (
+        "a multiprocessing manager's proxy ({name}) needs the manager's authentication "
+        "key, which actor processes do not have: keep the shared state in an actor (its "
+        "methods read and change it) or in a shared array (actorshm.zeros)"),
+}
+
+
+def refuse_process_bound(obj, module: str) -> None:
+    """Refuse ``obj``, whose class's module is ``module``, if ``PROCESS_BOUND`` names it."""
+    why = PROCESS_BOUND.get(module)
+    if why is None:
+        return
+    if callable(why):
+        why(obj)
+        return
+    raise Unsendable(why.format(name=type(obj).__name__))
 
 
 class PassFd:
@@ -178,8 +227,9 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
             return _reduce_code(obj)
         if t in FILE_TYPES and obj is not sys.stdout and obj is not sys.stderr:
             refuse_file(obj)
-        if getattr(t, "__module__", None) == "multiprocessing.connection":  # (cheap:
-            refuse_connection(obj)  # asked of every object; a class may have none)
+        module = getattr(t, "__module__", None)  # (a class may have none)
+        if module in PROCESS_BOUND:  # (cheap: asked of every object)
+            refuse_process_bound(obj, module)
         if _reducers or _lazy_plugins:
             r = _plugin_reducer(t)
             if r is not None:

@@ -1644,6 +1644,34 @@ async def test_a_result_that_cannot_be_pickled_or_an_open_file_argument(art):
     assert await a.total(np.ones(2)) == 2.0
 
 
+async def test_objects_that_work_in_one_process_only_are_refused_with_what_to_use(art):
+    # An asyncio Event or Queue went as a copy that nothing else set or filled (the actor
+    # waited in vain); multiprocessing's queues, locks and values raised their own advice
+    # ("through inheritance"), which leads nowhere with actors; a manager's proxy failed
+    # in the actor (AuthenticationError).
+    import multiprocessing
+    from multiprocessing.managers import DictProxy, Token
+    # (made with "fork", whose locks need no resource tracker process; nothing is forked)
+    ctx = multiprocessing.get_context("fork")
+    # a manager's proxy, made without its server (not connected to any)
+    proxy = DictProxy(Token("dict", ("127.0.0.1", 9), "1"), "pickle", incref=False)
+    a = await ArrayUser.spawn()
+    for obj, says in [
+            (asyncio.Event(), r"asyncio\.Event works within one process's event loop"),
+            (asyncio.Lock(), r"asyncio\.Lock works within one process's event loop"),
+            (asyncio.Queue(), r"asyncio\.Queue .* stream them from a generator"),
+            (ctx.Queue(), r"multiprocessing Queue reaches only the processes that "
+                          r"inherit it .* make an actor the queue"),
+            (ctx.Lock(), r"multiprocessing Lock .*max_concurrency=1"),
+            (ctx.Value("i", 0), r"multiprocessing Value or Array .* actorshm\.zeros"),
+            (proxy, r"manager's proxy \(DictProxy\) needs the manager's "
+                    r"authentication key.* keep the shared state in an actor")]:
+        for arg in (obj, {"deep": [obj]}):
+            with pytest.raises(TypeError, match=says):
+                await a.total(arg)
+    assert await a.total(np.ones(2)) == 2.0
+
+
 async def test_a_shared_array_on_ray_warns_that_writes_do_not_come_back(art, backend):
     ray_only(backend, "on the local backend shared arrays are written through")
     a = await ArrayUser.spawn()
