@@ -122,6 +122,7 @@ PROCESS_BOUND = {
         "inherit it as they start, and actors are started by actorshm: share an array "
         "instead: actorshm.zeros(1) travels by reference, and the actor's writes to it "
         "are seen by the caller"),
+    # (its proxies only: a ``Namespace``, a ``Token`` or a ``RemoteError`` is data)
     "multiprocessing.managers": (
         "a multiprocessing manager's proxy ({name}) needs the manager's authentication "
         "key, which actor processes do not have: keep the shared state in an actor (its "
@@ -132,11 +133,15 @@ PROCESS_BOUND = {
 def refuse_process_bound(obj, module: str) -> None:
     """Refuse ``obj``, whose class's module is ``module``, if ``PROCESS_BOUND`` names it."""
     why = PROCESS_BOUND.get(module)
-    if why is None:
+    if why is None or isinstance(obj, BaseException):  # (an error is data: QueueEmpty)
         return
     if callable(why):
         why(obj)
         return
+    if module == "multiprocessing.managers":
+        from multiprocessing.managers import BaseProxy  # (loaded: it is obj's module)
+        if not isinstance(obj, BaseProxy):
+            return
     raise Unsendable(why.format(name=type(obj).__name__))
 
 

@@ -104,6 +104,9 @@ class ArrayUser:
     def bad_reduce(self):
         return _NoPickle()
 
+    def echo(self, x):
+        return x
+
     def lock_items(self):
         import threading
         yield 1

@@ -1656,6 +1656,10 @@ async def test_objects_that_work_in_one_process_only_are_refused_with_what_to_us
     # a manager's proxy, made without its server (not connected to any)
     proxy = DictProxy(Token("dict", ("127.0.0.1", 9), "1"), "pickle", incref=False)
     a = await ArrayUser.spawn()
+    # what those modules hold as data still travels: an error, a manager's Namespace
+    from multiprocessing.managers import Namespace
+    err, ns = await a.echo([asyncio.QueueEmpty("none"), Namespace(x=1)])
+    assert type(err) is asyncio.QueueEmpty and ns.x == 1
     for obj, says in [
             (asyncio.Event(), r"asyncio\.Event works within one process's event loop"),
             (asyncio.Lock(), r"asyncio\.Lock works within one process's event loop"),
