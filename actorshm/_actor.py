@@ -181,6 +181,8 @@ class _Spawner:
 
     async def spawn(self, *args: Any, **kwargs: Any) -> "ActorHandle":
         from ._client import client
+        if kwargs:
+            refuse_options_as_init_args(self._cls, kwargs, f"{self._cls.__qualname__}.spawn()")
         return await client().spawn(self._cls, self._options, args, kwargs)
 
     def options(self, **kw: Any) -> "_Spawner":
@@ -192,6 +194,39 @@ class _Spawner:
         name = self._cls.__qualname__
         raise TypeError(f"{name}.options(...) returns a spawner, not the class: start "
                         f"the actor with `await {name}.options(...).spawn(*args)`")
+
+    def __getattr__(self, attr: str):
+        if attr == "remote":  # Ray's ``Cls.options(...).remote(...)``
+            name = self._cls.__qualname__
+            raise AttributeError(f"{name}.options(...).remote: an actorshm actor is "
+                                 f"started with `await {name}.options(...).spawn(*args)`, "
+                                 "on Ray too (see docs/ray.md)")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+
+
+def refuse_options_as_init_args(cls: type, kwargs: dict, what: str) -> None:
+    """An actor option given to ``spawn`` (Ray's ``Cls.options(...).remote`` read as
+    ``spawn(name=...)``) that ``__init__`` does not take: said before a process starts,
+    rather than by ``__init__`` in the actor ("unexpected keyword argument")."""
+    given = [k for k in kwargs if k in ActorOptions.__dataclass_fields__]
+    if not given:
+        return
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):  # (no signature to read: __init__ says)
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    taken = {n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY,
+                                                      p.POSITIONAL_OR_KEYWORD)}
+    wrong = [k for k in given if k not in taken]
+    if wrong:
+        name = cls.__qualname__
+        opts = ", ".join(f"{k}=..." for k in wrong)
+        fix = (f"ActorGroup.spawn({name}.options({opts}), n)" if what.startswith("ActorGroup")
+               else f"{name}.options({opts}).spawn(...)")
+        raise TypeError(f"{what} got {opts}: actor option(s), which {name}.__init__ does "
+                        f"not take; options go before the spawn: `await {fix}`")
 
 
 class _ClassBinder:

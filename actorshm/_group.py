@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Iterable, Iterator
 import numpy as np
 
 from . import _client, _shm
-from ._actor import STREAM, ActorHandle, _Spawner, start_shielded
+from ._actor import STREAM, ActorHandle, _Spawner, refuse_options_as_init_args, start_shielded
 from ._client import ThreadCallFuture
 from ._errors import ActorError, ActorGroupError
 from ._pool import check_handles
@@ -94,6 +94,8 @@ class ActorGroup:
                              f"{spawner._options.name!r}; names are unique. Spawn "
                              "without name=, or spawn named actors one by one and "
                              "pass them to ActorGroup([...])")
+        if kwargs:  # (said once, before any process starts)
+            refuse_options_as_init_args(spawner._cls, kwargs, "ActorGroup.spawn()")
         what = f"{spawner._cls.__qualname__}.__init__"
         outs = await _gather_all([spawner.spawn(*args, **kwargs) for _ in range(n)])
         failed = [i for i, (ok, _) in enumerate(outs) if not ok]
@@ -179,6 +181,14 @@ class GroupMethod:
 
     def __repr__(self) -> str:
         return f"<group method {self._name} of {len(self._handles)} actors>"
+
+    def __getattr__(self, attr: str):
+        if attr in ("remote", "bind"):  # Ray's way to call an actor method
+            raise AttributeError(
+                f"group.{self._name}.{attr}: a group's method is called directly, and "
+                f"the calls are sent at once: `await group.{self._name}(...)` gives the "
+                "list of the members' results")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> asyncio.Future | ThreadCallFuture:
         """Send the call to every member now; return an awaitable of the results list.

@@ -92,6 +92,15 @@ class ActorPool:
         # idle nor busy, checked again on a timer until it can, or is dead for good.
         self._resting: dict[ActorHandle, asyncio.TimerHandle] = {}
 
+    def __getattr__(self, name: str):
+        if name in ("get_next", "get_next_unordered", "has_next"):  # Ray's ActorPool
+            raise AttributeError(
+                f"ActorPool.{name}: here `submit` returns the result's awaitable, so there "
+                "is nothing to fetch: `await` it, or gather them (`asyncio.gather`, "
+                "`asyncio.as_completed`); `pool.map`/`map_unordered` iterate results "
+                "(see docs/pools.md)")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # -- members -------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._members)
@@ -438,6 +447,11 @@ class _Results:
 
     def __aiter__(self) -> StreamLoop:
         return StreamLoop(self)
+
+    def __iter__(self):
+        raise TypeError(f"the results of {self._what}() come asynchronously: iterate them "
+                        f"with `async for r in pool.{self._what[10:]}(...)` in an async "
+                        "function")
 
     def __anext__(self) -> Awaitable[Any]:
         self._polls += 1

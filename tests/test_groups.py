@@ -236,7 +236,25 @@ async def test_bad_input_is_a_clear_error(rt):
         await ActorGroup.spawn(Counter, 2.0)
     with pytest.raises(ValueError, match="one name"):
         await ActorGroup.spawn(Counter.options(name="c"), 2)
+    # an actor option passed to spawn (Ray's spelling read as ours): said before any
+    # process starts, not by each member's __init__ in its actor
+    started = len(actorshm.current_runtime().actors())
+    with pytest.raises(TypeError, match=r"ActorGroup\.spawn\(\) got name=\.\.\.: actor "
+                                        r"option\(s\), which Counter\.__init__ does not "
+                                        r"take.*`await ActorGroup\.spawn\(Counter\.options"):
+        await ActorGroup.spawn(Counter, 2, name="c")
+    with pytest.raises(TypeError, match=r"Counter\.spawn\(\) got num_cpus=\.\.\., "
+                                        r"max_restarts=\.\.\.: .*`await Counter\.options\("
+                                        r"num_cpus=\.\.\., max_restarts=\.\.\.\)\.spawn"):
+        await Counter.spawn(1, num_cpus=2, max_restarts=1)
+    assert len(actorshm.current_runtime().actors()) == started  # (none was started)
     g = ActorGroup([c])
+    with pytest.raises(AttributeError, match=r"group\.incr\.remote: a group's method is "
+                                             r"called directly.*`await group\.incr\(\.\.\.\)`"):
+        g.incr.remote
+    with pytest.raises(AttributeError, match=r"Counter\.options\(\.\.\.\)\.remote: an "
+                                             r"actorshm actor is started with `await Counter"):
+        Counter.options(name="x").remote()
     with pytest.raises(TypeError):  # cannot be serialized: raised by the call, nothing sent
         g.echo(threading.Lock())
     assert await g.incr() == [1]

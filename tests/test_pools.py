@@ -356,6 +356,18 @@ async def test_bad_input_is_a_clear_error(rt):
     pool = ActorPool([c])
     with pytest.raises(TypeError, match="must be callable"):
         pool.submit("incr", 1)
+    # Ray's spellings, and a plain `for` over results, say how it is done here
+    for ray_name in ("get_next", "get_next_unordered", "has_next"):
+        with pytest.raises(AttributeError, match=rf"ActorPool\.{ray_name}: here `submit` "
+                                                 "returns the result's awaitable"):
+            getattr(pool, ray_name)
+    with pytest.raises(AttributeError, match="'ActorPool' object has no attribute 'nope'"):
+        pool.nope
+    for way in ("map", "map_unordered"):
+        with pytest.raises(TypeError, match=rf"results of ActorPool\.{way}\(\) come "
+                                            rf"asynchronously: .*`async for r in pool\.{way}"):
+            for _ in getattr(pool, way)(lambda a, v: a.incr(v), [1]):
+                pass
     with pytest.raises(TypeError, match="actor handle"):
         pool.push("x")
     assert "ActorPool 1 actors" in repr(pool)
