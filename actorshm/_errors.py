@@ -41,10 +41,13 @@ def init_exit_error(cls_name: str, exc: BaseException) -> BaseException:
     return exc
 
 
+UNDESERIALIZABLE = "the actor could not deserialize the call's arguments: "
+
+
 def undeserializable_arguments(what: str) -> TypeError:
     """The error of a call whose arguments the actor could not unpickle; ``what`` is the
     unpickling error as "Type: message". A module the actor cannot import gets the fix
-    (both backends)."""
+    (both backends). It begins with ``UNDESERIALIZABLE``."""
     hint = ""
     missing = _MISSING_MODULE.search(what)
     if missing:
@@ -53,7 +56,7 @@ def undeserializable_arguments(what: str) -> TypeError:
                 f"sys.path the driver had when they were spawned; install the module, put "
                 f"its folder on sys.path before the spawn, or send its code by value with "
                 f"cloudpickle.register_pickle_by_value({name.split('.')[0]}))")
-    return TypeError(f"the actor could not deserialize the call's arguments: {what}{hint}")
+    return TypeError(f"{UNDESERIALIZABLE}{what}{hint}")
 
 
 _MISSING_MODULE = re.compile(r"No module named '([\w.]+)'")

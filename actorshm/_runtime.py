@@ -27,7 +27,7 @@ from . import _client, _descendants, _events, _introspect, _leases, _plugins, _s
 from . import _multicast
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._backend import BackendChoice
-from ._errors import ActorDiedError
+from ._errors import UNDESERIALIZABLE, ActorDiedError
 from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, check_number,
                       check_start_options, kill_all, out_of_fds, start_process)
 from ._protocol import Connection
@@ -317,8 +317,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             raise ActorDiedError(f"{exc}\nlast lines of its stderr:\n{tail}" if tail
                                  else str(exc)) from None
         except Exception as exc:  # its __init__ raised (the error its reply carried)
-            rec.init_error = exc
-            raise
+            rec.init_error = exc = _class_not_loaded(rec.cls, exc)
+            raise exc
         rec.pid = pid
 
     # -- calls -------------------------------------------------------------------
@@ -516,6 +516,23 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 "live on that loop. Open the runtime inside the asyncio.run() that uses "
                 "it (`async with actorshm.Runtime():` in main, or actorshm.run(main())), "
                 "or close it before its loop ends (`await rt.close()`)")
+
+
+def _class_not_loaded(cls: type, exc: Exception) -> Exception:
+    """``exc``, or, where the actor could not unpickle its start (the class travels with
+    the arguments of ``__init__``), the same error naming the class as well: "the call's
+    arguments" read as if the arguments alone were wrong, even with none given."""
+    text = str(exc)
+    if type(exc) is not TypeError or not text.startswith(UNDESERIALIZABLE):
+        return exc
+    better = TypeError(f"the actor could not load its class {cls.__qualname__} (module "
+                       f"{cls.__module__!r}) or the arguments of its __init__: "
+                       f"{text[len(UNDESERIALIZABLE):]}")
+    better.__cause__ = exc.__cause__
+    notes = getattr(exc, "__notes__", None)
+    if notes:
+        better.__notes__ = list(notes)
+    return better
 
 
 def _raise_out_of_fds(exc: OSError):
