@@ -14,6 +14,7 @@ import fcntl
 import mmap
 import operator
 import os
+import resource
 import weakref
 from typing import Any
 
@@ -43,8 +44,23 @@ def map_fd(fd: int, size: int) -> int:
     if addr in (None, _MAP_FAILED):
         err = ctypes.get_errno()
         raise SharedMemoryError(f"actorshm: mmap of a {fmt_bytes(size)} arena failed: "
-                                f"{os.strerror(err)}")
+                                f"{os.strerror(err)}{_address_space_hint(err)}")
     return addr
+
+
+def _address_space_hint(err: int) -> str:
+    """Where mmap failed for want of address space under a limit, the limit and the fix."""
+    if err != errno.ENOMEM:
+        return ""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (OSError, ValueError):  # pragma: no cover
+        return ""
+    if soft == resource.RLIM_INFINITY:
+        return ""
+    return (f" (this process's address space is limited to {fmt_bytes(soft)}: ulimit -v, "
+            "RLIMIT_AS; every shared array this process makes or receives maps its arena "
+            "whole: raise or lift the limit)")
 
 
 class Arena(Region):

@@ -122,8 +122,8 @@ class Region:
 # Regions opened or owned in this process, host and GPU alike, by key (owner token, index).
 _regions: dict[tuple, Region] = {}
 # Regions a peer introduced that could not be opened here, with why: later blocks of them
-# fail the same way (their calls fail; the connection lives on).
-_unopenable: dict[tuple, str] = {}
+# fail the same way (their calls fail; the connection lives on): the error's type and text.
+_unopenable: dict[tuple, tuple] = {}
 # One live block object per block in this process: key (owner token, index, offset) ->
 # its ``_Lease`` (a weak reference to the block).
 _blocks: dict[tuple, "_Lease"] = {}
@@ -414,12 +414,13 @@ def adopt(conn, opener, rkey: tuple, rsize: int, intro, boff: int, bsize: int,
         try:
             why = _unopenable.get(rkey)
             if why is not None and intro is None:  # (a new introduction is tried afresh)
-                raise RuntimeError(why)
+                raise why[0](why[1])  # (as the first block of it failed)
             region = opener(ctx, rkey, rsize, intro)
         except ProtocolError:
             raise  # the connection closes, and with it every lease on it
         except Exception as exc:
-            _unopenable[rkey] = str(exc)
+            _unopenable[rkey] = (SharedMemoryError if isinstance(exc, SharedMemoryError)
+                                 else RuntimeError, str(exc))
             conn.queue_release(bkey, 1)  # this block fails; its grant must not leak
             raise
         _regions[rkey] = region

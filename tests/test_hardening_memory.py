@@ -125,6 +125,44 @@ def test_fd_exhaustion_is_a_clear_error_and_idle_arenas_let_fds_go():
     assert "CLEAR" in out.stdout and "OPENED 20" in out.stdout
 
 
+def test_an_address_space_limit_is_named_and_each_failed_block_says_so_alike():
+    # Under `ulimit -v` a mapping failed with "Cannot allocate memory" alone; later blocks
+    # of an arena that could not be mapped failed as a bare RuntimeError.
+    code = textwrap.dedent("""
+        import asyncio, resource
+        import numpy as np
+        import actorshm
+        from actors import Arrays
+
+        async def main():
+            a = await Arrays.spawn()
+            vm = int([l for l in open("/proc/self/status")
+                      if l.startswith("VmSize")][0].split()[1]) * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (vm + (24 << 20), resource.RLIM_INFINITY))
+            try:
+                actorshm.empty(300 << 20, np.uint8)
+            except actorshm.SharedMemoryError as exc:
+                print("LOCAL", exc)
+            for i in range(2):  # blocks of one of the actor's arenas, which cannot map here
+                try:
+                    await a.make(10, 1.0)
+                except TypeError as exc:
+                    print("RESULT", i, exc)
+            await a.kill()
+
+        actorshm.run(main())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=os.path.dirname(__file__))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3, out.stdout + out.stderr
+    for line in lines:
+        assert "address space is limited to" in line and "ulimit -v" in line, line
+    for line in lines[1:]:
+        assert "SharedMemoryError" in line, line
+
+
 def test_arenas_a_process_has_no_fd_left_for_are_named_as_the_cause():
     # (the connection closed with "file descriptors were truncated", a protocol error
     # that did not say the process was out of fds, nor what to do)
