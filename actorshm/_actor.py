@@ -88,9 +88,15 @@ class ActorOptions:
                              f"count), not {new.num_cpus!r}")
         _check_int("max_pending_calls", new.max_pending_calls, -1,
                    "an int >= 1 (or -1 or None for no limit)", not_zero=True)
-        if new.env is not None and not (isinstance(new.env, dict) and all(
-                isinstance(k, str) and isinstance(v, str) for k, v in new.env.items())):
-            raise TypeError("env must be a dict of str to str (environment variables)")
+        if new.env is not None:
+            if not isinstance(new.env, dict):
+                raise TypeError(f"env must be a dict of str to str (environment variables), "
+                                f"not {type(new.env).__name__}")
+            for k, v in new.env.items():
+                if not (isinstance(k, str) and isinstance(v, str)):
+                    raise TypeError(f"env must be a dict of str to str (environment "
+                                    f"variables): {k!r}: {v!r} is not; write it as "
+                                    f"{str(k)!r}: {str(v)!r}")
         for k, v in (new.env or {}).items():
             if not k or "=" in k or "\0" in k or "\0" in v:
                 raise ValueError(f"env: {k!r} -> {v!r} is not an environment variable (a "
@@ -295,7 +301,9 @@ def actor(cls: type | None = None, /, **options: Any):
     if cls is None:
         return lambda c: actor(c, **options)
     if not isinstance(cls, type):
-        raise TypeError("@actor decorates classes")
+        raise TypeError(f"@actor decorates classes, not {type(cls).__name__} {cls!r}: put "
+                        "it above a `class` statement (a function's work goes in a method "
+                        "of an actor class)")
     if "__actorshm_options__" in cls.__dict__:  # decorated already: new default options
         cls.__actorshm_options__ = cls.__actorshm_options__.merged(**options)
         return cls

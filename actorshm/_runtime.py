@@ -461,8 +461,13 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         actor_id = self._names.get(name)
         rec = self._actors.get(actor_id) if actor_id is not None else None
         if rec is None or not rec.has_future:
-            raise ValueError(f"no live actor named {name!r}; named actors are made with "
-                             "Cls.options(name=...).spawn()")
+            elsewhere = any(rt is not self and getattr(rt, "_names", {}).get(name) is not None
+                            for rt in list(_client._runtimes))
+            raise ValueError(f"no live actor named {name!r}" + (
+                " in this runtime; one of that name lives in another runtime open here (an "
+                "outer one): names are looked up in the runtime in use, the innermost, so "
+                "ask that one, `await outer_rt.get_actor(name)`" if elsewhere else
+                "; named actors are made with Cls.options(name=...).spawn()"))
         return self.track_handle(ActorHandle(self, rec.actor_id, rec.cls_name, rec.methods,
                                              name, rec.pid, rec.options.max_pending_calls),
                                  rec)
@@ -507,8 +512,9 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
     def _check_open(self) -> None:
         _client.refuse_if_forked(self.loop)
         if not self._open or self._closing:
-            raise RuntimeError("this actorshm Runtime is not open; spawn actors inside "
-                               "`async with actorshm.Runtime():`")
+            raise RuntimeError("this actorshm Runtime is not open (closed, or never "
+                               "started): use it inside `async with actorshm.Runtime():`, or "
+                               "after `rt = await actorshm.Runtime().start()`")
         if self.loop is not None and self.loop.is_closed():
             raise RuntimeError(
                 "this actorshm Runtime was opened on an event loop that has since closed "

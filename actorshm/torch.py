@@ -83,6 +83,10 @@ def empty(*size, dtype=None, device="cpu"):
     """
     size = _size(size)
     dtype = dtype or _t.get_default_dtype()
+    if not isinstance(dtype, _t.dtype):
+        raise TypeError(f"actorshm.torch.empty(dtype=...) takes a torch dtype "
+                        f"(torch.float32), not {dtype!r}; a numpy array is made with "
+                        f"actorshm.empty(..., dtype={getattr(dtype, '__name__', dtype)!r})")
     if dtype in _QUANTIZED:
         raise TypeError(
             f"actorshm.torch.empty: {dtype} is a quantized dtype, and a quantized tensor "

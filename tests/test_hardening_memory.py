@@ -338,3 +338,9 @@ async def test_short_of_the_budget_a_process_waits_only_until_the_others_answere
         await b.drop()  # idle in its pool: given back when asked, so the wait succeeds
         x = actorshm.empty(16 * mib, np.uint8)
         del x
+
+
+def test_sizes_past_tib_read_in_their_unit():
+    from actorshm._util import fmt_bytes
+    assert fmt_bytes(1 << 62) == "4.0 EiB" and fmt_bytes(3 << 50) == "3.0 PiB"
+    assert fmt_bytes(5 << 40) == "5.0 TiB" and fmt_bytes(100) == "100 B"

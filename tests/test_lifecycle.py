@@ -1107,3 +1107,16 @@ def test_a_runtime_whose_event_loop_ended_says_so_and_closes_at_once():
     assert not os.path.exists(f"/proc/{pid}")  # (reaped too)
     with pytest.raises(RuntimeError, match="no actorshm runtime is open"):
         actorshm.current_runtime()
+
+
+async def test_a_name_in_an_outer_runtime_is_not_found_from_an_inner_one_and_says_so():
+    async with actorshm.Runtime() as outer:
+        await Counter.options(name="outer_counter").spawn(4)
+        async with actorshm.Runtime():
+            with pytest.raises(ValueError, match=r"no live actor named 'outer_counter' in "
+                                                 r"this runtime; one of that name lives in "
+                                                 r"another runtime open here"):
+                await actorshm.get_actor("outer_counter")
+            assert await (await outer.get_actor("outer_counter")).incr(1) == 5
+            with pytest.raises(ValueError, match=r"no live actor named 'x'; named actors"):
+                await actorshm.get_actor("x")

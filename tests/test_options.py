@@ -226,3 +226,14 @@ def test_calling_options_instead_of_spawn_says_to_spawn():
                                         r"not the class.*`await Counter\.options\(\.\.\.\)"
                                         r"\.spawn\(\*args\)`"):
         Counter.options(name="x")()
+
+
+def test_bad_env_names_the_entry_and_a_bad_target_names_what_it_got():
+    with pytest.raises(TypeError, match=r"env must be .*: 'OMP_NUM_THREADS': 4 is not; write "
+                                        r"it as 'OMP_NUM_THREADS': '4'"):
+        Counter.options(env={"OMP_NUM_THREADS": 4})
+    with pytest.raises(TypeError, match=r"env must be a dict .*, not list"):
+        Counter.options(env=["A=1"])
+    with pytest.raises(TypeError, match=r"@actor decorates classes, not function "
+                                        r"<function .*above a `class` statement"):
+        actorshm.actor(lambda: 1)

@@ -817,6 +817,10 @@ def test_bad_input_errors():
     with pytest.raises(TypeError, match=r"not Linear; a module's parameters are shared with "
                                         r"actorshm\.torch\.share_module"):
         at.share(torch.nn.Linear(2, 2))
+    for dtype in (np.float32, "float32"):  # numpy's spelling: the way to each
+        with pytest.raises(TypeError, match=r"takes a torch dtype \(torch\.float32\), not "
+                                            r".*actorshm\.empty\(\.\.\., dtype='float32'\)"):
+            at.zeros(3, dtype=dtype)
     for make in (at.empty, at.zeros):  # quantized: by value, so never in shared memory
         with pytest.raises(TypeError, match=r"torch\.qint8 is a quantized dtype"):
             make(3, dtype=torch.qint8)
