@@ -60,7 +60,8 @@ class FrameReader:
         header, so they come with the read that has its first byte); if not, a
         protocol error."""
         if n - pos >= HSIZE:
-            if HEADER.unpack_from(data, pos)[3] == len(self._fds):
+            nfds = HEADER.unpack_from(data, pos)[3]
+            if nfds == len(self._fds) or (self.fds_cut is not None and nfds > len(self._fds)):
                 return True
         elif n > pos:
             return True  # its header is not whole yet: checked once it is
@@ -99,8 +100,12 @@ class FrameReader:
                 fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
                 self._fds.extend(fds)
         if flags & _MSG_CTRUNC:
-            self._protocol_error("file descriptors were truncated" + _fd_shortage())
-            return False
+            # The kernel could not install every fd (this process is out of them) and
+            # dropped the rest. The frame they came with is read all the same, its
+            # missing fds as -1: the blocks of the arenas they would open fail (that call
+            # or result fails, naming the cause), and the connection lives on.
+            self.fds_cut = _fd_shortage() or (": the kernel dropped them (a read of fds "
+                                              "was cut short)")
         if not nread:
             self._broken()
             return False
@@ -136,8 +141,11 @@ class FrameReader:
                     break
                 if nfds:
                     if nfds > len(self._fds):
-                        self._protocol_error("a frame announced fds it did not carry")
-                        return False
+                        if self.fds_cut is None:
+                            self._protocol_error("a frame announced fds it did not carry")
+                            return False
+                        self._fds.extend([-1] * (nfds - len(self._fds)))  # (see above)
+                        self.fds_why, self.fds_cut = self.fds_cut, None
                     fds = self._fds[:nfds]
                     del self._fds[:nfds]
                 else:
@@ -168,6 +176,8 @@ class FrameReader:
 
     _following = False  # in ``_follow_fds``
     _anc_seen = False  # the last read carried fds
+    fds_cut: str | None = None  # why the last fds read were cut short, until a frame has them
+    fds_why = ""  # why the fds of the frame being read are missing (-1)
 
     def _follow_fds(self) -> None:
         """Read on after a read that carried fds, while reads carry fds (at most 64: a

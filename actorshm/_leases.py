@@ -422,7 +422,13 @@ def adopt(conn, opener, rkey: tuple, rsize: int, intro, boff: int, bsize: int,
             _unopenable[rkey] = (SharedMemoryError if isinstance(exc, SharedMemoryError)
                                  else RuntimeError, str(exc))
             conn.queue_release(bkey, 1)  # this block fails; its grant must not leak
+            if intro is not None:
+                # The peer forgets it introduced the region here (as when we let go of
+                # one), so that it introduces it afresh with its next block of it, which
+                # is tried again: out of fds or address space now, maybe not then.
+                conn.send_retire(rkey)
             raise
+        _unopenable.pop(rkey, None)
         _regions[rkey] = region
         region.sources.add(conn)
         conn.received_regions.add(rkey)

@@ -41,7 +41,7 @@ from . import _encoding, _leases, _results, _shm
 from ._encoding import SCALARS, Encoding, MessageTooBig, add_wait, arena_fd, check_size
 from ._flat import decode_flat, encode_flat
 from ._inband import dtype_token, in_band, inline_array, rebuild_inline
-from ._errors import ProtocolError
+from ._errors import ProtocolError, SharedMemoryError
 from ._util import pipe_end
 from ._wire import ARENA, FLAT, GPU_SLAB, HAS_BLOCKS, LEN, PLAIN, RECV_SIZE  # noqa: F401
 
@@ -321,7 +321,12 @@ class _DecodeCtx:
         if not 0 <= index < len(self.fds) or index in self.taken:
             raise ProtocolError(f"frame refers to fd #{index}, which it did not carry")
         self.taken.add(index)
-        return self.fds[index]
+        fd = self.fds[index]
+        if fd < 0:  # dropped by the kernel as it came (``FrameReader``): no such fd here
+            raise SharedMemoryError(
+                "actorshm: shared memory sent to this process could not be opened: the "
+                f"kernel dropped its file descriptor{getattr(self.conn, 'fds_why', '')}")
+        return fd
 
 
 _tls = threading.local()
