@@ -531,7 +531,7 @@ def _class_not_loaded(cls: type, exc: Exception) -> Exception:
     text = str(exc)
     if type(exc) is not TypeError or not text.startswith(UNDESERIALIZABLE):
         return exc
-    better = TypeError(f"the actor could not load its class {cls.__qualname__} (module "
+    better = TypeError(f"the actor could not deserialize its class {cls.__qualname__} (module "
                        f"{cls.__module__!r}) or the arguments of its __init__: "
                        f"{text[len(UNDESERIALIZABLE):]}")
     better.__cause__ = exc.__cause__

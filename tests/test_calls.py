@@ -213,9 +213,9 @@ async def test_an_actor_class_the_actor_cannot_import_is_named(rt, tmp_path, mon
         sys.path.remove(str(tmp_path))  # the actor is spawned without it
     # (imported here, it goes by reference; gone when the test ends)
     monkeypatch.setitem(sys.modules, "driver_only_actors", driver_only_actors)
-    with pytest.raises(TypeError, match=r"the actor could not load its class Hidden \(module "
-                                        r"'driver_only_actors'\) or the arguments of its "
-                                        r"__init__: ModuleNotFoundError.*register_pickle_by"):
+    with pytest.raises(TypeError, match=r"the actor could not deserialize its class Hidden "
+                                        r"\(module 'driver_only_actors'\) or the arguments "
+                                        r"of its __init__: ModuleNotFoundError.*register_pickle"):
         await driver_only_actors.Hidden.spawn()
 
 
