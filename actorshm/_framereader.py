@@ -22,6 +22,13 @@ _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))  # received fds never lea
 _unpack_header = HEADER.unpack_from
 
 
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def _fd_shortage() -> str:
     """Why the kernel cut a read's fds short, where this process is out of fds (the
     usual cause: it could not install them)."""
@@ -59,14 +66,17 @@ class FrameReader:
         ``pos`` (the writer sends a frame's fds with a sendmsg that starts with its
         header, so they come with the read that has its first byte); if not, a
         protocol error."""
-        if n - pos >= HSIZE:
-            nfds = HEADER.unpack_from(data, pos)[3]
-            if nfds == len(self._fds) or (self.fds_cut is not None and nfds > len(self._fds)):
-                return True
-        elif n > pos:
-            return True  # its header is not whole yet: checked once it is
-        self._protocol_error(f"{len(self._fds)} file descriptor(s) came with no frame "
-                             "that announced them")
+        groups = self._fd_groups
+        if len(groups) == 1:
+            if n - pos >= HSIZE:
+                nfds = HEADER.unpack_from(data, pos)[3]
+                got, cut = groups[0]
+                if nfds == len(got) or (cut is not None and nfds > len(got)):
+                    return True
+            elif n > pos:
+                return True  # its header is not whole yet: checked once it is
+        self._protocol_error(f"{sum(len(g) for g, _ in groups)} file descriptor(s) came "
+                             "with no frame that announced them")
         return False
 
     def drain(self) -> None:
@@ -93,19 +103,25 @@ class FrameReader:
         except OSError:  # ECONNRESET: the peer died with data unread; same as EOF
             self._broken()
             return False
-        for level, kind, cdata in anc:
+        carried = bool(anc or flags & _MSG_CTRUNC)  # fds (some, maybe, dropped)
+        if carried:
+            # A read carries the fds of one sendmsg, which the writer starts with the
+            # frame they belong to: they are that frame's, kept as one group (its frame
+            # may end reads later, after the next frame's fds came).
             self._anc_seen = True
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
-                self._fds.extend(fds)
-        if flags & _MSG_CTRUNC:
-            # The kernel could not install every fd (this process is out of them) and
-            # dropped the rest. The frame they came with is read all the same, its
-            # missing fds as -1: the blocks of the arenas they would open fail (that call
-            # or result fails, naming the cause), and the connection lives on.
-            self.fds_cut = _fd_shortage() or (": the kernel dropped them (a read of fds "
-                                              "was cut short)")
+            got = array.array("i")
+            for level, kind, cdata in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    got.frombytes(cdata[: len(cdata) - len(cdata) % got.itemsize])
+            cut = None
+            if flags & _MSG_CTRUNC:
+                # The kernel could not install every fd (this process is out of them)
+                # and dropped the rest. Their frame is read all the same, its missing
+                # fds as -1: the blocks of the arenas they would open fail (that call or
+                # result fails, naming the cause), and the connection lives on.
+                cut = _fd_shortage() or ": the kernel dropped them (a read was cut short)"
+            if got or cut is not None:
+                self._fd_groups.append((list(got), cut))
         if not nread:
             self._broken()
             return False
@@ -140,14 +156,15 @@ class FrameReader:
                 if end > n:
                     break
                 if nfds:
-                    if nfds > len(self._fds):
-                        if self.fds_cut is None:
+                    fds, cut = self._fd_groups.popleft() if self._fd_groups else ([], None)
+                    if len(fds) != nfds:
+                        if cut is None or len(fds) > nfds:
+                            for fd in fds:  # (the rest close with the connection)
+                                _close(fd)
                             self._protocol_error("a frame announced fds it did not carry")
                             return False
-                        self._fds.extend([-1] * (nfds - len(self._fds)))  # (see above)
-                        self.fds_why, self.fds_cut = self.fds_cut, None
-                    fds = self._fds[:nfds]
-                    del self._fds[:nfds]
+                        fds += [-1] * (nfds - len(fds))  # (cut short: see above)
+                        self.fds_why = cut
                 else:
                     fds = ()
                 pos = end
@@ -159,7 +176,7 @@ class FrameReader:
                     self._frame(kind, flags, cid, data[start:end], fds)
                 if self.closed:
                     return False
-            if self._fds and not self._fds_owned(data, pos, n):
+            if self._fd_groups and not self._fds_owned(data, pos, n):
                 return False
         finally:
             if spanned:
@@ -170,14 +187,13 @@ class FrameReader:
                 elif pos < n:
                     buf += view[pos:n]
                 self.uncork()
-        if anc and not self._following:
+        if carried and not self._following:
             self._follow_fds()
         return True
 
     _following = False  # in ``_follow_fds``
     _anc_seen = False  # the last read carried fds
-    fds_cut: str | None = None  # why the last fds read were cut short, until a frame has them
-    fds_why = ""  # why the fds of the frame being read are missing (-1)
+    fds_why = ""  # why the fds of the last frame whose fds were cut short are missing (-1)
 
     def _follow_fds(self) -> None:
         """Read on after a read that carried fds, while reads carry fds (at most 64: a

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import logging
 import os
 import socket
@@ -119,7 +120,9 @@ class FramedSocket(FrameReader):
         self._burst = False
         self._burst_flush = False
         self._inbuf = bytearray()
-        self._fds: list[int] = []
+        # The fds received and not yet taken by their frame: one group per read, each
+        # (fds, why they were cut short or None) (``FrameReader``).
+        self._fd_groups: collections.deque = collections.deque()
 
     # -- what a subclass provides ------------------------------------------------
     def _frame(self, kind: int, flags: int, cid: int, payload, fds) -> None:
@@ -158,9 +161,10 @@ class FramedSocket(FrameReader):
         if self.sock is not None:
             self._unwatch()
             self.sock.close()
-        for fd in self._fds:
-            close_fd(fd)
-        self._fds.clear()
+        for fds, _ in self._fd_groups:
+            for fd in fds:
+                close_fd(fd)
+        self._fd_groups.clear()
         out, self._out = self._out, []
         self._holds = []
         for item in out:

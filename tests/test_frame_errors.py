@@ -354,3 +354,78 @@ async def test_a_call_made_after_the_peer_went_away_is_not_written_nor_reported_
         fut.cancel()
     finally:
         conn.close()
+
+
+_CUT_FDS = '''
+import array, asyncio, os, resource, socket, sys, types
+from actorshm._framing import FramedSocket, _recv_view
+from actorshm._wire import CALL, HEADER
+
+class Reader(FramedSocket):
+    def __init__(self):
+        super().__init__(asyncio.new_event_loop(), "test")
+        self.host = types.SimpleNamespace(read_at=0)
+        self.got, self.err = [], None
+    def _frame(self, kind, flags, cid, payload, fds):
+        self.got.append((cid, [-1 if fd < 0 else os.fstat(fd).st_size >> 20 for fd in fds]))
+    def _on_eof(self):
+        self.err = "eof"
+    def _protocol_error(self, why):
+        self.err, self.closed = why, True
+
+ours, theirs = socket.socketpair()
+theirs.setblocking(False)
+r = Reader()
+r.sock, r.fd = theirs, theirs.fileno()
+r._rview = _recv_view()
+r._rviews = [r._rview]
+
+def memfd(mib):
+    fd = os.memfd_create("t")
+    os.ftruncate(fd, mib << 20)
+    return fd
+
+# Frame 1 (two fds, a payload of several reads), then frame 2 (one fd): the fds of one
+# sendmsg come with one read, so frame 2's may come before frame 1 is whole.
+ours.sendmsg([HEADER.pack(100_000, CALL, 0, 2, 1), b"x" * 100_000],
+             [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [memfd(1), memfd(2)]))])
+ours.sendmsg([HEADER.pack(10, CALL, 0, 1, 2), b"y" * 10],
+             [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [memfd(3)]))])
+spare = os.open(os.devnull, os.O_RDONLY)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+fill = []
+while True:  # no fd left
+    try:
+        fill.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        break
+if sys.argv[1] == "one":
+    os.close(fill.pop())  # room for one of frame 1's two fds
+    while not r.closed and r._on_readable():
+        pass
+else:  # room for frame 2's fd only after frame 1's were cut
+    r._follow_fds = lambda: None
+    r._on_readable()
+    os.close(spare)
+    while not r.closed and r._on_readable():
+        pass
+print(r.got, r.err)
+'''
+
+
+@pytest.mark.parametrize("how, got", [
+    ("one", [(1, [1, -1]), (2, [-1])]),  # frame 1 got one of its fds, frame 2 none
+    ("later", [(1, [-1, -1]), (2, [3])]),  # an fd was free again for frame 2's
+])
+def test_fds_the_kernel_dropped_fail_their_frame_alone_and_others_keep_theirs(tmp_path,
+                                                                             how, got):
+    # Out of fds, the kernel drops those a message carries: the connection closed (a
+    # protocol error). The frame is read with them as -1, and a frame whose payload
+    # spans reads must not take the next frame's fds (it took frame 2's arena as its
+    # own, and frame 2 then had none: the connection closed after all).
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _CUT_FDS, how], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{got} None"
