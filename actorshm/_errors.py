@@ -50,7 +50,12 @@ def undeserializable_arguments(what: str) -> TypeError:
     (both backends). It begins with ``UNDESERIALIZABLE``."""
     hint = ""
     missing = _MISSING_MODULE.search(what)
-    if missing:
+    if what.startswith("AuthenticationError"):
+        hint = (" (a multiprocessing manager's proxy connects to its manager with the "
+                "actor process's authentication key, which is not the driver's: keep the shared "
+                "state in an actor, or in a shared array (actorshm.zeros); or set "
+                "multiprocessing.current_process().authkey in the actor to the manager's)")
+    elif missing:
         name = missing.group(1)
         hint = (f" (the actor's process cannot import {name!r}: actors import from the "
                 f"sys.path the driver had when they were spawned; install the module, put "

@@ -18,6 +18,7 @@ otherwise the actor's memory cgroup counts its ``oom_kill`` events.
 from __future__ import annotations
 
 import asyncio
+import numbers
 import inspect
 import itertools
 import pickle
@@ -326,12 +327,15 @@ class MemoryReport:
 
 def check_timeout(what: str, timeout: Any) -> None:
     """``rt.stats``/``memory``/``dump_stacks``'s ``timeout`` (``what``: what they ask)
-    is a number of seconds above 0: else every actor would be reported unresponsive."""
+    is a number of seconds above 0, or None: else every actor would be reported
+    unresponsive."""
+    if timeout is None:  # no limit
+        return
     method = "dump_stacks" if what == "stacks" else what
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"rt.{method}(timeout=...) must be a number of seconds, not "
-                        f"{timeout!r}")
-    if not 0 < timeout < float("inf"):
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"rt.{method}(timeout=...) must be a number of seconds (or None: "
+                        f"no limit), not {timeout!r}")
+    if not 0 < timeout:  # (NaN too)
         raise ValueError(f"rt.{method}(timeout=...) must be more than 0 seconds (how long "
                          f"to wait for each actor's answer), not {timeout!r}")
 

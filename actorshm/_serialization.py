@@ -93,21 +93,13 @@ def refuse_connection(c) -> None:
 
 _INHERITED = ("a multiprocessing {name} reaches only the processes that inherit it as they "
               "start, and actors are started by actorshm: ")
-# Objects that work only within the process (or the event loop) that made them, by the
-# module of their class: why each is refused, and what to use instead. Pickled, an
-# asyncio one arrives as a copy that nothing else sets, releases or fills (silently);
-# the multiprocessing ones raise advice that leads nowhere here ("through inheritance",
-# or a manager's AuthenticationError in the actor).
+# Objects that work only within the process that made them, by the module of their class:
+# why each is refused, and what to use instead. Pickling raised for each already, with
+# advice that leads nowhere with actors ("through inheritance"). (An asyncio Event or
+# Lock is not refused: it pickles as a copy, as any object does, and an object may hold
+# an unlocked one for its own use.)
 PROCESS_BOUND = {
     "multiprocessing.connection": refuse_connection,
-    "asyncio.locks": (
-        "an asyncio.{name} works within one process's event loop: the actor would get a "
-        "copy that nothing else sets or releases. Coordinate through calls: await an "
-        "actor's async method (it may wait on an asyncio.{name} of the actor's own)"),
-    "asyncio.queues": (
-        "an asyncio.{name} works within one process's event loop: the actor would get a "
-        "copy that nothing else fills or empties. Send the items through calls, or "
-        "stream them from a generator method (`async for item in handle.method()`)"),
     "multiprocessing.queues": _INHERITED + (
         "send the items through calls, stream them from a generator method, or make an "
         "actor the queue (its methods put and get)"),
@@ -122,26 +114,17 @@ PROCESS_BOUND = {
         "inherit it as they start, and actors are started by actorshm: share an array "
         "instead: actorshm.zeros(1) travels by reference, and the actor's writes to it "
         "are seen by the caller"),
-    # (its proxies only: a ``Namespace``, a ``Token`` or a ``RemoteError`` is data)
-    "multiprocessing.managers": (
-        "a multiprocessing manager's proxy ({name}) needs the manager's authentication "
-        "key, which actor processes do not have: keep the shared state in an actor (its "
-        "methods read and change it) or in a shared array (actorshm.zeros)"),
 }
 
 
 def refuse_process_bound(obj, module: str) -> None:
     """Refuse ``obj``, whose class's module is ``module``, if ``PROCESS_BOUND`` names it."""
     why = PROCESS_BOUND.get(module)
-    if why is None or isinstance(obj, BaseException):  # (an error is data: QueueEmpty)
+    if why is None or isinstance(obj, BaseException):  # (an error is data)
         return
     if callable(why):
         why(obj)
         return
-    if module == "multiprocessing.managers":
-        from multiprocessing.managers import BaseProxy  # (loaded: it is obj's module)
-        if not isinstance(obj, BaseProxy):
-            return
     raise Unsendable(why.format(name=type(obj).__name__))
 
 

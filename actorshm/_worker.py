@@ -295,7 +295,8 @@ class Worker(StreamingClient):
                     f"{what} could not run: the actor could not start a thread for it "
                     f"({exc}). With max_concurrency > 1 sync methods run in threads, and "
                     "this process is at its limit of threads (ulimit -u, a container's "
-                    "pids limit): raise the limit, or lower max_concurrency"))
+                    "pids limit): raise the limit, or lower max_concurrency"
+                    if "thread" in str(exc) else f"{what} could not run: {exc}"))
                 self._finished(key)
                 return
             fut.add_done_callback(lambda f: self._sync_done(conn, cid, f, what))

@@ -84,9 +84,13 @@ def empty(*size, dtype=None, device="cpu"):
     size = _size(size)
     dtype = dtype or _t.get_default_dtype()
     if not isinstance(dtype, _t.dtype):
-        raise TypeError(f"actorshm.torch.empty(dtype=...) takes a torch dtype "
-                        f"(torch.float32), not {dtype!r}; a numpy array is made with "
-                        f"actorshm.empty(..., dtype={getattr(dtype, '__name__', dtype)!r})")
+        try:  # what torch takes as a dtype (float, int, bool) it turns into one
+            dtype = _t.empty(0, dtype=dtype).dtype
+        except TypeError:
+            raise TypeError(f"actorshm.torch.empty(dtype=...) takes a torch dtype "
+                            f"(torch.float32), not {dtype!r}; a numpy array is made with "
+                            f"actorshm.empty(..., dtype="
+                            f"{getattr(dtype, '__name__', dtype)!r})") from None
     if dtype in _QUANTIZED:
         raise TypeError(
             f"actorshm.torch.empty: {dtype} is a quantized dtype, and a quantized tensor "

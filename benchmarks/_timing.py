@@ -4,6 +4,9 @@ from __future__ import annotations
 
 # Peers' contenders that failed in this run, each "name: why": the report lists them.
 FAILED: list[str] = []
+# Contenders that must not fail, by a word of their name: actorshm's own, and the
+# floors and baselines that the ratios divide by (they run in this process).
+_MUST_RUN = ("actorshm", "floor", "pickle round trip")
 
 
 async def sample(fns: dict, rounds: int, reps=1) -> dict[str, list[float]]:
@@ -13,8 +16,8 @@ async def sample(fns: dict, rounds: int, reps=1) -> dict[str, list[float]]:
 
     A peer's contender that raises (Ray out of object-store or disk space, say) is
     dropped from the rest of the run, missing from the result and listed in ``FAILED``,
-    so that one peer's trouble costs its cells, not the run; actorshm's own contenders
-    (named ``actorshm...``) failing is an error.
+    so that one peer's trouble costs its cells, not the run; actorshm's own contenders,
+    the floors and baselines failing is an error (``_MUST_RUN``).
     """
     live = dict(fns)
     samples: dict[str, list[float]] = {k: [] for k in fns}
@@ -23,7 +26,7 @@ async def sample(fns: dict, rounds: int, reps=1) -> dict[str, list[float]]:
         try:
             took = await live[k]()
         except Exception as exc:
-            if k.startswith("actorshm"):
+            if any(w in k for w in _MUST_RUN):
                 raise
             why = (str(exc).strip().splitlines() or [""])[0][:200]
             FAILED.append(f"{k}: failed ({type(exc).__name__}: {why}); not measured")

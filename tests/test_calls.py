@@ -563,3 +563,15 @@ async def test_an_exception_holding_a_pipe_end_comes_back_as_its_text(rt):
     gc.collect()
     await asyncio.sleep(0.05)
     assert await c.pipe_works() == 1  # (the actor's own end untouched, its socket too)
+
+
+def test_a_managers_proxy_failing_in_the_actor_says_why():
+    # A multiprocessing manager's proxy connects to its manager with the actor's
+    # authentication key: the actor's AuthenticationError ("digest sent was rejected")
+    # named nothing a user could act on. (Checked on the message alone: a real manager
+    # leaves multiprocessing's resource tracker running in the test process.)
+    from actorshm._errors import undeserializable_arguments
+    err = undeserializable_arguments("AuthenticationError: digest sent was rejected")
+    assert "could not deserialize the call's arguments: AuthenticationError" in str(err)
+    assert "manager's proxy connects to its manager with the actor process's " \
+           "authentication key" in str(err) and "keep the shared state in an actor" in str(err)

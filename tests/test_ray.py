@@ -1099,6 +1099,8 @@ async def test_stats_memory_and_stacks_of_every_actor(art, backend):
         for bad in (0, -1, float("nan")):
             with pytest.raises(ValueError, match=r"must be more than 0 seconds"):
                 await ask(timeout=bad)
+        for fine in (None, np.float32(5), np.int64(5)):  # (None: no limit)
+            await ask(timeout=fine)
 
 
 async def test_stacks_show_a_pending_async_call_awaited_coroutine_by_coroutine(art):
@@ -1645,34 +1647,27 @@ async def test_a_result_that_cannot_be_pickled_or_an_open_file_argument(art):
 
 
 async def test_objects_that_work_in_one_process_only_are_refused_with_what_to_use(art):
-    # An asyncio Event or Queue went as a copy that nothing else set or filled (the actor
-    # waited in vain); multiprocessing's queues, locks and values raised their own advice
-    # ("through inheritance"), which leads nowhere with actors; a manager's proxy failed
-    # in the actor (AuthenticationError).
+    # multiprocessing's queues, locks and values raised their own advice ("through
+    # inheritance"), which leads nowhere with actors.
     import multiprocessing
-    from multiprocessing.managers import DictProxy, Token
     # (made with "fork", whose locks need no resource tracker process; nothing is forked)
     ctx = multiprocessing.get_context("fork")
-    # a manager's proxy, made without its server (not connected to any)
-    proxy = DictProxy(Token("dict", ("127.0.0.1", 9), "1"), "pickle", incref=False)
     a = await ArrayUser.spawn()
-    # what those modules hold as data still travels: an error, a manager's Namespace
-    from multiprocessing.managers import Namespace
-    err, ns = await a.echo([asyncio.QueueEmpty("none"), Namespace(x=1)])
-    assert type(err) is asyncio.QueueEmpty and ns.x == 1
     for obj, says in [
-            (asyncio.Event(), r"asyncio\.Event works within one process's event loop"),
-            (asyncio.Lock(), r"asyncio\.Lock works within one process's event loop"),
-            (asyncio.Queue(), r"asyncio\.Queue .* stream them from a generator"),
             (ctx.Queue(), r"multiprocessing Queue reaches only the processes that "
                           r"inherit it .* make an actor the queue"),
             (ctx.Lock(), r"multiprocessing Lock .*max_concurrency=1"),
-            (ctx.Value("i", 0), r"multiprocessing Value or Array .* actorshm\.zeros"),
-            (proxy, r"manager's proxy \(DictProxy\) needs the manager's "
-                    r"authentication key.* keep the shared state in an actor")]:
+            (ctx.Value("i", 0), r"multiprocessing Value or Array .* actorshm\.zeros")]:
         for arg in (obj, {"deep": [obj]}):
             with pytest.raises(TypeError, match=says):
                 await a.total(arg)
+    # what those modules hold as data travels, and so does an object that holds an
+    # asyncio lock for its own use (it pickles as a copy, as any object does)
+    from multiprocessing.managers import Namespace
+    holder = Namespace(lock=asyncio.Lock(), event=asyncio.Event(), n=1)
+    err, ns, held = await a.echo([asyncio.QueueEmpty("none"), Namespace(x=1), holder])
+    assert type(err) is asyncio.QueueEmpty and ns.x == 1 and held.n == 1
+    assert type(held.lock) is asyncio.Lock and not held.lock.locked()
     assert await a.total(np.ones(2)) == 2.0
 
 

@@ -817,6 +817,9 @@ def test_bad_input_errors():
     with pytest.raises(TypeError, match=r"not Linear; a module's parameters are shared with "
                                         r"actorshm\.torch\.share_module"):
         at.share(torch.nn.Linear(2, 2))
+    # what torch takes as a dtype works as in torch.empty
+    assert [at.zeros(2, dtype=t).dtype for t in (float, int, bool)] == \
+        [torch.float64, torch.int64, torch.bool]
     for dtype in (np.float32, "float32"):  # numpy's spelling: the way to each
         with pytest.raises(TypeError, match=r"takes a torch dtype \(torch\.float32\), not "
                                             r".*actorshm\.empty\(\.\.\., dtype='float32'\)"):
