@@ -22,7 +22,8 @@ _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))  # received fds never lea
 _unpack_header = HEADER.unpack_from
 
 
-def _close(fd: int) -> None:
+def close_fd(fd: int) -> None:
+    """Close ``fd``, ignoring an fd that is already closed."""
     try:
         os.close(fd)
     except OSError:
@@ -160,7 +161,7 @@ class FrameReader:
                     if len(fds) != nfds:
                         if cut is None or len(fds) > nfds:
                             for fd in fds:  # (the rest close with the connection)
-                                _close(fd)
+                                close_fd(fd)
                             self._protocol_error("a frame announced fds it did not carry")
                             return False
                         fds += [-1] * (nfds - len(fds))  # (cut short: see above)

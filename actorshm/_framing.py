@@ -26,7 +26,7 @@ import socket
 import struct
 import threading
 
-from ._framereader import FrameReader
+from ._framereader import FrameReader, close_fd
 from ._wire import ANC_SIZE, CALL, HEADER, MARK, MAX_FRAME, RECV_SIZE  # noqa: F401
 
 logger = logging.getLogger("actorshm")
@@ -471,11 +471,3 @@ def run_callbacks(callbacks: list, ok: bool) -> None:
             cb(ok)
         except Exception:  # a bug: logged, and the others still run
             logger.exception("actorshm: error in a frame-written callback")
-
-
-def close_fd(fd: int) -> None:
-    """Close ``fd``, ignoring an fd that is already closed."""
-    try:
-        os.close(fd)
-    except OSError:
-        pass
