@@ -31,6 +31,9 @@ class CallFuture(asyncio.Future):
         an error that says to ``await`` it (``timeout`` is accepted and ignored: on the
         event loop's thread nothing can block for the answer, which that loop brings)."""
         if not self.done():
+            # Its caller gives up on it here: should it fail, that is not "an exception
+            # never retrieved" printed later, with a traceback, by the event loop.
+            self.add_done_callback(_retrieve)
             raise asyncio.InvalidStateError(
                 "this call has not finished, and nothing on the event loop's thread can "
                 "block for it (that loop brings its answer): `await` it in an `async def` "
@@ -44,6 +47,11 @@ class CallFuture(asyncio.Future):
         if self.conn is not None:
             self.conn.cancel(self.cid)
         return True
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 class JoinedFuture(asyncio.Future):

@@ -445,8 +445,8 @@ class Caller:
         """``other.hit()``'s pid, and what ``other.pid`` says afterwards."""
         return (await self.other.hit())[2], self.other.pid
 
-    def block_on(self, handle):  # a Ray habit, in a sync method
-        return handle.incr(1).result(timeout=2)
+    def block_on(self, handle, k=1):  # a Ray habit, in a sync method
+        return handle.incr(k).result(timeout=2)
 
     def return_unfinished(self, handle):
         return handle.incr(1)

@@ -344,11 +344,17 @@ def test_calls_from_another_thread_can_be_awaited_there_and_fail_once_closed():
         late[0].result(5)
 
 
-async def test_blocking_on_a_call_where_nothing_can_block_says_what_to_do(rt):
+async def test_blocking_on_a_call_where_nothing_can_block_says_what_to_do(rt, capfd):
     c = await Counter.spawn(0)
     on_loop = await Caller.spawn()  # sync methods run on its event loop
     with pytest.raises(asyncio.InvalidStateError, match="await"):
         await on_loop.block_on(c)
+    # the call given up on fails later: the actor prints no "exception was never
+    # retrieved" traceback for it (its caller already had the error that says why)
+    with pytest.raises(asyncio.InvalidStateError, match="await"):
+        await on_loop.block_on(c, "x")  # (incr fails: 0 + "x")
+    await asyncio.sleep(0.3)
+    assert "never retrieved" not in capfd.readouterr().err
     with pytest.raises(TypeError, match=r"block on it with \.result\(\) first"):
         await (await Caller.options(max_concurrency=3).spawn()).return_unfinished(c)
     threaded = await Caller.options(max_concurrency=3).spawn()
