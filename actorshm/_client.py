@@ -138,7 +138,8 @@ def client_for_decode() -> Any:
 
 def refuse_runtime(rt) -> None:
     """A runtime's ``__reduce__``: it lives in the process that opened it."""
-    raise TypeError(
+    from ._errors import Unsendable
+    raise Unsendable(
         f"{type(rt).__name__} cannot be sent to another process (it owns this process's "
         "actors and memory): pass actor handles instead, which pickle")
 

@@ -19,6 +19,7 @@ __all__ = [
     "ReentrantCallError",
     "ProtocolError",
     "ActorGroupError",
+    "Unsendable",
 ]
 
 
@@ -39,6 +40,10 @@ def init_exit_error(cls_name: str, exc: BaseException) -> BaseException:
     if isinstance(exc, SystemExit):
         return ActorDiedError(f"actor {cls_name} exited in __init__ (sys.exit({exc.code!r}))")
     return exc
+
+
+class Unsendable(TypeError):
+    """An object that cannot travel, with a message that already says what to do."""
 
 
 UNDESERIALIZABLE = "the actor could not deserialize the call's arguments: "

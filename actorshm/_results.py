@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ._errors import ActorError
+from ._errors import ActorError, Unsendable
 
 __all__ = ["CallFuture", "JoinedFuture", "reduce_future", "Unfinished", "DependencyFailed",
            "futures_in", "with_results"]
@@ -103,7 +103,7 @@ def reduce_future(fut: asyncio.Future):
         TypeError: it is not a call's future.
     """
     if not isinstance(fut, CallFuture):
-        raise TypeError("an asyncio Future cannot be passed to an actor: await it first "
+        raise Unsendable("an asyncio Future cannot be passed to an actor: await it first "
                         "and pass its result (only the awaitable of an actor call may be "
                         "passed unfinished)")
     if not fut.done():

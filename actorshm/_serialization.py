@@ -41,7 +41,7 @@ from . import _encoding, _leases, _results, _shm
 from ._encoding import SCALARS, Encoding, MessageTooBig, add_wait, arena_fd, check_size
 from ._flat import decode_flat, encode_flat
 from ._inband import dtype_token, in_band, inline_array, rebuild_inline
-from ._errors import ProtocolError, SharedMemoryError
+from ._errors import ProtocolError, SharedMemoryError, Unsendable
 from ._util import pipe_end
 from ._wire import ARENA, FLAT, GPU_SLAB, HAS_BLOCKS, LEN, PLAIN, RECV_SIZE  # noqa: F401
 
@@ -58,10 +58,6 @@ from ._registry import (_OPENERS, _flat_holes, _lazy_plugins,  # noqa: F401
 
 _ndarray = np.ndarray
 _memmap = np.memmap
-
-
-class Unsendable(TypeError):
-    """An object that cannot travel, with a message that already says what to do."""
 
 
 # Open files: cloudpickle would send a text file as a snapshot of its contents (a copy
