@@ -10,9 +10,9 @@ ledger commits the encoding (``_ledger.Ledger.commit``), just before the frame i
 
 from __future__ import annotations
 
-from ._wire import MAX_MESSAGE
+from ._wire import MAX_FDS_PER_SEND, MAX_MESSAGE
 
-__all__ = ["Encoding", "MessageTooBig", "SCALARS", "add_wait", "arena_fd", "check_size"]
+__all__ = ["Encoding", "MessageTooBig", "SCALARS", "add_fd", "add_wait", "arena_fd", "check_size"]
 
 # The builtin scalars, by exact type: what plain pickle does right (no subclass, no tuple).
 SCALARS = frozenset({int, float, str, bytes, bool, type(None), complex})
@@ -73,7 +73,24 @@ class Encoding:
 
 def arena_fd(enc: Encoding, arena) -> int:
     """How a host arena is introduced: its fd rides with the message (its index)."""
-    enc.fds.append(arena.fd)
+    return add_fd(enc, arena.fd)
+
+
+def add_fd(enc: Encoding, fd: int) -> int:
+    """``fd`` rides with the message: its index among the message's fds.
+
+    Raises:
+        MessageTooBig: the message would carry more fds than one ``sendmsg`` can (Linux
+            takes 253: past that the send failed, and the connection with it).
+    """
+    if len(enc.fds) >= MAX_FDS_PER_SEND:
+        raise MessageTooBig(
+            f"the message brings more than {MAX_FDS_PER_SEND} shared-memory arenas new to "
+            "the receiver, each with a file descriptor, and one message carries at most "
+            f"{MAX_FDS_PER_SEND} (Linux's limit). Each array of 4 MiB or more has an arena "
+            "of its own: send them in several calls (an arena sent once does not count "
+            "again), or make them one array")
+    enc.fds.append(fd)
     return len(enc.fds) - 1
 
 

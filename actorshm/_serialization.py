@@ -38,7 +38,8 @@ import cloudpickle
 import numpy as np
 
 from . import _encoding, _leases, _results, _shm
-from ._encoding import SCALARS, Encoding, MessageTooBig, add_wait, arena_fd, check_size
+from ._encoding import (SCALARS, Encoding, MessageTooBig, add_fd, add_wait, arena_fd,
+                        check_size)
 from ._flat import decode_flat, encode_flat
 from ._inband import dtype_token, in_band, inline_array, rebuild_inline
 from ._errors import ProtocolError, SharedMemoryError, Unsendable
@@ -201,8 +202,7 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
             r = self.array(obj)
             return NotImplemented if r is None else r
         if t is PassFd:
-            self.fds.append(obj.fd)
-            return _rebuild_fd, (len(self.fds) - 1,)
+            return _rebuild_fd, (add_fd(self, obj.fd),)
         if isinstance(obj, _Future):  # a call's result as an argument (``_results``)
             return _results.reduce_future(obj)
         if isinstance(obj, _ThreadFuture):

@@ -429,3 +429,19 @@ def test_fds_the_kernel_dropped_fail_their_frame_alone_and_others_keep_theirs(tm
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"{got} None"
+
+
+def test_a_message_with_more_new_arenas_than_one_send_carries_is_refused_before_sending():
+    # 260 new arenas (arrays of 4 MiB or more, each its own) in one call: Linux refuses a
+    # sendmsg of over 253 fds, and the connection was taken for broken: the actor lost.
+    # (Checked on the encoder: a real run needs a GiB of shared memory.)
+    from actorshm._encoding import Encoding, MessageTooBig, add_fd
+    enc = Encoding()
+    enc._start(None)
+    assert [add_fd(enc, 100 + i) for i in range(W.MAX_FDS_PER_SEND)][-1] == \
+        W.MAX_FDS_PER_SEND - 1
+    with pytest.raises(MessageTooBig, match=r"more than 250 shared-memory arenas new to "
+                                            r"the receiver.*send them in several calls"):
+        add_fd(enc, 1)
+    assert len(enc.fds) == W.MAX_FDS_PER_SEND  # (nothing added past the limit)
+    assert W.ANC_SIZE >= socket.CMSG_SPACE(W.MAX_FDS_PER_SEND * 4)  # a reader takes them all
