@@ -162,7 +162,8 @@ class FrameReader:
                         if cut is None or len(fds) > nfds:
                             for fd in fds:  # (the rest close with the connection)
                                 close_fd(fd)
-                            self._protocol_error("a frame announced fds it did not carry")
+                            self._protocol_error(
+                                f"a frame announced {nfds} fds and came with {len(fds)}")
                             return False
                         fds += [-1] * (nfds - len(fds))  # (cut short: see above)
                         self.fds_why = cut
