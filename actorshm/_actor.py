@@ -178,6 +178,18 @@ def _innermost(fn: Any) -> Any:
     return fn
 
 
+RAY_CALLS = ("remote", "bind")  # Ray's ways to call an actor method
+
+
+def no_attribute(obj: Any, attr: str, ray_names: tuple, hint) -> None:
+    """Raise the ``AttributeError`` of ``obj.attr``: for one of Ray's spellings
+    (``ray_names``), the text ``hint()`` gives, which says how actorshm spells it (a
+    handle's method, a group's, a spawner, a pool use this ``__getattr__``)."""
+    if attr in ray_names:
+        raise AttributeError(hint())
+    raise AttributeError(f"{type(obj).__name__!r} object has no attribute {attr!r}")
+
+
 class _Spawner:
     """What ``Cls.options(...)`` returns: ``await Cls.options(...).spawn(*args)``."""
 
@@ -202,12 +214,10 @@ class _Spawner:
                         f"the actor with `await {name}.options(...).spawn(*args)`")
 
     def __getattr__(self, attr: str):
-        if attr == "remote":  # Ray's ``Cls.options(...).remote(...)``
-            name = self._cls.__qualname__
-            raise AttributeError(f"{name}.options(...).remote: an actorshm actor is "
-                                 f"started with `await {name}.options(...).spawn(*args)`, "
-                                 "on Ray too (see docs/ray.md)")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+        no_attribute(self, attr, ("remote",), lambda: (  # Ray's ``.options(...).remote()``
+            f"{self._cls.__qualname__}.options(...).remote: an actorshm actor is started "
+            f"with `await {self._cls.__qualname__}.options(...).spawn(*args)`, on Ray too "
+            "(see docs/ray.md)"))
 
 
 def refuse_options_as_init_args(cls: type, kwargs: dict, what: str) -> None:
@@ -379,12 +389,9 @@ class ActorMethod:
         return h._client.call(h._actor_id, self._name, args, kwargs, self._what)
 
     def __getattr__(self, name: str):
-        if name in ("remote", "bind"):  # Ray's way to call an actor method
-            raise AttributeError(
-                f"{self._what}.{name}: an actorshm method is called directly, and the call "
-                f"is sent at once: `await handle.{self._name}(...)`, on Ray too (see "
-                "docs/ray.md)")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        no_attribute(self, name, RAY_CALLS, lambda: (
+            f"{self._what}.{name}: an actorshm method is called directly, and the call is "
+            f"sent at once: `await handle.{self._name}(...)`, on Ray too (see docs/ray.md)"))
 
     def __repr__(self) -> str:
         return f"<actor method {self._what}>"

@@ -14,7 +14,8 @@ from typing import Any, Awaitable, Iterable, Iterator
 import numpy as np
 
 from . import _client, _shm
-from ._actor import STREAM, ActorHandle, _Spawner, refuse_options_as_init_args, start_shielded
+from ._actor import (RAY_CALLS, STREAM, ActorHandle, _Spawner, no_attribute,
+                     refuse_options_as_init_args, start_shielded)
 from ._client import ThreadCallFuture
 from ._errors import ActorError, ActorGroupError
 from ._pool import check_handles
@@ -183,12 +184,10 @@ class GroupMethod:
         return f"<group method {self._name} of {len(self._handles)} actors>"
 
     def __getattr__(self, attr: str):
-        if attr in ("remote", "bind"):  # Ray's way to call an actor method
-            raise AttributeError(
-                f"group.{self._name}.{attr}: a group's method is called directly, and "
-                f"the calls are sent at once: `await group.{self._name}(...)` gives the "
-                "list of the members' results")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+        no_attribute(self, attr, RAY_CALLS, lambda: (
+            f"group.{self._name}.{attr}: a group's method is called directly, and the "
+            f"calls are sent at once: `await group.{self._name}(...)` gives the list of "
+            "the members' results"))
 
     def __call__(self, *args: Any, **kwargs: Any) -> asyncio.Future | ThreadCallFuture:
         """Send the call to every member now; return an awaitable of the results list.

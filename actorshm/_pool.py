@@ -11,7 +11,7 @@ import collections
 import inspect
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
-from ._actor import ActorHandle
+from ._actor import ActorHandle, no_attribute
 from ._errors import ActorDiedError, RemoteTraceback
 from ._results import JoinedFuture
 from ._streams import StreamLoop
@@ -93,13 +93,11 @@ class ActorPool:
         self._resting: dict[ActorHandle, asyncio.TimerHandle] = {}
 
     def __getattr__(self, name: str):
-        if name in ("get_next", "get_next_unordered", "has_next"):  # Ray's ActorPool
-            raise AttributeError(
-                f"ActorPool.{name}: here `submit` returns the result's awaitable, so there "
-                "is nothing to fetch: `await` it, or gather them (`asyncio.gather`, "
-                "`asyncio.as_completed`); `pool.map`/`map_unordered` iterate results "
-                "(see docs/pools.md)")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        no_attribute(self, name, ("get_next", "get_next_unordered", "has_next"), lambda: (
+            f"ActorPool.{name}: here `submit` returns the result's awaitable, so there is "
+            "nothing to fetch: `await` it, or gather them (`asyncio.gather`, "
+            "`asyncio.as_completed`); `pool.map`/`map_unordered` iterate results (see "
+            "docs/pools.md)"))
 
     # -- members -------------------------------------------------------------------
     def __len__(self) -> int:
