@@ -306,3 +306,14 @@ async def test_sync_calls_at_the_thread_limit_fail_or_wait_never_hang(rt):
     await b.limit()  # (ran in the first thread)
     assert await asyncio.wait_for(asyncio.gather(*(b.sync(i) for i in range(4))), 10) == \
         [0, 1, 2, 3]
+
+
+async def test_an_actor_at_the_thread_limit_stops_without_a_traceback(capfd):
+    # Its stop starts a timer thread (the clean-up's time limit): that failing printed a
+    # traceback ending in "can't start new thread" from every such actor.
+    from actors import AtThreadLimit
+    async with actorshm.Runtime():
+        a = await AtThreadLimit.spawn()
+        assert await a.ping() == "pong"
+    err = capfd.readouterr().err
+    assert "can't start new thread" not in err and "Traceback" not in err, err
