@@ -63,7 +63,21 @@ def undeserializable(exc: BaseException) -> TypeError:
     """Ray could not unpickle an argument in the actor: the local backend's error, with
     the last line of Ray's text (the exception the argument's unpickling raised)."""
     lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
-    return undeserializable_arguments(lines[-1] if lines else type(exc).__name__)
+    err = undeserializable_arguments(lines[-1] if lines else type(exc).__name__)
+    hint = _dtype_hint(str(exc))
+    return TypeError(f"{err}{hint}") if hint else err
+
+
+def _dtype_hint(text: str) -> str:
+    """Advice for torch's failure to rebuild a tensor of a dtype it cannot pickle (the
+    checks before sending look three containers deep, not into objects' attributes)."""
+    if "UntypedStorage" not in text or "dtype" not in text:
+        return ""
+    return (" (a torch tensor of a dtype that torch's own pickling cannot rebuild, such "
+            "as uint16/uint32/uint64, complex32 or a float8 kind, lies in it, deeper than "
+            "the checks before sending look: on the Ray backend tensors travel by torch's "
+            "pickling. Send `t.view(torch.uint8)` and view it back with `.view(dtype)` on "
+            "the other side, or use the local backend)")
 
 
 def translate(exc: BaseException, what: str, sent: str | None = "result") -> BaseException:
@@ -79,7 +93,8 @@ def translate(exc: BaseException, what: str, sent: str | None = "result") -> Bas
         cause = getattr(exc, "client_exc", None)
         text = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) \
             else str(exc).strip().splitlines()[0]
-        return TypeError(f"the result of {what} could not be deserialized here: {text}")
+        return TypeError(f"the result of {what} could not be deserialized here: {text}"
+                         f"{_dtype_hint(text)}")
     if isinstance(exc, rex.RayTaskError):  # the host failed, e.g. a result that won't pickle
         cause = getattr(exc, "cause", None)
         if isinstance(cause, rex.RaySystemError) and _UNCOMPUTED in str(exc):

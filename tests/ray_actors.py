@@ -112,10 +112,13 @@ class ArrayUser:
         yield 1
         yield threading.Lock()
 
-    def graph(self, dtype_name=None):
+    def graph(self, dtype_name=None, depth=0):
         import torch  # a result in an autograd graph, or of a dtype given by name
-        if dtype_name is not None:
-            return torch.ones(3).to(getattr(torch, dtype_name))
+        if dtype_name is not None:  # (``depth`` lists deep)
+            out = torch.ones(3).to(getattr(torch, dtype_name))
+            for _ in range(depth):
+                out = [out]
+            return out
         return {"out": torch.ones(3, requires_grad=True) * 2}
 
     def graph_items(self):

@@ -1708,6 +1708,16 @@ async def test_a_tensor_whose_dtype_torch_cannot_pickle_is_refused_before_sendin
     assert await asyncio.wait_for(c.incr(), 30) == 1
     bits = await c.echo(torch.ones(3, dtype=dtype).view(torch.uint8))  # the way round
     assert bits.view(dtype).float().tolist() == [1.0, 1.0, 1.0]
+    # Deeper than the checks before sending look, the actor fails to rebuild it: that
+    # call fails with the same advice (it was torch's bare AttributeError).
+    with pytest.raises(TypeError, match=r"could not deserialize.*dtype that torch's own "
+                                        r"pickling cannot rebuild.*view\(torch.uint8\)"):
+        await asyncio.wait_for(c.echo([[[[[torch.zeros(3, dtype=dtype)]]]]]), 30)
+    a = await ArrayUser.spawn()
+    with pytest.raises(TypeError, match=r"result of ArrayUser.graph could not be "
+                                        r"deserialized.*view\(torch.uint8\)"):
+        await asyncio.wait_for(a.graph("float8_e4m3fn", depth=5), 30)
+    assert await asyncio.wait_for(c.incr(), 30) == 2
 
 
 async def test_tensors_on_ray_are_copies_and_shared_ones_warn(art, backend):
