@@ -239,6 +239,10 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         if stream is not None:
             self.streams[cid] = stream
             stream.conn, stream.cid = self, cid
+            # Its reply ends it (no item comes after): the connection forgets it then,
+            # or it would keep the receiver, and the items it still buffers (their
+            # blocks leased from the actor), for as long as the connection lives.
+            fut.add_done_callback(lambda _f: self.streams.pop(cid, None))
         _leases.counters["calls_sent"] += 1
         self._send(CALL, flags, cid, payload, fds)
         fut.conn, fut.cid = self, cid  # (cancelling it now cancels the call: ``cancel``)

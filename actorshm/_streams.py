@@ -327,9 +327,10 @@ class CallStream(Stream):
     def _left(self) -> None:
         """A loop over it was left before the end, or it was dropped: stop the call
         (from any thread; the cancel goes out at the event loop's next turn)."""
+        self.inbox.stop()  # (the items it buffers, their blocks, go now, even if the
+        # call has ended already: its last items may have arrived before its end)
         fut = self.fut
         if fut is not None and not fut.done():
-            self.inbox.stop()
             try:
                 fut.get_loop().call_soon_threadsafe(fut.cancel)
             except RuntimeError:  # the loop is closed: so is the connection

@@ -413,6 +413,34 @@ async def test_stream_of_arrays_by_reference_blocks_recycled(rt):
     assert after["pool_reuses"] - before["pool_reuses"] >= 32  # blocks came back
 
 
+async def test_a_stream_left_after_its_end_gives_back_the_items_it_had_not_taken(rt):
+    # A stream whose generator had ended (every item sent, within its run-ahead) kept
+    # the items it had not handed out, their blocks leased from the producer, for as
+    # long as the connection lived, when its loop was left (``break``) or it was dropped
+    # unread: the producer's blocks_live grew with each such stream, and the
+    # connection kept each streaming call's receiver, even of one read to its end.
+    from actorshm._streams import Inbox
+    w = await Worker.spawn()
+    base = (await w.stats())["blocks_live"]
+    left, kept, dropped = (w.arrays(5, 4096) for _ in range(3))
+    await w.stats()  # (answered after the three streams ended: all of them is here)
+    async for a in left:
+        break
+    async for a in kept:  # ``kept`` itself stays referenced
+        break
+    del a, left, dropped
+    gc.collect()
+
+    async def all_back():
+        return (await w.stats())["blocks_live"] == base
+    assert await until(all_back), ((await w.stats())["blocks_live"], base)
+    for _ in range(30):
+        assert [x async for x in w.count(2)] == [0, 1]
+    gc.collect()
+    assert sum(isinstance(o, Inbox) for o in gc.get_objects()) <= 2
+    assert kept is not None
+
+
 async def test_streams_inside_actors(rt):
     w = await Worker.spawn()
     r = await Relay.spawn()
