@@ -453,21 +453,6 @@ def kill_all(actors: dict, ending: "_descendants.Ending", owner: int) -> None:
     ending.kill()
 
 
-def _kill_forked(fut: asyncio.Future) -> None:
-    """A child forked for a spawn that was given up: it must not live on unseen."""
-    if not fut.cancelled() and fut.exception() is None:
-        pid, pidfd = fut.result()
-        try:
-            if pidfd >= 0:
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            else:  # pragma: no cover - kernels before 5.3
-                os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        finally:
-            if pidfd >= 0:
-                os.close(pidfd)
-
 
 class ForkServerClient:
     """The driver's side of the fork server: started on first use, one per runtime.
@@ -486,6 +471,7 @@ class ForkServerClient:
         self._fs_writing = False  # (a writer callback waits for room on the socket)
         self._fs_broken: OSError | None = None  # why a request could not be written
         self._fs_exit: dict[int, int] = {}
+        self._abandoned: set[int] = set()  # children of spawns given up, still to exit
         self._fs_exit_events: dict[int, asyncio.Event] = {}
 
     async def fork(self, child: socket.socket, env: dict) -> tuple[int, tuple]:
@@ -543,13 +529,33 @@ class ForkServerClient:
         except BaseException as exc:  # cancelled, or timed out: nobody will take the child
             os.close(out_r)
             os.close(err_r)
-            fut.add_done_callback(_kill_forked)  # the server forks it all the same
+            fut.add_done_callback(self._kill_forked)  # the server forks it all the same
             if isinstance(exc, asyncio.TimeoutError):
                 raise ActorDiedError(
                     f"the fork server did not start the actor within {self.start_timeout} s "
                     "(Runtime(start_timeout=...) sets the limit)") from None
             raise
         return pid, pidfd, (open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0))
+
+    def _kill_forked(self, fut: asyncio.Future) -> None:
+        """A child forked for a spawn that was given up: it must not live on unseen.
+        Nobody asks for its exit code: the server's report of it is dropped (kept, it
+        would stay for ever, and be taken for the code of a later child with its pid)."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        pid, pidfd = fut.result()
+        if self._fs_exit.pop(pid, None) is None:  # (its report may be in already)
+            self._abandoned.add(pid)
+        try:
+            if pidfd >= 0:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            else:  # pragma: no cover - kernels before 5.3
+                os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
 
     def _send(self, data: bytes, fds: list[int]) -> None:
         """Queue a request for the server, with copies of ``fds``, and write what the
@@ -655,6 +661,8 @@ class ForkServerClient:
                 fut.set_result((pid, pidfd))
             elif pidfd >= 0:  # pragma: no cover - (failed futures leave the queue)
                 os.close(pidfd)
+        elif pid in self._abandoned:  # (a child of a spawn given up: ``_kill_forked``)
+            self._abandoned.discard(pid)
         else:
             self._fs_exit[pid] = code
             ev = self._fs_exit_events.pop(pid, None)

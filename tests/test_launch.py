@@ -12,6 +12,7 @@ import pytest
 import actorshm
 from actorshm import ActorDiedError
 from actors import Caller, Counter, Faulty, Probe
+from waits import until
 
 
 async def test_stdout_stderr_prefixed(rt_each, capfd):
@@ -85,6 +86,38 @@ async def test_a_fork_request_that_cannot_be_written_fails_its_spawn_and_later_o
         cs = [await asyncio.wait_for(Counter.spawn(i), 4) for i in (10, 20)]
         assert [await c.incr() for c in cs] == [11, 21]
         assert await first.incr() == 1  # (the server's actors live on)
+
+
+async def test_the_exit_of_a_child_forked_for_a_spawn_given_up_is_not_kept(monkeypatch):
+    # A spawn cancelled while the server forked: its child is killed, and the server's
+    # report of its exit was kept for ever (one entry per such spawn; a later child
+    # with that pid would have been given its exit code).
+    from actorshm._launch import ForkServerClient
+    killed = []
+    real = ForkServerClient._kill_forked
+
+    def counting(self, fut):
+        if not fut.cancelled() and fut.exception() is None:
+            killed.append(fut.result()[0])
+        real(self, fut)
+    monkeypatch.setattr(ForkServerClient, "_kill_forked", counting)
+    async with actorshm.Runtime(start_method="forkserver", shutdown_grace=0.5) as rt:
+        await Counter.spawn(0)  # (the server is up)
+        fs = rt._forkserver
+        for i in range(400):
+            if len(killed) >= 3:
+                break
+            try:
+                h = await asyncio.wait_for(Counter.spawn(0), 0.0005 * (1 + i % 8))
+            except asyncio.TimeoutError:
+                continue
+            await h.kill()
+        assert killed, "no spawn was given up after its fork"
+
+        async def reports_in():  # (each killed child's exit reported and dropped)
+            return not fs._abandoned
+        assert await until(reports_in, 10), fs._abandoned
+        assert not set(killed) & set(fs._fs_exit), fs._fs_exit
 
 
 async def test_a_fork_request_short_of_fds_leaks_none(monkeypatch):
