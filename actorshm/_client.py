@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 _runtimes: list = []  # open runtimes in the driver, innermost last
+DEAD_KEPT = 1000  # summaries of dead actors a runtime keeps for ``actors()`` (the latest)
 # Held while a runtime opens or closes: threads may do both at once, and the first to
 # open makes the process's shared budget, the last to close ends it.
 runtimes_lock = threading.Lock()

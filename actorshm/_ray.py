@@ -59,6 +59,9 @@ def import_ray():
     return ray
 
 
+KILLED_KEPT = 10_000  # killed actors' keys a process keeps (``RayClient._dead``)
+
+
 class RayActorId:
     """The actor id of a handle on the Ray backend: the Ray actor handle and its facts."""
 
@@ -79,6 +82,14 @@ class RayActorId:
         self.restarts = restarts  # its max_restarts: whether a new process may come
         self.pid = 0  # its first process's pid (``RayClient._pids`` has later ones)
         self._methods: tuple | None = None  # (call0, call1) of the Ray actor handle
+
+    def detached(self) -> "RayActorId":
+        """A copy without Ray's actor handle (what a summary of a dead actor keeps: the
+        handle holds ~64 KB of Ray's objects); equal to this one."""
+        d = object.__new__(RayActorId)
+        d.__dict__.update(self.__dict__)
+        d.handle, d._methods = None, None
+        return d
 
     def call_methods(self) -> tuple:
         """The host's ``call0`` and ``call1`` (Ray makes a new object per attribute read)."""
@@ -153,7 +164,9 @@ class RayClient(CallOrder):
 
     def __init__(self) -> None:
         super().__init__()  # (``CallOrder``'s state)
-        self._dead: set = set()
+        # Keys of actors killed (the latest ``KILLED_KEPT``, as an ordered set): their
+        # calls fail at once. (An older one's call goes to Ray, which fails it too.)
+        self._dead: dict[str, None] = {}
         self._remote_host = None
         self._names_ok: bool | None = None  # see _names_work
         self._spawn_listeners: list = []
@@ -282,7 +295,9 @@ class RayClient(CallOrder):
     def killed(self, key: str) -> None:
         """Actor ``key`` was killed: calls made from now on fail, and so do those still
         waiting for their arguments (now, not once the arguments are in)."""
-        self._dead.add(key)
+        self._dead[key] = None
+        if len(self._dead) > KILLED_KEPT:
+            del self._dead[next(iter(self._dead))]
         for task in [t for t, k in list(self._waits_for_args.items()) if k == key]:
             try:
                 task.get_loop().call_soon_threadsafe(task.cancel)
@@ -531,6 +546,7 @@ class RayClient(CallOrder):
         while started is not None and process_start(pid) == started and \
                 time.monotonic() < deadline:
             await asyncio.sleep(0.005)
+        self.forget(actor_id.key)
 
     # -- spawning ----------------------------------------------------------------
     async def spawn(self, cls: type, options: ActorOptions, args: tuple,

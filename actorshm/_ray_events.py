@@ -83,12 +83,13 @@ async def _children(runtime: Any, host: Any) -> None:
             runtime.adopt(handle, options)
 
 
-def _dead_for_good(runtime: Any, rec: _Record, sure: bool) -> None:
-    """The actor will not come back; ``sure``: it is gone for certain, so that a name it
-    has is freed at once, as locally (Ray kept it taken for a minute or so)."""
-    runtime._gone.add(rec.actor_id.key)
+def _dead_for_good(runtime: Any, rec: _Record, sure: bool, death: str) -> None:
+    """The actor will not come back (``death``: why); ``sure``: it is gone for certain,
+    so that a name it has is freed at once, as locally (Ray kept it taken for a minute
+    or so). The runtime forgets it but for a summary row."""
     if sure and rec.options.name is not None:
         end_actor(rec.actor_id.handle)
+    runtime.forget(rec.actor_id, death)
 
 
 def _ray_says_dead(exc: BaseException | None) -> bool:
@@ -124,22 +125,24 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
         if not again:  # (its name is freed where Ray's word or the restarts left say it
             # is gone: not on another error of the watch itself)
             _dead_for_good(runtime, rec, killed or _ray_says_dead(death) or (
-                death is None or unavailable and isinstance(death, unavailable)))
+                death is None or unavailable and isinstance(death, unavailable)), reason)
             return
         client.watch_restart(rec.actor_id, runtime.loop, True)  # calls wait for it
         try:  # queued by Ray until the restarted process runs
             ok, pid = await asyncio.wait_for(ready_after_restart(host), RESTART_WAIT)
         except Exception as exc:  # the restart failed (or never came)
             if not runtime._closing:  # (a restart slow to come is not ended)
-                _dead_for_good(runtime, rec, key in client._dead or _ray_says_dead(exc))
                 # (a kill() that cut the restart short is named as every kill is)
-                _events.emit(runtime, "died", rec,
-                             "kill()" if key in client._dead else describe(exc))
+                why = "kill()" if key in client._dead else describe(exc)
+                _dead_for_good(runtime, rec, key in client._dead or _ray_says_dead(exc),
+                               why)
+                _events.emit(runtime, "died", rec, why)
             return
         if not ok:  # the restarted process's __init__ raised
-            _dead_for_good(runtime, rec, True)
             err = decode_exception(pid, f"{rec.cls_name}.__init__")
-            _events.emit(runtime, "died", rec, f"__init__ raised on restart: {err!r}")
+            why = f"__init__ raised on restart: {err!r}"
+            _dead_for_good(runtime, rec, True, why)
+            _events.emit(runtime, "died", rec, why)
             return
         rec.pid = pid
         rec.restarts += 1

@@ -43,8 +43,7 @@ class RayInspectable:
     """Mixed into ``RayRuntime``: counters, memory and stacks of every live actor."""
 
     def _live(self) -> list:
-        dead = self._gone | CLIENT._dead
-        return [h for h in self._spawned if h._actor_id.key not in dead]
+        return [h for h in self._spawned if h._actor_id.key not in CLIENT._dead]
 
     async def _ask_all(self, what: str, timeout: float) -> tuple[list, list]:
         check_timeout(what, timeout)

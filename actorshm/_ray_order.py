@@ -79,6 +79,15 @@ class CallOrder:
         self._died: set = set()  # actor keys whose death a call saw, not restarted since
         self._watchers: set = set()  # (their tasks)
 
+    def forget(self, key: str) -> None:
+        """Actor ``key`` is dead for good: its call numbers go (kept, they grew by an
+        entry per actor for the life of the process). (Its last pid stays: a handle's
+        ``pid`` still names it.)"""
+        with self._lock:
+            self._seqs.pop(key, None)
+            self._open.pop(key, None)
+        self._died.discard(key)
+
     def _number(self, actor_id: Any) -> tuple:
         """Take the next call number of ``actor_id``: ``(seq, base)`` (see ``_submit``);
         its call must be sent with it (``_submit``), or dropped (``_drop``)."""

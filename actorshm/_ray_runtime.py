@@ -7,6 +7,7 @@ It starts (or connects to) Ray, is the innermost runtime while open, spawns thro
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import warnings
 from typing import Any
@@ -86,7 +87,9 @@ class RayRuntime(_events.EventSource, RayInspectable):
         self._closing = False
         self._spawned: list[ActorHandle] = []
         self._watchers: list[asyncio.Task] = []  # one per spawned actor (events)
-        self._gone: set = set()  # keys of spawned actors that died for good
+        # Spawned actors that died for good, by key: their summary rows for ``actors()``
+        # (the latest ``DEAD_KEPT``); their handles leave ``_spawned``.
+        self._gone: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> "RayRuntime":
@@ -242,6 +245,20 @@ class RayRuntime(_events.EventSource, RayInspectable):
         self._watchers = [t for t in self._watchers if not t.done()]
         self._watchers.append(_ray_events.watch(self, h, options, CLIENT))
 
+    def forget(self, actor_id: RayActorId, death: str) -> None:
+        """Actor ``actor_id`` died for good (``death``: why): its handle leaves the list,
+        a summary row stays for ``actors()``, and the client forgets its call numbers.
+        (Kept, they grew by Ray's actor handle, ~64 KB, per actor spawned and killed.)"""
+        key = actor_id.key
+        for h in [h for h in self._spawned if h._actor_id.key == key]:
+            self._spawned.remove(h)
+            self._gone[key] = {"id": h._actor_id.detached(), "class": h._cls_name,
+                               "pid": h.pid, "alive": False, "name": h._actor_name,
+                               "death": death}
+        while len(self._gone) > _client.DEAD_KEPT:
+            self._gone.popitem(last=False)
+        CLIENT.forget(key)
+
     def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
              what: str = ""):
         return CLIENT.call(actor_id, method, args, kwargs, what)
@@ -259,9 +276,13 @@ class RayRuntime(_events.EventSource, RayInspectable):
         return await CLIENT.get_actor(name)
 
     def actors(self) -> list[dict]:
-        """A snapshot of the actors this runtime spawned: each row's ``"id"`` is its
-        handle's ``actor_id``, which keys ``rt.stats()["actors"]`` too, as locally."""
-        return [{"id": h._actor_id, "class": h._cls_name, "pid": h.pid,
-                 "alive": h._actor_id.key not in CLIENT._dead | self._gone,
-                 "name": h._actor_name}
-                for h in self._spawned]
+        """A snapshot of the actors this runtime spawned: the live ones, and the latest
+        dead ones (a thousand). Each row's ``"id"`` is its handle's ``actor_id``, which
+        keys ``rt.stats()["actors"]`` too, as locally."""
+        rows = [dict(g) for g in self._gone.values()]
+        for h in self._spawned:
+            killed = h._actor_id.key in CLIENT._dead
+            rows.append({"id": h._actor_id, "class": h._cls_name, "pid": h.pid,
+                         "alive": not killed, "name": h._actor_name,
+                         "death": "kill()" if killed else None})
+        return rows

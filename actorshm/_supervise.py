@@ -22,6 +22,7 @@ import signal
 import weakref
 
 from . import _events, _oom
+from ._client import DEAD_KEPT
 from ._errors import ActorDiedError
 from ._launch import ActorRecord
 from ._protocol import Connection
@@ -29,7 +30,6 @@ from ._util import describe_exit, first_line
 
 logger = logging.getLogger("actorshm")
 
-DEAD_KEPT = 1000  # summaries of forgotten dead actors a runtime keeps (``actors()``)
 
 
 class Supervisor:

@@ -30,6 +30,7 @@ from actorshm._errors import RemoteTraceback  # noqa: E402
 
 ray_env()  # what a runtime that starts Ray sets: Ray binds 127.0.0.1, deaths fail calls at once
 from compat import TimeoutError, noted  # noqa: E402
+from waits import until  # noqa: E402
 from actors import (Arrays, BreaksOnArrival, Caller, Concurrent, Counter,  # noqa: E402
                     CustomError, EnvReader, Faulty, FormatsError, KwOnlyError, PathError, Phoenix,
                     PoolWorker, Probe, Quirks, SlowStart, ThreadedCaller, TwoArgsError)
@@ -646,6 +647,36 @@ async def test_kill_fails_pending_and_later_calls_promptly(art):
         await asyncio.wait_for(c.incr(), 5)
     assert time.monotonic() - t0 < 5
     assert forgotten.done() and not forgotten._log_traceback
+
+
+async def test_an_actor_spawned_and_killed_leaves_a_summary_row_only(art, backend):
+    # On Ray the runtime kept each dead actor's handle (Ray's actor handle with it, some
+    # 64 KB) and its call numbers for its whole life: a runtime that spawns and kills
+    # actors grew without bound. The local backend keeps a summary row, and so now does
+    # Ray's, with the same fields.
+    def handles_kept():
+        return [h for h in getattr(art, "_spawned", ())]
+    keys = []
+    for i in range(4):
+        c = await Counter.options(name=f"short-lived-{i}").spawn()
+        assert await c.incr() == 1
+        await c.kill()
+        keys.append(c._actor_id)
+        with pytest.raises(actorshm.ActorDiedError):
+            await asyncio.wait_for(c.incr(), 10)  # (a killed handle's calls fail still)
+        del c
+
+    async def forgotten():
+        return not handles_kept()
+    assert await until(forgotten, 10), handles_kept()
+    rows = {r["id"]: r for r in art.actors()}
+    for k in keys:
+        assert not rows[k]["alive"] and "kill" in rows[k]["death"], rows[k]
+    assert sorted(rows[k]["name"] for k in keys) == [f"short-lived-{i}" for i in range(4)]
+    if backend == "ray":
+        from actorshm._ray import CLIENT
+        assert not {k.key for k in keys} & set(CLIENT._seqs)
+        assert all(rows[k]["id"].handle is None for k in keys)  # (Ray's handle is let go)
 
 
 async def test_kill_returns_once_the_process_is_gone_and_streams_fail_in_the_loop(art):
