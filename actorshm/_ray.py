@@ -45,9 +45,22 @@ def ray_env() -> None:
     actor's dead process at once. Ray otherwise waits up to a second for the cause of
     the death, which for an actor it restarts (``max_restarts``) never comes, so each
     pending call would fail a second late; the calls made after it wait for the new
-    process (``RayClient.watch_restart``)."""
+    process (``RayClient.watch_restart``). And no Ray metrics (nothing reads them
+    without the dashboard, which such a Ray does not start): calls then carry their
+    identity in their Ray task names, Ray's cheapest way (``names_in_tasks``)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_timeout_ms_task_wait_for_death_info", "0")
+    os.environ.setdefault("RAY_enable_metrics_collection", "0")
+
+
+def names_in_tasks() -> bool:
+    """Whether calls may carry their identity in their Ray task names (a name per
+    call): only where Ray's metrics are off in this process (a Ray the runtime started,
+    ``ray_env``). Ray records its task metrics under each task's name, so with metrics
+    on, a name per call grew the memory of the caller and of the actor by some 2.5 KB
+    per call, for good (and a cluster's metrics by a series per call)."""
+    return os.environ.get("RAY_enable_metrics_collection", "").strip().lower() in \
+        ("0", "false")
 
 
 def import_ray():
@@ -689,6 +702,8 @@ class RayClient(CallOrder):
     async def _names_work(self, handle: Any) -> bool:
         """Whether an actor task reads its own Ray task name (asked once per process):
         then calls carry their identity in it instead of in an argument."""
+        if self._names_ok is None and not names_in_tasks():
+            self._names_ok = False  # (calls carry it in their argument)
         if self._names_ok is None:
             probe = "actorshm:probe:0"
             self._names_ok = await handle.task_name.options(

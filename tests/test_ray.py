@@ -679,6 +679,25 @@ async def test_an_actor_spawned_and_killed_leaves_a_summary_row_only(art, backen
         assert all(rows[k]["id"].handle is None for k in keys)  # (Ray's handle is let go)
 
 
+async def test_calls_name_their_ray_tasks_only_where_ray_metrics_are_off(art, backend,
+                                                                         monkeypatch):
+    # Ray records its task metrics under each task's name: with a name per call (the
+    # call's identity, Ray's cheapest way to carry it) the caller's and the actor's
+    # memory grew by ~2.5 KB per call for good. A Ray the runtime starts has its
+    # metrics off; where they are on, calls carry their identity in their argument.
+    ray_only(backend, "Ray task names")
+    from actorshm import _ray
+    assert os.environ["RAY_enable_metrics_collection"] == "0" and _ray.names_in_tasks()
+    first = await Counter.spawn()
+    assert first._actor_id.named  # (the fast way, metrics off)
+    monkeypatch.setattr(_ray.CLIENT, "_names_ok", None)  # (asked again, then restored)
+    monkeypatch.setenv("RAY_enable_metrics_collection", "1")
+    c = await Counter.spawn()
+    assert not c._actor_id.named
+    assert [await c.incr(), await c.incr(2)] == [1, 3]
+    assert await first.incr() == 1
+
+
 async def test_kill_returns_once_the_process_is_gone_and_streams_fail_in_the_loop(art):
     # As API.md has it: kill() ends the process; a stream's call returns an iterator,
     # and the actor's death raises in the `async for`.
