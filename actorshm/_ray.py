@@ -58,7 +58,7 @@ def names_in_tasks() -> bool:
     call): only where Ray's metrics are off in this process (a Ray the runtime started,
     ``ray_env``). Ray records its task metrics under each task's name, so with metrics
     on, a name per call grew the memory of the caller and of the actor by some 2.5 KB
-    per call, for good (and a cluster's metrics by a series per call)."""
+    per call, for good."""
     return os.environ.get("RAY_enable_metrics_collection", "").strip().lower() in \
         ("0", "false")
 
