@@ -623,6 +623,7 @@ class ForkServerClient:
         new one. (Its actors live on: they watch the driver, not their parent.)"""
         popen, sock = self._fs
         self._fs = None
+        self._abandoned.clear()  # (their reports never come; a later child may get a pid)
         self.loop.remove_reader(sock.fileno())
         self._drop_queue(sock)
         sock.close()
@@ -684,6 +685,7 @@ class ForkServerClient:
         if self._fs is not None:
             popen, sock = self._fs
             self._fs = None
+            self._abandoned.clear()
             try:
                 self.loop.remove_reader(sock.fileno())
             except Exception:

@@ -237,8 +237,9 @@ class RayClient(CallOrder):
         if loop is None:  # a sync method in a thread: block on the concurrent future
             return self._call_from_thread(actor_id, method, args, kwargs, what)
         fut = CallFuture(loop=loop)  # (it may be passed to another call unfinished)
-        if actor_id.key in self._dead:
-            fut.set_exception(ActorDiedError(f"{what}: the actor was killed"))
+        gone = self._unreachable(actor_id)
+        if gone is not None:
+            fut.set_exception(ActorDiedError(f"{what}: {gone}"))
             return fut
         self._calls[fut] = (actor_id.key, what)
         fut.add_done_callback(lambda f: self._calls.pop(f, None))
@@ -304,6 +305,16 @@ class RayClient(CallOrder):
             self._drop(actor_id, number[0])
             return
         self._settle_with(actor_id, fut, ref, seq, what, loop)
+
+    def _unreachable(self, actor_id: RayActorId) -> str | None:
+        """Why a call to ``actor_id`` fails at once, without Ray (None: it is sent).
+        Killed; or a handle of a runtime that closed (its Ray handle gone, or Ray shut
+        down: a call on Ray then would start a new local Ray, Ray's auto-init)."""
+        if actor_id.key in self._dead:
+            return "the actor was killed"
+        if actor_id.handle is None or not ray_up():
+            return "the actor is gone: its runtime closed (and shut its Ray down)"
+        return None
 
     def killed(self, key: str) -> None:
         """Actor ``key`` was killed: calls made from now on fail, and so do those still
@@ -399,8 +410,9 @@ class RayClient(CallOrder):
 
     def _call_from_thread(self, actor_id, method, args, kwargs, what):
         out = ThreadCallFuture()  # (awaitable from a loop of that thread's own, as locally)
-        if actor_id.key in self._dead:
-            out.set_exception(ActorDiedError(f"{what}: the actor was killed"))
+        gone = self._unreachable(actor_id)
+        if gone is not None:
+            out.set_exception(ActorDiedError(f"{what}: {gone}"))
             return out
         ref, seq = self._submit(actor_id, None, method, args, kwargs, what)
 
@@ -432,8 +444,9 @@ class RayClient(CallOrder):
         generator back-pressure). Not counted in ``max_pending_calls``, as locally.
         On a killed actor, an iterator whose first item raises ``ActorDiedError``."""
         what = what or method
-        if actor_id.key in self._dead:
-            return _failed_stream(ActorDiedError(f"{what}: the actor was killed"))
+        gone = self._unreachable(actor_id)
+        if gone is not None:
+            return _failed_stream(ActorDiedError(f"{what}: {gone}"))
         remote = actor_id.handle.stream.options(
             num_returns="streaming", _generator_backpressure_num_objects=run_ahead)
         from ._ray_stream import RayStream

@@ -86,8 +86,13 @@ async def _children(runtime: Any, host: Any) -> None:
 def _dead_for_good(runtime: Any, rec: _Record, sure: bool, death: str) -> None:
     """The actor will not come back (``death``: why); ``sure``: it is gone for certain,
     so that a name it has is freed at once, as locally (Ray kept it taken for a minute
-    or so). The runtime forgets it but for a summary row."""
-    if sure and rec.options.name is not None:
+    or so). The runtime then forgets it but for a summary row; one not sure to be gone
+    (a restart slower than ``RESTART_WAIT``: it may yet come) is only listed as dead,
+    and is still killed when the runtime closes."""
+    if not sure:
+        runtime.given_up(rec.actor_id, death)
+        return
+    if rec.options.name is not None:
         end_actor(rec.actor_id.handle)
     runtime.forget(rec.actor_id, death)
 

@@ -43,7 +43,8 @@ class RayInspectable:
     """Mixed into ``RayRuntime``: counters, memory and stacks of every live actor."""
 
     def _live(self) -> list:
-        return [h for h in self._spawned if h._actor_id.key not in CLIENT._dead]
+        return [h for h in self._spawned if h._actor_id.key not in CLIENT._dead
+                and h._actor_id.key not in self._given_up]
 
     async def _ask_all(self, what: str, timeout: float) -> tuple[list, list]:
         check_timeout(what, timeout)

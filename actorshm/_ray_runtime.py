@@ -90,6 +90,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
         # Spawned actors that died for good, by key: their summary rows for ``actors()``
         # (the latest ``DEAD_KEPT``); their handles leave ``_spawned``.
         self._gone: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self._given_up: dict[str, str] = {}  # key -> why: listed dead, may yet come back
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> "RayRuntime":
@@ -250,6 +251,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
         a summary row stays for ``actors()``, and the client forgets its call numbers.
         (Kept, they grew by Ray's actor handle, ~64 KB, per actor spawned and killed.)"""
         key = actor_id.key
+        self._given_up.pop(key, None)
         for h in [h for h in self._spawned if h._actor_id.key == key]:
             self._spawned.remove(h)
             self._gone[key] = {"id": h._actor_id.detached(), "class": h._cls_name,
@@ -258,6 +260,11 @@ class RayRuntime(_events.EventSource, RayInspectable):
         while len(self._gone) > _client.DEAD_KEPT:
             self._gone.popitem(last=False)
         CLIENT.forget(key)
+
+    def given_up(self, actor_id: RayActorId, death: str) -> None:
+        """Actor ``actor_id``'s restart did not come in time: listed as dead, but kept
+        (it may yet come back, and is killed when the runtime closes)."""
+        self._given_up[actor_id.key] = death
 
     def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
              what: str = ""):
@@ -281,8 +288,8 @@ class RayRuntime(_events.EventSource, RayInspectable):
         keys ``rt.stats()["actors"]`` too, as locally."""
         rows = [dict(g) for g in self._gone.values()]
         for h in self._spawned:
-            killed = h._actor_id.key in CLIENT._dead
+            key = h._actor_id.key
+            death = "kill()" if key in CLIENT._dead else self._given_up.get(key)
             rows.append({"id": h._actor_id, "class": h._cls_name, "pid": h.pid,
-                         "alive": not killed, "name": h._actor_name,
-                         "death": "kill()" if killed else None})
+                         "alive": death is None, "name": h._actor_name, "death": death})
         return rows

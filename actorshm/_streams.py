@@ -294,11 +294,15 @@ class CallStream(Stream):
                     raise self._cut_error()
                 raise StopAsyncIteration
             if box.items:
+                try:
+                    item = box.items.popleft()
+                except IndexError:  # dropped meanwhile by a ``_left`` in another thread
+                    continue  # (a garbage collection there): the stream is stopped
                 self._owed += 1
                 if self._owed >= max(1, self.run_ahead // 2) and box.conn is not None:
                     box.conn.send_credit(box.cid, self._owed)
                     self._owed = 0
-                return box.items.popleft()
+                return item
             # An error kept here is raised as a copy: raised itself, it would take the
             # consumer's frames in its traceback, and keep their locals (the last item,
             # a whole batch) alive for as long as the stream is kept (its connection's

@@ -152,7 +152,7 @@ class Contenders:
 async def _start_ray():  # pragma: no cover - needs ray
     import ray
     from ray.job_config import JobConfig
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
              object_store_memory=1 << 30,  # actors import benchmarks/ as this process does
              job_config=JobConfig(code_search_path=[str(ROOT)]))
 

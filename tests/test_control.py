@@ -442,6 +442,31 @@ async def test_a_stream_left_after_its_end_gives_back_the_items_it_had_not_taken
     assert kept is not None
 
 
+async def test_a_stream_dropped_by_another_thread_while_read_ends_cleanly():
+    # Leaving a stream from another thread (a garbage collection there of the loop
+    # that left it) drops its buffered items; landing between the reader's check for
+    # an item and its take, it raised IndexError. (The interleaving is forced.)
+    import collections
+    import threading
+    from actorshm._streams import CallStream
+
+    class Items(collections.deque):
+        def __bool__(self):
+            if len(self):
+                t = threading.Thread(target=s._left)
+                t.start()
+                t.join()
+                return True
+            return False
+    s = CallStream("A.gen")
+    fut = asyncio.get_running_loop().create_future()
+    s.start(fut)
+    s.inbox.items = Items([1, 2])
+    fut.set_result(None)  # (the generator ended, two items still buffered)
+    with pytest.raises(StopAsyncIteration):
+        await s.__anext__()
+
+
 async def test_streams_inside_actors(rt):
     w = await Worker.spawn()
     r = await Relay.spawn()

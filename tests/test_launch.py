@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -118,6 +119,13 @@ async def test_the_exit_of_a_child_forked_for_a_spawn_given_up_is_not_kept(monke
             return not fs._abandoned
         assert await until(reports_in, 10), fs._abandoned
         assert not set(killed) & set(fs._fs_exit), fs._fs_exit
+        # A server that dies never reports its children's exits: a later child (of the
+        # next server) with such a pid would have had its own report dropped.
+        fs._abandoned.add(killed[0])
+        os.kill(fs._fs[0].pid, signal.SIGKILL)
+        fs._fs[0].wait()
+        assert await (await Counter.spawn(5)).incr() == 6  # (a new server)
+        assert not fs._abandoned
 
 
 async def test_a_fork_request_short_of_fds_leaks_none(monkeypatch):

@@ -51,7 +51,7 @@ def ray_session():
     """One small local Ray for the module (starting Ray takes seconds)."""
     from ray.job_config import JobConfig
     if not ray.is_initialized():  # actors import tests/*.py as the driver does
-        ray.init(include_dashboard=False, object_store_memory=256 << 20,
+        ray.init(address="local", include_dashboard=False, object_store_memory=256 << 20,
                  log_to_driver=False, num_cpus=2,
                  job_config=JobConfig(code_search_path=[os.path.dirname(__file__)]))
     yield
@@ -696,6 +696,52 @@ async def test_calls_name_their_ray_tasks_only_where_ray_metrics_are_off(art, ba
     assert not c._actor_id.named
     assert [await c.incr(), await c.incr(2)] == [1, 3]
     assert await first.incr() == 1
+
+
+async def test_a_handle_whose_ray_is_gone_fails_without_starting_a_ray(art, backend,
+                                                                      monkeypatch):
+    # A call on a handle after its runtime shut its Ray down went to Ray, whose
+    # auto-init started a new local Ray (then failed with "Can't find actor"), unless
+    # the close had marked that actor killed (it no longer lists actors dead for good).
+    # A handle without its Ray handle whose kill was forgotten (10,000 kills later)
+    # crashed with AttributeError.
+    ray_only(backend, "Ray's auto-init")
+    from actorshm import _ray
+    c = await Counter.spawn()
+    monkeypatch.setattr(_ray, "ray_up", lambda: False)
+    with pytest.raises(actorshm.ActorDiedError, match="runtime closed"):
+        await c.incr()
+    with pytest.raises(actorshm.ActorDiedError, match="runtime closed"):
+        async for _ in c.logged_stream(2):
+            pass
+    monkeypatch.undo()
+    assert await c.incr() == 1
+    stale = _ray.RayActorId(None, "stale-handle-key", frozenset())
+    monkeypatch.setattr(_ray.CLIENT, "_dead", {})  # (its kill forgotten; restored after)
+    with pytest.raises(actorshm.ActorDiedError, match="runtime closed"):
+        await _ray.CLIENT.call(stale, "incr", (), {}, "Counter.incr")
+
+
+async def test_a_restart_slower_than_its_wait_is_listed_dead_yet_killed_at_close(
+        art, backend, tmp_path, monkeypatch):
+    # Given up on (its restart took longer than the runtime waits), an actor that may
+    # yet come back was forgotten like a dead one: the runtime's close left it running.
+    ray_only(backend, "the Ray runtime's wait for a restart")
+    from actorshm import _ray_events
+    monkeypatch.setattr(_ray_events, "RESTART_WAIT", 1.0)
+    marker = tmp_path / "slow"
+    async with actorshm.Runtime(backend=backend) as inner:  # (joins; closing kills its own)
+        s = await SlowStart.options(max_restarts=1).spawn(str(marker), 4.0)
+        assert await s.rec(1) == 1
+        marker.touch()
+        os.kill(s.pid, signal.SIGKILL)
+
+        async def given_up():
+            return [r["alive"] for r in inner.actors()] == [False]
+        assert await until(given_up, 20), inner.actors()
+        assert await asyncio.wait_for(s.rec(2), 60) == 2  # it came back after all
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(s.rec(3), 30)
 
 
 async def test_kill_returns_once_the_process_is_gone_and_streams_fail_in_the_loop(art):
