@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from . import _registry
+from . import _client, _registry
 from ._actor import STREAM, ActorHandle, ActorOptions, public_methods
 from ._descendants import process_start
 from ._client import ThreadCallFuture
@@ -39,28 +39,57 @@ STREAM_BUFFER = 16  # items a streaming method may run ahead of its consumer
 RESTART_WAIT = 60.0  # seconds get_actor waits for a named actor Ray is restarting
 
 
-def ray_env() -> None:
-    """Settings for a Ray started from this process (read when it starts; a value the
-    user set wins): bind 127.0.0.1 (on Linux too), and fail the calls pending on an
-    actor's dead process at once. Ray otherwise waits up to a second for the cause of
-    the death, which for an actor it restarts (``max_restarts``) never comes, so each
-    pending call would fail a second late; the calls made after it wait for the new
-    process (``RayClient.watch_restart``). And no Ray metrics (nothing reads them
-    without the dashboard, which such a Ray does not start): calls then carry their
-    identity in their Ray task names, Ray's cheapest way (``names_in_tasks``)."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+def ray_env(address: str | None = None) -> None:
+    """Settings for this process's Ray (read when Ray is imported and when it connects;
+    a value the user set wins). Always: fail the calls pending on an actor's dead
+    process at once (a setting of the caller's). Ray otherwise waits up to a second for
+    the cause of the death, which for an actor it restarts (``max_restarts``) never
+    comes, so each pending call would fail a second late; the calls made after it wait
+    for the new process (``RayClient.watch_restart``).
+
+    A Ray started from this process (no ``address``): bound to 127.0.0.1 (on Linux
+    too), and no Ray metrics (nothing reads them without the dashboard, which such a
+    Ray does not start): calls then carry their identity in their Ray task names, Ray's
+    cheapest way (``names_in_tasks``). A cluster at a loopback address (``ray start
+    --node-ip-address 127.0.0.1``): this process takes part as 127.0.0.1 too (else Ray
+    takes the machine's own address for it, and the connection retried for minutes).
+    """
     os.environ.setdefault("RAY_timeout_ms_task_wait_for_death_info", "0")
-    os.environ.setdefault("RAY_enable_metrics_collection", "0")
+    if address is None or _loopback(address):
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if address is None:
+        os.environ.setdefault("RAY_enable_metrics_collection", "0")
+
+
+def _loopback(address: str) -> bool:
+    """Whether a Ray address (``host:port``, ``ray://host:port``) names this machine's
+    loopback interface."""
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]").lower()
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def names_in_tasks() -> bool:
     """Whether calls may carry their identity in their Ray task names (a name per
-    call): only where Ray's metrics are off in this process (a Ray the runtime started,
-    ``ray_env``). Ray records its task metrics under each task's name, so with metrics
-    on, a name per call grew the memory of the caller and of the actor by some 2.5 KB
-    per call, for good."""
-    return os.environ.get("RAY_enable_metrics_collection", "").strip().lower() in \
-        ("0", "false")
+    call): only where Ray's metrics are off in the whole Ray. Ray records its task
+    metrics under each task's name, so with metrics on, a name per call grew the
+    memory of the caller and of the actor by some 2.5 KB per call, for good. Off means:
+    off in this process, and this process started that Ray (``ray_env`` then), so that
+    its processes have them off too; in an actor, off in its process (whose setting is
+    its Ray's). A driver that joined a cluster cannot know the cluster's setting."""
+    if os.environ.get("RAY_enable_metrics_collection", "").strip().lower() not in \
+            ("0", "false"):
+        return False
+    return _client.current_worker() is not None or _ray_started_here()
+
+
+def _ray_started_here() -> bool:
+    """Whether this process's ``ray.init`` started the Ray it is connected to."""
+    try:
+        from ray._private import worker
+        node = worker._global_node
+        return bool(node is not None and node.head)
+    except Exception:  # pragma: no cover - another Ray
+        return False
 
 
 def import_ray():
@@ -181,7 +210,7 @@ class RayClient(CallOrder):
         # calls fail at once. (An older one's call goes to Ray, which fails it too.)
         self._dead: dict[str, None] = {}
         self._remote_host = None
-        self._names_ok: bool | None = None  # see _names_work
+        self._names_ok: tuple | None = None  # (Ray connection, answer): ``_names_work``
         self._spawn_listeners: list = []
         # The cluster cannot grow (a local Ray a runtime started): a resource request no
         # node can meet is an error at spawn, not a wait forever (``_ray_placement``).
@@ -713,15 +742,18 @@ class RayClient(CallOrder):
         return ActorHandle(self, aid, cls_name, methods, name, pid, max_pending)
 
     async def _names_work(self, handle: Any) -> bool:
-        """Whether an actor task reads its own Ray task name (asked once per process):
-        then calls carry their identity in it instead of in an argument."""
-        if self._names_ok is None and not names_in_tasks():
-            self._names_ok = False  # (calls carry it in their argument)
-        if self._names_ok is None:
-            probe = "actorshm:probe:0"
-            self._names_ok = await handle.task_name.options(
-                name=probe, concurrency_group="control").remote() == probe
-        return self._names_ok
+        """Whether calls carry their identity in their Ray task names instead of in an
+        argument: where ``names_in_tasks`` and an actor task reads its own name (asked
+        once per connection to Ray: a process may join another Ray later)."""
+        now = ray_connection()
+        if self._names_ok is None or self._names_ok[0] != now:
+            ok = names_in_tasks()
+            if ok:
+                probe = "actorshm:probe:0"
+                ok = await handle.task_name.options(
+                    name=probe, concurrency_group="control").remote() == probe
+            self._names_ok = (now, ok)
+        return self._names_ok[1]
 
 
 async def _failed_stream(exc: BaseException):

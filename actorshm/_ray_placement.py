@@ -72,6 +72,9 @@ async def await_ready(ready: Any, ray: Any, what: str,
         return await asyncio.wait_for(asyncio.shield(fut), WARN_AFTER)
     except asyncio.TimeoutError:
         pass
+    except BaseException:  # the spawn was cancelled: so is the wait (its error, once the
+        fut.cancel()  # actor is killed, was "never retrieved")
+        raise
     try:
         free = ray.available_resources()
     except Exception:  # a warning is not worth failing the spawn for

@@ -104,8 +104,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
             raise RuntimeError("this Runtime is already open")
         if self._closing:
             raise RuntimeError("this Runtime was closed; open a new one")
-        if self.address is None:
-            ray_env()  # read when Ray is imported
+        ray_env(self.address)  # (read when Ray is imported, and when it connects)
         import_ray()
         self._take_over()
         self._connect()
@@ -149,7 +148,15 @@ class RayRuntime(_events.EventSource, RayInspectable):
                     "runtime that starts Ray", RuntimeWarning, stacklevel=4)
             return
         opts = dict(self.ray_init_options)
-        if self.address is None:
+        address = self.address
+        if address is None:
+            if os.environ.get("RAY_ADDRESS"):
+                warnings.warn(
+                    f"RAY_ADDRESS is set ({os.environ['RAY_ADDRESS']}), but "
+                    "Runtime(backend='ray') without an address starts a Ray of its own, "
+                    "as it does wherever it runs; to join that cluster (a `ray job "
+                    "submit` entrypoint, say), pass address=os.environ['RAY_ADDRESS'] "
+                    "or address='auto'", RuntimeWarning, stacklevel=4)
             opts.setdefault("include_dashboard", False)
             opts.setdefault("object_store_memory", 1 << 30)
         opts.setdefault("log_to_driver", True)
@@ -159,7 +166,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
         # No address: a Ray of its own ("local"), even where a `ray start` cluster
         # runs or RAY_ADDRESS is set (``None`` would join that one).
         try:
-            ray.init(address=self.address or "local", **opts)
+            ray.init(address=address or "local", **opts)
         except AssertionError as exc:  # how Ray refuses a bad value (num_cpus="x")
             if not self.ray_init_options:  # (none of the user's: not theirs to fix)
                 raise
@@ -174,7 +181,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
                             "documentation for what it takes)") from None
         self._owns_ray = True
         _connected_by[0] = self
-        CLIENT.fixed_cluster = self.address is None  # a local Ray: no autoscaler
+        CLIENT.fixed_cluster = address is None  # a local Ray: no autoscaler
 
     __reduce__ = _client.refuse_runtime
 

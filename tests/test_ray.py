@@ -696,6 +696,13 @@ async def test_calls_name_their_ray_tasks_only_where_ray_metrics_are_off(art, ba
     assert not c._actor_id.named
     assert [await c.incr(), await c.incr(2)] == [1, 3]
     assert await first.incr() == 1
+    # Off here, but in a Ray this process joined (a cluster): its setting is unknown,
+    # and its actors' memory grew per call, so calls carry their facts in arguments.
+    monkeypatch.setenv("RAY_enable_metrics_collection", "0")
+    monkeypatch.setattr(_ray.CLIENT, "_names_ok", None)
+    monkeypatch.setattr(_ray, "_ray_started_here", lambda: False)
+    joined = await Counter.spawn()
+    assert not joined._actor_id.named and await joined.incr(5) == 5
 
 
 async def test_a_handle_whose_ray_is_gone_fails_without_starting_a_ray(art, backend,
@@ -1972,8 +1979,10 @@ CLOSE_SCRIPT = textwrap.dedent("""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     sys.path.insert(0, {tests!r})
     import actorshm
+    import warnings
     from actors import Counter
     from ray_actors import Streamer
+    warnings.showwarning = lambda message, *args, **kwargs: print("warning:", message)
 
     async def ends(aw):
         try:
@@ -2011,6 +2020,49 @@ def test_closing_while_a_stream_is_read_and_a_spawn_waits_ends_both(tmp_path):
     out = _run_script(tmp_path, "close.py", CLOSE_SCRIPT, {"RAY_ADDRESS": "127.0.0.1:9"})
     assert "stream ActorDiedError" in out and "spawn ActorDiedError" in out, out
     assert "the driver goes on" in out
+    # (and says so: a `ray job submit` entrypoint has RAY_ADDRESS set for it)
+    assert "warning: RAY_ADDRESS is set (127.0.0.1:9)" in out and "address='auto'" in out
+
+
+def test_a_cluster_at_a_loopback_address_is_joined_from_127_0_0_1(monkeypatch):
+    # Joining a `ray start --node-ip-address 127.0.0.1` cluster, Ray took the machine's
+    # own address for the driver and retried for minutes (820 s seen), unless the user
+    # set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; and deaths of restartable actors failed
+    # pending calls a second late unless RAY_timeout_ms_task_wait_for_death_info=0.
+    from actorshm import _ray
+    for var in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_enable_metrics_collection",
+                "RAY_timeout_ms_task_wait_for_death_info"):
+        monkeypatch.delenv(var, raising=False)  # (restored after)
+    _ray.ray_env("10.1.2.3:6379")  # a remote cluster: nothing about addresses
+    assert os.environ["RAY_timeout_ms_task_wait_for_death_info"] == "0"
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ
+    for address in ("127.0.0.1:6399", "ray://localhost:10001", "[::1]:6379"):
+        monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+        _ray.ray_env(address)
+        assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0", address
+    assert "RAY_enable_metrics_collection" not in os.environ  # (a cluster's own setting)
+    _ray.ray_env(None)  # a Ray of its own: its metrics off too
+    assert os.environ["RAY_enable_metrics_collection"] == "0"
+
+
+async def test_a_cancelled_spawn_that_asked_for_cpus_leaves_no_unretrieved_error(
+        art, backend):
+    # Its wait for the actor (shielded, to warn after 10 s) ran on once the spawn was
+    # cancelled, and failed when the actor was killed: "Task exception was never
+    # retrieved".
+    ray_only(backend, "the Ray spawn's wait for resources")
+    loop = asyncio.get_running_loop()
+    seen, old = [], loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: seen.append(ctx.get("message")))
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(Counter.options(num_cpus=2).spawn(), 0.2)
+        await asyncio.sleep(2)
+        gc.collect()
+        await asyncio.sleep(0.1)
+    finally:
+        loop.set_exception_handler(old)
+    assert not [m for m in seen if "never retrieved" in str(m)], seen
 
 
 PENDING_AT_CLOSE_SCRIPT = textwrap.dedent("""
