@@ -260,18 +260,6 @@ class _ClassBinder:
         return spawner.spawn if self.what == "spawn" else spawner.options
 
 
-class _RayRemote:
-    """``Cls.remote``, Ray's way to start an actor: an ``AttributeError`` that says how
-    actorshm spells it (an instance has no ``remote``, as before decorating)."""
-
-    def __get__(self, obj: Any, cls: type):
-        if obj is not None:
-            raise AttributeError(f"{cls.__name__!r} object has no attribute 'remote'")
-        raise AttributeError(
-            f"{cls.__qualname__}.remote: an actorshm actor is started with `await "
-            f"{cls.__qualname__}.spawn(*args)`, on Ray too (see docs/ray.md)")
-
-
 def _options_of(cls: type) -> ActorOptions:
     for k in cls.__mro__:
         o = k.__dict__.get("__actorshm_options__")
@@ -342,8 +330,6 @@ def actor(cls: type | None = None, /, **options: Any):
     cls.__actorshm_options__ = opts
     cls.spawn = _ClassBinder("spawn")
     cls.options = _ClassBinder("options")
-    if not hasattr(cls, "remote"):  # (a class with a ``remote`` of its own keeps it)
-        cls.remote = _RayRemote()
     return cls
 
 

@@ -57,15 +57,32 @@ def ray_env(address: str | None = None) -> None:
     os.environ.setdefault("RAY_timeout_ms_task_wait_for_death_info", "0")
     if address is None or _loopback(address):
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    if address is None:
+    ray = sys.modules.get("ray")
+    if address is None and not (ray is not None and ray.is_initialized()):
+        # (not for a Ray the user started: its metrics are as it was started with)
         os.environ.setdefault("RAY_enable_metrics_collection", "0")
 
 
 def _loopback(address: str) -> bool:
-    """Whether a Ray address (``host:port``, ``ray://host:port``) names this machine's
-    loopback interface."""
+    """Whether a Ray address (``host:port``, ``ray://host:port``; ``"auto"``: the one
+    ``RAY_ADDRESS`` or the latest ``ray start`` on this machine names) is this
+    machine's loopback interface."""
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS") or _current_cluster()
+        if address in ("", "auto"):
+            return False
     host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]").lower()
     return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def _current_cluster() -> str:
+    """The address of the cluster ``ray start`` last started on this machine, or ""."""
+    tmp = os.environ.get("RAY_TMPDIR") or "/tmp/ray"
+    try:
+        with open(os.path.join(tmp, "ray_current_cluster")) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def names_in_tasks() -> bool:

@@ -150,7 +150,9 @@ class RayRuntime(_events.EventSource, RayInspectable):
         opts = dict(self.ray_init_options)
         address = self.address
         if address is None:
-            if os.environ.get("RAY_ADDRESS"):
+            if os.environ.get("RAY_ADDRESS") and not self.opened_by_run:
+                # (one ``actorshm.run`` opens may give way to one ``main`` opens with
+                # that address: no warning for it)
                 warnings.warn(
                     f"RAY_ADDRESS is set ({os.environ['RAY_ADDRESS']}), but "
                     "Runtime(backend='ray') without an address starts a Ray of its own, "

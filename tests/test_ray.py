@@ -1979,10 +1979,8 @@ CLOSE_SCRIPT = textwrap.dedent("""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     sys.path.insert(0, {tests!r})
     import actorshm
-    import warnings
     from actors import Counter
     from ray_actors import Streamer
-    warnings.showwarning = lambda message, *args, **kwargs: print("warning:", message)
 
     async def ends(aw):
         try:
@@ -2020,8 +2018,27 @@ def test_closing_while_a_stream_is_read_and_a_spawn_waits_ends_both(tmp_path):
     out = _run_script(tmp_path, "close.py", CLOSE_SCRIPT, {"RAY_ADDRESS": "127.0.0.1:9"})
     assert "stream ActorDiedError" in out and "spawn ActorDiedError" in out, out
     assert "the driver goes on" in out
-    # (and says so: a `ray job submit` entrypoint has RAY_ADDRESS set for it)
+
+
+WARN_SCRIPT = textwrap.dedent("""
+    import asyncio, os, warnings
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import actorshm
+    warnings.showwarning = lambda message, *args, **kwargs: print("warning:", message)
+
+    async def main():
+        async with actorshm.Runtime(backend="ray", num_cpus=1, include_dashboard=False):
+            print("opened")
+    asyncio.run(main())
+""")
+
+
+def test_a_runtime_without_an_address_says_it_does_not_join_ray_address(tmp_path):
+    # A `ray job submit` entrypoint has RAY_ADDRESS set for it: a runtime without an
+    # address starts a Ray of its own all the same, and now says how to join instead.
+    out = _run_script(tmp_path, "warn.py", WARN_SCRIPT, {"RAY_ADDRESS": "127.0.0.1:9"})
     assert "warning: RAY_ADDRESS is set (127.0.0.1:9)" in out and "address='auto'" in out
+    assert "opened" in out
 
 
 def test_a_cluster_at_a_loopback_address_is_joined_from_127_0_0_1(monkeypatch):
@@ -2040,9 +2057,14 @@ def test_a_cluster_at_a_loopback_address_is_joined_from_127_0_0_1(monkeypatch):
         monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
         _ray.ray_env(address)
         assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0", address
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6399")
+    _ray.ray_env("auto")  # ("auto": the address RAY_ADDRESS or `ray start` left)
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
     assert "RAY_enable_metrics_collection" not in os.environ  # (a cluster's own setting)
-    _ray.ray_env(None)  # a Ray of its own: its metrics off too
-    assert os.environ["RAY_enable_metrics_collection"] == "0"
+    assert ray.is_initialized()  # (this module's Ray, started by ray.init here)
+    _ray.ray_env(None)  # a Ray the user started: its metrics are as it was started
+    assert "RAY_enable_metrics_collection" not in os.environ
 
 
 async def test_a_cancelled_spawn_that_asked_for_cpus_leaves_no_unretrieved_error(
