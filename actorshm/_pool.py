@@ -87,7 +87,7 @@ class ActorPool:
         self._dispatching = False  # (an item that fails at once loops, not recurses)
         self._queue: collections.deque = collections.deque()  # (fn, value, future)
         self._busy: dict[ActorHandle, asyncio.Future] = {}
-        self._dead: list[str] = []  # why the last member that died left (one kept)
+        self._last_death: str | None = None  # why the last member that died left
         # Members whose actor restarts but cannot take a call yet (``_rest``): neither
         # idle nor busy, checked again on a timer until it can, or is dead for good.
         self._resting: dict[ActorHandle, asyncio.TimerHandle] = {}
@@ -315,9 +315,9 @@ class ActorPool:
         return max(2, 2 * len(self._members))
 
     def _empty_error(self) -> Exception:
-        if self._dead:
+        if self._last_death is not None:
             return ActorDiedError("every actor of this ActorPool has died; last: "
-                                  f"{self._dead[-1]}")
+                                  f"{self._last_death}")
         return ValueError("this ActorPool has no actors left (they were removed); "
                           "push() one before submitting work")
 
@@ -389,7 +389,7 @@ class ActorPool:
     def _drop_dead(self, h: ActorHandle, why: str) -> None:
         """Member ``h``'s actor is dead for good: it leaves the pool."""
         self._members.remove(h)
-        self._dead[:] = [why]  # (only the last is told: the pool may live long)
+        self._last_death = why  # (only the last is told: the pool may live long)
         self._fail_queue_if_empty()
 
     def _rest(self, h: ActorHandle, delay: float) -> None:
