@@ -42,6 +42,7 @@ import time
 GRACE = 1.0  # seconds from SIGTERM to SIGKILL for what an actor left running
 TRACKER_GRACE = 0.5  # then seconds a resource tracker gets to clean up after the rest
 _POLL = 0.02
+_POLL_NO_PIDFD = 0.1  # how often a watchdog without pidfds looks at the two processes
 
 
 _started = False
@@ -63,16 +64,16 @@ def start_watchdog() -> None:
     except OSError:  # pragma: no cover - already a group leader
         pass
     try:
-        driver = os.pidfd_open(int(os.environ.pop("ACTORSHM_DRIVER_PID")))
-    except OSError:  # the driver is gone
+        driver = _watchable(int(os.environ.pop("ACTORSHM_DRIVER_PID")))
+    except ProcessLookupError:  # the driver is gone
         os._exit(1)
     if os.getppid() != int(os.environ.pop("ACTORSHM_PARENT_PID")):
         os._exit(1)  # its parent died before the pidfd was open: the pid may be another's
     group = os.getpid()
     if os.getpgid(0) != group:  # pragma: no cover - it leads no group of its own
-        os.close(driver)
+        _close([w for w in (driver,) if isinstance(w, int)])
         return  # (the group it is in is another's: never signal that)
-    actor = os.pidfd_open(os.getpid())
+    actor = _watchable(os.getpid())
     # Forked twice, so that it is not the actor's child: code in the actor that waits
     # for or kills all its children (``os.wait()``, a library's clean-up) never meets it.
     try:
@@ -90,25 +91,46 @@ def start_watchdog() -> None:
         finally:
             os._exit(0)
     os.waitpid(middle, 0)
-    os.close(driver)
-    os.close(actor)
+    _close([w for w in (driver, actor) if isinstance(w, int)])
 
 
-def _watch(actor: int, driver: int, group: int) -> None:
-    """The watchdog: wait for the actor (``actor``, ``driver``: pidfds) or the driver to
-    exit, then end ``group``, the one the actor leads (its id is the actor's pid)."""
+def _watchable(pid: int) -> int | tuple[int, bytes]:
+    """What tells when running process ``pid`` exits: its pidfd, or, where the kernel
+    gives none (before 5.3, or a seccomp filter that refuses the call, as Docker's did
+    before 20.10), its number and start time, which the watchdog polls. Raises
+    ``ProcessLookupError`` if it is gone."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise
+    except (AttributeError, OSError):
+        start = process_start(pid)
+        if start is None:
+            raise ProcessLookupError(pid) from None
+        return pid, start
+
+
+def _watch(actor: int | tuple, driver: int | tuple, group: int) -> None:
+    """The watchdog: wait for the actor (``actor``, ``driver``: see ``_watchable``) or the
+    driver to exit, then end ``group``, the one the actor leads (its id is the actor's
+    pid)."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # (its own group's SIGTERM among them)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # hold none of the actor's pipes or sockets open
         os.dup2(null, fd)
-    keep = sorted({0, 1, 2, driver, actor})
+    pidfds = [w for w in (actor, driver) if isinstance(w, int)]
+    polled = [w for w in (actor, driver) if not isinstance(w, int)]
+    keep = sorted({0, 1, 2, *pidfds})
     for lo, hi in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
         os.closerange(lo + 1, hi)
     p = select.poll()
-    for fd in (actor, driver):
+    for fd in pidfds:
         p.register(fd, select.POLLIN)
-    p.poll()
+    timeout = _POLL_NO_PIDFD * 1000 if polled else None
+    while not p.poll(timeout):
+        if any(process_start(pid) != start for pid, start in polled):
+            break  # (exited: gone, a zombie, or its number another's)
     _end(group)
 
 

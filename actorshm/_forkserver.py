@@ -134,7 +134,7 @@ def main() -> None:
             # once it is reaped here.
             try:
                 pidfd = [os.pidfd_open(pid)]
-            except (AttributeError, OSError):  # pragma: no cover - kernels before 5.3
+            except (AttributeError, OSError):  # (no pidfds: see ``_launch._poll_exit``)
                 pidfd = []
             try:
                 _report(sock, ("forked", pid, 0), pidfd)

@@ -123,7 +123,7 @@ class ActorRecord:
         self.popen: subprocess.Popen | None = None
         self.conn = None  # its ``_protocol.Connection``
         self.pidfd, self.pid, self.alive = -1, 0, False
-        self.no_pidfd = False  # pidfds are not to be had (a kernel before 5.3)
+        self.no_pidfd = False  # pidfds are not to be had (see ``_poll_exit``)
         self.death: str | None = None
         self.exited = asyncio.Event()
         self.stderr_tail: collections.deque = collections.deque(maxlen=20)
@@ -204,7 +204,7 @@ class ActorRecord:
                 signal.pidfd_send_signal(self.pidfd, sig)
             except ProcessLookupError:
                 pass
-        elif self.alive and self.no_pidfd:  # pragma: no cover - kernels before 5.3
+        elif self.alive and self.no_pidfd:  # (no pidfds here: see ``_poll_exit``)
             try:
                 if self.popen is not None:
                     self.popen.send_signal(sig)  # (not once it has been reaped)
@@ -224,7 +224,7 @@ class ActorRecord:
             except OSError:  # reaped by its fork server: not ours to name (or the fd
                 return       # was closed meanwhile, its exit seen: a finalizer's race)
             _descendants.kill_now(self.pid)
-        elif self.alive and self.no_pidfd and self.pid in _live_pids:  # pragma: no cover
+        elif self.alive and self.no_pidfd and self.pid in _live_pids:
             _descendants.kill_now(self.pid)
 
     def unwatch_exit(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -415,11 +415,13 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
         # (A forked child's pidfd comes from its fork server, opened before it could
         # reap the child: here the number might be another's already.)
         rec.pidfd = pidfd if forkserver is not None else os.pidfd_open(rec.pid)
-        rec.no_pidfd = rec.pidfd < 0
-        if rec.pidfd >= 0:
-            loop.add_reader(rec.pidfd, _exited, on_exit, rec, rec.pid)
-    except (AttributeError, OSError):  # pragma: no cover - kernels before 5.3
-        rec.pidfd, rec.no_pidfd = -1, True
+    except (AttributeError, OSError):  # a kernel before 5.3, or a seccomp filter's no
+        rec.pidfd = -1
+    rec.no_pidfd = rec.pidfd < 0
+    if rec.no_pidfd:
+        _poll_exit(loop, on_exit, rec, rec.pid, _descendants.process_start(rec.pid))
+    else:
+        loop.add_reader(rec.pidfd, _exited, on_exit, rec, rec.pid)
     rec.pipes = []
     for stream, out in zip(streams, ("stdout", "stderr")):
         os.set_blocking(stream.fileno(), False)
@@ -431,6 +433,27 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
 # The actor processes this (driver) process started that have not exited: whoever could
 # hold a quarantined block of ours (``_leases.quarantine``).
 _live_pids: set = set()
+
+
+EXIT_POLL = 0.05  # seconds between looks at a process watched without a pidfd
+
+
+def _poll_exit(loop: asyncio.AbstractEventLoop, on_exit, rec: ActorRecord, pid: int,
+               start: bytes | None) -> None:
+    """Watch process ``pid`` (started at ``start``) without a pidfd: where the kernel
+    gives none (before 5.3, or a seccomp filter that refuses the call, as Docker's did
+    before 20.10), look at it every ``EXIT_POLL`` seconds until it has exited (our child
+    reaped, or a fork server's child gone, a zombie, or its number another's)."""
+    if rec.pid != pid or pid not in _live_pids:
+        return  # (its exit was handled: a restart's process has a watch of its own)
+    if rec.popen is not None:
+        gone = rec.popen.poll() is not None
+    else:
+        gone = start is None or _descendants.process_start(pid) != start
+    if gone:
+        _exited(on_exit, rec, pid)
+    elif not loop.is_closed():
+        loop.call_later(EXIT_POLL, _poll_exit, loop, on_exit, rec, pid, start)
 
 
 def _exited(on_exit, rec: ActorRecord, pid: int) -> None:
@@ -549,7 +572,7 @@ class ForkServerClient:
         try:
             if pidfd >= 0:
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            else:  # pragma: no cover - kernels before 5.3
+            else:  # (no pidfds: see ``_poll_exit``)
                 os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass

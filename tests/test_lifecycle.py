@@ -372,6 +372,92 @@ async def test_what_actors_started_ends_when_the_driver_is_killed(start_method, 
     assert _group_members(pids[0]) == []
 
 
+# A kernel before 5.3 has no pidfd_open, and a seccomp filter may refuse it (Docker's
+# default one did before 20.10): actorshm then watches processes by polling them.
+_NO_PIDFD = """
+import errno, os
+def _refused(*args):
+    raise OSError(errno.ENOSYS, "Function not implemented")
+os.pidfd_open = _refused
+"""
+
+_NO_PIDFD_DRIVER = """
+import asyncio, os, sys, time
+sys.path.insert(0, %r)
+import actorshm
+from actorshm import ActorDiedError
+from actors import Counter, Faulty, Starter
+async def main():
+    async with actorshm.Runtime(start_method=%r):
+        assert not hasattr(os, "pidfd_open") or not callable(getattr(os, "pidfd_open")) \
+            or os.pidfd_open.__name__ == "_refused"
+        c = await Counter.options(max_restarts=1).spawn(0)
+        x = actorshm.zeros(4)
+        assert await c.incr(1) == 1
+        f = await Faulty.spawn()
+        t0 = time.monotonic()
+        try:
+            await f.exit(3)
+        except ActorDiedError as exc:
+            print("died", round(time.monotonic() - t0, 2), exc, flush=True)
+        os.kill(c.pid, 9)  # restarted
+        for _ in range(200):
+            try:
+                print("restarted", await c.incr(1), flush=True)
+                break
+            except ActorDiedError:
+                await asyncio.sleep(0.05)
+        s = await Starter.spawn()
+        tree = await s.tree()
+        t0 = time.monotonic()
+        await s.kill()
+        print("killed", round(time.monotonic() - t0, 2), flush=True)
+        print("tree", *tree, flush=True)
+        s2 = await Starter.spawn()
+        print("left", s2.pid, *(await s2.tree()), flush=True)
+    print("closed", flush=True)
+actorshm.run(main())
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_actors_are_watched_where_the_kernel_gives_no_pidfds(start_method, tmp_path):
+    # Every spawn used to fail ("closed its connection": the actor's watchdog took the
+    # refused call for its driver's death), and with that fixed, no exit was ever seen:
+    # kill() hung, deaths went unreported, restarts never came.
+    (tmp_path / "sitecustomize.py").write_text(_NO_PIDFD)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    code = _NO_PIDFD_DRIVER % (os.path.dirname(__file__), start_method)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    lines = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()}
+    assert float(lines["died"][0]) < 1.0 and "code 3" in text, text
+    assert lines["restarted"] == ["1"], text  # (a new process: spawned with 0 again)
+    assert float(lines["killed"][0]) < 1.0, text
+    assert await _until_gone([int(p) for p in lines["tree"]], 5) == []
+    assert await _until_gone([int(p) for p in lines["left"]], 5) == []  # (at close)
+    assert "closed" in lines
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_without_pidfds_what_actors_started_ends_when_the_driver_is_killed(
+        start_method, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(_NO_PIDFD)
+    code = _DRIVER % (os.path.dirname(__file__), start_method, "tree")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    try:
+        pids = [int(x) for x in p.stdout.readline().split()]
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+    assert len(pids) == 3
+    assert await _until_gone(pids, 10) == []
+
+
 _FORK_DRIVER = """
 import asyncio, os, sys
 sys.path.insert(0, %r)
