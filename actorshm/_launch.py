@@ -418,8 +418,9 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
     except (AttributeError, OSError):  # a kernel before 5.3, or a seccomp filter's no
         rec.pidfd = -1
     rec.no_pidfd = rec.pidfd < 0
-    if rec.no_pidfd:
-        _poll_exit(loop, on_exit, rec, rec.pid, _descendants.process_start(rec.pid))
+    if rec.no_pidfd:  # (on_exit runs on the loop, as a pidfd's reader would run it)
+        start = _descendants.process_start(rec.pid)
+        loop.call_later(EXIT_POLL, _poll_exit, loop, on_exit, rec, rec.pid, start)
     else:
         loop.add_reader(rec.pidfd, _exited, on_exit, rec, rec.pid)
     rec.pipes = []
