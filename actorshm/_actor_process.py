@@ -265,6 +265,7 @@ def forked_child_main(server_sock, rfd, wfd, env, cwd, fds) -> None:
         env, cwd: the environment and working directory the driver asked for.
         fds: the actor's socket, and its stdout and stderr pipe ends.
     """
+    ready = False
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -285,7 +286,12 @@ def forked_child_main(server_sock, rfd, wfd, env, cwd, fds) -> None:
         if cwd is not None:
             os.chdir(cwd)
         sys.argv = ["actorshm-worker", str(conn_fd)]
+        ready = True
         main()
+    except BaseException as exc:
+        if not ready:  # (the driver quotes its stderr: say why, as a spawn's error does)
+            os.write(2, f"actorshm: the forked actor process could not start: "
+                        f"{type(exc).__name__}: {exc}\n".encode(errors="replace"))
     finally:
         os._exit(1)
 

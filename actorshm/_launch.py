@@ -306,12 +306,16 @@ def actor_env(rec: ActorRecord) -> dict:
 
 
 def working_directory() -> str | None:
-    """The driver's working directory, its actors' too; None where it was deleted (an
-    actor then starts where it can: in it still, when spawned; a fork, in the server's)."""
+    """The driver's working directory, its actors' too; None where it was deleted or may
+    not be entered (a driver run as another user from a home it cannot read: ``sudo -u
+    svc python job.py`` from ``/root``): an actor then starts where it can, in it still
+    when spawned (as the driver did), a fork in the server's."""
     try:
-        return os.getcwd()
-    except FileNotFoundError:
+        cwd = os.getcwd()
+    except (FileNotFoundError, PermissionError):
         return None
+    mine = os.access in os.supports_effective_ids  # (the ids a chdir is checked with)
+    return cwd if os.access(cwd, os.X_OK, effective_ids=mine) else None
 
 
 def fork_failed(exc: OSError) -> OSError:

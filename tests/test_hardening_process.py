@@ -317,3 +317,38 @@ async def test_an_actor_at_the_thread_limit_stops_without_a_traceback(capfd):
         assert await a.ping() == "pong"
     err = capfd.readouterr().err
     assert "can't start new thread" not in err and "Traceback" not in err, err
+
+
+async def test_a_forked_actor_that_cannot_start_says_why(monkeypatch):
+    # It exited with code 1 and nothing on its stderr (its error was swallowed)
+    from actorshm import _launch
+    from actors import Counter
+    async with actorshm.Runtime(start_method="forkserver", shutdown_grace=0.5):
+        await Counter.spawn()  # (the fork server started where the driver is)
+        monkeypatch.setattr(_launch, "working_directory", lambda: "/nonexistent/actorshm")
+        with pytest.raises(ActorDiedError) as err:
+            await Counter.spawn()
+    assert "the forked actor process could not start: FileNotFoundError" in str(err.value)
+    assert "/nonexistent/actorshm" in str(err.value)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_actors_start_where_the_driver_may_not_enter_its_directory(
+        start_method, monkeypatch, tmp_path):
+    # A driver run as another user from a home it cannot read (``sudo -u svc python
+    # job.py`` from /root) works there; its forked actors exited with code 1 (the fork
+    # failed its chdir), spawned ones raised PermissionError from the spawn
+    from actorshm import _launch
+    from actors import Counter
+    here = os.getcwd()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False
+                        if os.fspath(path) == str(tmp_path) else real_access(path, mode, **kw))
+    os.chdir(tmp_path)
+    try:
+        assert _launch.working_directory() is None
+        async with actorshm.Runtime(start_method=start_method, shutdown_grace=0.5):
+            c = await Counter.spawn(1)
+            assert await c.incr() == 2
+    finally:
+        os.chdir(here)
