@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from typing import Any
 
 from . import _descendants, _forkserver, _leases, _shm
@@ -139,6 +140,7 @@ class ActorRecord:
         self._no_restart = False
         self.probe = None  # the driver's end of its probe socket (``_introspect``)
         self.oom_baseline = None  # its cgroup's OOM kill count when it started
+        self.started: float | None = None  # time.monotonic() as its process started
         self.handles = 0  # the driver's handles on it that are alive (``track_handle``)
         self.budget_slot: tuple | None = None  # (SharedBudget, slot) its process charges
 
@@ -386,6 +388,7 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
         ActorDiedError: the fork server died.
     """
     pidfd = -1
+    rec.started = time.monotonic()
     if forkserver is not None and _startup_vars_differ(rec.options.env or {}):
         forkserver = None  # (a fork would only pretend to apply them: a fresh interpreter)
     if forkserver is not None:

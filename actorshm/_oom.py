@@ -47,8 +47,10 @@ def oom_kill_count(pid: int) -> tuple[str, int] | None:
     return None
 
 
-def kernel_log() -> list[str]:
-    """The kernel log's lines where this process may read it (``/dev/kmsg``), or []."""
+def kernel_log() -> list[tuple[float, str]]:
+    """The kernel log's records where this process may read it (``/dev/kmsg``), as
+    ``(seconds since boot, line)``, or []. (The kernel stamps them with a clock that
+    keeps ``time.monotonic()``'s time, to a small drift.)"""
     try:
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
@@ -66,7 +68,12 @@ def kernel_log() -> list[str]:
                 break
             if not rec:
                 break
-            lines.append(rec.decode(errors="replace").split(";", 1)[-1])
+            head, _, line = rec.decode(errors="replace").partition(";")
+            try:
+                stamp = int(head.split(",")[2]) / 1e6  # (prio,seq,microseconds,flags)
+            except (IndexError, ValueError):
+                stamp = 0.0
+            lines.append((stamp, line))
     finally:
         os.close(fd)
     return lines
@@ -78,7 +85,14 @@ def oom_note(rec, code: int | None) -> str:
     if code != -signal.SIGKILL or not rec.pid:
         return ""
     pid = rec.pid
-    for line in kernel_log():
+    # Only records from its own life: its number may have been an earlier OOM victim's
+    # (numbers are reused), whose record the log keeps. The margin covers the drift
+    # between the log's clock and ours (NTP slews ours by at most 0.05%).
+    started = getattr(rec, "started", None)
+    since = -1.0 if started is None else started - 2.0 - 5e-4 * started
+    for stamp, line in kernel_log():
+        if stamp < since:
+            continue
         if f"Killed process {pid} " in line or f",pid={pid}," in line:
             return ("; the kernel's OOM killer killed it (out of memory: give it more "
                     f"memory, or have it use less). Kernel log: {line.strip()}")

@@ -7,6 +7,7 @@ import io
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -240,12 +241,39 @@ async def test_an_oom_kill_in_the_kernel_log_is_named(rt, monkeypatch):
     pid = a.pid
     line = (f"Out of memory: Killed process {pid} (python) total-vm:9000000kB, "
             "anon-rss:8000000kB, file-rss:0kB")
-    monkeypatch.setattr(_oom, "kernel_log", lambda: ["unrelated\n", line + "\n"])
+    now = time.monotonic()
+    monkeypatch.setattr(_oom, "kernel_log", lambda: [(now, "unrelated\n"),
+                                                     (now, line + "\n")])
     monkeypatch.setattr(_oom, "memory_events_path", lambda pid: None)
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(actorshm.ActorDiedError) as info:
         await a.ping()
     assert "OOM killer killed it" in str(info.value) and line in str(info.value)
+
+
+async def test_an_oom_kill_of_an_earlier_process_with_its_number_is_not_named(
+        rt, monkeypatch):
+    # The log keeps records since boot: an earlier OOM victim's number, reused by this
+    # actor, was taken for its own (a plain kill -9 was called an OOM kill)
+    a = await Probed.spawn()
+    pid = a.pid
+    line = (f"Out of memory: Killed process {pid} (python) total-vm:9000000kB, "
+            "anon-rss:8000000kB, file-rss:0kB")
+    long_ago = time.monotonic() - 3600
+    monkeypatch.setattr(_oom, "kernel_log", lambda: [(long_ago, line + "\n")])
+    monkeypatch.setattr(_oom, "memory_events_path", lambda pid: None)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(actorshm.ActorDiedError) as info:
+        await a.ping()
+    assert "SIGKILL" in str(info.value) and "OOM" not in str(info.value)
+
+
+def test_the_kernel_logs_clock_is_ours():
+    # what telling an actor's own OOM record from an earlier one relies on
+    records = _oom.kernel_log()
+    if not records:
+        pytest.skip("the kernel log cannot be read here")
+    assert 0 < records[-1][0] <= time.monotonic() + 1.0
 
 
 def test_the_real_cgroup_count_is_read_where_there_is_one():
