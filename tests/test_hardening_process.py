@@ -352,3 +352,18 @@ async def test_actors_start_where_the_driver_may_not_enter_its_directory(
             assert await c.incr() == 2
     finally:
         os.chdir(here)
+
+
+def test_a_group_scan_reads_the_stat_files_of_its_members_only(monkeypatch):
+    # An actor's exit scans the machine's processes for its group, on the driver's loop:
+    # reading every process's stat file took 60 ms on a machine running 3,000 of them
+    seen = []
+    real = _descendants._stat
+    monkeypatch.setattr(_descendants, "_stat", lambda pid: seen.append(pid) or real(pid))
+    p = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert _descendants._members(p.pid) == [p.pid]
+    finally:
+        p.kill()
+        p.wait()
+    assert seen == [p.pid]
