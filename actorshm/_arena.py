@@ -24,7 +24,7 @@ from . import _leases
 from ._errors import SharedMemoryError
 from ._leases import Block, Region
 from ._registry import plugin_is_shared
-from ._util import fmt_bytes
+from ._util import fmt_bytes, require_linux
 
 __all__ = ["Arena", "HostBlock", "find_block", "is_shared", "map_fd", "new_arena",
            "array_from_block", "nbytes_of"]
@@ -262,6 +262,7 @@ def new_arena(key: tuple, size: int, dedicated: bool, pool) -> Arena:
         SharedMemoryError: out of fds (after ``pool.free_idle()``), or the machine has
             no room for the pages.
     """
+    require_linux("shared memory")
     try:
         fd = os.memfd_create("actorshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:

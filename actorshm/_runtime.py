@@ -33,7 +33,7 @@ from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, check_
 from ._protocol import Connection
 from ._streams import StreamingClient
 from ._supervise import Supervisor
-from ._util import check_run_args, coalesced_call, install_event_loop_policy
+from ._util import check_run_args, coalesced_call, install_event_loop_policy, require_linux
 
 __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 
@@ -129,6 +129,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         if self._closing:
             raise RuntimeError("this Runtime was closed; open a new one: "
                                "`rt = await actorshm.Runtime().start()`")
+        require_linux("the local backend")
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         if self.start_method == "forkserver":  # (its server starts on the first fork)

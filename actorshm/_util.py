@@ -7,9 +7,21 @@ import ctypes
 import inspect
 import os
 import signal
+import sys
 import threading
 
 PR_SET_PDEATHSIG = 1
+
+
+def require_linux(what: str) -> None:
+    """Raise a ``RuntimeError`` that says what to do where this is not Linux: the local
+    backend and its shared memory are built on Linux's ``memfd_create``, pidfds and
+    ``/proc``."""
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(
+            f"actorshm: {what} needs Linux (it is built on memfd_create, pidfds and "
+            f"/proc), and this is {sys.platform!r}: run your program on a Linux machine, "
+            "or in a Linux container or virtual machine (Docker, WSL 2)")
 
 
 def _no_op_signal(signum, frame) -> None:

@@ -3,6 +3,7 @@
 import importlib
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -80,3 +81,24 @@ def test_an_optional_module_whose_library_is_missing_is_no_attribute(monkeypatch
         actorshm.torch.empty(3)
     with pytest.raises(ImportError, match=r"pip install 'actorshm\[torch\]'"):
         importlib.import_module("actorshm.torch")
+
+
+def test_elsewhere_than_linux_the_errors_say_it_needs_linux():
+    # (they were an AttributeError of os.memfd_create, and actors that exited at once)
+    code = textwrap.dedent("""
+        import sys
+        sys.platform = "darwin"
+        import actorshm
+        for what in (lambda: actorshm.zeros(10), lambda: actorshm.run(_main())):
+            try:
+                what()
+            except RuntimeError as exc:
+                print(exc)
+        """).replace("_main()", "__import__('asyncio').sleep(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stdout + out.stderr
+    assert lines[0].startswith("actorshm: shared memory needs Linux")
+    assert lines[1].startswith("actorshm: the local backend needs Linux")
+    assert all("'darwin'" in x and "Linux container" in x for x in lines)
