@@ -144,10 +144,15 @@ def _end(pgid: int) -> None:
             if not trackers_last:
                 break
             trackers_last = False  # SIGKILL the rest now, the trackers after a moment
-            for pid, fd in _open_members(pgid, pairs=True):
-                if pid != me and not _is_resource_tracker(pid):
-                    _send(fd, signal.SIGKILL)
-                os.close(fd)
+            if have_pidfds():
+                for pid, fd in _open_members(pgid, pairs=True):
+                    if pid != me and not _is_resource_tracker(pid):
+                        _send(fd, signal.SIGKILL)
+                    os.close(fd)
+            else:  # by number, each checked a member just before (this process, a
+                for pid in _members(pgid):  # member, keeps the group's id from reuse)
+                    if pid != me and not _is_resource_tracker(pid):
+                        _kill_member(pid, pgid)
             due = time.monotonic() + TRACKER_GRACE
         time.sleep(_POLL)
     os.killpg(pgid, signal.SIGKILL)  # what is left, this watchdog last
@@ -180,6 +185,10 @@ class Ending:
             # another's, if any. (The actor's own group, its watchdog in it, keeps the
             # number from reuse while it has members.)
             return
+        if not have_pidfds():  # (looked at every ``_POLL_NO_PIDFD`` s instead)
+            self._loop = loop = asyncio.get_running_loop()
+            self._look(pgid, loop.time() + self.DEADLINE)
+            return
         fds = _open_members(pgid, reap=True)
         if not fds:
             return
@@ -187,6 +196,19 @@ class Ending:
         self.groups[pgid] = (fds, loop.call_later(self.DEADLINE, self._overdue, pgid))
         for fd in fds:
             loop.add_reader(fd, self._exited, pgid, fd)
+
+    def _look(self, pgid: int, due: float) -> None:
+        """Without pidfds: whether group ``pgid`` has ended (its exited members that
+        are ours reaped on the way), SIGKILLing it once ``due``."""
+        self.groups.pop(pgid, None)
+        if not _members(pgid, zombies_of=os.getpid()):
+            self._forget(pgid)
+        elif self._loop.time() >= due:
+            _kill_group(pgid)
+            self._forget(pgid)
+        else:
+            self.groups[pgid] = (None, self._loop.call_later(
+                _POLL_NO_PIDFD, self._look, pgid, due))
 
     def _exited(self, pgid: int, fd: int) -> None:
         entry = self.groups.get(pgid)
@@ -206,14 +228,15 @@ class Ending:
         self._forget(pgid)  # (a process stuck in the kernel is not waited for)
 
     def _forget(self, pgid: int) -> None:
-        fds, timer = self.groups.pop(pgid)
+        fds, timer = self.groups.pop(pgid, ([], None))
         try:
-            timer.cancel()
-            for fd in fds:
+            if timer is not None:
+                timer.cancel()
+            for fd in fds or ():
                 self._loop.remove_reader(fd)
         except Exception:  # pragma: no cover - the loop is closed (a finalizer)
             pass
-        _close(fds)
+        _close(fds or [])
         if not self.groups and self._idle is not None and not self._idle.done():
             self._idle.set_result(None)
 
@@ -227,9 +250,49 @@ class Ending:
     def kill(self) -> None:
         """SIGKILL what is left at once (a close cut short, a runtime dropped)."""
         for pgid in list(self.groups):
-            for fd in self.groups[pgid][0]:
+            fds = self.groups[pgid][0]
+            if fds is None:  # (watched without pidfds)
+                _kill_group(pgid)
+            for fd in fds or ():
                 _send(fd, signal.SIGKILL)
             self._forget(pgid)
+
+
+_pidfds: bool | None = None
+
+
+def have_pidfds() -> bool:
+    """Whether this kernel gives pidfds (Linux 5.3 and later, unless a seccomp filter
+    refuses them, as Docker's default one did before 20.10)."""
+    global _pidfds
+    if _pidfds is None:
+        try:
+            os.close(os.pidfd_open(os.getpid()))
+            _pidfds = True
+        except (AttributeError, OSError):
+            _pidfds = False
+    return _pidfds
+
+
+def _kill_member(pid: int, pgid: int) -> None:
+    """SIGKILL process ``pid`` by its number if it is still a member of group ``pgid``
+    (without pidfds: the check and the kill leave a moment for its number's reuse)."""
+    stat = _stat(pid)
+    if stat is not None and stat[2] == pgid and stat[0] not in ("Z", "X"):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL group ``pgid`` where it still has members that have not exited (their
+    being there keeps its id from reuse)."""
+    if _members(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def kill_now(pid: int) -> None:

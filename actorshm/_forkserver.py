@@ -74,7 +74,7 @@ def main() -> None:
     import cloudpickle  # noqa: F401
     import numpy  # noqa: F401
 
-    from . import _actor_process  # (and everything an actor process needs)
+    from . import _actor_process, _descendants  # (and all an actor process needs)
     try:
         import uvloop  # noqa: F401
     except ImportError:
@@ -132,12 +132,14 @@ def main() -> None:
             # The driver signals the child through this pidfd, opened before this
             # process can reap it: never through its number, which is free for reuse
             # once it is reaped here.
+            # Without pidfds (``_launch._poll_exit``), its start time, read here before
+            # it can be reaped, tells the driver whether its number still names it.
             try:
-                pidfd = [os.pidfd_open(pid)]
-            except (AttributeError, OSError):  # (no pidfds: see ``_launch._poll_exit``)
-                pidfd = []
+                pidfd, start = [os.pidfd_open(pid)], None
+            except (AttributeError, OSError):
+                pidfd, start = [], _descendants.process_start(pid)
             try:
-                _report(sock, ("forked", pid, 0), pidfd)
+                _report(sock, ("forked", pid, start), pidfd)
             finally:
                 for fd in pidfd:
                     os.close(fd)

@@ -125,6 +125,8 @@ class ActorRecord:
         self.conn = None  # its ``_protocol.Connection``
         self.pidfd, self.pid, self.alive = -1, 0, False
         self.no_pidfd = False  # pidfds are not to be had (see ``_poll_exit``)
+        self.start_stamp: bytes | None = None  # a forked one's start, without pidfds
+        self.exit_poll: asyncio.TimerHandle | None = None  # (``_poll_exit``)
         self.death: str | None = None
         self.exited = asyncio.Event()
         self.stderr_tail: collections.deque = collections.deque(maxlen=20)
@@ -206,14 +208,14 @@ class ActorRecord:
                 signal.pidfd_send_signal(self.pidfd, sig)
             except ProcessLookupError:
                 pass
-        elif self.alive and self.no_pidfd:  # (no pidfds here: see ``_poll_exit``)
-            try:
-                if self.popen is not None:
+        elif self.alive and self.no_pidfd and self.pid in _live_pids:  # (``_poll_exit``)
+            if self.popen is not None:
+                try:
                     self.popen.send_signal(sig)  # (not once it has been reaped)
-                else:
-                    os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
+                except ProcessLookupError:
+                    pass
+            else:
+                kill_if_same(self.pid, self.start_stamp, sig)
 
     def kill_now(self) -> None:
         """SIGKILL its process and everything in its group (watchdog included) at once,
@@ -227,10 +229,17 @@ class ActorRecord:
                 return       # was closed meanwhile, its exit seen: a finalizer's race)
             _descendants.kill_now(self.pid)
         elif self.alive and self.no_pidfd and self.pid in _live_pids:
-            _descendants.kill_now(self.pid)
+            same = (self.popen is not None  # (ours to reap: its number is its own)
+                    or (self.start_stamp is not None
+                        and _descendants.process_start(self.pid) == self.start_stamp))
+            if same:
+                _descendants.kill_now(self.pid)
 
     def unwatch_exit(self, loop: asyncio.AbstractEventLoop) -> None:
         """Stop watching the process's pidfd (it exited, or is being reaped)."""
+        if self.exit_poll is not None:
+            self.exit_poll.cancel()
+            self.exit_poll = None
         if self.pidfd >= 0:
             try:
                 loop.remove_reader(self.pidfd)
@@ -393,7 +402,7 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
         forkserver = None  # (a fork would only pretend to apply them: a fresh interpreter)
     if forkserver is not None:
         try:
-            rec.pid, pidfd, streams = await forkserver.fork(child, env)
+            rec.pid, pidfd, rec.start_stamp, streams = await forkserver.fork(child, env)
         finally:
             child.close()
     else:
@@ -426,8 +435,8 @@ async def start_process(loop: asyncio.AbstractEventLoop, rec: ActorRecord,
         rec.pidfd = -1
     rec.no_pidfd = rec.pidfd < 0
     if rec.no_pidfd:  # (on_exit runs on the loop, as a pidfd's reader would run it)
-        start = _descendants.process_start(rec.pid)
-        loop.call_later(EXIT_POLL, _poll_exit, loop, on_exit, rec, rec.pid, start)
+        rec.exit_poll = loop.call_later(EXIT_POLL, _poll_exit, loop, on_exit, rec,
+                                        rec.pid, rec.start_stamp)
     else:
         loop.add_reader(rec.pidfd, _exited, on_exit, rec, rec.pid)
     rec.pipes = []
@@ -459,9 +468,21 @@ def _poll_exit(loop: asyncio.AbstractEventLoop, on_exit, rec: ActorRecord, pid: 
     else:
         gone = start is None or _descendants.process_start(pid) != start
     if gone:
+        rec.exit_poll = None
         _exited(on_exit, rec, pid)
     elif not loop.is_closed():
-        loop.call_later(EXIT_POLL, _poll_exit, loop, on_exit, rec, pid, start)
+        rec.exit_poll = loop.call_later(EXIT_POLL, _poll_exit, loop, on_exit, rec, pid,
+                                        start)
+
+
+def kill_if_same(pid: int, start: bytes | None, sig: int) -> None:
+    """Send ``sig`` to process ``pid`` (a fork server's child, without pidfds) if its
+    number still names the process that started at ``start``."""
+    if start is not None and _descendants.process_start(pid) == start:
+        try:
+            os.kill(pid, sig)
+        except OSError:  # (gone meanwhile)
+            pass
 
 
 def _exited(on_exit, rec: ActorRecord, pid: int) -> None:
@@ -513,8 +534,10 @@ class ForkServerClient:
             env: the actor's environment.
 
         Returns:
-            The child's pid, its pidfd (-1 where pidfds are not to be had) and its
-            stdout and stderr pipes (read ends).
+            The child's pid, its pidfd (-1 where pidfds are not to be had), its start
+            time where they are not (``_descendants.process_start``, read by the
+            server before it could reap the child), and its stdout and stderr pipes
+            (read ends).
 
         Raises:
             ActorDiedError: the fork server died, or did not answer within
@@ -556,7 +579,8 @@ class ForkServerClient:
             os.close(err_w)
         self._fs_waiting.append(fut)  # (in the order of the requests, as the reports)
         try:
-            pid, pidfd = await asyncio.wait_for(asyncio.shield(fut), self.start_timeout)
+            pid, pidfd, start = await asyncio.wait_for(asyncio.shield(fut),
+                                                       self.start_timeout)
         except BaseException as exc:  # cancelled, or timed out: nobody will take the child
             os.close(out_r)
             os.close(err_r)
@@ -566,7 +590,8 @@ class ForkServerClient:
                     f"the fork server did not start the actor within {self.start_timeout} s "
                     "(Runtime(start_timeout=...) sets the limit)") from None
             raise
-        return pid, pidfd, (open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0))
+        return pid, pidfd, start, (open(out_r, "rb", buffering=0),
+                                   open(err_r, "rb", buffering=0))
 
     def _kill_forked(self, fut: asyncio.Future) -> None:
         """A child forked for a spawn that was given up: it must not live on unseen.
@@ -574,14 +599,15 @@ class ForkServerClient:
         would stay for ever, and be taken for the code of a later child with its pid)."""
         if fut.cancelled() or fut.exception() is not None:
             return
-        pid, pidfd = fut.result()
-        if self._fs_exit.pop(pid, None) is None:  # (its report may be in already)
+        pid, pidfd, start = fut.result()
+        exited = self._fs_exit.pop(pid, None) is not None  # (its report may be in)
+        if not exited:
             self._abandoned.add(pid)
         try:
             if pidfd >= 0:
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            else:  # (no pidfds: see ``_poll_exit``)
-                os.kill(pid, signal.SIGKILL)
+            elif not exited:  # (no pidfds: by its number, while that still names it)
+                kill_if_same(pid, start, signal.SIGKILL)
         except ProcessLookupError:
             pass
         finally:
@@ -679,7 +705,7 @@ class ForkServerClient:
         if msg is None:
             self._server_gone()
             return
-        (kind, pid, code), fds = msg
+        (kind, pid, code), fds = msg  # ("forked": ``code`` is its start, or None)
         if kind == "fork_failed":
             fut = self._fs_waiting.popleft()
             if not fut.done():
@@ -690,7 +716,7 @@ class ForkServerClient:
             if pidfd >= 0:  # received without close-on-exec, unlike pidfd_open's own:
                 os.set_inheritable(pidfd, False)  # a program this process runs gets none
             if not fut.done():
-                fut.set_result((pid, pidfd))
+                fut.set_result((pid, pidfd, code))
             elif pidfd >= 0:  # pragma: no cover - (failed futures leave the queue)
                 os.close(pidfd)
         elif pid in self._abandoned:  # (a child of a spawn given up: ``_kill_forked``)
