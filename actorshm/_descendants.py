@@ -332,7 +332,11 @@ def _members(pgid: int, zombies_of: int | None = None) -> list[int]:
     whose init reaps nobody it stays one). Those that have and are children of process
     ``zombies_of`` (this one) are reaped on the way."""
     out = []
-    for name in os.listdir("/proc"):
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # no /proc (a chroot or sandbox without it): none can be named
+        return out
+    for name in names:
         if name.isdigit():
             # (getpgid first: a system call, where reading each process's stat file
             # took 16x as long, 60 ms a scan on a machine running 3,000 processes)

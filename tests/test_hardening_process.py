@@ -367,3 +367,21 @@ def test_a_group_scan_reads_the_stat_files_of_its_members_only(monkeypatch):
         p.kill()
         p.wait()
     assert seen == [p.pid]
+
+
+async def test_without_proc_an_actors_death_is_still_reported(rt, monkeypatch):
+    # (a sandbox or chroot with no /proc: the scan for what the actor started raised
+    # in the driver's exit handling, and the death was never reported)
+    from actors import Counter
+    c = await Counter.spawn()
+    real = os.listdir
+
+    def no_proc(path="."):
+        if os.fspath(path) == "/proc":
+            raise FileNotFoundError(2, "No such file or directory", "/proc")
+        return real(path)
+    monkeypatch.setattr(os, "listdir", no_proc)
+    assert _descendants._members(os.getpgid(0)) == []
+    os.kill(c.pid, signal.SIGKILL)
+    with pytest.raises(ActorDiedError, match="SIGKILL"):
+        await asyncio.wait_for(c.incr(), 5)
