@@ -138,6 +138,9 @@ def _end(pgid: int) -> None:
     """End group ``pgid`` (the watchdog's own): SIGTERM, then SIGKILL after the grace."""
     me = os.getpid()
     os.killpg(pgid, signal.SIGTERM)
+    if not os.path.isdir("/proc"):  # (its members cannot be named: all get the grace)
+        time.sleep(GRACE + TRACKER_GRACE)
+        os.killpg(pgid, signal.SIGKILL)
     due, trackers_last = time.monotonic() + GRACE, True
     while any(pid != me for pid in _members(pgid)):
         if time.monotonic() >= due:
@@ -201,14 +204,20 @@ class Ending:
         """Without pidfds: whether group ``pgid`` has ended (its exited members that
         are ours reaped on the way), SIGKILLing it once ``due``."""
         self.groups.pop(pgid, None)
-        if not _members(pgid, zombies_of=os.getpid()):
-            self._forget(pgid)
-        elif self._loop.time() >= due:
-            _kill_group(pgid)
-            self._forget(pgid)
-        else:
-            self.groups[pgid] = (None, self._loop.call_later(
-                _POLL_NO_PIDFD, self._look, pgid, due))
+        again = False
+        try:
+            if _reused(pgid) or not _members(pgid, zombies_of=os.getpid()):
+                pass
+            elif self._loop.time() >= due:
+                _kill_group(pgid)
+            else:
+                again = True
+        finally:
+            if again:
+                self.groups[pgid] = (None, self._loop.call_later(
+                    _POLL_NO_PIDFD, self._look, pgid, due))
+            else:
+                self._forget(pgid)
 
     def _exited(self, pgid: int, fd: int) -> None:
         entry = self.groups.get(pgid)
@@ -285,10 +294,18 @@ def _kill_member(pid: int, pgid: int) -> None:
             pass
 
 
+def _reused(pgid: int) -> bool:
+    """Whether a running process has number ``pgid``: not the ended actor (reaped or a
+    zombie), so the group of that id, if any, is another's."""
+    stat = _stat(pgid)
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
 def _kill_group(pgid: int) -> None:
     """SIGKILL group ``pgid`` where it still has members that have not exited (their
-    being there keeps its id from reuse)."""
-    if _members(pgid):
+    being there keeps its id from reuse), and no running process has its number (the
+    group emptied and the id went to a new process's group)."""
+    if not _reused(pgid) and _members(pgid):
         try:
             os.killpg(pgid, signal.SIGKILL)
         except OSError:

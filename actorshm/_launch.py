@@ -229,7 +229,7 @@ class ActorRecord:
                 return       # was closed meanwhile, its exit seen: a finalizer's race)
             _descendants.kill_now(self.pid)
         elif self.alive and self.no_pidfd and self.pid in _live_pids:
-            same = (self.popen is not None  # (ours to reap: its number is its own)
+            same = ((self.popen is not None and self.popen.returncode is None)  # (unreaped)
                     or (self.start_stamp is not None
                         and _descendants.process_start(self.pid) == self.start_stamp))
             if same:
@@ -526,7 +526,8 @@ class ForkServerClient:
         self._abandoned: set[int] = set()  # children of spawns given up, still to exit
         self._fs_exit_events: dict[int, asyncio.Event] = {}
 
-    async def fork(self, child: socket.socket, env: dict) -> tuple[int, tuple]:
+    async def fork(self, child: socket.socket, env: dict) -> tuple[int, int, bytes | None,
+                                                                   tuple]:
         """Ask the fork server (started on first use) for a new actor process.
 
         Args:

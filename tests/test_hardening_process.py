@@ -385,3 +385,21 @@ async def test_without_proc_an_actors_death_is_still_reported(rt, monkeypatch):
     os.kill(c.pid, signal.SIGKILL)
     with pytest.raises(ActorDiedError, match="SIGKILL"):
         await asyncio.wait_for(c.incr(), 5)
+
+
+async def test_without_pidfds_a_group_whose_number_went_to_another_is_left_alone(
+        monkeypatch):
+    # An ended actor's group is watched by its number without pidfds: once it emptied
+    # and a new session leader took the number, the watch SIGKILLed that stranger's group
+    monkeypatch.setattr(_descendants, "_pidfds", False)
+    ending = _descendants.Ending()
+    ending._loop = asyncio.get_running_loop()
+    stranger = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        ending._look(stranger.pid, ending._loop.time())  # (its deadline has passed)
+        ending.kill()
+        await asyncio.sleep(0.1)
+        assert stranger.poll() is None and not ending.groups
+    finally:
+        stranger.kill()
+        stranger.wait()
