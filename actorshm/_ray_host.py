@@ -400,8 +400,10 @@ class Host(Watched):
         return st
 
     async def task_name(self) -> str | None:
-        """This task's Ray task name: whether ``call0``/``call1`` can read theirs."""
-        return self._ctx.get_task_name() if self._ctx is not None else None
+        """This task's Ray task name: whether ``call0``/``call1`` can read theirs (None
+        where Ray cannot tell a task its name: before 2.40)."""
+        get = getattr(self._ctx, "get_task_name", None)
+        return get() if get is not None else None
 
     async def call0(self) -> Any:
         """Run a call without arguments named ``method:caller:seq:base`` (its Ray task name,
