@@ -109,13 +109,35 @@ def _ray_started_here() -> bool:
         return False
 
 
+# The first Ray whose async actors take ``_generator_backpressure_num_objects``, which
+# bounds how far a stream runs ahead (earlier ones refuse it; the Ray suite passes on
+# 2.57.0 and fails on 2.56.1).
+MIN_RAY = (2, 57)
+
+
 def import_ray():
     try:
         import ray
     except ImportError as exc:
         raise ImportError("the Ray backend needs Ray: pip install 'actorshm[ray]' "
-                          "(or pip install 'ray>=2.9')") from exc
+                          f"(or pip install 'ray>={MIN_RAY[0]}.{MIN_RAY[1]}')") from exc
+    check_ray_version(ray.__version__)
     return ray
+
+
+def check_ray_version(version: str) -> None:
+    """Raise an ``ImportError`` that says what to install where Ray ``version`` is older
+    than the backend needs."""
+    try:
+        have = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:  # (a development build: taken as recent)
+        return
+    if have < MIN_RAY:
+        want = f"{MIN_RAY[0]}.{MIN_RAY[1]}"
+        raise ImportError(
+            f"the Ray backend needs Ray {want} or later, and this is Ray {version} (an "
+            f"older Ray refuses to bound how far a stream runs ahead on an async actor): "
+            f"pip install -U 'ray>={want}'")
 
 
 KILLED_KEPT = 10_000  # killed actors' keys a process keeps (``RayClient._dead``)

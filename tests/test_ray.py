@@ -198,6 +198,16 @@ def test_ray_backend_without_ray_says_how_to_install_it():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_ray_backend_on_an_older_ray_says_which_it_needs():
+    # (Ray 2.9 failed every spawn, and streams on async actors failed before 2.57)
+    from actorshm import _ray
+    _ray.check_ray_version(ray.__version__)  # (this one is recent enough)
+    _ray.check_ray_version("3.0.0.dev0")
+    with pytest.raises(ImportError, match=r"needs Ray 2\.57 or later, and this is Ray "
+                                          r"2\.56\.1.*pip install -U 'ray>=2\.57'"):
+        _ray.check_ray_version("2.56.1")
+
+
 def test_importing_actorshm_imports_no_ray():
     code = "import sys, actorshm; assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
