@@ -403,3 +403,41 @@ async def test_without_pidfds_a_group_whose_number_went_to_another_is_left_alone
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_without_proc_the_watchdog_still_gives_the_grace(tmp_path):
+    # (without /proc the members of its group cannot be named: it sent SIGKILL right
+    # after SIGTERM, and a program's clean-up, a resource tracker's too, never ran)
+    done = tmp_path / "cleaned-up"
+    code = f"""
+import os, signal, subprocess, sys, time
+os.setsid()
+child = subprocess.Popen([sys.executable, "-c", '''
+import signal, sys, time
+def bye(*_):
+    time.sleep(0.3)
+    open({str(done)!r}, "w").close()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+print("ready", flush=True)
+time.sleep(60)
+'''], stdout=subprocess.PIPE)
+child.stdout.readline()
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_IGN)  # (as the watchdog does)
+from actorshm import _descendants
+def no_proc(real):
+    def call(path="."):
+        if os.fspath(path) == "/proc":
+            raise FileNotFoundError(2, "No such file or directory", "/proc")
+        return real(path)
+    return call
+os.listdir = no_proc(os.listdir)
+isdir = os.path.isdir
+os.path.isdir = lambda p: False if p == "/proc" else isdir(p)
+_descendants._end(os.getpgid(0))
+"""
+    p = subprocess.run([sys.executable, "-c", code], timeout=30,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert p.returncode == -signal.SIGKILL  # (it ends with its group, itself last)
+    assert done.exists()
