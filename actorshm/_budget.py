@@ -41,7 +41,9 @@ def default_budget() -> int:
     """``ACTORSHM_SHM_BUDGET`` bytes, else half the memory this process may use: the
     machine's RAM, or its cgroup's limit where that is lower (a container's
     ``docker run -m``, a systemd unit's ``MemoryMax``), so that shared arrays past it
-    are a ``SharedMemoryError`` rather than the OOM killer's SIGKILL."""
+    are a ``SharedMemoryError`` rather than the OOM killer's SIGKILL; and at most three
+    quarters of the memory available now (``memory_available``), where other programs
+    already use so much that half would not fit."""
     env = os.environ.get("ACTORSHM_SHM_BUDGET")
     if env:
         try:
@@ -62,13 +64,57 @@ def default_budget() -> int:
     limit = cgroup_memory_limit()
     if limit is not None:
         total = min(total, limit)
-    return max(total // 2, MIN_BUDGET)
+    budget = total // 2
+    room = memory_available()
+    if room is not None:
+        budget = min(budget, room // 4 * 3)
+    return max(budget, MIN_BUDGET)
+
+
+def memory_available(meminfo: str = "/proc/meminfo", root: str = "/sys/fs/cgroup",
+                     cgroups: str = "/proc/self/cgroup") -> int | None:
+    """Bytes this process could still take before memory runs out, or None where that
+    cannot be read: the kernel's ``MemAvailable`` (free memory and page cache it can
+    drop), or less where a cgroup's limit less its usage (page cache it can drop not
+    counted) is lower."""
+    found = []
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    for directory, v2 in _cgroup_dirs(root, cgroups):
+        limit = _read_limit(os.path.join(directory, "memory.max" if v2
+                                         else "memory.limit_in_bytes"))
+        used = _read_limit(os.path.join(directory, "memory.current" if v2
+                                        else "memory.usage_in_bytes"))
+        if limit is None or used is None:
+            continue
+        cache = _read_stat(os.path.join(directory, "memory.stat"),
+                           "inactive_file" if v2 else "total_inactive_file")
+        found.append(max(limit - used + min(cache, used), 0))
+    return min(found) if found else None
 
 
 def cgroup_memory_limit(root: str = "/sys/fs/cgroup",
                         cgroups: str = "/proc/self/cgroup") -> int | None:
     """The lowest memory limit set on this process's cgroup or one above it, in bytes
-    (cgroup v2's ``memory.max``, v1's ``memory.limit_in_bytes``), or None where none is.
+    (cgroup v2's ``memory.max``, v1's ``memory.limit_in_bytes``), or None where none is."""
+    found = []
+    for directory, v2 in _cgroup_dirs(root, cgroups):
+        limit = _read_limit(os.path.join(directory, "memory.max" if v2
+                                         else "memory.limit_in_bytes"))
+        if limit is not None:
+            found.append(limit)
+    return min(found) if found else None
+
+
+def _cgroup_dirs(root: str, cgroups: str):
+    """The memory cgroup directories of this process and of those above it, each with
+    whether it is cgroup v2 (else v1).
 
     In a container the cgroup file system shows the container's own cgroup at ``root``
     (the path in ``/proc/self/cgroup`` may then name nothing there): the walk up from the
@@ -78,29 +124,25 @@ def cgroup_memory_limit(root: str = "/sys/fs/cgroup",
         with open(cgroups) as f:
             lines = f.read().splitlines()
     except OSError:
-        return None
-    found = []
+        return
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         controllers, path = parts[1], parts[2].strip("/")
         if controllers == "":  # v2 (``unified``: v2 beside v1, the hybrid layout)
-            bases, name = (root, os.path.join(root, "unified")), "memory.max"
+            bases, v2 = (root, os.path.join(root, "unified")), True
         elif "memory" in controllers.split(","):
-            bases, name = (os.path.join(root, "memory"),), "memory.limit_in_bytes"
+            bases, v2 = (os.path.join(root, "memory"),), False
         else:
             continue
         for base in bases:
             p = path
             while True:
-                limit = _read_limit(os.path.join(base, p, name))
-                if limit is not None:
-                    found.append(limit)
+                yield os.path.join(base, p), v2
                 if not p:
                     break
                 p = os.path.dirname(p)
-    return min(found) if found else None
 
 
 def _read_limit(path: str) -> int | None:
@@ -114,6 +156,19 @@ def _read_limit(path: str) -> int | None:
     except ValueError:  # "max": no limit
         return None
     return n if 0 < n < 1 << 60 else None  # (v1 writes "no limit" as about 2**63)
+
+
+def _read_stat(path: str, key: str) -> int:
+    """The number ``key`` of a cgroup's ``memory.stat``, or 0."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def fd_limit() -> int:

@@ -64,6 +64,7 @@ def test_the_default_budget_is_half_a_containers_memory_limit(monkeypatch):
     from actorshm import _budget
     monkeypatch.delenv("ACTORSHM_SHM_BUDGET", raising=False)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    monkeypatch.setattr(_budget, "memory_available", lambda: None)
     monkeypatch.setattr(_budget, "cgroup_memory_limit", lambda: 500 << 20)
     assert _budget.default_budget() == 250 << 20
     monkeypatch.setattr(_budget, "cgroup_memory_limit", lambda: 4 * ram)  # above RAM
@@ -72,6 +73,56 @@ def test_the_default_budget_is_half_a_containers_memory_limit(monkeypatch):
     assert _budget.default_budget() == ram // 2
     monkeypatch.setattr(_budget, "cgroup_memory_limit", lambda: 1 << 20)  # a tiny one
     assert _budget.default_budget() == _budget.MIN_BUDGET
+
+
+def test_the_default_budget_fits_the_memory_available_now(monkeypatch):
+    # Half the RAM, where other programs already use most of it, let shared arrays past
+    # what is left meet the OOM killer (SIGKILL, perhaps of another program) where the
+    # budget promises a SharedMemoryError: the default takes at most three quarters of
+    # the memory available when it is set.
+    from actorshm import _budget
+    monkeypatch.delenv("ACTORSHM_SHM_BUDGET", raising=False)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    monkeypatch.setattr(_budget, "cgroup_memory_limit", lambda: None)
+    monkeypatch.setattr(_budget, "memory_available", lambda: 400 << 20)
+    assert _budget.default_budget() == 300 << 20
+    monkeypatch.setattr(_budget, "memory_available", lambda: ram)  # an idle machine
+    assert _budget.default_budget() == ram // 2
+    monkeypatch.setattr(_budget, "memory_available", lambda: 0)  # none at all
+    assert _budget.default_budget() == _budget.MIN_BUDGET
+    monkeypatch.undo()
+    monkeypatch.delenv("ACTORSHM_SHM_BUDGET", raising=False)
+    room = _budget.memory_available()  # this machine's, read as the kernel gives it
+    assert room is None or 0 < room <= ram
+    if room is not None:
+        assert _budget.default_budget() <= max(room // 4 * 3, _budget.MIN_BUDGET)
+
+
+@pytest.mark.parametrize("meminfo, cgroups, files, room", [
+    # no cgroup limit: the kernel's MemAvailable (kB)
+    ("MemTotal: 8000000 kB\nMemFree: 1000 kB\nMemAvailable: 2048 kB\n", "0::/\n",
+     {"memory.max": "max\n", "memory.current": "999999\n"}, 2 << 20),
+    # cgroup v2 under its limit: the limit less its usage, inactive page cache not
+    # counted as used (the kernel drops it before the OOM killer comes)
+    ("MemAvailable: 8000000 kB\n", "0::/app.service\n",
+     {"app.service/memory.max": "1073741824\n", "app.service/memory.current": "805306368\n",
+      "app.service/memory.stat": "anon 1\ninactive_file 134217728\nfile 3\n"},
+     (1 << 30) - (768 << 20) + (128 << 20)),
+    # cgroup v1 (a container's, seen at the root), total_inactive_file
+    ("MemAvailable: 8000000 kB\n", "4:memory:/docker/abc\n",
+     {"memory/memory.limit_in_bytes": "536870912", "memory/memory.usage_in_bytes": "536870912",
+      "memory/memory.stat": "inactive_file 5\ntotal_inactive_file 0\n"}, 0),
+    # neither readable
+    (None, "0::/\n", {}, None),
+])
+def test_the_memory_available_is_read(tmp_path, meminfo, cgroups, files, room):
+    from actorshm import _budget
+    (tmp_path / "cgroup").write_text(cgroups)
+    if meminfo is not None:
+        (tmp_path / "meminfo").write_text(meminfo)
+    _cgroup_tree(tmp_path / "fs", files)
+    assert _budget.memory_available(str(tmp_path / "meminfo"), str(tmp_path / "fs"),
+                                    str(tmp_path / "cgroup")) == room
 
 
 async def test_freed_small_blocks_make_room_for_a_large_one():
