@@ -67,9 +67,9 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.epochs = min(args.epochs, 6)
-    for name in ("workers", "epochs"):
+    for name in ("workers", "epochs", "batch_size"):
         if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
 
 

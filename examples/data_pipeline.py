@@ -98,9 +98,11 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.batches = min(args.batches, 120)
-    for name in ("loaders", "batches"):
+    for name in ("loaders", "batches", "batch_size"):
         if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
     return args
 
 

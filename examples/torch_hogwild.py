@@ -120,9 +120,9 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.quick:
         args.epochs = 3
-    for name in ("workers", "epochs"):
+    for name in ("workers", "epochs", "batch"):
         if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
     torch.set_num_threads(1)  # as each actor runs (num_cpus=1): a fair baseline
     data = load_data(args.seed)
     print(f"torch hogwild: {args.workers} trainer actors, {args.epochs} epochs, "

@@ -86,9 +86,12 @@ def test_torch_hogwild():
     ("hogwild", ["--workers", "0"]), ("hogwild", ["--epochs", "0"]),
     ("data_pipeline", ["--loaders", "0"]), ("data_pipeline", ["--batches", "0"]),
     ("parameter_server", ["--epochs", "0"]), ("data_parallel", ["--epochs", "0"]),
-    ("torch_hogwild", ["--workers", "0"])])
+    ("torch_hogwild", ["--workers", "0"]), ("parameter_server", ["--batch-size", "0"]),
+    ("hogwild", ["--batch-size", "0"]), ("data_parallel", ["--batch-size", "-1"]),
+    ("data_pipeline", ["--batch-size", "0"]), ("torch_hogwild", ["--batch", "0"])])
 def test_a_count_below_one_is_a_usage_error(example, argv, capsys):
-    # They ran with 0 actors (accuracy 0.100), divided by zero or indexed an empty list.
+    # They ran with 0 actors (accuracy 0.100), divided by zero or indexed an empty list;
+    # a batch size of 0 divided by zero or raised from inside an actor's method.
     if example == "torch_hogwild":
         pytest.importorskip("torch", reason="torch is not installed (the torch extra)")
     module = __import__(example)
@@ -96,6 +99,15 @@ def test_a_count_below_one_is_a_usage_error(example, argv, capsys):
         module.main(argv)
     assert exc.value.code == 2
     assert f"{argv[0]} must be >= 1" in capsys.readouterr().err
+
+
+def test_a_negative_warm_up_is_a_usage_error(capsys):
+    # It skipped the start of the clock and failed at the end (None - float).
+    import data_pipeline
+    with pytest.raises(SystemExit) as exc:
+        data_pipeline.main(["--warmup", "-1"])
+    assert exc.value.code == 2
+    assert "--warmup must be >= 0" in capsys.readouterr().err
 
 
 def test_data_pipeline():
