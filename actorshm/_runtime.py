@@ -97,6 +97,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self._actors: dict[int, ActorRecord] = {}
         self._names: dict[str, int] = {}
         self._killing: dict[int, asyncio.Task] = {}  # kills under way (``kill``)
+        self._starting = 0  # actors between their start and ``__init__``'s answer
         # spawns made for actors (``_services.cancel_spawn``): (conn, cid) -> task or id
         self.spawns_for_actors: collections.OrderedDict = collections.OrderedDict()
         self._open = False
@@ -307,11 +308,13 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             fut = _introspect.call_init(rec, config, args, kwargs)  # (with its probe socket)
         except OSError as exc:  # (its process is stopped by ``spawn``)
             _raise_out_of_fds(exc)
+        self._starting += 1
         try:
             pid = await asyncio.wait_for(fut, self.start_timeout)
         except asyncio.TimeoutError:
             raise ActorDiedError(f"{rec.label} did not start within {self.start_timeout} s "
-                                 "(Runtime(start_timeout=...) sets the limit)") from None
+                                 f"{_crowd(self._starting - 1)}(Runtime(start_timeout=...) "
+                                 "sets the limit)") from None
         except ActorDiedError as exc:
             await asyncio.sleep(0.05)  # let stderr drain into the tail
             tail = "".join(rec.stderr_tail)
@@ -320,6 +323,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         except Exception as exc:  # its __init__ raised (the error its reply carried)
             rec.init_error = exc = _class_not_loaded(rec.cls, exc)
             raise exc
+        finally:
+            self._starting -= 1
         rec.pid = pid
 
     # -- calls -------------------------------------------------------------------
@@ -523,6 +528,15 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 "live on that loop. Open the runtime inside the asyncio.run() that uses "
                 "it (`async with actorshm.Runtime():` in main, or actorshm.run(main())), "
                 "or close it before its loop ends (`await rt.close()`)")
+
+
+def _crowd(others: int) -> str:
+    """Why a start may have been slow: as many others starting at once, or ""."""
+    cpus = os.cpu_count() or 1
+    if others < 2 * cpus:
+        return ""
+    return (f"while {others} other actors were starting on {cpus} CPU(s), each slowing "
+            "the others: spawn fewer at once (in batches), or raise the limit ")
 
 
 def _class_not_loaded(cls: type, exc: Exception) -> Exception:

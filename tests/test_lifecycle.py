@@ -1090,6 +1090,26 @@ async def test_a_restart_that_does_not_start_in_time_is_retried(tmp_path):
         assert await asyncio.wait_for(a.rec(2), 20) == 2
 
 
+async def test_a_start_that_times_out_among_many_says_so(tmp_path, monkeypatch):
+    # 200 parameter-server workers spawned at once on 2 cores each failed after 60 s
+    # with "did not start within 60.0 s" alone: nothing said that the others, starting
+    # at the same time, were what made it slow, nor what to do.
+    from actors import SlowStart
+    marker = tmp_path / "slow"
+    marker.write_text("x")
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    async with actorshm.Runtime(shutdown_grace=1.0, start_timeout=1.0):
+        with pytest.raises(ActorDiedError) as alone:
+            await SlowStart.spawn(str(marker), 3.0)
+        assert "other actors" not in str(alone.value)
+        errors = await asyncio.gather(*(SlowStart.spawn(str(marker), 3.0) for _ in range(4)),
+                                      return_exceptions=True)
+    assert all(isinstance(e, ActorDiedError) for e in errors), errors
+    crowded = [str(e) for e in errors if "other actors were starting on 1 CPU" in str(e)]
+    assert crowded, errors
+    assert "spawn fewer at once" in crowded[0] and "Runtime(start_timeout=...)" in crowded[0]
+
+
 async def test_a_restart_whose_process_cannot_start_is_reported_and_never_hangs(rt):
     from actors import FlakyStart
     a = await FlakyStart.options(max_restarts=2).spawn("/nonexistent/marker")
