@@ -53,12 +53,16 @@ class ActorEvent:
 
 
 class _EventStream:
-    """What ``rt.events()`` returns: an async iterator over the events from then on."""
+    """What ``rt.events()`` returns: an async iterator over the events from then on.
+
+    It may be iterated on another thread's event loop than the runtime's: an event wakes
+    the waiting loop thread-safely (a plain ``asyncio.Event`` set from the runtime's
+    thread would not wake it)."""
 
     def __init__(self, source: "EventSource") -> None:
         self._source = source
         self._queue: collections.deque = collections.deque()
-        self._wake = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the wait of ``__anext__``, if any
         self._closed = False
         source._event_state()[1].add(self)
 
@@ -67,25 +71,50 @@ class _EventStream:
             self._closed = True
         else:
             self._queue.append(ev)
-        self._wake.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is None:
+            return
+        loop = waiter.get_loop()
+        if asyncio._get_running_loop() is loop:
+            _set(waiter)
+        else:  # iterated on another thread's loop
+            try:
+                loop.call_soon_threadsafe(_set, waiter)
+            except RuntimeError:  # that loop is closed: nobody waits any more
+                pass
 
     def __aiter__(self) -> "_EventStream":
         return self
 
     async def __anext__(self) -> ActorEvent:
-        while not self._queue:
+        while True:
+            if self._queue:
+                return self._queue.popleft()
             if self._closed:
                 raise StopAsyncIteration
-            self._wake.clear()
-            await self._wake.wait()
-        return self._queue.popleft()
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            if self._queue or self._closed:  # (came before the waiter was seen)
+                self._waiter = None
+                continue
+            try:
+                await waiter
+            finally:
+                self._waiter = None
 
     async def aclose(self) -> None:
         """Stop receiving events (leaving ``async for`` with ``break`` is enough too)."""
         self._closed = True
         self._queue.clear()
         self._source._event_state()[1].discard(self)
-        self._wake.set()
+        self._wake()
+
+
+def _set(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class EventSource:

@@ -118,3 +118,41 @@ async def test_a_stream_left_with_break_stops_receiving_events(rt):
     c = await Counter.spawn(0)
     await c.kill()
     assert (await next_event(kept)).kind == "died"
+
+
+async def test_events_iterated_on_another_threads_loop_come_at_once_and_end():
+    # The stream woke its waiter with an asyncio.Event set from the runtime's thread,
+    # which does not wake another loop: a death, and the runtime's close, reached a
+    # thread iterating on its own loop only when something else woke that loop.
+    import threading
+    import time
+    log, ready = [], threading.Event()
+
+    def consume(rt):
+        async def run():
+            stream = rt.events()
+            ready.set()
+            t0 = time.monotonic()
+            async for ev in stream:
+                log.append((ev.kind, time.monotonic() - t0))
+            log.append(("ended", time.monotonic() - t0))
+        asyncio.run(asyncio.wait_for(run(), 60))  # (bounded: a hang fails, not hangs)
+
+    rt = actorshm.Runtime(shutdown_grace=1.0)
+    await rt.start()
+    thread = None
+    try:
+        c = await Counter.spawn(0)
+        thread = threading.Thread(target=consume, args=(rt,), daemon=True)
+        thread.start()
+        assert await asyncio.to_thread(ready.wait, 30)
+        os.kill(c.pid, signal.SIGKILL)
+        for _ in range(200):
+            if log:
+                break
+            await asyncio.sleep(0.05)
+        assert [k for k, _ in log] == ["died"]  # within 10 s, not at the 60 s bound
+    finally:
+        await rt.close()
+    await asyncio.to_thread(thread.join, 30)
+    assert [k for k, _ in log] == ["died", "ended"] and log[1][1] < 30
