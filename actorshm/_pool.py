@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 from ._actor import ActorHandle, no_attribute
 from ._errors import ActorDiedError, RemoteTraceback
-from ._results import JoinedFuture
+from ._results import NOT_MADE, JoinedFuture
 from ._streams import StreamLoop
 from ._util import first_line
 
@@ -147,6 +147,7 @@ class ActorPool:
         if handle in self._idle:
             self._idle.remove(handle)
         self._stop_resting(handle)
+        self._last_death = None  # (the last to leave was removed, not dead)
         self._fail_queue_if_empty()
 
     def pop_idle(self) -> ActorHandle | None:
@@ -155,6 +156,7 @@ class ActorPool:
             return None
         h = self._idle.popleft()
         self._members.remove(h)
+        self._last_death = None
         self._fail_queue_if_empty()
         return h
 
@@ -231,10 +233,12 @@ class ActorPool:
         # Checked here, not in the generator: its body runs only when iterated, and an
         # error there would name neither this call nor ``map``.
         _check_fn(fn, "map(fn, values)")
-        return _Results(self._map(fn, _values(values, "map")), "map")
+        res = _Results("map")
+        res._agen = self._map(fn, _values(values, "map"), res)
+        return res
 
     async def _map(self, fn: Callable[[ActorHandle, Any], Awaitable],
-                   it: Iterator[Any]) -> AsyncIterator[Any]:
+                   it: Iterator[Any], res: "_Results") -> AsyncIterator[Any]:
         pending: collections.deque = collections.deque()
         exhausted = False
         try:
@@ -248,6 +252,11 @@ class ActorPool:
                     pending.append(self.submit(fn, v))
                 if not pending:
                     return
+                if not pending[0].done():  # (``aclose`` from another task may stop it)
+                    await asyncio.wait((pending[0], res.stop_signal()),
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    if res.stopping:
+                        return
                 yield await pending.popleft()
         finally:
             _cancel_all(pending)
@@ -271,11 +280,12 @@ class ActorPool:
             Exception: the first error of ``fn`` or of a call, as ``await`` raises it.
         """
         _check_fn(fn, "map_unordered(fn, values)")
-        return _Results(self._map_unordered(fn, _values(values, "map_unordered")),
-                        "map_unordered")
+        res = _Results("map_unordered")
+        res._agen = self._map_unordered(fn, _values(values, "map_unordered"), res)
+        return res
 
     async def _map_unordered(self, fn: Callable[[ActorHandle, Any], Awaitable],
-                             it: Iterator[Any]) -> AsyncIterator[Any]:
+                             it: Iterator[Any], res: "_Results") -> AsyncIterator[Any]:
         pending: set = set()
         done: collections.deque = collections.deque()
         wake = asyncio.Event()
@@ -285,6 +295,7 @@ class ActorPool:
             done.append(f)
             wake.set()
 
+        res.stop_signal().add_done_callback(lambda _f: wake.set())  # (``aclose``)
         exhausted = False
         try:
             while True:
@@ -302,6 +313,8 @@ class ActorPool:
                         return
                     wake.clear()
                     await wake.wait()
+                    if res.stopping:  # (``aclose`` from another task)
+                        return
                     continue
                 yield done.popleft().result()
         finally:
@@ -315,6 +328,7 @@ class ActorPool:
         return max(2, 2 * len(self._members))
 
     def _empty_error(self) -> Exception:
+        """What work fails with when no member is left: how the last one left."""
         if self._last_death is not None:
             return ActorDiedError("every actor of this ActorPool has died; last: "
                                   f"{self._last_death}")
@@ -345,9 +359,14 @@ class ActorPool:
     def _start(self, h: ActorHandle, fn: Callable, value: Any, fut: asyncio.Future) -> None:
         try:
             aw = fn(h, value)
-        except Exception as exc:
-            fut.set_exception(exc)
+        except BaseException as exc:  # (a CancelledError too: the member stays free)
+            if isinstance(exc, asyncio.CancelledError):
+                fut.cancel()  # (as an awaitable of ``fn``'s that was cancelled)
+            else:
+                fut.set_exception(exc)
             self._release(h, None)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
             return
         if not inspect.isawaitable(aw):
             fut.set_exception(TypeError(
@@ -434,10 +453,12 @@ class _Results:
     every result had come.
     """
 
-    __slots__ = ("_agen", "_what", "_polls", "_loop", "_cut")
+    __slots__ = ("_agen", "_what", "_polls", "_loop", "_cut", "_stop", "stopping")
 
-    def __init__(self, agen: AsyncIterator[Any], method: str) -> None:
-        self._agen = agen
+    def __init__(self, method: str) -> None:
+        self._agen: Any = None  # the generator, set by the pool
+        self._stop: asyncio.Future | None = None  # set by ``aclose`` while it is iterated
+        self.stopping = False
         self._what = f"ActorPool.{method}"
         self._polls = 0  # ``__anext__`` calls: iterated again before a loop's close?
         self._loop: asyncio.AbstractEventLoop | None = None  # the one it is iterated on
@@ -472,8 +493,31 @@ class _Results:
             raise
 
     def aclose(self) -> Awaitable[None]:
-        """Stop: cancel the work in flight and queued."""
-        return self._agen.aclose()
+        """Stop: cancel the work in flight and queued. While another task waits in it
+        for a result, that wait ends, and its loop with it, as if the results were all
+        in (the generator cannot be closed from outside while it runs)."""
+        if not self._agen.ag_running:
+            return self._agen.aclose()
+        self.stopping = True
+        stop = self._stop
+        if stop is not None:
+            loop = stop.get_loop()
+            if asyncio._get_running_loop() is loop:
+                _settle(stop)
+            else:  # (iterated on another thread's loop)
+                try:
+                    loop.call_soon_threadsafe(_settle, stop)
+                except RuntimeError:  # that loop is closed: its work went with it
+                    pass
+        return _nothing()
+
+    def stop_signal(self) -> asyncio.Future:
+        """A future that ``aclose`` sets while another task waits for a result."""
+        if self._stop is None:
+            self._stop = asyncio.get_running_loop().create_future()
+            if self.stopping:
+                self._stop.set_result(None)
+        return self._stop
 
     def _left(self) -> None:
         """A loop over it was left early (from any thread): close the generator on the
@@ -503,6 +547,15 @@ class _Results:
             closing.close()
 
 
+def _settle(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def _nothing() -> None:
+    pass
+
+
 RESTING_FIRST = 0.02  # seconds before a restarting member is checked again (doubling)
 RESTING_MAX = 0.5
 
@@ -515,8 +568,11 @@ def _lives(h: ActorHandle, exc: ActorDiedError | None) -> bool:
     inside an actor, counts it as dead)."""
     reachable = getattr(h._client, "reachable", None)
     known = reachable(h._actor_id) if reachable is not None else None
-    if exc is not None and isinstance(exc.__cause__, RemoteTraceback):
-        return known is not False  # (an actor's own reply may say it is dead for good)
+    if exc is not None and (isinstance(exc.__cause__, RemoteTraceback) or
+                            getattr(exc, NOT_MADE, False) is True):
+        # (an actor's own reply may say it is dead for good; a call never made, since
+        # a result it took had failed, is no news of ``h``)
+        return known is not False
     return bool(known)
 
 

@@ -215,7 +215,7 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         except _results.Unfinished:
             raise
         except _results.DependencyFailed as dep:
-            fut.set_exception(copy_exc(dep.exc))
+            fut.set_exception(_results.not_made(copy_exc(dep.exc)))
             return
         except MemoryError:  # out of shared memory while copying an array: as it is
             raise

@@ -24,7 +24,7 @@ from . import _client, _registry
 from ._actor import STREAM, ActorHandle, ActorOptions, public_methods
 from ._descendants import process_start
 from ._client import ThreadCallFuture
-from ._results import CallFuture, DependencyFailed, futures_in, with_results
+from ._results import CallFuture, DependencyFailed, futures_in, not_made, with_results
 from ._errors import ActorDiedError
 from ._ray_errors import check_args, outcome, pickling_failed, translate, unavailable_error
 from ._ray_host import Host, simple
@@ -317,7 +317,7 @@ class RayClient(CallOrder):
                 try:
                     args, kwargs = _with_results(args, kwargs)
                 except DependencyFailed as dep:
-                    fut.set_exception(copy_exc(dep.exc))
+                    fut.set_exception(not_made(copy_exc(dep.exc)))
                     return fut
             else:  # sent once they are in, under the number it takes now
                 check_args(args, kwargs, what)
@@ -357,7 +357,7 @@ class RayClient(CallOrder):
             try:
                 args, kwargs = _with_results(args, kwargs)
             except DependencyFailed as dep:
-                fut.set_exception(copy_exc(dep.exc))
+                fut.set_exception(not_made(copy_exc(dep.exc)))
                 raise _Dropped from None
             held = self._restarting.get(actor_id.key)
             if held is not None:  # the actor restarts: the call waits for it too
@@ -524,7 +524,7 @@ class RayClient(CallOrder):
                 try:
                     args, kwargs = _with_results(args, kwargs)
                 except DependencyFailed as dep:
-                    return _failed_stream(copy_exc(dep.exc))
+                    return _failed_stream(not_made(copy_exc(dep.exc)))
             else:  # started once they are in, under the number it takes now
                 check_args(args, kwargs, what)
                 number = self._number(actor_id)
@@ -575,7 +575,7 @@ class RayClient(CallOrder):
             try:
                 args, kwargs = _with_results(args, kwargs)
             except DependencyFailed as dep:
-                failed = copy_exc(dep.exc)
+                failed = not_made(copy_exc(dep.exc))
             if failed is not None:  # (raised as it is: its cause, the remote traceback, kept)
                 raise failed
             gen, seq = self._submit(actor_id, remote, method, args, kwargs, what, number)

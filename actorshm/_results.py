@@ -16,7 +16,7 @@ from typing import Any
 from ._errors import ActorError, Unsendable
 
 __all__ = ["CallFuture", "JoinedFuture", "reduce_future", "Unfinished", "DependencyFailed",
-           "futures_in", "with_results"]
+           "not_made", "NOT_MADE", "futures_in", "with_results"]
 
 
 class CallFuture(asyncio.Future):
@@ -88,6 +88,20 @@ class DependencyFailed(Exception):
     def __init__(self, exc: BaseException) -> None:
         super().__init__(str(exc))
         self.exc = exc
+
+
+NOT_MADE = "_actorshm_not_made"  # set on the error of a call that was never made
+
+
+def not_made(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as the error of a call that was never made, because a call's result
+    given as an argument had failed (``DependencyFailed``): it is not the error of the
+    actor called, whose death an ``ActorPool`` must not read in it."""
+    try:
+        setattr(exc, NOT_MADE, True)
+    except Exception:  # (an exception type that takes no attributes)
+        pass
+    return exc
 
 
 def _identity(x):

@@ -288,6 +288,8 @@ class CallStream(Stream):
     async def __anext__(self) -> Any:
         self._polls += 1
         box = self.inbox
+        if box.waiter is not None:  # another task waits in here (set until it resumes:
+            raise SecondConsumer(self.what)  # an item that woke it is its to take)
         while True:
             if box.stopped:
                 if self._cut:
@@ -317,10 +319,12 @@ class CallStream(Stream):
                 if exc is not None:
                     raise copy_exc(exc)
                 raise StopAsyncIteration
-            if box.waiter is not None and not box.waiter.done():
-                raise SecondConsumer(self.what)
-            box.waiter = fut.get_loop().create_future()
-            await box.waiter
+            waiter = box.waiter = fut.get_loop().create_future()
+            try:
+                await waiter
+            finally:
+                if box.waiter is waiter:
+                    box.waiter = None
 
     async def aclose(self) -> None:
         """Stop the stream: the generator in the actor is closed (its ``finally`` runs)."""

@@ -867,6 +867,22 @@ class PoolOwner:
             out = f"ActorDiedError: {exc}"
         return out, len(self.pool)
 
+    async def run_on_failed_result(self, dead, n):
+        """``n`` items whose value is the failed call of a dead actor: their errors' types
+        and the pool's size after them."""
+        f = dead.counts()
+        try:
+            await f
+        except actorshm.ActorDiedError:
+            pass
+        errors = []
+        for _ in range(n):
+            try:
+                await self.pool.submit(lambda a, v: a.work(v), f)
+            except Exception as exc:
+                errors.append(type(exc).__name__)
+        return errors, len(self.pool)
+
 
 @actor
 class InitFailsOnce:

@@ -352,6 +352,32 @@ async def test_a_second_task_awaiting_the_same_stream_is_told_not_left_hanging(r
     assert first == [0, 1, 2, 3, 4]
 
 
+async def test_a_second_task_asking_as_an_item_wakes_the_first_is_told_too(rt):
+    # Between an item's arrival (the first task's wait resolved) and that task resuming,
+    # a second task's anext() took the item: it was not told it is a second consumer,
+    # and the first lost the item without a word.
+    w = await Worker.spawn()
+    s = w.acount(20, 0.02)
+    first, second, refused = [], [], []
+
+    async def a():
+        async for x in s:
+            first.append(x)
+
+    async def b():
+        while not s.fut.done() or s.inbox.items:
+            waiter = s.inbox.waiter  # (the first task's wait, resolved by an item)
+            if s.inbox.items and waiter is not None and waiter.done():
+                try:
+                    second.append(await anext(s))
+                except RuntimeError as exc:
+                    refused.append(str(exc))
+            await asyncio.sleep(0)
+    await asyncio.wait_for(asyncio.gather(a(), b()), 20)
+    assert first == list(range(20)) and second == []
+    assert refused and all("one consumer" in r for r in refused)
+
+
 async def _items(stream):
     return [x async for x in stream]
 

@@ -410,3 +410,98 @@ async def test_submit_from_a_thread_without_a_loop_says_what_to_do(rt):
 
     await asyncio.to_thread(submit)
     assert pool.has_free() and await pool.submit(lambda a, v: a.incr(v), 2) == 2
+
+
+async def test_an_fn_that_raises_a_base_exception_keeps_its_member(rt):
+    # fn(actor, v) reading an input future that was cancelled raises CancelledError (a
+    # BaseException): the pool only caught Exception, so the member was taken and never
+    # given back; the item, and all work after it, waited forever.
+    (w,) = await workers(1)
+    pool = ActorPool([w])
+    loop = asyncio.get_running_loop()
+    inputs = [loop.create_future() for _ in range(3)]
+    inputs[0].set_result(10)
+    inputs[1].cancel()
+    inputs[2].set_result(30)
+    futs = [pool.submit(lambda a, f: a.work(f.result(), 0.05), f) for f in inputs]
+    done, pending = await asyncio.wait(futs, timeout=20)
+    assert not pending
+    assert futs[0].result() == (0, 10) and futs[1].cancelled() and futs[2].result() == (0, 30)
+
+    class Stop(BaseException):
+        pass
+
+    def bad(a, v):
+        raise Stop(v)
+    busy = pool.submit(lambda a, v: a.work(v, 0.2), "busy")
+    failed = pool.submit(bad, 1)  # dispatched from a callback, when busy ends
+    assert await asyncio.wait_for(busy, 20) == (0, "busy")
+    with pytest.raises(Stop):
+        await asyncio.wait_for(failed, 20)
+    assert await asyncio.wait_for(pool.submit(work, 2), 20) == (0, 2)
+    assert pool.has_free() and len(pool) == 1
+
+
+async def test_a_pool_in_an_actor_keeps_members_whose_call_took_a_failed_result(rt):
+    # Inside an actor nothing tells whether a member lives, so a call that failed with an
+    # ActorDiedError counted as its member's death, even one never made because its
+    # argument, another actor's failed call, carried that error: each such item threw a
+    # live member out, then "every actor of this ActorPool has died".
+    from actors import PoolOwner
+    ws = await workers(2)
+    dead = await PoolWorker.spawn(9)
+    await dead.kill()
+    owner = await PoolOwner.spawn(ws)
+    errors, size = await asyncio.wait_for(owner.run_on_failed_result(dead, 4), 60)
+    assert errors == ["ActorDiedError"] * 4 and size == 2
+    out, size = await asyncio.wait_for(owner.run(list(range(4))), 60)
+    assert sorted(v for _, v in out) == [0, 1, 2, 3] and size == 2
+
+
+async def test_the_last_member_removed_fails_work_with_value_error_after_a_death(rt):
+    # pools.md: "When the last member is removed, queued work fails with ValueError";
+    # once any member had died, it failed with the old death's ActorDiedError instead.
+    a, b = await workers(2)
+    pool = ActorPool([a, b])
+    await a.kill()
+    for _ in range(20):  # (an item given to a fails, and a leaves)
+        if len(pool) == 1:
+            break
+        try:
+            await asyncio.wait_for(pool.submit(work, 1), 20)
+        except ActorDiedError:
+            pass
+    assert len(pool) == 1
+    busy = pool.submit(work, "busy")
+    queued = pool.submit(work, "queued")
+    pool.remove(b)
+    with pytest.raises(ValueError, match="removed"):
+        await asyncio.wait_for(queued, 20)
+    with pytest.raises(ValueError, match="removed"):
+        pool.submit(work, "later")
+    assert await asyncio.wait_for(busy, 20) == (1, "busy")
+
+
+@pytest.mark.parametrize("method", ["map", "map_unordered"])
+async def test_aclose_from_another_task_stops_a_map_being_iterated(rt, method):
+    # It raised Python's "aclose(): asynchronous generator is already running" and
+    # stopped nothing: the consumer went on and got every result.
+    import time
+    ws = await workers(2)
+    pool = ActorPool(ws)
+    m = getattr(pool, method)(lambda a, v: a.work(v, 2.0), range(6))
+
+    async def consume():
+        return [r async for r in m]
+    t = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.3)  # (two items running, the rest queued)
+    t0 = time.monotonic()
+    await m.aclose()
+    assert await asyncio.wait_for(t, 20) == [] and time.monotonic() - t0 < 1.5
+    for w in ws:  # the calls in flight were cancelled in the actors
+        for _ in range(100):
+            if (await w.counts())["active"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await w.counts())["active"] == 0
+    assert [v async for _, v in pool.map(work, range(3))] == [0, 1, 2]  # (the pool works on)
