@@ -26,6 +26,8 @@ import time
 import types
 from typing import Any
 
+import numpy as np
+
 from . import _client, _introspect, _shm
 from ._errors import ActorDiedError, init_exit_error
 from ._ray_errors import check_result
@@ -84,8 +86,8 @@ def freeze_arrays(obj: Any, depth: int = 0) -> None:
     writable: only this makes a write to one of them fail rather than be lost."""
     if depth > _MAX_DEPTH or type(obj) in _SCALARS:
         return
-    flags = getattr(obj, "flags", None)
-    if flags is not None and hasattr(obj, "setflags") and hasattr(obj, "dtype"):
+    if isinstance(obj, np.ndarray):  # (not by its attributes: the class np.ndarray, a
+        # numpy scalar type or a dict that makes up attributes has them too)
         try:
             obj.setflags(write=False)
         except ValueError:
@@ -112,12 +114,14 @@ def _plain(t: type) -> bool:
     copy of it: not an object with its own pickling (``__reduce__``, ``__getstate__``,
     ``__setstate__``, a ``copyreg`` entry), whose rebuilt attributes may be the
     receiver's own (a table of its module), nor a function or class (pickled by name:
-    the receiver's own object, attributes and all)."""
+    the receiver's own object, attributes and all; a module, also pickled by name, whose
+    ``__dict__`` is the receiver's imported module's)."""
     return (t.__reduce_ex__ is object.__reduce_ex__ and t.__reduce__ is object.__reduce__
             and getattr(t, "__getstate__", None) is _DEFAULT_GETSTATE
             and getattr(t, "__setstate__", None) is None
             and t not in copyreg.dispatch_table
-            and not issubclass(t, (type, types.FunctionType)))
+            and not issubclass(t, (type, types.FunctionType, types.ModuleType,
+                                   types.MethodType, types.BuiltinFunctionType)))
 
 
 class _Turns:

@@ -1689,6 +1689,39 @@ def test_freezing_received_arrays_leaves_the_receivers_own_alone():
     assert not frozen.x.flags.writeable and not frozen.inner.y.flags.writeable
 
 
+class _MadeUpAttributes(dict):
+    """A config dict whose missing attributes are made up (as addict's ``Dict``)."""
+
+    def __getattr__(self, name):
+        return self.setdefault(name, _MadeUpAttributes())
+
+
+def test_freezing_received_arrays_skips_classes_modules_and_look_alikes():
+    # It took whatever had ``flags``, ``setflags`` and ``dtype`` for an array, so a numpy
+    # scalar type (np.float32 as a dtype argument), np.ndarray itself or an addict-style
+    # dict failed the call ("unbound method generic.setflags()"); and it walked a module
+    # (pickled by name: the actor's own), freezing the actor's module-level arrays.
+    import types
+    from actorshm._ray_host import freeze_arrays
+    module = types.ModuleType("_table_module")
+    module.TABLE = np.zeros(3)
+    freeze_arrays([np.float32, {"dtype": np.int64}, np.ndarray, np, module,
+                   _MadeUpAttributes(lr=0.1), np.zeros(2).sum, np.float64(1.0)])
+    assert module.TABLE.flags.writeable
+    kept = np.zeros(2)
+    freeze_arrays({"config": _MadeUpAttributes(x=kept)})  # (a dict: its values are seen)
+    assert not kept.flags.writeable
+
+
+async def test_numpy_types_and_modules_travel_as_arguments(art, backend):
+    a = await Counter.spawn(0)
+    assert await a.echo(np.float32) is np.float32
+    assert await a.echo({"dtype": np.int64, "cls": np.ndarray}) == \
+        {"dtype": np.int64, "cls": np.ndarray}
+    assert await a.echo(np) is np
+    assert (await Counter.spawn(np.float16)) is not None
+
+
 @dataclasses.dataclass
 class _Holder:
     item: object
