@@ -16,13 +16,14 @@ import asyncio
 import concurrent.futures
 import os
 import pickle
+import signal
 import sys
 import time
 from typing import Any
 
 from . import _client, _registry
 from ._actor import STREAM, ActorHandle, ActorOptions, public_methods
-from ._descendants import process_start
+from ._descendants import is_stopped, process_start
 from ._client import ThreadCallFuture
 from ._results import CallFuture, DependencyFailed, futures_in, not_made, with_results
 from ._errors import ActorDiedError
@@ -635,10 +636,19 @@ class RayClient(CallOrder):
             await asyncio.wait_for(actor_id.handle.ready.remote(), 10)
         except Exception:
             pass
-        # and, when it ran on this machine, until its process is gone, as locally
-        deadline = time.monotonic() + 5
+        # and, when it ran on this machine, until its process is gone, as locally; a
+        # process that cannot leave as Ray asks is SIGKILLed, as the local backend's
+        # kill() does: at once when it is stopped (SIGSTOP, a debugger), else after 1 s
+        now = time.monotonic()
+        deadline, force_at = now + 5, now + 1
         while started is not None and process_start(pid) == started and \
                 time.monotonic() < deadline:
+            if force_at is not None and (time.monotonic() >= force_at or is_stopped(pid)):
+                force_at = None
+                try:
+                    os.kill(pid, signal.SIGKILL)  # (the same process: its start time)
+                except OSError:
+                    pass
             await asyncio.sleep(0.005)
         self.forget(actor_id.key)
 

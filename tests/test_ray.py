@@ -2313,3 +2313,23 @@ async def test_a_ray_actors_handle_passed_to_a_local_actor_is_refused_naming_why
                                                 "of the local backend"):
                 local.call_handle(on_ray, 1)
             assert await asyncio.wait_for(local.call_handle(await Counter.spawn(), 1), 30) == 1
+
+
+async def test_kill_of_a_stopped_actor_ends_its_process_at_once(art, backend):
+    # On Ray, kill() asked Ray to end the worker, which a process stopped by SIGSTOP (a
+    # debugger, a frozen cgroup) cannot do, then waited 5 s for it and returned with the
+    # process still there.
+    import time
+    from actorshm._descendants import process_start
+    c = await Counter.spawn(0)
+    pid = c.pid
+    started = process_start(pid)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        await asyncio.wait_for(c.kill(), 30)
+        assert time.monotonic() - t0 < 3.0
+        assert process_start(pid) != started  # gone (or only its zombie)
+    finally:
+        if process_start(pid) == started:
+            os.kill(pid, signal.SIGCONT)
