@@ -217,8 +217,10 @@ def copy_layout(arr: np.ndarray) -> tuple[int, int, tuple]:
     ``(offset of its first element, bytes, strides)``. Its own strides (memory order,
     gaps and negative strides included; the gaps are zeroed by whoever copies) where
     ``keeps_layout`` says so and no two of its elements share memory, else compact in
-    its own axis order (a broadcast or sliding-window view becomes independent
-    elements, as numpy's own copy does)."""
+    its own axis order (a sliding-window view becomes independent elements, as numpy's
+    own copy does; a broadcast view, whose repeated axes have stride 0, is C-ordered
+    unless its other axes are in Fortran order, where ``np.copy`` would make it
+    Fortran-ordered: the repeats come last there)."""
     lo = hi = 0
     dims = []
     for n, st in zip(arr.shape, arr.strides):
@@ -233,7 +235,11 @@ def copy_layout(arr: np.ndarray) -> tuple[int, int, tuple]:
     span = hi - lo + arr.itemsize
     if keeps_layout(span, arr.nbytes) and _apart(dims, arr.itemsize):
         return -lo, span, arr.strides
-    return 0, arr.nbytes, np.empty_like(arr, order="K").strides
+    order = "K"
+    if 0 in arr.strides:  # a broadcast: its real axes say the order
+        real = [abs(st) for n, st in zip(arr.shape, arr.strides) if st and n > 1]
+        order = "F" if len(real) > 1 and real == sorted(real) else "C"
+    return 0, arr.nbytes, np.empty_like(arr, order=order).strides
 
 
 def copy_nbytes(arr: np.ndarray) -> int:

@@ -177,6 +177,17 @@ async def test_a_copy_shows_nothing_between_its_elements_and_no_two_share_memory
         back = await a.echo(x)
         back[0, 1] = -1.0
         assert np.array_equal(back[1:], x[1:]) and back[0, 1] == -1.0
+    # a broadcast arrives C-ordered, as its real axes are (it came Fortran-ordered:
+    # np.copy's order "K" puts the repeated axis, of stride 0, innermost), in band and
+    # in a shared block; one whose real axes are in Fortran order stays so
+    for n in (5, 5000):
+        for x in (np.broadcast_to(np.arange(float(n)), (4, n)),
+                  np.broadcast_to(np.arange(4.0)[:, None], (4, n))):
+            back = await a.echo(x)
+            assert back.flags.c_contiguous and np.array_equal(back, x), (n, back.strides)
+    x = np.broadcast_to(np.asfortranarray(np.arange(12.0).reshape(3, 4))[None], (5, 3, 4))
+    back = await a.echo(x)
+    assert back.strides[1:] == (40, 120) and np.array_equal(back, x)
 
 
 async def test_ml_dtypes_arrays_keep_their_dtype(rt):
