@@ -158,7 +158,7 @@ class RayActorId:
         self._worker = now and now[1]  # this process's connection to Ray it came through
         self.key = key
         if handle is None:
-            CLIENT.killed(key)  # (its calls fail, as the local backend's do)
+            CLIENT.killed(key, "is gone: its runtime closed (and shut its Ray down)")
         self.streams = streams
         self.named = named  # calls carry their identity in Ray's task name
         self.restarts = restarts  # its max_restarts: whether a new process may come
@@ -248,7 +248,7 @@ class RayClient(CallOrder):
         super().__init__()  # (``CallOrder``'s state)
         # Keys of actors killed (the latest ``KILLED_KEPT``, as an ordered set): their
         # calls fail at once. (An older one's call goes to Ray, which fails it too.)
-        self._dead: dict[str, None] = {}
+        self._dead: dict[str, str] = {}  # killed actors' keys: why calls to them fail
         self._remote_host = None
         self._names_ok: tuple | None = None  # (Ray connection, answer): ``_names_work``
         self._spawn_listeners: list = []
@@ -351,8 +351,7 @@ class RayClient(CallOrder):
                 await asyncio.wait(pending)
             if fut.done() or actor_id.key in self._dead or not ray_up():
                 if not fut.done():
-                    why = "was killed" if actor_id.key in self._dead else \
-                        "is gone (Ray was shut down)"
+                    why = self._dead.get(actor_id.key) or "is gone (Ray was shut down)"
                     fut.set_exception(ActorDiedError(f"{what}: the actor {why}"))
                 raise _Dropped
             try:
@@ -367,8 +366,8 @@ class RayClient(CallOrder):
             ref, seq = self._submit(actor_id, None, method, args, kwargs, what, number)
         except BaseException as exc:  # (cancelled: the call, its actor's kill, a close)
             if not isinstance(exc, _Dropped) and not fut.done():
-                why = "the actor was killed" if actor_id.key in self._dead else \
-                    "the runtime closed"
+                dead = self._dead.get(actor_id.key)
+                why = f"the actor {dead}" if dead is not None else "the runtime closed"
                 fut.set_exception(exc if isinstance(exc, Exception) else
                                   ActorDiedError(f"{what}: {why}"))
             self._drop(actor_id, number[0])
@@ -379,16 +378,18 @@ class RayClient(CallOrder):
         """Why a call to ``actor_id`` fails at once, without Ray (None: it is sent).
         Killed; or a handle of a runtime that closed (its Ray handle gone, or Ray shut
         down: a call on Ray then would start a new local Ray, Ray's auto-init)."""
-        if actor_id.key in self._dead:
-            return "the actor was killed"
+        dead = self._dead.get(actor_id.key)
+        if dead is not None:
+            return f"the actor {dead}"
         if actor_id.handle is None or not ray_up():
             return "the actor is gone: its runtime closed (and shut its Ray down)"
         return None
 
-    def killed(self, key: str) -> None:
-        """Actor ``key`` was killed: calls made from now on fail, and so do those still
-        waiting for their arguments (now, not once the arguments are in)."""
-        self._dead[key] = None
+    def killed(self, key: str, why: str = "was killed") -> None:
+        """Actor ``key`` was killed: calls made from now on fail ("the actor " + ``why``),
+        and so do those still waiting for their arguments (now, not once the arguments
+        are in)."""
+        self._dead[key] = why
         if len(self._dead) > KILLED_KEPT:
             del self._dead[next(iter(self._dead))]
         for task in [t for t, k in list(self._waits_for_args.items()) if k == key]:
@@ -562,15 +563,15 @@ class RayClient(CallOrder):
                 if pending:  # (as in ``_send_when_ready``)
                     await asyncio.wait(pending)
             except asyncio.CancelledError:
-                if actor_id.key in self._dead:  # (``killed``)
-                    raise ActorDiedError(f"{what}: the actor was killed") from None
+                why = self._dead.get(actor_id.key)  # (``killed``)
+                if why is not None:
+                    raise ActorDiedError(f"{what}: the actor {why}") from None
                 raise
             if getattr(asyncio.current_task(), "actorshm_given_up", False):
                 # (``RayStream._stop``: left as its arguments came in, its cancel queued)
                 raise asyncio.CancelledError
             if actor_id.key in self._dead or not ray_up():
-                why = "was killed" if actor_id.key in self._dead else \
-                    "is gone (Ray was shut down)"
+                why = self._dead.get(actor_id.key) or "is gone (Ray was shut down)"
                 raise ActorDiedError(f"{what}: the actor {why}")
             failed = None
             try:

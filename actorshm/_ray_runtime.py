@@ -205,7 +205,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
             self._watchers.clear()
             ray = import_ray()
             for h in self._spawned:
-                CLIENT.killed(h._actor_id.key)
+                CLIENT.killed(h._actor_id.key, "was stopped because its runtime closed")
                 try:
                     ray.kill(h._actor_id.handle, no_restart=True)
                 except Exception:

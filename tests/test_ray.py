@@ -2333,3 +2333,16 @@ async def test_kill_of_a_stopped_actor_ends_its_process_at_once(art, backend):
     finally:
         if process_start(pid) == started:
             os.kill(pid, signal.SIGCONT)
+
+
+async def test_a_call_after_the_runtime_closed_says_so(backend):
+    # On Ray it said "the actor was killed", as if kill() had been called.
+    opts = {"shutdown_grace": 1.0} if backend == "local" else {}
+    async with actorshm.Runtime(backend=backend, **opts):
+        c = await Counter.spawn(0)
+        assert await c.incr() == 1
+    with pytest.raises(actorshm.ActorDiedError, match="runtime closed"):
+        await c.incr()
+    with pytest.raises(actorshm.ActorDiedError, match="runtime closed"):
+        async for _ in c.logged_stream(2):
+            pass
