@@ -236,7 +236,8 @@ def copy_layout(arr: np.ndarray) -> tuple[int, int, tuple]:
     if keeps_layout(span, arr.nbytes) and _apart(dims, arr.itemsize):
         return -lo, span, arr.strides
     order = "K"
-    if 0 in arr.strides:  # a broadcast: its real axes say the order
+    if any(st == 0 and n > 1 for n, st in zip(arr.shape, arr.strides)):
+        # a broadcast (an axis of length 1 may have any stride): its real axes say the order
         real = [abs(st) for n, st in zip(arr.shape, arr.strides) if st and n > 1]
         order = "F" if len(real) > 1 and real == sorted(real) else "C"
     return 0, arr.nbytes, np.empty_like(arr, order=order).strides

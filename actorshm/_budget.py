@@ -37,13 +37,20 @@ MIN_BUDGET = 4 << 20
 MAX_BUDGET = (1 << 63) - 1
 
 
+_default: list = [None]  # this process's ``memory_default()``, once it was needed
+
+
+def _forget_default() -> None:  # (a forked child measures for itself)
+    _default[0] = None
+
+
+os.register_at_fork(after_in_child=_forget_default)
+
+
 def default_budget() -> int:
-    """``ACTORSHM_SHM_BUDGET`` bytes, else half the memory this process may use: the
-    machine's RAM, or its cgroup's limit where that is lower (a container's
-    ``docker run -m``, a systemd unit's ``MemoryMax``), so that shared arrays past it
-    are a ``SharedMemoryError`` rather than the OOM killer's SIGKILL; and at most three
-    quarters of the memory available now (``memory_available``), where other programs
-    already use so much that half would not fit."""
+    """``ACTORSHM_SHM_BUDGET`` bytes, else ``memory_default()`` as it was when this
+    process first needed it (measured again later, the memory its own arrays hold by
+    then would count as other programs')."""
     env = os.environ.get("ACTORSHM_SHM_BUDGET")
     if env:
         try:
@@ -57,6 +64,18 @@ def default_budget() -> int:
                              f"be a number of bytes, at least {MIN_BUDGET} (one 4 MiB "
                              f"arena) and at most {MAX_BUDGET}, e.g. 8e9")
         return n
+    if _default[0] is None:
+        _default[0] = memory_default()
+    return _default[0]
+
+
+def memory_default() -> int:
+    """Half the memory this process may use: the machine's RAM, or its cgroup's limit
+    where that is lower (a container's ``docker run -m``, a systemd unit's
+    ``MemoryMax``), so that shared arrays past it are a ``SharedMemoryError`` rather
+    than the OOM killer's SIGKILL; and at most three quarters of the memory available
+    now (``memory_available``), where other programs already use so much that half
+    would not fit."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):  # pragma: no cover

@@ -404,6 +404,19 @@ def process_start(pid: int) -> bytes | None:
     return fields[19]
 
 
+def machine() -> tuple | None:
+    """What tells this machine and pid namespace from another: ``(boot id, inode of the
+    pid namespace)``, or None where /proc does not say. A pid and its start time name
+    one process only where this is the same (a Ray actor on another node, or in another
+    container, may have the number of one of ours)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return boot, os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
 def is_stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped (SIGSTOP, Ctrl-Z, a debugger's stop)."""
     fields = _stat_fields(pid) if pid else None

@@ -11,6 +11,7 @@ import asyncio
 import collections
 import inspect
 import logging
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -52,6 +53,11 @@ class ActorEvent:
     time: float = 0.0
 
 
+# Guards the runtimes' sets of ``events()`` streams: one may be made (and closed) on
+# another thread's loop while the runtime's thread goes through its set.
+_STREAMS_LOCK = threading.Lock()
+
+
 class _EventStream:
     """What ``rt.events()`` returns: an async iterator over the events from then on.
 
@@ -64,7 +70,8 @@ class _EventStream:
         self._queue: collections.deque = collections.deque()
         self._waiter: asyncio.Future | None = None  # the wait of ``__anext__``, if any
         self._closed = False
-        source._event_state()[1].add(self)
+        with _STREAMS_LOCK:  # (made on another thread's loop, maybe)
+            source._event_state()[1].add(self)
 
     def _put(self, ev: ActorEvent | None) -> None:
         if ev is None:
@@ -108,7 +115,8 @@ class _EventStream:
         """Stop receiving events (leaving ``async for`` with ``break`` is enough too)."""
         self._closed = True
         self._queue.clear()
-        self._source._event_state()[1].discard(self)
+        with _STREAMS_LOCK:
+            self._source._event_state()[1].discard(self)
         self._wake()
 
 
@@ -177,7 +185,9 @@ def emit(runtime: Any, kind: str, rec: Any, reason: str, will_restart: bool = Fa
                          rec.pid, rec.options.max_pending_calls)
     ev = ActorEvent(kind, handle, rec.actor_id, rec.cls_name, rec.options.name, rec.pid,
                     reason, will_restart, rec.restarts, time.time())
-    for s in list(streams):
+    with _STREAMS_LOCK:
+        streams = list(streams)
+    for s in streams:
         s._put(ev)
     for (cb,) in list(callbacks):
         runtime.loop.call_soon(_run_callback, runtime.loop, cb, ev)
@@ -187,9 +197,11 @@ def close(runtime: Any) -> None:
     """The runtime closed: every ``events()`` iterator ends."""
     st = runtime.__dict__.get("_actorshm_events")
     if st is not None:
-        for s in list(st[1]):
+        with _STREAMS_LOCK:
+            streams = list(st[1])
+            st[1].clear()
+        for s in streams:
             s._put(None)
-        st[1].clear()
         st[0].clear()
 
 

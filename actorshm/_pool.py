@@ -12,7 +12,7 @@ import inspect
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 from ._actor import ActorHandle, no_attribute
-from ._errors import ActorDiedError, RemoteTraceback
+from ._errors import ActorDiedError, ActorError, RemoteTraceback
 from ._results import NOT_MADE, JoinedFuture
 from ._streams import StreamLoop
 from ._util import first_line
@@ -257,7 +257,7 @@ class ActorPool:
                                        return_when=asyncio.FIRST_COMPLETED)
                     if res.stopping:
                         return
-                yield await pending.popleft()
+                yield _outcome(pending.popleft())
         finally:
             _cancel_all(pending)
 
@@ -316,7 +316,7 @@ class ActorPool:
                     if res.stopping:  # (``aclose`` from another task)
                         return
                     continue
-                yield done.popleft().result()
+                yield _outcome(done.popleft())
         finally:
             _cancel_all(pending)
             for f in done:  # mark errors seen: they were superseded by the one raised
@@ -360,11 +360,17 @@ class ActorPool:
         try:
             aw = fn(h, value)
         except BaseException as exc:  # (a CancelledError too: the member stays free)
-            if isinstance(exc, asyncio.CancelledError):
-                fut.cancel()  # (as an awaitable of ``fn``'s that was cancelled)
-            else:
-                fut.set_exception(exc)
-            self._release(h, None)
+            try:
+                if isinstance(exc, asyncio.CancelledError):
+                    fut.cancel()  # (as an awaitable of ``fn``'s that was cancelled)
+                elif isinstance(exc, StopIteration):  # (no future can hold one)
+                    err = RuntimeError(f"ActorPool: fn(actor, value) raised {exc!r}")
+                    err.__cause__ = exc
+                    fut.set_exception(err)
+                else:
+                    fut.set_exception(exc)
+            finally:
+                self._release(h, None)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             return
@@ -497,6 +503,10 @@ class _Results:
         for a result, that wait ends, and its loop with it, as if the results were all
         in (the generator cannot be closed from outside while it runs)."""
         if not self._agen.ag_running:
+            loop = self._loop
+            if loop is not None and asyncio._get_running_loop() is not loop:
+                self._left()  # (another thread's: closed on the loop it is iterated on)
+                return _nothing()
             return self._agen.aclose()
         self.stopping = True
         stop = self._stop
@@ -545,6 +555,17 @@ class _Results:
             pass
         except RuntimeError:  # being iterated (``await anext(m)`` in another task)
             closing.close()
+
+
+def _outcome(item: asyncio.Future) -> Any:
+    """The result of a finished item of a map: a cancelled one (its ``fn`` or what that
+    awaited was cancelled) raises ``ActorError``, not a ``CancelledError``, which the
+    task iterating the map would take for its own cancellation."""
+    if item.cancelled():
+        raise ActorError("an item of this ActorPool map was cancelled (its fn(actor, "
+                         "value), or what that awaited, was cancelled), so it has no "
+                         "result")
+    return item.result()
 
 
 def _settle(fut: asyncio.Future) -> None:

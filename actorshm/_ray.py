@@ -23,7 +23,7 @@ from typing import Any
 
 from . import _client, _registry
 from ._actor import STREAM, ActorHandle, ActorOptions, public_methods
-from ._descendants import is_stopped, process_start
+from ._descendants import is_stopped, machine, process_start
 from ._client import ThreadCallFuture
 from ._results import CallFuture, DependencyFailed, futures_in, not_made, with_results
 from ._errors import ActorDiedError
@@ -259,6 +259,8 @@ class RayClient(CallOrder):
         # calls waiting for results they take as arguments: task -> its actor's key
         self._waits_for_args: dict = {}
         self._calls: dict = {}  # pending calls' futures -> (actor key, what): ``close_calls``
+        # spawned actors' answers to ``probe("where")``: ``kill``
+        self._where: dict = {}
 
     async def wait(self, awaitable: Any) -> Any:
         """Await ``awaitable`` (a Ray reference or a coroutine awaiting Ray), unless the
@@ -621,6 +623,7 @@ class RayClient(CallOrder):
             return
         pid = self._pids.get(actor_id.key, actor_id.pid)
         started = process_start(pid)  # (None: not a process of this machine)
+        here = self._runs_here(actor_id.key, pid, started)
         try:
             ray.kill(actor_id.handle, no_restart=True)
         except Exception as exc:  # a handle of an earlier Ray session: gone with it
@@ -640,8 +643,10 @@ class RayClient(CallOrder):
         # and, when it ran on this machine, until its process is gone, as locally; a
         # process that cannot leave as Ray asks is SIGKILLed, as the local backend's
         # kill() does: at once when it is stopped (SIGSTOP, a debugger), else after 1 s
+        # (only where it is known to be that process: another node's pid may be the
+        # number of one of this machine's)
         now = time.monotonic()
-        deadline, force_at = now + 5, now + 1
+        deadline, force_at = now + 5, (now + 1 if here else None)
         while started is not None and process_start(pid) == started and \
                 time.monotonic() < deadline:
             if force_at is not None and (time.monotonic() >= force_at or is_stopped(pid)):
@@ -652,6 +657,24 @@ class RayClient(CallOrder):
                     pass
             await asyncio.sleep(0.005)
         self.forget(actor_id.key)
+
+    def forget(self, key: str) -> None:
+        super().forget(key)
+        self._where.pop(key, None)
+
+    def forget_all_where(self) -> None:
+        """Ray shuts down: the answers to ``probe("where")`` go (pids of its actors)."""
+        self._where.clear()
+
+    def _runs_here(self, key: str, pid: int, started: bytes | None) -> bool:
+        """Whether actor ``key``'s process is this machine's process ``pid`` that started
+        at ``started``: its own answer to ``probe("where")`` at spawn says so (from an
+        earlier process of a restarted actor: no)."""
+        answer = self._where.pop(key, None)
+        if answer is None or started is None:
+            return False
+        where, wpid, wstarted = answer
+        return where is not None and where == machine() and (wpid, wstarted) == (pid, started)
 
     # -- spawning ----------------------------------------------------------------
     async def spawn(self, cls: type, options: ActorOptions, args: tuple,
@@ -700,10 +723,17 @@ class RayClient(CallOrder):
             raise
         async def started() -> tuple:
             ready = handle.ready.remote()
-            return await self._names_work(handle), await await_ready(ready, ray, f"{what}()",
-                                                                      req)
+            # where it runs, asked now, while it answers (``kill``)
+            where = handle.probe.options(concurrency_group="control").remote("where")
+            named = await self._names_work(handle)
+            outcome = await await_ready(ready, ray, f"{what}()", req)
+            try:
+                where = await asyncio.wait_for(where, 5)
+            except Exception:  # (then kill() never forces it)
+                where = None
+            return named, outcome, where
         try:
-            named, (ok, payload) = await self.wait(started())
+            named, (ok, payload), where = await self.wait(started())
         except ActorDiedError:  # the runtime closed meanwhile (``abort_waits``)
             end_actor(handle)
             raise
@@ -728,6 +758,10 @@ class RayClient(CallOrder):
         aid = RayActorId(handle, handle._actor_id.hex(), streams, named,
                          options.max_restarts)
         aid.pid = payload
+        if where is not None:
+            self._where[aid.key] = where
+            if len(self._where) > KILLED_KEPT:  # (those never killed nor forgotten)
+                del self._where[next(iter(self._where))]
         h = ActorHandle(self, aid, cls.__qualname__, methods, options.name, payload,
                         options.max_pending_calls)
         for fn in self._spawn_listeners:

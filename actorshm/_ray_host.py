@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import _client, _introspect, _shm
+from ._descendants import machine, process_start
 from ._errors import ActorDiedError, init_exit_error
 from ._ray_errors import check_result
 from ._ray_watched import Watched
@@ -284,7 +285,8 @@ class Host(Watched):
 
     async def probe(self, what: str) -> Any:
         """Answer the driver's ``rt.stats()`` (``"stats"``), ``rt.memory()``
-        (``"memory"``) and ``rt.dump_stacks()`` (``"stacks"``) for this process.
+        (``"memory"``) and ``rt.dump_stacks()`` (``"stacks"``) for this process, and
+        where it runs (``"where"``: machine, pid and start time, ``RayClient.kill``).
 
         Runs in the ``control`` concurrency group (its own thread and event loop), so
         an actor busy in a sync method answers too.
@@ -295,6 +297,8 @@ class Host(Watched):
             return out
         if what == "memory":
             return _introspect.held_blocks(())
+        if what == "where":  # (``RayClient.kill``: is its process the driver's machine's?)
+            return machine(), os.getpid(), process_start(os.getpid())
         return _introspect.format_stacks(
             self._loop, skip=("watch_death", "next_children"),
             calls=[(f"{self._cls_name}.{m}", coro) for m, coro in

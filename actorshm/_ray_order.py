@@ -243,8 +243,7 @@ class CallOrder:
             if fut.done() or actor_id.key in self._dead or not ray_up():
                 self._drop(actor_id, number[0])  # cancelled while it waited, or killed
                 if not fut.done():
-                    why = "was killed" if actor_id.key in self._dead else "is gone (Ray " \
-                        "was shut down)"
+                    why = self._dead.get(actor_id.key) or "is gone (Ray was shut down)"
                     fut.set_exception(ActorDiedError(f"{what}: the actor {why}"))
                 continue
             try:

@@ -221,6 +221,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
                 CLIENT.abort_waits(ActorDiedError("the actor's runtime closed"))
                 for _ in range(3):  # let them unwind (a half-spawned actor is killed)
                     await asyncio.sleep(0)
+                CLIENT.forget_all_where()  # (Ray's references: they go with it)
                 ray.shutdown()
                 CLIENT.fixed_cluster = False
                 self._owns_ray = False

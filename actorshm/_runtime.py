@@ -532,7 +532,10 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
 
 def _crowd(others: int) -> str:
     """Why a start may have been slow: as many others starting at once, or ""."""
-    cpus = os.cpu_count() or 1
+    try:
+        cpus = len(os.sched_getaffinity(0))  # (those it may use: a container's cpuset)
+    except (AttributeError, OSError):  # pragma: no cover
+        cpus = os.cpu_count() or 1
     if others < 2 * cpus:
         return ""
     return (f"while {others} other actors were starting on {cpus} CPU(s), each slowing "

@@ -188,6 +188,10 @@ async def test_a_copy_shows_nothing_between_its_elements_and_no_two_share_memory
     x = np.broadcast_to(np.asfortranarray(np.arange(12.0).reshape(3, 4))[None], (5, 3, 4))
     back = await a.echo(x)
     assert back.strides[1:] == (40, 120) and np.array_equal(back, x)
+    # a new axis (length 1, stride 0) is no broadcast: a strided view keeps its axis order
+    x = np.arange(120000.0).reshape(40, 50, 60)[::3, ::3, ::3].transpose(1, 2, 0)[:, None]
+    back = await a.echo(x)
+    assert back.strides == np.copy(x, order="K").strides and np.array_equal(back, x)
 
 
 async def test_ml_dtypes_arrays_keep_their_dtype(rt):

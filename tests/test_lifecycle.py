@@ -1097,12 +1097,12 @@ async def test_a_start_that_times_out_among_many_says_so(tmp_path, monkeypatch):
     from actors import SlowStart
     marker = tmp_path / "slow"
     marker.write_text("x")
-    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     async with actorshm.Runtime(shutdown_grace=1.0, start_timeout=1.0):
         with pytest.raises(ActorDiedError) as alone:
             await SlowStart.spawn(str(marker), 3.0)
         assert "other actors" not in str(alone.value)
-        errors = await asyncio.gather(*(SlowStart.spawn(str(marker), 3.0) for _ in range(4)),
+        errors = await asyncio.gather(*(SlowStart.spawn(str(marker), 3.0) for _ in range(5)),
                                       return_exceptions=True)
     assert all(isinstance(e, ActorDiedError) for e in errors), errors
     crowded = [str(e) for e in errors if "other actors were starting on 1 CPU" in str(e)]

@@ -441,6 +441,12 @@ async def test_an_fn_that_raises_a_base_exception_keeps_its_member(rt):
     assert await asyncio.wait_for(pool.submit(work, 2), 20) == (0, 2)
     assert pool.has_free() and len(pool) == 1
 
+    def stops(a, v):  # (next() of an exhausted iterator: no future can hold it)
+        raise StopIteration(v)
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        await asyncio.wait_for(pool.submit(stops, 3), 20)
+    assert await asyncio.wait_for(pool.submit(work, 4), 20) == (0, 4)
+
 
 async def test_a_pool_in_an_actor_keeps_members_whose_call_took_a_failed_result(rt):
     # Inside an actor nothing tells whether a member lives, so a call that failed with an
@@ -505,3 +511,51 @@ async def test_aclose_from_another_task_stops_a_map_being_iterated(rt, method):
             await asyncio.sleep(0.02)
         assert (await w.counts())["active"] == 0
     assert [v async for _, v in pool.map(work, range(3))] == [0, 1, 2]  # (the pool works on)
+
+
+@pytest.mark.parametrize("method", ["map", "map_unordered"])
+async def test_a_cancelled_item_of_a_map_is_an_error_not_the_loops_cancellation(rt, method):
+    # The item's cancellation came out of the `async for` as a bare CancelledError,
+    # which asyncio.timeout, TaskGroup and wait_for take for their own cancel.
+    (w,) = await workers(1)
+    pool = ActorPool([w])
+    loop = asyncio.get_running_loop()
+    inputs = [loop.create_future() for _ in range(3)]
+    inputs[0].set_result(1)
+    inputs[1].cancel()
+    inputs[2].set_result(3)
+    got = []
+    with pytest.raises(actorshm.ActorError, match="was cancelled"):
+        async for _, v in getattr(pool, method)(lambda a, f: a.work(f.result()), inputs):
+            got.append(v)
+    assert 1 in got and 2 not in got
+    assert await asyncio.wait_for(pool.submit(work, 4), 20) == (0, 4)
+
+
+async def test_aclose_from_another_thread_closes_the_map_on_its_own_loop(rt):
+    # Suspended at its yield, the map was closed on the calling thread's loop: its
+    # cleanup cancelled the other loop's futures from the wrong thread (asyncio's debug
+    # mode refuses that).
+    asyncio.get_running_loop().set_debug(True)
+    ws = await workers(2)
+    pool = ActorPool(ws)
+    m = pool.map(lambda a, v: a.work(v, 0.2 if v == 0 else 3.0), range(6))
+    errors = []
+
+    def closer():
+        try:
+            asyncio.run(m.aclose())
+        except BaseException as exc:
+            errors.append(repr(exc))
+    async for _ in m:  # (suspended at its yield while the thread closes it)
+        t = threading.Thread(target=closer)
+        t.start()
+        await asyncio.to_thread(t.join, 20)
+        break
+    assert not errors, errors
+    for w in ws:  # the calls in flight were cancelled in the actors
+        for _ in range(100):
+            if (await w.counts())["active"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await w.counts())["active"] == 0

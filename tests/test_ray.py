@@ -2322,13 +2322,14 @@ async def test_kill_of_a_stopped_actor_ends_its_process_at_once(art, backend):
     import time
     from actorshm._descendants import process_start
     c = await Counter.spawn(0)
+    assert await c.incr() == 1
     pid = c.pid
     started = process_start(pid)
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
         await asyncio.wait_for(c.kill(), 30)
-        assert time.monotonic() - t0 < 3.0
+        assert time.monotonic() - t0 < 4.0  # (Ray's own wait alone: 5 s)
         assert process_start(pid) != started  # gone (or only its zombie)
     finally:
         if process_start(pid) == started:
@@ -2346,3 +2347,27 @@ async def test_a_call_after_the_runtime_closed_says_so(backend):
     with pytest.raises(actorshm.ActorDiedError, match="runtime closed"):
         async for _ in c.logged_stream(2):
             pass
+
+
+def test_kill_forces_only_the_process_the_actor_said_it_is():
+    # kill() SIGKILLs a process that does not leave as Ray asks; it took the pid Ray
+    # gave for the actor to be this machine's process of that number, which on another
+    # node (or in another container's pid namespace) is a stranger's.
+    import subprocess
+    from actorshm._descendants import machine, process_start
+    from actorshm._ray import CLIENT
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        pid, started = stranger.pid, process_start(stranger.pid)
+        elsewhere = ("another-boot-id", 1)
+        for answer, here in [((elsewhere, pid, started), False),  # another node's pid
+                             ((machine(), pid, b"0"), False),  # an earlier process
+                             (None, False),  # never answered
+                             ((machine(), pid, started), True)]:
+            if answer is not None:
+                CLIENT._where["actor-key"] = answer
+            assert CLIENT._runs_here("actor-key", pid, started) is here
+            assert "actor-key" not in CLIENT._where
+    finally:
+        stranger.kill()
+        stranger.wait()
