@@ -13,7 +13,7 @@ import asyncio
 import logging
 import pickle
 
-from . import _leases
+from . import _leases, _quarantine
 from ._wire import HEADER, RELEASE, RETIRE
 
 __all__ = ["LeaseTraffic"]
@@ -110,4 +110,4 @@ class LeaseTraffic:
         logger.warning(
             "actorshm: %s ended while processes it passed %d shared block(s) of this "
             "process's to may still use them; this process keeps those blocks (not "
-            "recycled) for as long as it runs. See docs/shared-memory.md.", self.label, n)
+            "recycled) %s. See docs/shared-memory.md.", self.label, n, _quarantine.until())

@@ -34,6 +34,14 @@ def quarantine(blocks: list) -> None:
         _quarantine_holders.append((list(blocks), set(_census())))
 
 
+def until() -> str:
+    """How long this process keeps quarantined blocks, in words (for its warning)."""
+    if _census is not None:
+        return ("until every process that could hold them has exited (at the latest "
+                "when the runtime closes)")
+    return "for as long as it runs"
+
+
 def set_census(census) -> None:
     """``census()`` returns the pids of every live process that could hold our blocks."""
     global _census

@@ -36,6 +36,15 @@ def _user_paths() -> list[str]:
 _LOCAL_ONLY = {"shutdown_grace", "start_timeout", "gpus"}
 
 
+def _warn_address_unused(stacklevel: int) -> None:
+    warnings.warn(
+        f"RAY_ADDRESS is set ({os.environ.get('RAY_ADDRESS')}), but Runtime(backend='ray') "
+        "without an address starts a Ray of its own, as it does wherever it runs; to join "
+        "that cluster (a `ray job submit` entrypoint, say), pass "
+        "address=os.environ['RAY_ADDRESS'] or address='auto' (to actorshm.run too)",
+        RuntimeWarning, stacklevel=stacklevel)
+
+
 class RayRuntime(_events.EventSource, RayInspectable):
     """``Runtime(backend="ray")``: actors run as Ray actors, locally or on a cluster.
 
@@ -82,6 +91,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
         # ``main`` opens itself with options of its own takes Ray over from it while it
         # has no actors (``_take_over``); it then connects again on its next spawn.
         self.opened_by_run = False
+        self._address_unused = False  # RAY_ADDRESS is set, and is to be warned of
         self.connect_on_first_use = False
         self._open = False
         self._closing = False
@@ -150,15 +160,11 @@ class RayRuntime(_events.EventSource, RayInspectable):
         opts = dict(self.ray_init_options)
         address = self.address
         if address is None:
-            if os.environ.get("RAY_ADDRESS") and not self.opened_by_run:
-                # (one ``actorshm.run`` opens may give way to one ``main`` opens with
-                # that address: no warning for it)
-                warnings.warn(
-                    f"RAY_ADDRESS is set ({os.environ['RAY_ADDRESS']}), but "
-                    "Runtime(backend='ray') without an address starts a Ray of its own, "
-                    "as it does wherever it runs; to join that cluster (a `ray job "
-                    "submit` entrypoint, say), pass address=os.environ['RAY_ADDRESS'] "
-                    "or address='auto'", RuntimeWarning, stacklevel=4)
+            if os.environ.get("RAY_ADDRESS"):
+                if self.opened_by_run:  # (``main`` may yet open one with that address,
+                    self._address_unused = True  # which takes over: said at first use)
+                else:
+                    _warn_address_unused(5)
             opts.setdefault("include_dashboard", False)
             opts.setdefault("object_store_memory", 1 << 30)
         opts.setdefault("log_to_driver", True)
@@ -241,6 +247,10 @@ class RayRuntime(_events.EventSource, RayInspectable):
         self._check_open()
         if self.connect_on_first_use:
             self._connect()
+        if self._address_unused:  # (``actorshm.run``'s runtime, used: its own Ray)
+            self._address_unused = False
+            if self._owns_ray:
+                _warn_address_unused(4)
         h = await CLIENT.spawn(cls, options, args, kwargs)
         if not self._open or self._closing:  # closed meanwhile (on a Ray it did not start)
             await h.kill()

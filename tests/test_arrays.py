@@ -822,6 +822,9 @@ async def test_a_relay_that_exits_leaves_what_it_passed_on_in_place(rt, caplog):
         await asyncio.sleep(0.02)
     assert actorshm.stats()["blocks_quarantined"] == 1
     assert "ended while processes it passed 1 shared block" in caplog.text
+    # (the driver keeps them only while a process that could hold them lives: it said
+    # "for as long as it runs", what an actor does)
+    assert "until every process that could hold them has exited" in caplog.text
     ys = [actorshm.empty(n) for _ in range(5)]
     for y in ys:
         y[:] = 2.0

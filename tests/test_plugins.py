@@ -78,3 +78,53 @@ def test_the_base_layers_import_no_plugin():
                     {n.lstrip(".").rsplit(".", 1)[-1] for n in names}, (name, names)
             elif isinstance(node, ast.Import):
                 assert not any(a.name.split(".")[0] in ("cupy", "torch") for a in node.names)
+
+
+def _package_imports() -> dict:
+    """Each module of the package -> the package's modules it imports, lazy imports
+    inside functions included (``from . import x``, ``from ._x import y``,
+    ``import actorshm._x``)."""
+    import ast
+    import pathlib
+
+    pkg = pathlib.Path(ser.__file__).parent
+    names = {p.stem for p in pkg.glob("*.py")}
+    graph = {}
+    for name in names:
+        deps = set()
+        for node in ast.walk(ast.parse((pkg / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 1 and node.module:  # from ._x import y
+                    deps.add(node.module.split(".")[0])
+                elif node.level == 1:  # from . import _x, _y
+                    deps.update(a.name for a in node.names if a.name in names)
+                elif node.level == 0 and (node.module or "").startswith("actorshm."):
+                    deps.add(node.module.split(".")[1])
+                elif node.module == "actorshm":
+                    deps.update(a.name for a in node.names if a.name in names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name.split(".")[1] for a in node.names
+                            if a.name.startswith("actorshm."))
+        graph[name] = deps & names - {name}
+    return graph
+
+
+def test_the_package_imports_have_no_cycle():
+    # docs/design.md: each module imports only modules below it, lazy imports included.
+    graph = _package_imports()
+    assert "_protocol" in graph["_worker"] and "_wire" in graph["_framing"]  # (it reads)
+    done, path = set(), []
+
+    def visit(name):
+        if name in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(name):] +
+                                                                [name]))
+        if name in done:
+            return
+        path.append(name)
+        for dep in sorted(graph[name]):
+            visit(dep)
+        path.pop()
+        done.add(name)
+    for name in sorted(graph):
+        visit(name)

@@ -2084,6 +2084,39 @@ def test_a_runtime_without_an_address_says_it_does_not_join_ray_address(tmp_path
     assert "opened" in out
 
 
+WARN_RUN_SCRIPT = textwrap.dedent("""
+    import asyncio, os, warnings
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import actorshm
+    warnings.showwarning = lambda message, *args, **kwargs: print("warning:", message)
+
+    @actorshm.actor
+    class C:
+        def ping(self):
+            return "pong"
+
+    async def idle():
+        print("idle ran")
+
+    async def main():
+        c = await C.spawn()
+        print("called", await c.ping())
+    actorshm.run(idle(), backend="ray", num_cpus=1, include_dashboard=False)
+    print("-- now one that spawns")
+    actorshm.run(main(), backend="ray", num_cpus=1, include_dashboard=False)
+""")
+
+
+def test_actorshm_run_says_it_does_not_join_ray_address_once_used(tmp_path):
+    # actorshm.run's runtime never said so (main may yet open a runtime of its own with
+    # that address, which takes over): it now does when its own Ray is first used.
+    out = _run_script(tmp_path, "warn_run.py", WARN_RUN_SCRIPT,
+                      {"RAY_ADDRESS": "127.0.0.1:9"})
+    before, _, after = out.partition("-- now one that spawns")
+    assert "idle ran" in before and "warning: RAY_ADDRESS" not in before, out
+    assert "warning: RAY_ADDRESS is set (127.0.0.1:9)" in after and "called pong" in after
+
+
 def test_a_cluster_at_a_loopback_address_is_joined_from_127_0_0_1(monkeypatch):
     # Joining a `ray start --node-ip-address 127.0.0.1` cluster, Ray took the machine's
     # own address for the driver and retried for minutes (820 s seen), unless the user
