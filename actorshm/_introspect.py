@@ -188,16 +188,21 @@ class _Probe:
         self.closed = False
 
     async def ask(self, what: str, timeout: float) -> Any:
+        """Ask the actor ``what``; ``timeout`` counts the wait for a request made before
+        (one at a time on the socket) too, so each caller waits at most its own."""
         if self.lock is None:
             self.lock = asyncio.Lock()
-        async with self.lock:
-            try:
-                if self.closed:
-                    raise ConnectionError("the actor's probe is closed (it died)")
-                return await asyncio.wait_for(self._ask(what), timeout)
-            finally:
-                if self.closed:  # closed while we asked: the socket goes now
-                    self.sock.close()
+
+        async def in_turn() -> Any:
+            async with self.lock:
+                try:
+                    if self.closed:
+                        raise ConnectionError("the actor's probe is closed (it died)")
+                    return await self._ask(what)
+                finally:
+                    if self.closed:  # closed while we asked: the socket goes now
+                        self.sock.close()
+        return await asyncio.wait_for(in_turn(), timeout)
 
     async def _ask(self, what: str) -> Any:
         loop = asyncio.get_running_loop()

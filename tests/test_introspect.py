@@ -90,6 +90,13 @@ async def test_an_actor_that_cannot_answer_is_listed_and_a_late_answer_dropped(r
         # and no faulthandler dump is asked of it: one that ran as it went on, its
         # threads running again, crashed it (Python 3.13)
         assert "its process is stopped" in text
+        # requests made at once each wait their own time-out, not one after another
+        # (they took 1, 2 and 3 s: each waited for the socket behind the one before)
+        t0 = time.monotonic()
+        got = await asyncio.gather(rt.stats(timeout=1), rt.stats(timeout=1),
+                                   rt.memory(timeout=1))
+        assert time.monotonic() - t0 < 2.5
+        assert all(a.actor_id in g["unresponsive"] for g in got[:2])
     finally:
         os.kill(a.pid, signal.SIGCONT)
     await a.ping()
