@@ -285,6 +285,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         except OSError as exc:
             _raise_out_of_fds(exc)
+        deadline = self.loop.time() + self.start_timeout  # (the fork's wait counts too)
         try:
             await start_process(self.loop, rec, child, actor_env(rec), self._forkserver,
                                 self._on_exit)
@@ -310,7 +311,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             _raise_out_of_fds(exc)
         self._starting += 1
         try:
-            pid = await asyncio.wait_for(fut, self.start_timeout)
+            pid = await asyncio.wait_for(fut, max(deadline - self.loop.time(), 0.001))
         except asyncio.TimeoutError:
             raise ActorDiedError(f"{rec.label} did not start within {self.start_timeout} s "
                                  f"{_crowd(self._starting - 1)}(Runtime(start_timeout=...) "

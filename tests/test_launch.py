@@ -447,3 +447,22 @@ def test_actor_output_comes_a_line_at_a_time_under_isolated_mode(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     lines = [ln.split(") ")[-1] for ln in p.stdout.splitlines()]
     assert lines == ["from the actor", "then the driver"] * 2, p.stdout
+
+
+async def test_start_timeout_counts_the_fork_and_init_together(tmp_path):
+    # With the fork server, the fork's wait and __init__'s each had the whole
+    # start_timeout: a spawn could take nearly twice the limit and succeed.
+    import time
+    from actors import SlowStart
+    marker = tmp_path / "slow"
+    async with actorshm.Runtime(start_method="forkserver", start_timeout=3.0,
+                                shutdown_grace=1.0) as rt:
+        await SlowStart.spawn(str(marker), 0.0)  # (the server is up; a quick start)
+        server = rt._forkserver._fs[0].pid
+        marker.write_text("x")  # the next __init__ takes 2 s
+        os.kill(server, signal.SIGSTOP)  # and the fork 2 s before it
+        asyncio.get_running_loop().call_later(2.0, os.kill, server, signal.SIGCONT)
+        t0 = time.monotonic()
+        with pytest.raises(ActorDiedError, match="did not start within 3.0 s"):
+            await asyncio.wait_for(SlowStart.spawn(str(marker), 2.0), 30)
+        assert time.monotonic() - t0 < 10
