@@ -295,6 +295,11 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         except BaseException:  # (cancelled while the fork server forks: no process here)
             parent.close()
             raise
+        if rec.no_restart and rec.spawned:  # killed while its restart's process started
+            parent.close()
+            rec.death = rec.killed  # (its exit reports it: ``_restart_failed`` waits)
+            rec.send_signal(signal.SIGKILL)
+            raise ActorDiedError(rec.killed)
         if rec.conn is not None and rec.conn.sock is None and not rec.conn.closed:
             rec.conn.label = rec.label
             rec.conn.attach(parent)  # a restart: calls made meanwhile are buffered there

@@ -1257,3 +1257,34 @@ async def test_a_name_in_an_outer_runtime_is_not_found_from_an_inner_one_and_say
             assert await (await outer.get_actor("outer_counter")).incr(1) == 5
             with pytest.raises(ValueError, match=r"no live actor named 'x'; named actors"):
                 await actorshm.get_actor("x")
+
+
+async def test_kill_while_a_restarts_process_is_forked_ends_it():
+    # kill() while the fork server forked a restart's process: the fork completed, the
+    # process was given a new connection, and failed to start (its __init__ arguments
+    # were gone); a call made after kill() returned was accepted, then failed saying
+    # the runtime closed, and so did the last event, which never said kill().
+    from actors import Phoenix
+    async with actorshm.Runtime(start_method="forkserver", shutdown_grace=1.0) as rt:
+        seen_starting = False
+        for _ in range(5):
+            events = []
+            rt.on_actor_event(lambda e: events.append(e))
+            a = await Phoenix.options(max_restarts=-1).spawn("p")
+            with pytest.raises(ActorDiedError):
+                await asyncio.wait_for(a.crash(), 20)
+            rec = rt._actors[a.actor_id]
+            seen_starting |= rec.starting  # (its restart's process is being forked)
+            await asyncio.wait_for(a.kill(), 20)
+            with pytest.raises(ActorDiedError, match="kill"):
+                await asyncio.wait_for(a.hit(), 20)
+            for _ in range(200):
+                if events and not events[-1].will_restart:
+                    break
+                await asyncio.sleep(0.02)
+            assert "kill()" in events[-1].reason and not events[-1].will_restart, events
+            from waits import until
+            assert await until(lambda: not rec.alive, timeout=10)
+            if seen_starting:
+                break
+        assert seen_starting
