@@ -89,9 +89,8 @@ class Supervisor:
     def reachable(self, actor_id: int) -> bool | None:
         """Whether actor ``actor_id`` lives or a restart is coming; False once it is dead
         for good (killed, out of restarts, its ``__init__`` raised on a restart, or the
-        runtime closes). Its connection may be closed for a moment while a restart is
-        coming (a restarted process died while starting; see ``takes_calls``): then the
-        restarts left decide, as ``_after_death`` will."""
+        runtime closes). Should its connection be closed while a restart is coming,
+        the restarts left decide, as ``_after_death`` will."""
         rec = self._actors.get(actor_id)
         if rec is None or rec.no_restart or self._closing:
             return False
@@ -102,9 +101,9 @@ class Supervisor:
 
     def takes_calls(self, actor_id: int) -> bool:
         """Whether a call made now on ``actor_id`` runs, or waits for a restart, rather
-        than failing at once: False from the moment a restarted process dies while
-        starting until the runtime starts the next one (``_restart_failed``: some 50 ms,
-        plus the back-off), and once the actor is dead for good."""
+        than failing at once: False once the actor is dead for good. (A restarted
+        process that dies while starting leaves a fresh connection in its place at
+        once, ``_exited``: calls made then wait for the next attempt.)"""
         rec = self._actors.get(actor_id)
         return rec is not None and rec.conn is not None and not rec.conn.closed
 
@@ -175,8 +174,22 @@ class Supervisor:
             rec.conn.close(ActorDiedError(why))
         rec.exited.set()
         if rec.starting and not self._closing and not rec.no_restart:
-            return  # a restart's process ended while starting: ``_restart`` learns why
+            # A restart's process ended while starting: ``_restart`` learns why. Until
+            # it decides, calls made wait for the next attempt in a fresh connection (and
+            # with it the record, its name and its handles stay the actor's own), if
+            # one may come.
+            limit = rec.options.max_restarts
+            if limit == -1 or rec.restarts < limit:
+                self._fresh_connection(rec)
+            return
         self._after_death(rec, why)
+
+    def _fresh_connection(self, rec: ActorRecord) -> None:
+        """Give ``rec`` a connection that holds calls until its next process attaches
+        (one not yet attached, if it has one)."""
+        if rec.conn is None or rec.conn.closed or rec.conn.sock is not None:
+            rec.conn = Connection(self.loop, self, label=rec.label)
+            rec.conn.peer_id = rec.actor_id
 
     def _after_death(self, rec: ActorRecord, why: str) -> None:
         """Its process is gone: say so, and restart it if it may."""
@@ -188,13 +201,14 @@ class Supervisor:
                    and (limit == -1 or rec.restarts < limit))
         _events.emit(self, "died", rec, why, will_restart=restart)
         if not restart:
+            if rec.conn is not None and not rec.conn.closed and rec.conn.sock is None:
+                rec.conn.close(ActorDiedError(why))  # (calls that waited for a restart)
             self._maybe_forget(rec)
         else:
             # Calls made from now on wait in a fresh connection for the new process;
             # the ones that were pending have failed (at-most-once, as in Ray).
             rec.restarts += 1
-            rec.conn = Connection(self.loop, self, label=rec.label)
-            rec.conn.peer_id = rec.actor_id
+            self._fresh_connection(rec)
             self.loop.create_task(self._restart(rec, why))
 
     async def _restart(self, rec: ActorRecord, why: str) -> None:
@@ -258,9 +272,9 @@ class Supervisor:
             self._gpus.release(rec)
             rec.close_probe()
             rec.free_budget_slot()
-            if rec.conn is not None and not rec.conn.closed:
-                rec.conn.close(ActorDiedError(why))
-            self._after_death(rec, why)
+            if rec.conn is not None and not rec.conn.closed and rec.conn.sock is not None:
+                rec.conn.close(ActorDiedError(why))  # (one not attached holds the calls
+            self._after_death(rec, why)  # made since, for the next attempt, or fails them)
 
     def _reap(self, rec: ActorRecord) -> None:
         rec.close_process(self.loop)

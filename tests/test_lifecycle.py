@@ -1288,3 +1288,46 @@ async def test_kill_while_a_restarts_process_is_forked_ends_it():
             if seen_starting:
                 break
         assert seen_starting
+
+
+async def test_a_restart_that_dies_starting_keeps_its_name_record_and_calls():
+    # Between a restarted process's death while starting and the next attempt (some
+    # 50 ms each time) the actor counted as dead for good: get_actor missed its name,
+    # another spawn could take that name, calls failed at once instead of waiting, and
+    # an actor whose last handle was dropped then was forgotten, its next process left
+    # running after the runtime closed.
+    import tempfile
+    from actors import FlakyStart
+    from waits import until
+    marker = os.path.join(tempfile.mkdtemp(), "crash")
+    async with actorshm.Runtime(shutdown_grace=1.0) as rt:
+        a = await FlakyStart.options(name="svc", max_restarts=-1).spawn(marker, False)
+        actor_id = a.actor_id
+        open(marker, "w").close()  # every restart's process dies as it starts
+        with pytest.raises(ActorDiedError):
+            await asyncio.wait_for(a.crash(), 20)
+        misses, t0 = 0, time.monotonic()
+        call = None
+        while time.monotonic() - t0 < 1.5:  # several failed starts
+            try:
+                await rt.get_actor("svc")
+            except ValueError:
+                misses += 1
+            if call is None and not rt.takes_calls(actor_id):
+                call = "refused"
+            await asyncio.sleep(0.002)
+        assert misses == 0 and call is None
+        with pytest.raises(ValueError, match="already exists"):
+            await FlakyStart.options(name="svc").spawn(marker)
+        del a  # the last handle goes while restarts keep failing
+        for _ in range(5):
+            gc.collect()
+            await asyncio.sleep(0.1)
+            assert actor_id in rt._actors  # (not forgotten: a restart is coming)
+        os.remove(marker)  # the next start works
+        assert await until(lambda: rt._actors[actor_id].alive, timeout=30)
+        b = await rt.get_actor("svc")
+        pid = await asyncio.wait_for(b.ping(), 30)
+        assert b.actor_id == actor_id
+    from actorshm._descendants import process_start
+    assert process_start(pid) is None  # (ended with its runtime)
