@@ -55,7 +55,7 @@ class ActorEvent:
 
 # Guards the runtimes' sets of ``events()`` streams: one may be made (and closed) on
 # another thread's loop while the runtime's thread goes through its set.
-_STREAMS_LOCK = threading.Lock()
+_STREAMS_LOCK = threading.RLock()
 
 
 class _EventStream:
@@ -131,9 +131,12 @@ class EventSource:
     def _event_state(self) -> tuple[list, weakref.WeakSet]:
         st = self.__dict__.get("_actorshm_events")
         if st is None:
-            # (callbacks, streams): a stream is held weakly, so one left with ``break``
-            # (nothing refers to it any more) stops receiving events and goes
-            st = self.__dict__["_actorshm_events"] = ([], weakref.WeakSet())
+            with _STREAMS_LOCK:  # (a stream made on another thread makes it too)
+                st = self.__dict__.get("_actorshm_events")
+                if st is None:
+                    # (callbacks, streams): a stream is held weakly, so one left with
+                    # ``break`` (nothing refers to it any more) stops receiving events
+                    st = self.__dict__["_actorshm_events"] = ([], weakref.WeakSet())
         return st
 
     def on_actor_event(self, callback: Callable[[ActorEvent], Any]) -> Callable[[], None]:

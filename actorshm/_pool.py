@@ -242,7 +242,7 @@ class ActorPool:
         pending: collections.deque = collections.deque()
         exhausted = False
         try:
-            while True:
+            while not res.stopping:  # (``aclose`` from another task or thread)
                 while not exhausted and len(pending) < self._window():
                     try:
                         v = next(it)
@@ -298,7 +298,7 @@ class ActorPool:
         res.stop_signal().add_done_callback(lambda _f: wake.set())  # (``aclose``)
         exhausted = False
         try:
-            while True:
+            while not res.stopping:  # (``aclose`` from another task or thread)
                 while not exhausted and len(pending) + len(done) < self._window():
                     try:
                         v = next(it)
@@ -505,6 +505,7 @@ class _Results:
         if not self._agen.ag_running:
             loop = self._loop
             if loop is not None and asyncio._get_running_loop() is not loop:
+                self.stopping = True  # (should it step before its loop closes it)
                 self._left()  # (another thread's: closed on the loop it is iterated on)
                 return _nothing()
             return self._agen.aclose()
@@ -555,6 +556,9 @@ class _Results:
             pass
         except RuntimeError:  # being iterated (``await anext(m)`` in another task)
             closing.close()
+            self.stopping = True  # (it stops at its next step instead)
+            if self._stop is not None:
+                _settle(self._stop)
 
 
 def _outcome(item: asyncio.Future) -> Any:

@@ -247,10 +247,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
         self._check_open()
         if self.connect_on_first_use:
             self._connect()
-        if self._address_unused:  # (``actorshm.run``'s runtime, used: its own Ray)
-            self._address_unused = False
-            if self._owns_ray:
-                _warn_address_unused(4)
+        self._say_address_unused()
         h = await CLIENT.spawn(cls, options, args, kwargs)
         if not self._open or self._closing:  # closed meanwhile (on a Ray it did not start)
             await h.kill()
@@ -300,7 +297,17 @@ class RayRuntime(_events.EventSource, RayInspectable):
         self._check_open()
         if self.connect_on_first_use:
             self._connect()
+        self._say_address_unused()  # (a named actor of that cluster is not found here)
         return await CLIENT.get_actor(name)
+
+    def _say_address_unused(self) -> None:
+        """``actorshm.run``'s runtime is first used on a Ray of its own while RAY_ADDRESS
+        names a cluster: say so (``_connect`` could not: ``main`` might have opened a
+        runtime with that address, taking over)."""
+        if self._address_unused:
+            self._address_unused = False
+            if self._owns_ray:
+                _warn_address_unused(5)
 
     def actors(self) -> list[dict]:
         """A snapshot of the actors this runtime spawned: the live ones, and the latest

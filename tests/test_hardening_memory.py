@@ -18,8 +18,10 @@ from actorshm import _shm
 
 async def test_runtime_budget_ends_with_the_runtime(monkeypatch):
     from actorshm import _budget
-    # (the default follows the memory available: fixed here, so that the two reads agree)
+    # (the default follows the memory available: fixed here, so that the two reads agree,
+    # and measured afresh here and not kept: the next test to need it measures again)
     monkeypatch.setattr(_budget, "memory_available", lambda: None)
+    monkeypatch.setattr(_budget, "_default", [None])
     pool = _shm.pool()
     default = _shm.default_budget()
     async with actorshm.Runtime(shm_budget=64 << 20):

@@ -83,7 +83,9 @@ def test_the_base_layers_import_no_plugin():
 def _package_imports() -> dict:
     """Each module of the package -> the package's modules it imports, lazy imports
     inside functions included (``from . import x``, ``from ._x import y``,
-    ``import actorshm._x``)."""
+    ``import actorshm._x``; ``import actorshm`` and ``from actorshm import name`` of a
+    name that is no module import ``__init__``; ``importlib.import_module`` of a
+    constant string, or of one that begins "actorshm." and then a module of it)."""
     import ast
     import pathlib
 
@@ -101,10 +103,24 @@ def _package_imports() -> dict:
                 elif node.level == 0 and (node.module or "").startswith("actorshm."):
                     deps.add(node.module.split(".")[1])
                 elif node.module == "actorshm":
-                    deps.update(a.name for a in node.names if a.name in names)
+                    deps.update(a.name if a.name in names else "__init__"
+                                for a in node.names)
             elif isinstance(node, ast.Import):
-                deps.update(a.name.split(".")[1] for a in node.names
-                            if a.name.startswith("actorshm."))
+                for a in node.names:
+                    if a.name == "actorshm":
+                        deps.add("__init__")
+                    elif a.name.startswith("actorshm."):
+                        deps.add(a.name.split(".")[1])
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(
+                    node.func, "id", None)) == "import_module" and node.args:
+                arg = node.args[0]
+                if isinstance(arg, ast.BinOp):  # "actorshm." + name: any module of it
+                    arg = arg.left
+                    if isinstance(arg, ast.Constant) and arg.value == "actorshm.":
+                        deps.update(n for n in names if not n.startswith("_"))
+                elif isinstance(arg, ast.Constant) and str(arg.value).startswith(
+                        "actorshm."):
+                    deps.add(str(arg.value).split(".")[1])
         graph[name] = deps & names - {name}
     return graph
 
@@ -113,6 +129,7 @@ def test_the_package_imports_have_no_cycle():
     # docs/design.md: each module imports only modules below it, lazy imports included.
     graph = _package_imports()
     assert "_protocol" in graph["_worker"] and "_wire" in graph["_framing"]  # (it reads)
+    assert {"cuda", "torch"} <= graph["__init__"]  # (its lazy import_module: seen too)
     done, path = set(), []
 
     def visit(name):

@@ -559,3 +559,20 @@ async def test_aclose_from_another_thread_closes_the_map_on_its_own_loop(rt):
                 break
             await asyncio.sleep(0.02)
         assert (await w.counts())["active"] == 0
+
+
+async def test_aclose_from_another_thread_holds_while_the_loop_goes_on(rt):
+    # Made while the map sat at its yield, the close was scheduled on the map's loop;
+    # asked for its next result first, the map was running when the close came, which
+    # then failed without a word, and every result came.
+    ws = await workers(2)
+    pool = ActorPool(ws)
+    m = pool.map(lambda a, v: a.work(v, 0.05), range(40))
+    got = []
+    async for _, v in m:
+        got.append(v)
+        if v == 0:
+            t = threading.Thread(target=lambda: asyncio.run(m.aclose()))
+            t.start()
+            t.join()  # (blocking: this loop does not turn before the next step)
+    assert got == [0]
