@@ -518,6 +518,7 @@ class ForkServerClient:
         self.loop = loop
         self.start_timeout = start_timeout
         self._fs = None  # (Popen, socket) of the fork server, once started
+        self._children: set[int] = set()  # its children whose exit it has yet to report
         self._fs_waiting: collections.deque = collections.deque()
         self._fs_out: collections.deque = collections.deque()  # [bytes, fds] unwritten
         self._fs_writing = False  # (a writer callback waits for room on the socket)
@@ -682,6 +683,7 @@ class ForkServerClient:
         popen, sock = self._fs
         self._fs = None
         self._abandoned.clear()  # (their reports never come; a later child may get a pid)
+        self._children.clear()
         self.loop.remove_reader(sock.fileno())
         self._drop_queue(sock)
         sock.close()
@@ -713,6 +715,7 @@ class ForkServerClient:
                 fut.set_exception(fork_failed(OSError(code, os.strerror(code))))
         elif kind == "forked":
             fut = self._fs_waiting.popleft()
+            self._children.add(pid)
             pidfd = fds[0] if fds else -1  # (the child's, opened by the server)
             if pidfd >= 0:  # received without close-on-exec, unlike pidfd_open's own:
                 os.set_inheritable(pidfd, False)  # a program this process runs gets none
@@ -723,15 +726,21 @@ class ForkServerClient:
         elif pid in self._abandoned:  # (a child of a spawn given up: ``_kill_forked``)
             self._abandoned.discard(pid)
         else:
+            self._children.discard(pid)
             self._fs_exit[pid] = code
             ev = self._fs_exit_events.pop(pid, None)
             if ev is not None:
                 ev.set()
 
+    def orphan(self, pid: int) -> bool:
+        """Whether forked child ``pid``'s exit will never be reported: the server that
+        forked it died (a new one may run now, which never knew it)."""
+        return pid not in self._children and pid not in self._fs_exit
+
     async def exit_code(self, pid: int) -> int | None:
         """The exit code of forked child ``pid`` (which has exited), as the server
-        reports it; None if no report comes within a second."""
-        if pid not in self._fs_exit and self._fs is not None:
+        reports it; None if no report comes within a second, or none will (``orphan``)."""
+        if pid not in self._fs_exit and self._fs is not None and pid in self._children:
             ev = self._fs_exit_events.setdefault(pid, asyncio.Event())
             try:
                 await asyncio.wait_for(ev.wait(), 1.0)
@@ -744,6 +753,7 @@ class ForkServerClient:
             popen, sock = self._fs
             self._fs = None
             self._abandoned.clear()
+            self._children.clear()
             try:
                 self.loop.remove_reader(sock.fileno())
             except Exception:

@@ -153,6 +153,9 @@ class Supervisor:
             # (which has reaped it: what is left of its group is watched now, not once
             # the exit code comes, up to a second later)
             self._ending.end(rec.pid)
+            if self._forkserver.orphan(rec.pid) and rec.death is None:
+                rec.death = (f"{rec.label} died; its exit status is unknown: the fork "
+                             "server that started it had died before it")
             self.loop.create_task(self._forkserver.exit_code(rec.pid)).add_done_callback(
                 lambda f: f.cancelled() or self._exited(rec, f.result()))
 

@@ -42,6 +42,16 @@ async def test_actors_survive_their_fork_server_and_a_new_one_starts():
         await _poll(lambda: p.pid != pid)
         tag, calls, _ = await p.hit()
         assert (tag, calls) == ("x", 1)
+        # The old server's child dies: nobody will report its exit code. A pending call
+        # failed after 0.3 s saying its connection closed, and the death was reported a
+        # second late (the exit code was waited for from the new server).
+        pending = c.slow_record(1, 30)
+        await asyncio.sleep(0.1)
+        t0 = asyncio.get_running_loop().time()
+        os.kill(c.pid, signal.SIGKILL)
+        with pytest.raises(actorshm.ActorDiedError, match="exit status is unknown"):
+            await asyncio.wait_for(pending, 10)
+        assert asyncio.get_running_loop().time() - t0 < 0.9
 
 
 async def test_a_spawn_given_up_while_the_fork_server_forks_leaks_nothing():
