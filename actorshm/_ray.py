@@ -261,6 +261,7 @@ class RayClient(CallOrder):
         self._calls: dict = {}  # pending calls' futures -> (actor key, what): ``close_calls``
         # spawned actors' answers to ``probe("where")``: ``kill``
         self._where: dict = {}
+        self._asking: set = set()  # ``learn_where``'s tasks
 
     async def wait(self, awaitable: Any) -> Any:
         """Await ``awaitable`` (a Ray reference or a coroutine awaiting Ray), unless the
@@ -662,6 +663,26 @@ class RayClient(CallOrder):
         super().forget(key)
         self._where.pop(key, None)
 
+    def learn_where(self, actor_id: RayActorId) -> None:
+        """Ask ``actor_id``'s process where it runs, in the background (``kill``): one
+        found with ``get_actor``, or restarted (the answer of its spawn was its first
+        process's)."""
+        async def ask() -> None:
+            try:
+                answer = await asyncio.wait_for(actor_id.handle.probe.options(
+                    concurrency_group="control").remote("where"), 5)
+            except BaseException:  # (then kill() does not force it)
+                return
+            self._where[actor_id.key] = answer
+            if len(self._where) > KILLED_KEPT:
+                del self._where[next(iter(self._where))]
+        try:
+            task = asyncio.get_running_loop().create_task(ask())
+        except Exception:  # pragma: no cover (no loop, or Ray's handle is gone)
+            return
+        self._asking.add(task)
+        task.add_done_callback(self._asking.discard)
+
     def forget_all_where(self) -> None:
         """Ray shuts down: the answers to ``probe("where")`` go (pids of its actors)."""
         self._where.clear()
@@ -823,6 +844,7 @@ class RayClient(CallOrder):
                 raise ValueError(f"no live actor named {name!r} ({exc})") from None
         aid = RayActorId(handle, key, streams, named, restarts)
         aid.pid = pid
+        self.learn_where(aid)
         return ActorHandle(self, aid, cls_name, methods, name, pid, max_pending)
 
     async def _names_work(self, handle: Any) -> bool:

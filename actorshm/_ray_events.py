@@ -152,4 +152,5 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
         rec.pid = pid
         rec.restarts += 1
         client._pids[key] = pid
+        client.learn_where(rec.actor_id)  # (its spawn's answer was the old process's)
         _events.emit(runtime, "restarted", rec, reason)

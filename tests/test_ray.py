@@ -2382,6 +2382,33 @@ async def test_a_call_after_the_runtime_closed_says_so(backend):
             pass
 
 
+async def test_kill_of_a_stopped_restarted_or_found_actor_ends_it_at_once(art, backend):
+    # Only an actor's first process, through the handle of its spawn, was known to be
+    # this machine's: a restarted one, or one found with get_actor, stopped by SIGSTOP,
+    # kept kill() waiting 5 s and was left running.
+    import time
+    from actors import Phoenix
+    from actorshm._descendants import process_start
+    ray_only(backend, "the local backend kills by its own record")
+    p = await Phoenix.options(max_restarts=1, name="phoenix-k").spawn("x")
+    first = p.pid
+    os.kill(first, signal.SIGKILL)
+    assert await until(lambda: p.pid != first, timeout=60)
+    found = await actorshm.get_actor("phoenix-k")
+    for h in (p, found):
+        assert (await h.hit())[2] == p.pid
+    await asyncio.sleep(0.5)  # (each asked where it runs, in the background)
+    pid, started = p.pid, process_start(p.pid)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        await asyncio.wait_for(found.kill(), 30)
+        assert time.monotonic() - t0 < 4.0 and process_start(pid) != started
+    finally:
+        if process_start(pid) == started:
+            os.kill(pid, signal.SIGCONT)
+
+
 def test_kill_forces_only_the_process_the_actor_said_it_is():
     # kill() SIGKILLs a process that does not leave as Ray asks; it took the pid Ray
     # gave for the actor to be this machine's process of that number, which on another
