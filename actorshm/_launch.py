@@ -545,8 +545,10 @@ class ForkServerClient:
             ActorDiedError: the fork server died, or did not answer within
                 ``start_timeout`` (the child it forks later is killed).
         """
-        if self._fs is not None and self._fs[0].poll() is not None:
-            self._server_gone()  # it died (killed?): its actors live on; start a new one
+        while self._fs is not None and self._fs[0].poll() is not None:
+            # It died (killed?): its last reports first (exit codes, forks), then its
+            # end (``_server_gone``); its actors live on, and a new one starts.
+            self._on_forkserver()
         if self._fs is None:
             a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             fs_env = dict(os.environ)
@@ -725,6 +727,7 @@ class ForkServerClient:
                 os.close(pidfd)
         elif pid in self._abandoned:  # (a child of a spawn given up: ``_kill_forked``)
             self._abandoned.discard(pid)
+            self._children.discard(pid)
         else:
             self._children.discard(pid)
             self._fs_exit[pid] = code

@@ -668,9 +668,9 @@ class RayClient(CallOrder):
         found with ``get_actor``, or restarted (the answer of its spawn was its first
         process's)."""
         async def ask() -> None:
-            try:
-                answer = await asyncio.wait_for(actor_id.handle.probe.options(
-                    concurrency_group="control").remote("where"), 5)
+            try:  # (through ``wait``: a closing runtime ends it before Ray shuts down)
+                answer = await asyncio.wait_for(self.wait(actor_id.handle.probe.options(
+                    concurrency_group="control").remote("where")), 5)
             except BaseException:  # (then kill() does not force it)
                 return
             self._where[actor_id.key] = answer

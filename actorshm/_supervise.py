@@ -153,11 +153,14 @@ class Supervisor:
             # (which has reaped it: what is left of its group is watched now, not once
             # the exit code comes, up to a second later)
             self._ending.end(rec.pid)
-            if self._forkserver.orphan(rec.pid) and rec.death is None:
-                rec.death = (f"{rec.label} died; its exit status is unknown: the fork "
-                             "server that started it had died before it")
             self.loop.create_task(self._forkserver.exit_code(rec.pid)).add_done_callback(
-                lambda f: f.cancelled() or self._exited(rec, f.result()))
+                lambda f: f.cancelled() or self._forked_exited(rec, f.result()))
+
+    def _forked_exited(self, rec: ActorRecord, code: int | None) -> None:
+        if code is None and self._forkserver.orphan(rec.pid) and rec.death is None:
+            rec.death = (f"{rec.label} died; its exit status is unknown: the fork server "
+                         "that started it had died")
+        self._exited(rec, code)
 
     def _exited(self, rec: ActorRecord, code: int | None) -> None:
         """Its process has exited and been reaped (``code``: its exit code, or None)."""
