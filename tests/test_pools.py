@@ -20,6 +20,26 @@ async def workers(n):
     return await asyncio.gather(*(PoolWorker.spawn(i) for i in range(n)))
 
 
+def _inputs_one_cancelled(first, last):
+    """Three futures as a pool's inputs: ``first``, a cancelled one, ``last``."""
+    loop = asyncio.get_running_loop()
+    inputs = [loop.create_future() for _ in range(3)]
+    inputs[0].set_result(first)
+    inputs[1].cancel()
+    inputs[2].set_result(last)
+    return inputs
+
+
+async def _until_idle(ws):
+    """Wait (2 s at most) until no call runs in the PoolWorkers ``ws``."""
+    for w in ws:
+        for _ in range(100):
+            if (await w.counts())["active"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await w.counts())["active"] == 0
+
+
 async def test_map_yields_in_input_order_and_spreads_work(rt):
     ws = await workers(2)
     pool = ActorPool(ws)
@@ -418,11 +438,7 @@ async def test_an_fn_that_raises_a_base_exception_keeps_its_member(rt):
     # given back; the item, and all work after it, waited forever.
     (w,) = await workers(1)
     pool = ActorPool([w])
-    loop = asyncio.get_running_loop()
-    inputs = [loop.create_future() for _ in range(3)]
-    inputs[0].set_result(10)
-    inputs[1].cancel()
-    inputs[2].set_result(30)
+    inputs = _inputs_one_cancelled(10, 30)
     futs = [pool.submit(lambda a, f: a.work(f.result(), 0.05), f) for f in inputs]
     done, pending = await asyncio.wait(futs, timeout=20)
     assert not pending
@@ -504,12 +520,7 @@ async def test_aclose_from_another_task_stops_a_map_being_iterated(rt, method):
     t0 = time.monotonic()
     await m.aclose()
     assert await asyncio.wait_for(t, 20) == [] and time.monotonic() - t0 < 1.5
-    for w in ws:  # the calls in flight were cancelled in the actors
-        for _ in range(100):
-            if (await w.counts())["active"] == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert (await w.counts())["active"] == 0
+    await _until_idle(ws)  # the calls in flight were cancelled in the actors
     assert [v async for _, v in pool.map(work, range(3))] == [0, 1, 2]  # (the pool works on)
 
 
@@ -519,11 +530,7 @@ async def test_a_cancelled_item_of_a_map_is_an_error_not_the_loops_cancellation(
     # which asyncio.timeout, TaskGroup and wait_for take for their own cancel.
     (w,) = await workers(1)
     pool = ActorPool([w])
-    loop = asyncio.get_running_loop()
-    inputs = [loop.create_future() for _ in range(3)]
-    inputs[0].set_result(1)
-    inputs[1].cancel()
-    inputs[2].set_result(3)
+    inputs = _inputs_one_cancelled(1, 3)
     got = []
     with pytest.raises(actorshm.ActorError, match="was cancelled"):
         async for _, v in getattr(pool, method)(lambda a, f: a.work(f.result()), inputs):
@@ -553,12 +560,7 @@ async def test_aclose_from_another_thread_closes_the_map_on_its_own_loop(rt):
         await asyncio.to_thread(t.join, 20)
         break
     assert not errors, errors
-    for w in ws:  # the calls in flight were cancelled in the actors
-        for _ in range(100):
-            if (await w.counts())["active"] == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert (await w.counts())["active"] == 0
+    await _until_idle(ws)  # the calls in flight were cancelled in the actors
 
 
 async def test_aclose_from_another_thread_holds_while_the_loop_goes_on(rt):
