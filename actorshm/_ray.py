@@ -673,9 +673,7 @@ class RayClient(CallOrder):
                     concurrency_group="control").remote("where")), 5)
             except BaseException:  # (then kill() does not force it)
                 return
-            self._where[actor_id.key] = answer
-            if len(self._where) > KILLED_KEPT:
-                del self._where[next(iter(self._where))]
+            self._remember_where(actor_id.key, answer)
         try:
             task = asyncio.get_running_loop().create_task(ask())
         except Exception:  # pragma: no cover (no loop, or Ray's handle is gone)
@@ -683,14 +681,22 @@ class RayClient(CallOrder):
         self._asking.add(task)
         task.add_done_callback(self._asking.discard)
 
+    def _remember_where(self, key: str, answer) -> None:
+        """Keep actor ``key``'s answer to ``probe("where")`` for ``kill`` (the oldest go
+        past ``KILLED_KEPT``: those never killed nor forgotten)."""
+        self._where[key] = answer
+        if len(self._where) > KILLED_KEPT:
+            del self._where[next(iter(self._where))]
+
     def forget_all_where(self) -> None:
         """Ray shuts down: the answers to ``probe("where")`` go (pids of its actors)."""
         self._where.clear()
 
     def _runs_here(self, key: str, pid: int, started: bytes | None) -> bool:
         """Whether actor ``key``'s process is this machine's process ``pid`` that started
-        at ``started``: its own answer to ``probe("where")`` at spawn says so (from an
-        earlier process of a restarted actor: no)."""
+        at ``started``: its own answer to ``probe("where")``, at spawn or from
+        ``learn_where``, says so (an answer from an earlier process of a restarted actor
+        does not match)."""
         answer = self._where.pop(key, None)
         if answer is None or started is None:
             return False
@@ -780,9 +786,7 @@ class RayClient(CallOrder):
                          options.max_restarts)
         aid.pid = payload
         if where is not None:
-            self._where[aid.key] = where
-            if len(self._where) > KILLED_KEPT:  # (those never killed nor forgotten)
-                del self._where[next(iter(self._where))]
+            self._remember_where(aid.key, where)
         h = ActorHandle(self, aid, cls.__qualname__, methods, options.name, payload,
                         options.max_pending_calls)
         for fn in self._spawn_listeners:
