@@ -166,18 +166,42 @@ def _pickled_as_tensor(kind: type) -> bool:
         (reduce is _Parameter.__reduce_ex__ and issubclass(kind, _Parameter))
 
 
+# The quantized dtypes: a tensor of one that is not quantized (``.view(torch.qint32)`` of
+# raw bytes) has no quantizer, and torch rebuilds it as a quantized one without any (its
+# own pickling too): the receiver crashed on it (SIGSEGV).
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2,
+                        torch.quint2x4})
+
+
 def check_sendable(t: torch.Tensor) -> None:
-    """Refuse a tensor that is part of an autograd graph (before anything is sent)."""
+    """Refuse a tensor that is part of an autograd graph, or of a quantized dtype but
+    not quantized (before anything is sent)."""
     if t.requires_grad and not t.is_leaf:
         raise _serialization.Unsendable(  # (a TypeError whose message says it all)
             "a tensor that requires grad and is not a leaf (it is part of an autograd "
             "graph) cannot be sent: send `t.detach()` (or a leaf, e.g. a Parameter)")
+    if t.dtype in _QUANTIZED and not t.is_quantized:
+        raise _serialization.Unsendable(
+            f"a tensor of dtype {t.dtype} that is not quantized (a .view({t.dtype}) of "
+            "raw memory: it has no scale or zero point) cannot be sent, as torch cannot "
+            "rebuild it: send its raw memory (e.g. t.view(torch.int32)), or a quantized "
+            "tensor (torch.quantize_per_tensor)")
 
 
 def view_bits(t: torch.Tensor) -> int:
     """The lazy views torch keeps as bits on a tensor, not in its memory: conjugate (1)
     and negative (2). The memory travels as it is; the receiver sets the same bits."""
     return (1 if t.is_conj() else 0) | (2 if t.is_neg() else 0)
+
+
+def without_bits(t: torch.Tensor, bits: int) -> torch.Tensor:
+    """``t`` with its ``view_bits`` ``bits`` taken off: a view of the same memory, read
+    as it lies (``finish`` sets them again on a copy of it)."""
+    if bits & 2:
+        t = torch._neg_view(t)
+    if bits & 1:
+        t = t.conj()
+    return t
 
 
 def finish(t: torch.Tensor, parameter: bool, requires_grad: bool, bits: int = 0):
@@ -330,8 +354,9 @@ def _reduce_bare(enc, t: torch.Tensor):
     spent = made[2] if made is not None else 0
     if _shm.keeps_layout(n, nbytes):
         span = n
-    elif not _shm.keeps_layout(span, nbytes):
-        t = t.detach().clone()
+    elif not _shm.keeps_layout(span, nbytes):  # (a clone resolves the view bits: they
+        bits = view_bits(t)                     # are set again on it, its memory as is)
+        t = finish(without_bits(t.detach(), bits).clone(), False, False, bits)
         st = t.untyped_storage()
         return _copied(enc, t, _copy(enc, st, st.nbytes()), kind, requires_grad)
     elif spent + span > n:
@@ -456,8 +481,8 @@ def _where(enc, t: torch.Tensor, block, base: int, n: int, kind, requires_grad: 
 def _tensor_hole(enc, t: torch.Tensor):
     """A shared CPU tensor in a flat message (``_flat``): ``(_flat_tensor, *where)``;
     None for any other tensor (the full encoder sends it, or refuses it)."""
-    if not t.is_cpu or (t.requires_grad and not t.is_leaf) or \
-            t.layout is not torch.strided or t.is_quantized or t.is_nested or t.__dict__:
+    if not t.is_cpu or (t.requires_grad and not t.is_leaf) or t.dtype in _QUANTIZED or \
+            t.layout is not torch.strided or t.is_nested or t.__dict__:
         return None
     where = _shared(enc, t)
     return None if where is None else (_flat_tensor, *where)

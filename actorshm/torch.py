@@ -173,26 +173,26 @@ def share(tensor):
             share(p) if isinstance(p, _t.Tensor) else p for p in parts))
     else:
         bits = _torch.view_bits(src)  # a conjugate or negative view: its memory as it is,
-        if bits & 2:                  # the bits set again on the copy, as sending does
-            src = _t._neg_view(src)
-        if bits & 1:
-            src = src.conj()
-        out = empty(src.numel() if _dense(src) else src.shape, dtype=src.dtype,
-                    device=src.device)
+        src = _torch.without_bits(src, bits)  # the bits set again on the copy, as
+        out = empty(src.numel() if _dense(src) else src.shape,  # sending does
+                    dtype=src.dtype, device=src.device)
         if out.shape != src.shape:  # (dense: its own strides over the flat copy)
             out = out.as_strided(src.shape, src.stride())
         out.copy_(src)
         out = _torch.finish(out, False, False, bits)
-    if isinstance(tensor, _t.nn.Parameter):
-        return _t.nn.Parameter(out, requires_grad=tensor.requires_grad)
+    # Of its class, with its state (attributes set on it), as it arrives where it is
+    # sent: its attributes the same objects, not copies.
+    state = _t._utils._get_obj_state(tensor)
     kind = type(tensor)
-    if kind is not _t.Tensor and kind.__reduce_ex__ is _t.Tensor.__reduce_ex__:
-        # of its class, with its state, as it arrives where it is sent (its attributes
-        # the same objects, not copies)
-        sub = _t.Tensor._make_subclass(kind, out, tensor.requires_grad)
-        _torch._set_subclass_state(sub, _t._utils._get_obj_state(tensor))
-        return sub
-    return out.requires_grad_(tensor.requires_grad)
+    if isinstance(tensor, _t.nn.Parameter):
+        out = _t.nn.Parameter(out, requires_grad=tensor.requires_grad)
+    elif kind is not _t.Tensor and kind.__reduce_ex__ is _t.Tensor.__reduce_ex__:
+        out = _t.Tensor._make_subclass(kind, out, tensor.requires_grad)
+    else:
+        out.requires_grad_(tensor.requires_grad)
+    if state:
+        _torch._set_subclass_state(out, state)
+    return out
 
 
 def _dense(t) -> bool:
@@ -286,26 +286,31 @@ def share_module(module):
 
 def _move_storage(group: list) -> None:
     """Re-make every tensor of ``group`` (the tensors on one storage) over one shared
-    copy of that storage, each with its own offset, shape and strides."""
+    copy of that storage, each with its own offset, shape and strides. Each keeps its
+    object (``.data`` moves), as torch's in-place ``share_memory_()`` keeps it: a
+    buffer's class, attributes and ``requires_grad`` stay, as a Parameter's do."""
     flat = None
-    moved: dict = {}  # id(v) -> its replacement (one buffer registered twice)
     for m, kind, name, v in group:
         t = v.data if kind == "p" else v
-        if is_shared(t):  # (one Parameter registered twice: moved already)
+        if is_shared(t):  # (one tensor registered twice: moved already)
             continue
-        if id(v) in moved:
-            new = moved[id(v)]
-        elif t.layout is not _t.strided:
-            new = share(t)
+        if t.layout is not _t.strided:
+            new = share(t.detach())
         else:
-            if flat is None:
-                st = t.untyped_storage()
+            if flat is None:  # (tensors from one address may see storages of two
+                st = max((x.untyped_storage() for x in _strided(group)),  # sizes)
+                         key=lambda st: st.nbytes())
                 flat = empty(st.nbytes(), dtype=_t.uint8, device=t.device)
                 flat.copy_(_t.empty(0, dtype=_t.uint8, device=t.device).set_(st))
             new = _t.empty(0, dtype=t.dtype, device=t.device).set_(
                 flat.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-        moved[id(v)] = new
-        if kind == "p":
-            v.data = new
-        else:
-            m._buffers[name] = new
+            new = _torch.finish(new, False, False, _torch.view_bits(t))
+        v.data = new
+
+
+def _strided(group: list):
+    """The strided tensors of a ``share_module`` group."""
+    for _m, kind, _name, v in group:
+        t = v.data if kind == "p" else v
+        if t.layout is _t.strided:
+            yield t

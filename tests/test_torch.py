@@ -127,6 +127,13 @@ async def test_conjugate_and_negative_views_keep_their_values(rt):
         y = await w.echo(x)
         assert y.dtype == x.dtype and torch.equal(y.resolve_conj().resolve_neg(),
                                                   x.resolve_conj().resolve_neg())
+    # a small view of a large ordinary storage is copied compactly (a clone, which
+    # resolved the bits: it arrived with the right values but as no view)
+    big = torch.arange(40000.0) * (1 + 1j)
+    for x in (big[30000:30003].conj(), torch._neg_view(big.real[30000:30003])):
+        y = await w.echo(x)
+        assert (y.is_conj(), y.is_neg()) == (x.is_conj(), x.is_neg())
+        assert torch.equal(y.resolve_conj().resolve_neg(), x.resolve_conj().resolve_neg())
     back = await w.echo(z.conj())
     assert back.is_conj() and back.data_ptr() == z.data_ptr()  # still a view of z
     await w.fill(z.conj(), 1j)  # written through the conjugate view: z holds -1j
@@ -458,6 +465,17 @@ async def test_small_ordinary_tensors_travel_in_band_as_writable_copies(rt):
     assert 1 <= shared <= 3 and shared + INLINE_BUDGET // INLINE_MAX >= n
 
 
+async def test_a_quantized_dtype_view_of_raw_memory_is_refused_before_sending(rt):
+    # Not quantized (no scale, no zero point), it arrived quantized with no quantizer,
+    # and the actor died of SIGSEGV returning it; shared, it took the flat path alike.
+    w = await TorchWorker.spawn()
+    for raw in (torch.zeros(16, dtype=torch.uint8), at.zeros(16, dtype=torch.uint8)):
+        with pytest.raises(TypeError, match=r"torch\.qint32 that is not quantized.*"
+                                            r"t\.view\(torch\.int32\)"):
+            w.info(raw.view(torch.qint32))
+    assert (await w.info(torch.ones(2)))["shape"] == (2,)  # the actor lives on
+
+
 async def test_parameter_and_requires_grad_travel_and_non_leaf_is_refused(rt):
     w = await TorchWorker.spawn()
     p = torch.nn.Parameter(at.zeros(4))
@@ -644,10 +662,14 @@ async def test_share_module_keeps_tensors_that_view_one_storage_aliased(rt):
 def test_share_module_frees_each_old_storage_as_it_goes(monkeypatch):
     # Peak memory is the module plus one storage, not twice the module: by the time the
     # third storage is copied, the first two (held by nothing but the module) are gone.
+    # (The buffers keep their objects, their .data moves: the numpy arrays under the old
+    # storages tell when those are freed.)
     m = torch.nn.Module()
-    for i in range(3):
-        m.register_buffer(f"b{i}", torch.full((4,), float(i)))
-    old = [weakref.ref(b) for b in m.buffers()]
+    arrays = [np.full(4, float(i), np.float32) for i in range(3)]
+    for i, a in enumerate(arrays):
+        m.register_buffer(f"b{i}", torch.from_numpy(a))
+    old = [weakref.ref(a) for a in arrays]
+    del arrays, a
     alive_at_copy = []
     real_empty = at.empty
 
@@ -688,10 +710,56 @@ def test_share_module_refuses_a_lazy_module_until_its_first_forward():
     assert all(at.is_shared(p) for p in at.share_module(m).parameters())
 
 
+def test_share_module_keeps_conjugate_and_negative_views_and_buffer_objects():
+    # A conjugate or negative view lost its bit when moved (its values changed: 1-1j
+    # became 1+1j, -1 became 1); a buffer was replaced by a plain tensor (its class,
+    # attributes and requires_grad gone), which Module.share_memory() keeps.
+    m = torch.nn.Module()
+    z = torch.tensor([1 - 1j, 2 + 2j])
+    m.w = torch.nn.Parameter(z.clone().conj())
+    m.register_buffer("kernel", z.clone().conj())
+    m.register_buffer("neg", torch._neg_view(torch.tensor([1.0, 2.0])))
+    b = torch.ones(3).as_subclass(Tagged)
+    b.tag = "keep"
+    m.register_buffer("b", b)
+    m.register_buffer("g", torch.ones(2, requires_grad=True))
+    before = {k: v.detach().resolve_conj().resolve_neg().clone()
+              for k, v in m.state_dict(keep_vars=True).items()}
+    bits = {k: (v.is_conj(), v.is_neg()) for k, v in m.state_dict(keep_vars=True).items()}
+    at.share_module(m)
+    for k, v in m.state_dict(keep_vars=True).items():
+        assert at.is_shared(v), k
+        assert (v.is_conj(), v.is_neg()) == bits[k], k
+        assert torch.equal(v.detach().resolve_conj().resolve_neg(), before[k]), k
+    assert m.b is b and type(m.b) is Tagged and m.b.tag == "keep"
+    assert m.g.requires_grad
+
+
+def test_share_module_moves_tensors_from_one_address_over_storages_of_two_sizes():
+    # Two tensors made from one array (from_numpy of a slice and of the whole) start at
+    # one address on storages of two sizes: the copy was sized by the first one met, and
+    # the second failed part-way ("Trying to resize storage that is not resizable").
+    arr = np.arange(100, dtype=np.float32)
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.from_numpy(arr[:10]))
+    m.b = torch.nn.Parameter(torch.from_numpy(arr))
+    at.share_module(m)
+    assert at.is_shared(m.a) and at.is_shared(m.b)
+    assert m.a.tolist() == list(range(10)) and m.b.tolist() == list(range(100))
+    with torch.no_grad():
+        m.b[3] = -1.0  # still one memory, as before
+    assert m.a[3].item() == -1.0
+
+
 def test_share_keeps_what_sending_keeps():
     p = torch.nn.Parameter(torch.ones(2, 3))
     sp = at.share(p)
     assert type(sp) is torch.nn.Parameter and sp.requires_grad and at.is_shared(sp)
+    # attributes set on a tensor or a Parameter (they were dropped; sending keeps them)
+    p.no_decay = True
+    t = torch.ones(3)
+    t.tag = ["a"]
+    assert at.share(p).no_decay is True and at.share(t).tag is t.tag
     leaf = at.share(torch.ones(3, requires_grad=True))
     assert leaf.requires_grad and leaf.is_leaf and at.is_shared(leaf)
     with pytest.raises(TypeError, match=r"not a leaf.*t\.detach\(\)"):
