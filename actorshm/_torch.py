@@ -169,8 +169,9 @@ def _pickled_as_tensor(kind: type) -> bool:
 # The quantized dtypes: a tensor of one that is not quantized (``.view(torch.qint32)`` of
 # raw bytes) has no quantizer, and torch rebuilds it as a quantized one without any (its
 # own pickling too): the receiver crashed on it (SIGSEGV).
-_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2,
-                        torch.quint2x4})
+QUANTIZED = frozenset(getattr(torch, name) for name in
+                      ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+                      if hasattr(torch, name))
 
 
 def check_sendable(t: torch.Tensor) -> None:
@@ -180,7 +181,7 @@ def check_sendable(t: torch.Tensor) -> None:
         raise _serialization.Unsendable(  # (a TypeError whose message says it all)
             "a tensor that requires grad and is not a leaf (it is part of an autograd "
             "graph) cannot be sent: send `t.detach()` (or a leaf, e.g. a Parameter)")
-    if t.dtype in _QUANTIZED and not t.is_quantized:
+    if t.dtype in QUANTIZED and not t.is_quantized:
         raise _serialization.Unsendable(
             f"a tensor of dtype {t.dtype} that is not quantized (a .view({t.dtype}) of "
             "raw memory: it has no scale or zero point) cannot be sent, as torch cannot "
@@ -278,6 +279,18 @@ def _set_subclass_state(t: torch.Tensor, state) -> None:
         t.__setstate__(state)
     else:
         torch._utils._set_obj_state(t, state)
+
+
+def state_for(state, tensor: torch.Tensor, copy: torch.Tensor):
+    """``tensor``'s attribute state (``_get_obj_state``) for its copy ``copy``: an
+    attribute that is ``tensor`` itself is ``copy``, as pickling's memo makes it."""
+    def own(d):
+        if type(d) is not dict or not any(v is tensor for v in d.values()):
+            return d
+        return {k: copy if v is tensor else v for k, v in d.items()}
+    if type(state) is tuple and len(state) == 2:  # (its __dict__, its slots)
+        return own(state[0]), own(state[1])
+    return own(state)
 
 
 def _from_another_process(st) -> bool:
@@ -481,7 +494,7 @@ def _where(enc, t: torch.Tensor, block, base: int, n: int, kind, requires_grad: 
 def _tensor_hole(enc, t: torch.Tensor):
     """A shared CPU tensor in a flat message (``_flat``): ``(_flat_tensor, *where)``;
     None for any other tensor (the full encoder sends it, or refuses it)."""
-    if not t.is_cpu or (t.requires_grad and not t.is_leaf) or t.dtype in _QUANTIZED or \
+    if not t.is_cpu or (t.requires_grad and not t.is_leaf) or t.dtype in QUANTIZED or \
             t.layout is not torch.strided or t.is_nested or t.__dict__:
         return None
     where = _shared(enc, t)

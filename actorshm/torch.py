@@ -55,11 +55,6 @@ def _cuda_plugin(what: str):
     return _torch_cuda
 
 
-_QUANTIZED = frozenset(getattr(_t, name) for name in
-                       ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
-                       if hasattr(_t, name))
-
-
 def empty(*size, dtype=None, device="cpu"):
     """A new tensor in shared memory owned by this process (contents undefined).
 
@@ -91,7 +86,7 @@ def empty(*size, dtype=None, device="cpu"):
                             f"(torch.float32), not {dtype!r}; a numpy array is made with "
                             f"actorshm.empty(..., dtype="
                             f"{getattr(dtype, '__name__', dtype)!r})") from None
-    if dtype in _QUANTIZED:
+    if dtype in _torch.QUANTIZED:
         raise TypeError(
             f"actorshm.torch.empty: {dtype} is a quantized dtype, and a quantized tensor "
             "cannot live in shared memory (torch pickles it, by value); share the "
@@ -180,18 +175,29 @@ def share(tensor):
             out = out.as_strided(src.shape, src.stride())
         out.copy_(src)
         out = _torch.finish(out, False, False, bits)
-    # Of its class, with its state (attributes set on it), as it arrives where it is
-    # sent: its attributes the same objects, not copies.
-    state = _t._utils._get_obj_state(tensor)
+    return _dressed(tensor, out)
+
+
+def _dressed(tensor, out):
+    """Shared copy ``out`` of ``tensor`` as ``tensor`` was, as it arrives where it is
+    sent: a Parameter (``requires_grad`` kept), of its class with its state (its
+    attributes, the same objects; one that refers to the tensor itself refers to the
+    copy) when that class has no ``__reduce_ex__`` of its own, a leaf's
+    ``requires_grad`` kept."""
     kind = type(tensor)
     if isinstance(tensor, _t.nn.Parameter):
         out = _t.nn.Parameter(out, requires_grad=tensor.requires_grad)
+        if kind is not _t.nn.Parameter:  # (a subclass: it arrives as a Parameter too,
+            return out                   # without its state, which may not fit one)
     elif kind is not _t.Tensor and kind.__reduce_ex__ is _t.Tensor.__reduce_ex__:
         out = _t.Tensor._make_subclass(kind, out, tensor.requires_grad)
     else:
         out.requires_grad_(tensor.requires_grad)
+        if kind is not _t.Tensor:  # (its own __reduce_ex__: a plain tensor, no state)
+            return out
+    state = _t._utils._get_obj_state(tensor)
     if state:
-        _torch._set_subclass_state(out, state)
+        _torch._set_subclass_state(out, _torch.state_for(state, tensor, out))
     return out
 
 
@@ -221,6 +227,12 @@ def _check_shareable(tensor, what: str) -> None:
     if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(f"actorshm.torch.{what} takes CPU or CUDA tensors, not "
                          f"{tensor.device.type!r} ones; move it with .cpu()")
+    if tensor.dtype in _torch.QUANTIZED and not tensor.is_quantized:
+        raise TypeError(
+            f"actorshm.torch.{what}: a tensor of dtype {tensor.dtype} that is not "
+            f"quantized (a .view({tensor.dtype}) of raw memory: it has no scale or zero "
+            "point) cannot be shared, as torch cannot rebuild it: share its raw memory "
+            "(e.g. t.view(torch.int32)), or a quantized tensor's dequantize()")
     if tensor.is_nested or tensor.is_quantized:
         kind = "nested" if tensor.is_nested else "quantized"
         raise TypeError(
@@ -259,6 +271,18 @@ def share_module(module):
     # Every tensor is checked before any moves, and the storages move one at a time, so
     # each old one is freed as soon as its tensors have moved (peak: the module plus its
     # largest storage, not twice the module).
+    groups = _groups(module)
+    with _t.no_grad():
+        while groups:
+            _move_storage(groups.pop(next(iter(groups))))
+    return module
+
+
+def _groups(module) -> dict:
+    """``share_module``'s tensors to move, by storage: ``{key: [(module, kind ("p" or
+    "b"), name, tensor)]}`` in module order, each checked. (A function of its own: a
+    loop variable left in ``share_module`` would hold the last storage met past its
+    move.)"""
     groups: dict = {}  # storage key -> [(module, kind, name, tensor)], in module order
     for m in module.modules():
         for kind, slots in (("p", m._parameters), ("b", m._buffers)):
@@ -278,23 +302,25 @@ def share_module(module):
                 key = ((t.device, st.data_ptr()) if st is not None and st.nbytes()
                        else id(v))  # (a sparse or empty tensor: on its own)
                 groups.setdefault(key, []).append((m, kind, name, v))
-    with _t.no_grad():
-        while groups:
-            _move_storage(groups.pop(next(iter(groups))))
-    return module
+    return groups
 
 
 def _move_storage(group: list) -> None:
     """Re-make every tensor of ``group`` (the tensors on one storage) over one shared
-    copy of that storage, each with its own offset, shape and strides. Each keeps its
-    object (``.data`` moves), as torch's in-place ``share_memory_()`` keeps it: a
-    buffer's class, attributes and ``requires_grad`` stay, as a Parameter's do."""
+    copy of that storage, each with its own offset, shape and strides. A Parameter
+    keeps its object (its ``.data`` moves: optimizers hold it); a buffer is replaced by
+    its shared copy, of its class with its attributes and ``requires_grad``
+    (``_dressed``), which frees the old memory even when it was a view (``.data``
+    moved in place keeps a view's base) and moves a sparse compressed one whole."""
     flat = None
+    moved: dict = {}  # id(v) -> its replacement (one buffer registered twice)
     for m, kind, name, v in group:
         t = v.data if kind == "p" else v
-        if is_shared(t):  # (one tensor registered twice: moved already)
+        if is_shared(t):  # (one Parameter registered twice: moved already)
             continue
-        if t.layout is not _t.strided:
+        if id(v) in moved:
+            new = moved[id(v)]
+        elif t.layout is not _t.strided:
             new = share(t.detach())
         else:
             if flat is None:  # (tensors from one address may see storages of two
@@ -302,10 +328,17 @@ def _move_storage(group: list) -> None:
                          key=lambda st: st.nbytes())
                 flat = empty(st.nbytes(), dtype=_t.uint8, device=t.device)
                 flat.copy_(_t.empty(0, dtype=_t.uint8, device=t.device).set_(st))
+                del st
             new = _t.empty(0, dtype=t.dtype, device=t.device).set_(
                 flat.untyped_storage(), t.storage_offset(), t.shape, t.stride())
             new = _torch.finish(new, False, False, _torch.view_bits(t))
-        v.data = new
+        moved[id(v)] = new
+        if kind == "b":
+            m._buffers[name] = _dressed(v, new)
+        elif t.layout in (_t.strided, _t.sparse_coo):
+            v.data = new
+        else:  # (``.data`` of a sparse compressed one would keep its old parts)
+            m._parameters[name] = _dressed(v, new)
 
 
 def _strided(group: list):

@@ -713,7 +713,7 @@ def test_share_module_refuses_a_lazy_module_until_its_first_forward():
 def test_share_module_keeps_conjugate_and_negative_views_and_buffer_objects():
     # A conjugate or negative view lost its bit when moved (its values changed: 1-1j
     # became 1+1j, -1 became 1); a buffer was replaced by a plain tensor (its class,
-    # attributes and requires_grad gone), which Module.share_memory() keeps.
+    # attributes and requires_grad gone, which Module.share_memory() keeps).
     m = torch.nn.Module()
     z = torch.tensor([1 - 1j, 2 + 2j])
     m.w = torch.nn.Parameter(z.clone().conj())
@@ -731,8 +731,40 @@ def test_share_module_keeps_conjugate_and_negative_views_and_buffer_objects():
         assert at.is_shared(v), k
         assert (v.is_conj(), v.is_neg()) == bits[k], k
         assert torch.equal(v.detach().resolve_conj().resolve_neg(), before[k]), k
-    assert m.b is b and type(m.b) is Tagged and m.b.tag == "keep"
+    assert type(m.b) is Tagged and m.b.tag == "keep"  # (a new object, as sent ones)
     assert m.g.requires_grad
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_share_module_frees_view_buffers_old_memory_and_shares_every_kind():
+    # A buffer is replaced by its shared copy: a view buffer (nanoGPT's causal mask,
+    # tril(ones(n, n)).view(1, 1, n, n)) moved in place through .data kept its old base
+    # alive; a sparse compressed tensor moved so kept its old parts (not shared); an
+    # inference tensor moved so broke (repr, state_dict: "Inference tensors do not track
+    # version counter"); a quantized-dtype view of raw bytes failed part-way.
+    base = np.tril(np.ones((64, 64), np.float32))
+    old = weakref.ref(base)
+    m = torch.nn.Module()
+    m.register_buffer("mask", torch.from_numpy(base).view(1, 1, 64, 64))
+    del base
+    m.register_buffer("csr", torch.eye(3).to_sparse_csr())
+    m.csr_p = torch.nn.Parameter(torch.eye(3).to_sparse_csr(), requires_grad=False)
+    with torch.inference_mode():
+        m.register_buffer("inf", torch.arange(4.0))
+    at.share_module(m)
+    gc.collect()
+    assert old() is None  # (the old mask's memory went)
+    assert all(at.is_shared(t) for t in (m.mask, m.csr, m.csr_p, m.inf))
+    assert torch.equal(m.mask[0, 0], torch.tril(torch.ones(64, 64)))
+    assert torch.equal(m.csr.to_dense(), torch.eye(3))
+    assert torch.equal(m.csr_p.to_dense(), torch.eye(3))
+    assert m.state_dict()["inf"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    m.inf.add_(1)  # (an ordinary tensor now, as Module.share_memory() leaves it)
+    m2 = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    m2.register_buffer("raw", torch.zeros(8, dtype=torch.uint8).view(torch.qint32))
+    with pytest.raises(TypeError, match=r"not quantized.*t\.view\(torch\.int32\)"):
+        at.share_module(m2)
+    assert not any(at.is_shared(p) for p in m2.parameters())  # (nothing moved)
 
 
 def test_share_module_moves_tensors_from_one_address_over_storages_of_two_sizes():
@@ -760,6 +792,9 @@ def test_share_keeps_what_sending_keeps():
     t = torch.ones(3)
     t.tag = ["a"]
     assert at.share(p).no_decay is True and at.share(t).tag is t.tag
+    t.me = t  # one that refers to the tensor itself refers to the copy, as sent
+    st = at.share(t)
+    assert st.me is st
     leaf = at.share(torch.ones(3, requires_grad=True))
     assert leaf.requires_grad and leaf.is_leaf and at.is_shared(leaf)
     with pytest.raises(TypeError, match=r"not a leaf.*t\.detach\(\)"):
