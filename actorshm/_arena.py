@@ -24,7 +24,7 @@ from . import _leases
 from ._errors import SharedMemoryError
 from ._leases import Block, Region
 from ._registry import plugin_is_shared
-from ._util import fmt_bytes, require_linux
+from ._util import fmt_bytes, off_stdio, require_linux
 
 __all__ = ["Arena", "HostBlock", "find_block", "is_shared", "map_fd", "new_arena",
            "array_from_block", "nbytes_of"]
@@ -271,13 +271,13 @@ def new_arena(key: tuple, size: int, dedicated: bool, pool) -> Arena:
     """
     require_linux("shared memory")
     try:
-        fd = os.memfd_create("actorshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = off_stdio(os.memfd_create("actorshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING))
     except OSError as exc:
         if exc.errno not in (errno.EMFILE, errno.ENFILE):
             raise
         pool.free_idle()  # idle arenas hold fds: close them
         try:
-            fd = os.memfd_create("actorshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            fd = off_stdio(os.memfd_create("actorshm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING))
         except OSError as exc2:
             if exc2.errno not in (errno.EMFILE, errno.ENFILE):
                 raise

@@ -19,7 +19,7 @@ import mmap
 import os
 import threading
 
-from ._util import fmt_bytes
+from ._util import fmt_bytes, off_stdio
 
 __all__ = ["default_budget", "fd_limit", "SharedBudget", "chunk_size_for", "MIN_BUDGET",
            "MAX_BUDGET", "what_for"]
@@ -226,7 +226,7 @@ class SharedBudget:
     @classmethod
     def create(cls, budget: int) -> "SharedBudget":
         """A new ledger (in the driver) with ``budget``; slot 0 is this process's."""
-        fd = os.memfd_create("actorshm-budget", os.MFD_CLOEXEC)
+        fd = off_stdio(os.memfd_create("actorshm-budget", os.MFD_CLOEXEC))
         try:
             os.ftruncate(fd, (_HEAD + cls.SLOTS * _SLOT) * 8)
             self = cls(fd)

@@ -60,6 +60,11 @@ def undeserializable_arguments(what: str) -> TypeError:
                 "actor process's authentication key, which is not the driver's: keep the shared "
                 "state in an actor, or in a shared array (actorshm.zeros); or set "
                 "multiprocessing.current_process().authkey in the actor to the manager's)")
+    elif missing and not all(part.isidentifier() for part in missing.group(1).split(".")):
+        hint = (f" (it was defined in code run as module {missing.group(1)!r}, as "
+                "runpy.run_path runs a file by default, and no process can import that: "
+                "run the file with run_name='__main__', or define it in a module the "
+                "actor can import)")
     elif missing:
         name = missing.group(1)
         hint = (f" (the actor's process cannot import {name!r}: actors import from the "
@@ -69,7 +74,7 @@ def undeserializable_arguments(what: str) -> TypeError:
     return TypeError(f"{UNDESERIALIZABLE}{what}{hint}")
 
 
-_MISSING_MODULE = re.compile(r"No module named '([\w.]+)'")
+_MISSING_MODULE = re.compile(r"No module named '([^']+)'")
 
 
 class RemoteError(ActorError):

@@ -23,6 +23,8 @@ import socket
 import struct
 import sys
 
+from ._util import off_stdio
+
 _LEN = struct.Struct("<I")
 
 
@@ -61,11 +63,19 @@ def recv_msg(sock: socket.socket):
         if not chunk:
             return None
         data += chunk
-    return pickle.loads(data), list(fds)
+    return pickle.loads(data), [off_stdio(fd, keep=True) for fd in fds]
 
 
 def main() -> None:
-    from ._util import leave_ctrl_c_to_the_driver, set_parent_death_signal
+    from ._util import fill_closed_stdio, leave_ctrl_c_to_the_driver, set_parent_death_signal
+    # A driver that closed its standard streams passed them on closed: a file of the
+    # server's took their number (its children's stdout), and Python started without
+    # sys.stdout/stderr, which its children need (they put pipes on fds 1 and 2).
+    fill_closed_stdio()
+    for name, fd in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False,
+                                    errors="backslashreplace"))
     set_parent_death_signal()
     leave_ctrl_c_to_the_driver()
     # Import once here what every actor needs, so that forks start warm.

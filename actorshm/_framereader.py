@@ -14,6 +14,7 @@ import resource
 import socket
 from time import perf_counter as _clock
 
+from ._util import off_stdio
 from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, LAST_KIND, MARK, MAX_FDS_PER_FRAME,
                     MAX_FLAGS, MAX_FRAME)
 
@@ -121,6 +122,8 @@ class FrameReader:
                 # fds as -1: the blocks of the arenas they would open fail (that call or
                 # result fails, naming the cause), and the connection lives on.
                 cut = _fd_shortage() or ": the kernel dropped them (a read was cut short)"
+            if got and min(got) <= 2:  # (the program closed its standard streams)
+                got = [off_stdio(fd, keep=True) for fd in got]
             if got or cut is not None:
                 self._fd_groups.append((list(got), cut))
         if not nread:

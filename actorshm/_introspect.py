@@ -34,6 +34,7 @@ from . import _leases, _shm
 from ._descendants import is_stopped
 from ._oom import oom_kill_count
 from ._serialization import PassFd
+from ._util import socket_pair
 
 __all__ = ["Inspectable", "MemoryReport", "call_init", "serve_probe"]
 
@@ -246,7 +247,7 @@ def call_init(rec, config: dict, args: tuple, kwargs: dict) -> asyncio.Future:
     """
     if rec.probe is not None:
         rec.probe.close()
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours, theirs = socket_pair()
     ours.setblocking(False)
     rec.probe = _Probe(ours)
     config["probe"] = PassFd(theirs.fileno())

@@ -28,7 +28,7 @@ from . import _descendants, _forkserver, _leases, _shm
 from ._output import OutputForwarder  # noqa: F401  (re-exported)
 from ._errors import ActorDiedError
 from ._serialization import PassFd
-from ._util import THREAD_VARS
+from ._util import THREAD_VARS, pipe, socket_pair
 
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -550,7 +550,7 @@ class ForkServerClient:
             # end (``_server_gone``); its actors live on, and a new one starts.
             self._on_forkserver()
         if self._fs is None:
-            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            a, b = socket_pair()
             fs_env = dict(os.environ)
             fs_env["ACTORSHM_SYS_PATH"] = env["ACTORSHM_SYS_PATH"]
             # The server imports numpy, whose BLAS fixes its thread count then, for every
@@ -563,9 +563,9 @@ class ForkServerClient:
             b.close()
             self._fs = (popen, a)
             self.loop.add_reader(a.fileno(), self._on_forkserver)
-        out_r, out_w = os.pipe()
+        out_r, out_w = pipe()
         try:
-            err_r, err_w = os.pipe()
+            err_r, err_w = pipe()
         except OSError:  # (out of fds)
             os.close(out_r)
             os.close(out_w)

@@ -12,7 +12,7 @@ import os
 import warnings
 from typing import Any
 
-from . import _client, _events, _ray_events, _shm
+from . import _client, _events, _ray_events, _serialization, _shm
 from ._actor import ActorHandle, ActorOptions
 from ._errors import ActorDiedError
 from ._ray import CLIENT, RayActorId, import_ray, ray_env
@@ -115,6 +115,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
         if self._closing:
             raise RuntimeError("this Runtime was closed; open a new one")
         ray_env(self.address)  # (read when Ray is imported, and when it connects)
+        _serialization.send_mp_main_by_value()
         import_ray()
         self._take_over()
         self._connect()

@@ -18,12 +18,12 @@ import inspect
 import itertools
 import os
 import signal
-import socket
 import threading
 import weakref
 from typing import Any
 
-from . import _client, _descendants, _events, _introspect, _leases, _plugins, _services, _shm  # noqa: F401
+from . import (_client, _descendants, _events, _introspect, _leases, _plugins,  # noqa: F401
+               _serialization, _services, _shm)
 from . import _multicast
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._backend import BackendChoice
@@ -33,7 +33,8 @@ from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, check_
 from ._protocol import Connection
 from ._streams import StreamingClient
 from ._supervise import Supervisor
-from ._util import check_run_args, coalesced_call, install_event_loop_policy, require_linux
+from ._util import (check_run_args, coalesced_call, fill_closed_stdio,
+                    install_event_loop_policy, require_linux, socket_pair)
 
 __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 
@@ -131,6 +132,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             raise RuntimeError("this Runtime was closed; open a new one: "
                                "`rt = await actorshm.Runtime().start()`")
         require_linux("the local backend")
+        _serialization.send_mp_main_by_value()
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         if self.start_method == "forkserver":  # (its server starts on the first fork)
@@ -168,6 +170,13 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         """
         if not self._open or self._closing:
             return
+        if os.getpid() == self._owner and self.loop.is_running() and \
+                asyncio.get_running_loop() is not self.loop:
+            # From another thread's loop: its actors' records, events and connections
+            # belong to the runtime's own loop, which closes it (run here, it waited
+            # the whole grace for exits that loop's events report, and failed there).
+            return await asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(self.close(), self.loop))
         if os.getpid() != self._owner:
             self._open, self._closing = False, True
             self._finalizer.detach()
@@ -282,7 +291,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
 
     async def _start_process(self, rec: ActorRecord) -> None:
         try:
-            parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            parent, child = socket_pair()
         except OSError as exc:
             _raise_out_of_fds(exc)
         deadline = self.loop.time() + self.start_timeout  # (the fork's wait counts too)
@@ -653,6 +662,7 @@ def run(main, **runtime_options: Any):
         import uvloop
     except ImportError:
         return asyncio.run(wrapper())
+    fill_closed_stdio()
     if hasattr(uvloop, "run"):
         return uvloop.run(wrapper())
     install_event_loop_policy()  # pragma: no cover - old uvloop

@@ -67,6 +67,16 @@ FILE_TYPES = frozenset({io.FileIO, io.BufferedReader, io.BufferedWriter, io.Buff
                          io.TextIOWrapper})
 
 
+def send_mp_main_by_value() -> None:
+    """In a ``multiprocessing`` child started by spawn or forkserver, the parent's script
+    is module ``__mp_main__``: its classes and functions go by value, as ``__main__``'s
+    do (cloudpickle named them by reference, and no actor can import ``__mp_main__``).
+    A runtime calls this as it opens."""
+    mod = sys.modules.get("__mp_main__")
+    if mod is not None and getattr(mod, "__name__", None) == "__mp_main__":
+        cloudpickle.register_pickle_by_value(mod)
+
+
 def refuse_file(f) -> None:
     name = getattr(f, "name", None)
     what = f"the open file {name!r}" if isinstance(name, str) else "an open file"

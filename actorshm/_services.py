@@ -9,12 +9,12 @@ counters (``actorshm.stats`` of the driver).
 from __future__ import annotations
 
 import asyncio
-import socket
 
 from . import _shm
 from ._errors import ActorDiedError
 from ._framing import close_fd
 from ._serialization import PassFd
+from ._util import socket_pair
 
 
 def serve(runtime, conn, cid: int, call: list) -> None:
@@ -59,7 +59,7 @@ def _connect(runtime, conn, cid: int, target: int) -> None:
     rec = runtime.record(target)
     if rec is None or rec.conn is None or rec.conn.closed:
         raise ActorDiedError(runtime.death_of(target))
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a, b = socket_pair()
     fa, fb = a.detach(), b.detach()
     caller = runtime.record(conn.peer_id)
     peer = (conn.peer_id, caller.pid if caller else None)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import fcntl
 import inspect
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -22,6 +24,63 @@ def require_linux(what: str) -> None:
             f"actorshm: {what} needs Linux (it is built on memfd_create, pidfds and "
             f"/proc), and this is {sys.platform!r}: run your program on a Linux machine, "
             "or in a Linux container or virtual machine (Docker, WSL 2)")
+
+
+def off_stdio(fd: int, keep: bool = False) -> int:
+    """``fd``, or a copy of it numbered 3 or above (close-on-exec) in its place when it
+    is 0, 1 or 2: where a program closed those (as daemon-style code does), a file the
+    library opens takes their number, and the program's prints (a ``print``, a warning,
+    a library's log) went into it: into a shared array's memory, or a connection's
+    stream of frames. A file of the library's never takes their number. Where no other
+    number is free, ``fd`` itself if ``keep``, else it is closed and the error raised."""
+    if fd > 2:
+        return fd
+    try:
+        new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    except OSError:
+        if keep:
+            return fd
+        os.close(fd)
+        raise
+    os.close(fd)
+    return new
+
+
+def socket_pair() -> tuple[socket.socket, socket.socket]:
+    """A connected pair of Unix stream sockets, numbered off the standard streams
+    (``off_stdio``)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    if a.fileno() > 2 and b.fileno() > 2:
+        return a, b
+    try:
+        fa = off_stdio(a.detach())
+    except BaseException:
+        b.close()
+        raise
+    try:
+        fb = off_stdio(b.detach())
+    except BaseException:
+        os.close(fa)
+        raise
+    return socket.socket(fileno=fa), socket.socket(fileno=fb)
+
+
+def pipe() -> tuple[int, int]:
+    """``os.pipe()``, numbered off the standard streams (``off_stdio``; close-on-exec,
+    as ``os.pipe``'s are)."""
+    r, w = os.pipe()
+    if r > 2 and w > 2:
+        return r, w
+    try:
+        r = off_stdio(r)
+    except BaseException:
+        os.close(w)
+        raise
+    try:
+        return r, off_stdio(w)
+    except BaseException:
+        os.close(r)
+        raise
 
 
 def _no_op_signal(signum, frame) -> None:
@@ -99,12 +158,27 @@ def describe_exit(code: int | None) -> str:
     return f"it exited with code {code}"
 
 
+def fill_closed_stdio() -> None:
+    """Open ``/dev/null`` on whichever of fds 0, 1 and 2 this process closed, before a
+    uvloop loop starts: libuv aborts the process (SIGABRT) when it closes a file of its
+    own numbered 0-2, which it gets where those are closed. (Daemon-style code closes
+    them; ``/dev/null`` there is what it means: output goes nowhere.)"""
+    for fd in (0, 1, 2):
+        try:
+            fcntl.fcntl(fd, fcntl.F_GETFD)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:  # (a lower one was closed meanwhile, by another thread)
+                os.close(null)
+
+
 def install_event_loop_policy() -> bool:
     """Use uvloop where it is installed; say whether it is."""
     try:
         import uvloop
     except ImportError:
         return False
+    fill_closed_stdio()
     import asyncio
     import warnings
     with warnings.catch_warnings():
@@ -116,10 +190,11 @@ def install_event_loop_policy() -> bool:
 def new_event_loop():
     try:
         import uvloop
-        return uvloop.new_event_loop()
     except ImportError:
         import asyncio
         return asyncio.new_event_loop()
+    fill_closed_stdio()
+    return uvloop.new_event_loop()
 
 
 def fmt_bytes(n: float) -> str:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 
 import actorshm
@@ -451,3 +452,62 @@ _descendants._end(os.getpgid(0))
                        cwd=os.path.dirname(os.path.dirname(__file__)))
     assert p.returncode == -signal.SIGKILL  # (it ends with its group, itself last)
     assert done.exists()
+
+
+async def test_an_actor_that_closed_its_standard_streams_prints_into_nothing_of_ours(
+        rt_each):
+    # Daemon-style code closes fds 0, 1 and 2. The arenas and sockets the actor opened
+    # or received next took those numbers, and its prints went into them: a print wrote
+    # itself into an array the driver held, and a write to fd 2 into a connection to
+    # another actor ("bad frame header", the connection dropped).
+    from actors import StdioCloser
+    a, b = await asyncio.gather(StdioCloser.spawn(), StdioCloser.spawn())
+    await a.close_stdio()
+    x = actorshm.zeros(64, dtype=np.uint8)
+    assert await a.first(x) == 0  # (x's arena arrives: it took fd 0)
+    y = await a.make(64)  # (an arena of its own: fd 1)
+    assert await a.ask(b, x) == 0  # (a connection to b: fd 2)
+    await a.say("HELLO FROM A PRINT " * 4)
+    assert not x.any() and not y.any()
+    y[0] = 7
+    assert await a.ask(b, y) == 7  # the connection to b still reads frames
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("runner", ["actorshm.run", "asyncio.run"])
+def test_a_driver_that_closed_its_standard_streams_prints_into_nothing_of_ours(
+        tmp_path, start_method, runner):
+    # The same in the driver: its budget ledger, arenas, actor sockets and output pipes
+    # took the numbers 0, 1 and 2 (on asyncio's loop; with uvloop, actorshm.run's,
+    # libuv's own files took them, and it aborted the process closing one: /dev/null is
+    # put on them before a uvloop loop starts).
+    import textwrap
+    code = textwrap.dedent("""
+        import asyncio, os, sys
+        sys.path.insert(0, %r)
+        import numpy as np
+        import actorshm
+        from actors import StdioCloser
+        out = open(sys.argv[1], "w")
+        for fd in (0, 1, 2):
+            os.close(fd)
+        async def main():
+            async with actorshm.Runtime(start_method=%r):
+                a = await StdioCloser.spawn()
+                b = await StdioCloser.spawn()
+                x = actorshm.zeros(64, dtype=np.uint8)
+                y = await a.make(64)
+                for write in (lambda: print("HELLO " * 10, flush=True),
+                              lambda: os.write(2, b"HELLO " * 10)):
+                    try:
+                        write()
+                    except OSError:
+                        pass
+                y[0] = 5
+                out.write(repr((bool(x.any()), bool(y[1:].any()), await b.ask(a, y))))
+        %s(main())
+    """ % (os.path.dirname(__file__), start_method, runner))
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")],
+                          timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0
+    assert (tmp_path / "out").read_text() == "(False, False, 5)"

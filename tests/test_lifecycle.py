@@ -857,6 +857,36 @@ def test_runtimes_opened_and_closed_in_threads_at_once_leak_no_fds():
     assert budget_fds() == before
 
 
+def test_a_runtime_on_another_threads_loop_closes_from_this_one_at_once():
+    # Closed from another loop, it waited the whole shutdown_grace for exits its own
+    # loop's events report, and failed there ("bound to a different event loop",
+    # printed as an exception never retrieved).
+    import threading
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def open_one():
+        rt = await actorshm.Runtime(shutdown_grace=30).start()
+        return rt, [await Counter.spawn(0) for _ in range(2)]
+    try:
+        rt, handles = asyncio.run_coroutine_threadsafe(open_one(), loop).result(60)
+        pids = [h.pid for h in handles]
+        errors = []
+        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+        t0 = time.monotonic()
+        asyncio.run(rt.close())
+        assert time.monotonic() - t0 < 15  # (a grace of 30 s was waited whole)
+        assert not errors
+        for pid in pids:
+            assert not os.path.exists(f"/proc/{pid}") or \
+                open(f"/proc/{pid}/stat").read().split(") ")[1].startswith("Z")
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
 def test_a_handle_kept_past_its_runtime_fails_cleanly_anywhere():
     # (a module-level handle across asyncio.run calls, or used from sync code later)
     async def spawn():
@@ -1331,3 +1361,58 @@ async def test_a_restart_that_dies_starting_keeps_its_name_record_and_calls():
         assert b.actor_id == actor_id
     from actorshm._descendants import process_start
     assert process_start(pid) is None  # (ended with its runtime)
+
+
+def test_a_multiprocessing_child_spawns_actor_classes_of_the_script(tmp_path):
+    # In a child of a spawn (or forkserver) multiprocessing pool the script is module
+    # __mp_main__, whose classes cloudpickle sent by reference: "No module named
+    # '__mp_main__'" at every spawn, with a fix that did not run as written.
+    script = tmp_path / "pool_of_runtimes.py"
+    script.write_text(textwrap.dedent("""
+        import concurrent.futures, multiprocessing, sys
+        import actorshm
+
+        @actorshm.actor
+        class Worker:
+            def __init__(self, k):
+                self.k = k
+            def run(self):
+                return self.k * 10
+
+        async def experiment(k):
+            return await (await Worker.spawn(k)).run()
+
+        def job(k):
+            return actorshm.run(experiment(k))
+
+        if __name__ == "__main__":
+            ctx = multiprocessing.get_context("spawn")
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as ex:
+                print(ex.submit(job, 4).result(timeout=60))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "40"
+
+
+def test_an_actor_class_of_a_file_run_by_runpy_run_path_names_the_fix(tmp_path):
+    target = tmp_path / "target.py"
+    target.write_text(textwrap.dedent("""
+        import actorshm
+
+        @actorshm.actor
+        class Counter:
+            def get(self):
+                return 1
+
+        async def main():
+            await Counter.spawn()
+
+        actorshm.run(main())
+    """))
+    done = subprocess.run(
+        [sys.executable, "-c", f"import runpy; runpy.run_path({str(target)!r})"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "run the file with run_name='__main__'" in done.stderr, done.stderr
