@@ -19,6 +19,7 @@ import itertools
 import os
 import signal
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -181,6 +182,12 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             self._open, self._closing = False, True
             self._finalizer.detach()
             _client.runtime_closed(self)  # (no longer current here)
+            warnings.warn(
+                "actorshm: a copy of the driver made with os.fork() is leaving its "
+                "Runtime (the actors are the driver's, and stay): end such a child with "
+                "os._exit() instead; an event loop (uvloop's above all) shutting down in "
+                "a forked child can unregister the parent's sockets, and its calls then "
+                "hang", RuntimeWarning, stacklevel=2)
             return
         self._closing = True
         try:
