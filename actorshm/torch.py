@@ -313,16 +313,15 @@ def _move_storage(group: list) -> None:
     (``_dressed``), which frees the old memory even when it was a view (``.data``
     moved in place keeps a view's base) and moves a sparse compressed one whole."""
     flat = None
-    moved: dict = {}  # id(v) -> its replacement (one buffer registered twice)
+    moved: dict = {}  # id(v) -> (its shared tensor, its replacement): one registered twice
     for m, kind, name, v in group:
         t = v.data if kind == "p" else v
         if is_shared(t):  # (one Parameter registered twice: moved already)
             continue
-        if id(v) in moved:
-            new = moved[id(v)]
-        elif t.layout is not _t.strided:
+        new, obj = moved.get(id(v), (None, None))
+        if new is None and t.layout is not _t.strided:
             new = share(t.detach())
-        else:
+        elif new is None:
             if flat is None:  # (tensors from one address may see storages of two
                 st = max((x.untyped_storage() for x in _strided(group)),  # sizes)
                          key=lambda st: st.nbytes())
@@ -332,13 +331,12 @@ def _move_storage(group: list) -> None:
             new = _t.empty(0, dtype=t.dtype, device=t.device).set_(
                 flat.untyped_storage(), t.storage_offset(), t.shape, t.stride())
             new = _torch.finish(new, False, False, _torch.view_bits(t))
-        moved[id(v)] = new
-        if kind == "b":
-            m._buffers[name] = _dressed(v, new)
-        elif t.layout in (_t.strided, _t.sparse_coo):
+        if kind == "p" and t.layout in (_t.strided, _t.sparse_coo):
             v.data = new
-        else:  # (``.data`` of a sparse compressed one would keep its old parts)
-            m._parameters[name] = _dressed(v, new)
+        else:  # (a buffer; ``.data`` of a sparse compressed one would keep its old parts)
+            obj = _dressed(v, new) if obj is None else obj
+            (m._buffers if kind == "b" else m._parameters)[name] = obj
+        moved[id(v)] = new, obj
 
 
 def _strided(group: list):

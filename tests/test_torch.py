@@ -732,6 +732,14 @@ def test_share_module_keeps_conjugate_and_negative_views_and_buffer_objects():
         assert (v.is_conj(), v.is_neg()) == bits[k], k
         assert torch.equal(v.detach().resolve_conj().resolve_neg(), before[k]), k
     assert type(m.b) is Tagged and m.b.tag == "keep"  # (a new object, as sent ones)
+    # one registered in two modules stays one object (it became two)
+    twice = torch.nn.Module()
+    twice.a, twice.b = torch.nn.Module(), torch.nn.Module()
+    shared_b = torch.ones(2).as_subclass(Tagged)
+    twice.a.register_buffer("s", shared_b)
+    twice.b.register_buffer("s", shared_b)
+    at.share_module(twice)
+    assert twice.a.s is twice.b.s and type(twice.a.s) is Tagged and at.is_shared(twice.a.s)
     assert m.g.requires_grad
 
 
