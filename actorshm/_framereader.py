@@ -35,7 +35,7 @@ def _fd_shortage() -> str:
     """Why the kernel cut a read's fds short, where this process is out of fds (the
     usual cause: it could not install them)."""
     try:
-        os.close(os.dup(2))
+        os.close(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))  # (one fd more: EMFILE?)
         return ""
     except OSError as exc:
         if exc.errno != errno.EMFILE:

@@ -115,8 +115,8 @@ class RayRuntime(_events.EventSource, RayInspectable):
         if self._closing:
             raise RuntimeError("this Runtime was closed; open a new one")
         ray_env(self.address)  # (read when Ray is imported, and when it connects)
-        _serialization.send_mp_main_by_value()
         import_ray()
+        _serialization.send_mp_main_by_value()
         self._take_over()
         self._connect()
         self.loop = asyncio.get_running_loop()

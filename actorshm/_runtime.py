@@ -19,6 +19,7 @@ import itertools
 import os
 import signal
 import threading
+import time
 import warnings
 import weakref
 from typing import Any
@@ -44,6 +45,8 @@ __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 _actor_ids = itertools.count(1)
 
 
+
+_forked_warned = [False]  # a forked copy of the driver was told to end with os._exit()
 
 class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendChoice,
               StreamingClient):
@@ -133,6 +136,10 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             raise RuntimeError("this Runtime was closed; open a new one: "
                                "`rt = await actorshm.Runtime().start()`")
         require_linux("the local backend")
+        # A driver that closed its standard streams: the files this opens (the budget's
+        # ledger, whose mmap keeps a dup of its fd; pidfds; subprocess's pipes) would
+        # take their numbers, and its prints would go into them.
+        fill_closed_stdio()
         _serialization.send_mp_main_by_value()
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
@@ -161,6 +168,22 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.close()
 
+    async def _closed_on_own_loop(self) -> bool:
+        """From another thread's loop, close on the runtime's own loop, which its actors'
+        records, events and connections belong to (run here, the close waited the whole
+        grace for exits that loop's events report, and failed there); whether that
+        closed it. Not where the runtime's loop stops first, or stays busy past the
+        close's own time (its thread waits for this one): then the caller closes it
+        here, as before."""
+        done = asyncio.run_coroutine_threadsafe(self.close(), self.loop)
+        limit = time.monotonic() + self.shutdown_grace + 5 + _descendants.GRACE
+        while not done.done():
+            await asyncio.sleep(0.05)
+            if not self.loop.is_running() or time.monotonic() > limit:
+                done.cancel()
+                return done.done() and not done.cancelled()
+        return True  # (cancelled: the runtime's loop ended, and the close with it)
+
     async def close(self) -> None:
         """Stop every actor (ask, grace period, SIGTERM, SIGKILL) and reap them.
 
@@ -172,16 +195,16 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         if not self._open or self._closing:
             return
         if os.getpid() == self._owner and self.loop.is_running() and \
-                asyncio.get_running_loop() is not self.loop:
-            # From another thread's loop: its actors' records, events and connections
-            # belong to the runtime's own loop, which closes it (run here, it waited
-            # the whole grace for exits that loop's events report, and failed there).
-            return await asyncio.wrap_future(
-                asyncio.run_coroutine_threadsafe(self.close(), self.loop))
+                asyncio.get_running_loop() is not self.loop and \
+                await self._closed_on_own_loop():
+            return
         if os.getpid() != self._owner:
             self._open, self._closing = False, True
             self._finalizer.detach()
             _client.runtime_closed(self)  # (no longer current here)
+            if _forked_warned[0]:
+                return
+            _forked_warned[0] = True  # (once: the runtimes nested in it all close)
             warnings.warn(
                 "actorshm: a copy of the driver made with os.fork() is leaving its "
                 "Runtime (the actors are the driver's, and stay): end such a child with "
@@ -297,6 +320,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                                              options.max_pending_calls), rec)
 
     async def _start_process(self, rec: ActorRecord) -> None:
+        fill_closed_stdio()  # (what a start opens: pidfds, subprocess's pipes, ...)
         try:
             parent, child = socket_pair()
         except OSError as exc:

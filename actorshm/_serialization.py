@@ -71,10 +71,14 @@ def send_mp_main_by_value() -> None:
     """In a ``multiprocessing`` child started by spawn or forkserver, the parent's script
     is module ``__mp_main__``: its classes and functions go by value, as ``__main__``'s
     do (cloudpickle named them by reference, and no actor can import ``__mp_main__``).
-    A runtime calls this as it opens."""
+    A runtime calls this as it opens; Ray's own copy of cloudpickle, which pickles an
+    actor class for Ray, is told too once Ray is imported."""
     mod = sys.modules.get("__mp_main__")
-    if mod is not None and getattr(mod, "__name__", None) == "__mp_main__":
-        cloudpickle.register_pickle_by_value(mod)
+    if mod is None or getattr(mod, "__name__", None) != "__mp_main__":
+        return  # (not such a child: importing multiprocessing may alias __main__)
+    for pickler in (cloudpickle, sys.modules.get("ray.cloudpickle")):
+        if pickler is not None:
+            pickler.register_pickle_by_value(mod)
 
 
 def refuse_file(f) -> None:

@@ -477,10 +477,12 @@ async def test_an_actor_that_closed_its_standard_streams_prints_into_nothing_of_
 @pytest.mark.parametrize("runner", ["actorshm.run", "asyncio.run"])
 def test_a_driver_that_closed_its_standard_streams_prints_into_nothing_of_ours(
         tmp_path, start_method, runner):
-    # The same in the driver: its budget ledger, arenas, actor sockets and output pipes
-    # took the numbers 0, 1 and 2 (on asyncio's loop; with uvloop, actorshm.run's,
-    # libuv's own files took them, and it aborted the process closing one: /dev/null is
-    # put on them before a uvloop loop starts).
+    # The same in the driver: its budget ledger (whose mmap keeps a dup of its fd: a
+    # print wrote itself into the ledger every process shares), arenas, pidfds, actor
+    # sockets and output pipes took the numbers 0, 1 and 2; with uvloop (actorshm.run)
+    # libuv's own files took them, and it aborted the process closing one. /dev/null
+    # is put on them before a uvloop loop starts, as a runtime opens and as an actor
+    # starts.
     import textwrap
     code = textwrap.dedent("""
         import asyncio, os, sys
@@ -489,9 +491,14 @@ def test_a_driver_that_closed_its_standard_streams_prints_into_nothing_of_ours(
         import actorshm
         from actors import StdioCloser
         out = open(sys.argv[1], "w")
-        for fd in (0, 1, 2):
-            os.close(fd)
+        def close_stdio(fds=(0, 1, 2)):
+            for fd in fds:
+                os.close(fd)
+        if %r == "actorshm.run":
+            close_stdio()  # (before its uvloop loop starts)
         async def main():
+            if %r == "asyncio.run":
+                close_stdio((1, 2))  # (after the loop made its own files)
             async with actorshm.Runtime(start_method=%r):
                 a = await StdioCloser.spawn()
                 b = await StdioCloser.spawn()
@@ -504,10 +511,13 @@ def test_a_driver_that_closed_its_standard_streams_prints_into_nothing_of_ours(
                     except OSError:
                         pass
                 y[0] = 5
-                out.write(repr((bool(x.any()), bool(y[1:].any()), await b.ask(a, y))))
+                from actorshm import _shm
+                ledger = _shm.shared_budget()
+                out.write(repr((bool(x.any()), bool(y[1:].any()), await b.ask(a, y),
+                                ledger.budget == _shm.pool().budget)))
         %s(main())
-    """ % (os.path.dirname(__file__), start_method, runner))
+    """ % (os.path.dirname(__file__), runner, runner, start_method, runner))
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")],
                           timeout=60, stdin=subprocess.DEVNULL)
     assert done.returncode == 0
-    assert (tmp_path / "out").read_text() == "(False, False, 5)"
+    assert (tmp_path / "out").read_text() == "(False, False, 5, True)"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -891,6 +892,41 @@ def test_a_runtime_on_another_threads_loop_closes_from_this_one_at_once():
         loop.close()
 
 
+def test_a_close_handed_to_a_loop_that_stops_meanwhile_ends_here():
+    # The close handed to the runtime's loop sat there once that loop stopped (a
+    # service's shutdown: loop.stop()), and the caller waited for ever.
+    import threading
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def open_one():
+        rt = await actorshm.Runtime(shutdown_grace=5).start()
+        c = await Counter.spawn(0)
+        return rt, c, asyncio.ensure_future(c.stall(3))
+    try:
+        rt, c, _call = asyncio.run_coroutine_threadsafe(open_one(), loop).result(60)
+        time.sleep(0.2)  # (the call runs)
+        threading.Timer(0.3, lambda: loop.call_soon_threadsafe(loop.stop)).start()
+        t0 = time.monotonic()
+        asyncio.run(asyncio.wait_for(rt.close(), 30))
+        assert time.monotonic() - t0 < 15
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{c.pid}") and time.monotonic() < deadline:
+            with open(f"/proc/{c.pid}/stat") as f:
+                if f.read().split(") ")[1].startswith("Z"):
+                    break
+            time.sleep(0.05)
+        else:
+            assert not os.path.exists(f"/proc/{c.pid}")
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (its unfinished tasks)
+            loop.close()
+
+
 def test_a_handle_kept_past_its_runtime_fails_cleanly_anywhere():
     # (a module-level handle across asyncio.run calls, or used from sync code later)
     async def spawn():
@@ -1420,3 +1456,26 @@ def test_an_actor_class_of_a_file_run_by_runpy_run_path_names_the_fix(tmp_path):
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert "run the file with run_name='__main__'" in done.stderr, done.stderr
+
+
+def test_a_multiprocessing_childs_script_goes_by_value_through_rays_cloudpickle_too(
+        monkeypatch):
+    # Ray pickles an actor class with a cloudpickle of its own, whose registry is its
+    # own: telling the other one changed nothing on the Ray backend.
+    import types
+    import cloudpickle
+    ray_cloudpickle = pytest.importorskip("ray.cloudpickle")
+    from actorshm import _serialization
+    mod = types.ModuleType("__mp_main__")
+    exec("class Thing:\n    pass\n", mod.__dict__)
+    monkeypatch.setitem(sys.modules, "__mp_main__", mod)
+    try:
+        _serialization.send_mp_main_by_value()
+        for pickler in (cloudpickle, ray_cloudpickle):
+            data = pickler.dumps(mod.Thing)
+            monkeypatch.delitem(sys.modules, "__mp_main__")  # (as in an actor)
+            assert pickler.loads(data).__name__ == "Thing"  # (by value: no import)
+            monkeypatch.setitem(sys.modules, "__mp_main__", mod)
+    finally:
+        for pickler in (cloudpickle, ray_cloudpickle):
+            pickler.unregister_pickle_by_value(mod)
