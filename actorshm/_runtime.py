@@ -182,6 +182,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             if not self.loop.is_running() or time.monotonic() > limit:
                 done.cancel()
                 return done.done() and not done.cancelled()
+        if not done.cancelled() and done.exception() is not None:
+            raise done.exception()
         return True  # (cancelled: the runtime's loop ended, and the close with it)
 
     async def close(self) -> None:
