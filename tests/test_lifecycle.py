@@ -920,11 +920,14 @@ def test_a_close_handed_to_a_loop_that_stops_meanwhile_ends_here():
         else:
             assert not os.path.exists(f"/proc/{c.pid}")
     finally:
-        loop.call_soon_threadsafe(loop.stop)
+        if loop.is_running():
+            loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (its unfinished tasks)
-            loop.close()
+        left = asyncio.all_tasks(loop)  # (the close handed over, stopped with its loop)
+        for task in left:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.close()
 
 
 def test_a_handle_kept_past_its_runtime_fails_cleanly_anywhere():
