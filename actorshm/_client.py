@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+import time
 from typing import Any
 
 _runtimes: list = []  # open runtimes in the driver, innermost last
@@ -84,6 +85,33 @@ def set_worker(worker: Any) -> None:
 def current_worker() -> Any:
     """The worker of this actor process, or None in the driver."""
     return _worker[0]
+
+
+async def closed_on_own_loop(runtime: Any, limit: float) -> bool:
+    """Called from another thread's loop, close ``runtime`` on its own loop, which its
+    actors' records, calls, events and connections belong to (run on the caller's, the
+    close waited the whole grace for exits the runtime's loop reports, failed there,
+    and left the calls pending there unanswered); whether it did. Where that loop
+    closes first, or has not ended the close within ``limit`` seconds and either has
+    not begun it (its thread waits for the caller's) or is not running (stopped for
+    good, it would never end it), the caller closes it itself, as it would have. (A
+    loop run in slices, not running now and then, ends it there.)"""
+    loop = runtime.loop
+    if loop.is_closed() or not loop.is_running() or asyncio.get_running_loop() is loop:
+        return False
+    done = asyncio.run_coroutine_threadsafe(runtime.close(), loop)
+    deadline = time.monotonic() + limit
+    while not done.done():
+        await asyncio.sleep(0.05)
+        if loop.is_closed() or (time.monotonic() > deadline and (
+                not runtime._closing or not loop.is_running())):
+            done.cancel()  # (not begun: it never will)
+            return not runtime._open  # (ended as its loop closed: closed all the same)
+    if done.cancelled():  # (the loop's end cancelled it: begun, it closed the runtime)
+        return not runtime._open
+    if done.exception() is not None:
+        raise done.exception()
+    return True
 
 
 def runtime_opened(runtime: Any) -> None:

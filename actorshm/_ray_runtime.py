@@ -18,6 +18,7 @@ from ._errors import ActorDiedError
 from ._ray import CLIENT, RayActorId, import_ray, ray_env
 from ._ray_introspect import RayInspectable
 from ._launch import check_start_options
+from ._util import fill_closed_stdio
 
 __all__ = ["RayRuntime"]
 
@@ -115,6 +116,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
         if self._closing:
             raise RuntimeError("this Runtime was closed; open a new one")
         ray_env(self.address)  # (read when Ray is imported, and when it connects)
+        fill_closed_stdio()  # (Ray's own files took fds 1 and 2: prints failed, EINVAL)
         import_ray()
         _serialization.send_mp_main_by_value()
         self._take_over()
@@ -203,6 +205,8 @@ class RayRuntime(_events.EventSource, RayInspectable):
     async def close(self) -> None:
         """Kill every actor this runtime spawned; shut down (or disconnect from) Ray."""
         if not self._open or self._closing:
+            return
+        if await _client.closed_on_own_loop(self, 30):  # (from another thread's loop)
             return
         self._closing = True
         try:

@@ -19,7 +19,6 @@ import itertools
 import os
 import signal
 import threading
-import time
 import warnings
 import weakref
 from typing import Any
@@ -168,24 +167,6 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.close()
 
-    async def _closed_on_own_loop(self) -> bool:
-        """From another thread's loop, close on the runtime's own loop, which its actors'
-        records, events and connections belong to (run here, the close waited the whole
-        grace for exits that loop's events report, and failed there); whether that
-        closed it. Not where the runtime's loop stops first, or stays busy past the
-        close's own time (its thread waits for this one): then the caller closes it
-        here, as before."""
-        done = asyncio.run_coroutine_threadsafe(self.close(), self.loop)
-        limit = time.monotonic() + self.shutdown_grace + 5 + _descendants.GRACE
-        while not done.done():
-            await asyncio.sleep(0.05)
-            if not self.loop.is_running() or time.monotonic() > limit:
-                done.cancel()
-                return done.done() and not done.cancelled()
-        if not done.cancelled() and done.exception() is not None:
-            raise done.exception()
-        return True  # (cancelled: the runtime's loop ended, and the close with it)
-
     async def close(self) -> None:
         """Stop every actor (ask, grace period, SIGTERM, SIGKILL) and reap them.
 
@@ -196,9 +177,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         """
         if not self._open or self._closing:
             return
-        if os.getpid() == self._owner and self.loop.is_running() and \
-                asyncio.get_running_loop() is not self.loop and \
-                await self._closed_on_own_loop():
+        if os.getpid() == self._owner and await _client.closed_on_own_loop(
+                self, self.shutdown_grace + 5 + _descendants.GRACE):
             return
         if os.getpid() != self._owner:
             self._open, self._closing = False, True

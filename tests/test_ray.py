@@ -2431,3 +2431,77 @@ def test_kill_forces_only_the_process_the_actor_said_it_is():
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_a_runtime_closed_from_another_threads_loop_ends_the_calls_pending_there(backend):
+    """On Ray, the close ran on the caller's loop: the calls pending on the runtime's
+    own loop failed as "the actor died unexpectedly", each printed as an exception
+    never retrieved, and their tasks were cancelled from the wrong thread."""
+    import threading
+    loop = asyncio.new_event_loop()
+    errors = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    opts = {"shutdown_grace": 1.0} if backend == "local" else {}
+
+    async def open_one():
+        rt = await actorshm.Runtime(backend=backend, **opts).start()
+        c = await Counter.spawn()
+        await c.incr()
+        return rt, c.slow_record(1, 30), c.slow_record(2, 30)  # (one awaited, one never)
+    try:
+        rt, awaited, _unawaited = asyncio.run_coroutine_threadsafe(
+            open_one(), loop).result(60)
+
+        async def outcome():
+            try:
+                await awaited
+            except actorshm.ActorDiedError as exc:
+                return str(exc)
+        result = asyncio.run_coroutine_threadsafe(outcome(), loop)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        asyncio.run(asyncio.wait_for(rt.close(), 60))
+        assert time.monotonic() - t0 < 20
+        assert "runtime closed" in result.result(20)
+        del _unawaited
+        gc.collect()
+        time.sleep(0.1)
+        assert not errors, errors
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+CLOSED_STDIO_SCRIPT = textwrap.dedent("""
+    import asyncio, os, sys
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    sys.path.insert(0, {tests!r})
+    import actorshm
+    from actors import Counter
+    out = open(sys.argv[1], "w")
+
+    async def main():
+        os.close(1)
+        os.close(2)
+        async with actorshm.Runtime(backend="ray", num_cpus=1, include_dashboard=False,
+                                    log_to_driver=False):
+            c = await Counter.spawn(1)
+            print("a print goes nowhere", flush=True)
+            out.write(f"incr {{await c.incr(1)}} ")
+        print("and after the close", flush=True)
+        out.write(" ".join(os.readlink(f"/proc/self/fd/{{fd}}") for fd in (1, 2)))
+
+    asyncio.run(main())
+""")
+
+
+def test_a_ray_runtime_opened_after_the_driver_closed_its_stdout_keeps_prints_working(
+        tmp_path):
+    # Ray's own files (an epoll, an eventfd) took fds 1 and 2, and every print raised
+    # OSError (EINVAL), before and after the runtime closed.
+    _run_script(tmp_path, "closed_stdio.py", CLOSED_STDIO_SCRIPT,
+                args=[str(tmp_path / "out")])
+    assert (tmp_path / "out").read_text() == "incr 2 /dev/null /dev/null"
