@@ -74,6 +74,24 @@ def undeserializable_arguments(what: str) -> TypeError:
     return TypeError(f"{UNDESERIALIZABLE}{what}{hint}")
 
 
+def class_not_loaded(cls: type, exc: Exception) -> Exception:
+    """``exc``, or, where the actor could not unpickle its start (the class travels with
+    the arguments of ``__init__``), the same error naming the class as well: "the call's
+    arguments" read as if the arguments alone were wrong, even with none given (both
+    backends)."""
+    text = str(exc)
+    if type(exc) is not TypeError or not text.startswith(UNDESERIALIZABLE):
+        return exc
+    better = TypeError(f"the actor could not deserialize its class {cls.__qualname__} (module "
+                       f"{cls.__module__!r}) or the arguments of its __init__: "
+                       f"{text[len(UNDESERIALIZABLE):]}")
+    better.__cause__ = exc.__cause__
+    notes = getattr(exc, "__notes__", None)
+    if notes:
+        better.__notes__ = list(notes)
+    return better
+
+
 _MISSING_MODULE = re.compile(r"No module named '([^']+)'")
 
 

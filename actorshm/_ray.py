@@ -26,7 +26,7 @@ from ._actor import STREAM, ActorHandle, ActorOptions, public_methods
 from ._descendants import is_stopped, machine, process_start
 from ._client import ThreadCallFuture
 from ._results import CallFuture, DependencyFailed, futures_in, not_made, with_results
-from ._errors import ActorDiedError
+from ._errors import ActorDiedError, class_not_loaded
 from ._ray_errors import check_args, outcome, pickling_failed, translate, unavailable_error
 from ._ray_host import Host, simple
 from ._ray_order import CallOrder, end_actor, ray_up
@@ -778,7 +778,7 @@ class RayClient(CallOrder):
                 exc = await self._death_cause(handle, exc)
             finally:  # (dead; or restarted meanwhile, under its name: it goes too)
                 end_actor(handle)
-            raise translate(exc, what, None) from exc
+            raise class_not_loaded(cls, translate(exc, what, None)) from exc
         if not ok:
             end_actor(handle)
             raise decode_exception(payload, f"{cls.__qualname__}.__init__")

@@ -28,7 +28,7 @@ from . import (_client, _descendants, _events, _introspect, _leases, _plugins,  
 from . import _multicast
 from ._actor import ActorHandle, ActorOptions, public_methods
 from ._backend import BackendChoice
-from ._errors import UNDESERIALIZABLE, ActorDiedError
+from ._errors import ActorDiedError, class_not_loaded
 from ._launch import (ActorRecord, ForkServerClient, GpuSlots, actor_env, check_number,
                       check_start_options, kill_all, out_of_fds, start_process)
 from ._protocol import Connection
@@ -349,7 +349,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             raise ActorDiedError(f"{exc}\nlast lines of its stderr:\n{tail}" if tail
                                  else str(exc)) from None
         except Exception as exc:  # its __init__ raised (the error its reply carried)
-            rec.init_error = exc = _class_not_loaded(rec.cls, exc)
+            rec.init_error = exc = class_not_loaded(rec.cls, exc)
             raise exc
         finally:
             self._starting -= 1
@@ -568,23 +568,6 @@ def _crowd(others: int) -> str:
         return ""
     return (f"while {others} other actors were starting on {cpus} CPU(s), each slowing "
             "the others: spawn fewer at once (in batches), or raise the limit ")
-
-
-def _class_not_loaded(cls: type, exc: Exception) -> Exception:
-    """``exc``, or, where the actor could not unpickle its start (the class travels with
-    the arguments of ``__init__``), the same error naming the class as well: "the call's
-    arguments" read as if the arguments alone were wrong, even with none given."""
-    text = str(exc)
-    if type(exc) is not TypeError or not text.startswith(UNDESERIALIZABLE):
-        return exc
-    better = TypeError(f"the actor could not deserialize its class {cls.__qualname__} (module "
-                       f"{cls.__module__!r}) or the arguments of its __init__: "
-                       f"{text[len(UNDESERIALIZABLE):]}")
-    better.__cause__ = exc.__cause__
-    notes = getattr(exc, "__notes__", None)
-    if notes:
-        better.__notes__ = list(notes)
-    return better
 
 
 def _raise_out_of_fds(exc: OSError):

@@ -605,6 +605,24 @@ async def test_an_argument_whose_module_the_actor_cannot_import_names_the_fix(
     assert await asyncio.wait_for(c.incr(), 30) == 1
 
 
+async def test_an_actor_class_the_actor_cannot_import_is_named(art, tmp_path, monkeypatch):
+    """On Ray the class's failing import read as "could not deserialize the call's
+    arguments", though a spawn is no call and may have no arguments."""
+    (tmp_path / "driver_only_ray_actors.py").write_text(
+        "import actorshm\n@actorshm.actor\nclass Hidden:\n    def f(self):\n"
+        "        return 1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import driver_only_ray_actors
+    finally:
+        sys.path.remove(str(tmp_path))  # the actor is spawned without it
+    monkeypatch.setitem(sys.modules, "driver_only_ray_actors", driver_only_ray_actors)
+    with pytest.raises(TypeError, match=r"could not deserialize its class Hidden \(module "
+                                        r"'driver_only_ray_actors'\) or the arguments of "
+                                        r"its __init__: .*register_pickle_by_value"):
+        await asyncio.wait_for(driver_only_ray_actors.Hidden.spawn(), 60)
+
+
 async def test_spawn_arguments_that_cannot_be_rebuilt_in_the_actor_are_a_type_error(art):
     with pytest.raises(TypeError, match="could not deserialize.*RuntimeError"):
         await asyncio.wait_for(Counter.spawn(BreaksOnArrival()), 60)
