@@ -200,25 +200,6 @@ async def test_an_argument_whose_module_the_actor_cannot_import_names_the_fix(rt
     assert await c.incr(1) == 1
 
 
-async def test_an_actor_class_the_actor_cannot_import_is_named(rt, tmp_path, monkeypatch):
-    # The class travels with __init__'s arguments: its failing import read as "the actor
-    # could not deserialize the call's arguments", even with no arguments given.
-    (tmp_path / "driver_only_actors.py").write_text(
-        "import actorshm\n@actorshm.actor\nclass Hidden:\n    def f(self):\n"
-        "        return 1\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        import driver_only_actors
-    finally:
-        sys.path.remove(str(tmp_path))  # the actor is spawned without it
-    # (imported here, it goes by reference; gone when the test ends)
-    monkeypatch.setitem(sys.modules, "driver_only_actors", driver_only_actors)
-    with pytest.raises(TypeError, match=r"the actor could not deserialize its class Hidden "
-                                        r"\(module 'driver_only_actors'\) or the arguments "
-                                        r"of its __init__: ModuleNotFoundError.*register_pickle"):
-        await driver_only_actors.Hidden.spawn()
-
-
 @pytest.mark.parametrize("kind,name", [("cancel", "CancelledError"),
                                        ("genexit", "GeneratorExit"),
                                        ("kbi", "KeyboardInterrupt"), ("exit", "SystemExit")])

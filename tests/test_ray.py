@@ -606,8 +606,9 @@ async def test_an_argument_whose_module_the_actor_cannot_import_names_the_fix(
 
 
 async def test_an_actor_class_the_actor_cannot_import_is_named(art, tmp_path, monkeypatch):
-    """On Ray the class's failing import read as "could not deserialize the call's
-    arguments", though a spawn is no call and may have no arguments."""
+    """The class travels with __init__'s arguments: its failing import read as "the
+    actor could not deserialize the call's arguments", even with no arguments given
+    (locally, then on Ray)."""
     (tmp_path / "driver_only_ray_actors.py").write_text(
         "import actorshm\n@actorshm.actor\nclass Hidden:\n    def f(self):\n"
         "        return 1\n")
@@ -619,7 +620,8 @@ async def test_an_actor_class_the_actor_cannot_import_is_named(art, tmp_path, mo
     monkeypatch.setitem(sys.modules, "driver_only_ray_actors", driver_only_ray_actors)
     with pytest.raises(TypeError, match=r"could not deserialize its class Hidden \(module "
                                         r"'driver_only_ray_actors'\) or the arguments of "
-                                        r"its __init__: .*register_pickle_by_value"):
+                                        r"its __init__: .*ModuleNotFoundError.*"
+                                        r"register_pickle_by_value"):
         await asyncio.wait_for(driver_only_ray_actors.Hidden.spawn(), 60)
 
 
