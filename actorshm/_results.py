@@ -19,6 +19,9 @@ __all__ = ["CallFuture", "JoinedFuture", "reduce_future", "Unfinished", "Depende
            "not_made", "NOT_MADE", "futures_in", "with_results"]
 
 
+_future_result = asyncio.Future.result
+
+
 class CallFuture(asyncio.Future):
     """The awaitable of a call: an asyncio future that may be passed as an argument,
     and whose ``cancel()`` also cancels the call where it was sent."""
@@ -30,16 +33,16 @@ class CallFuture(asyncio.Future):
         """The call's result once it finished (as ``asyncio.Future.result``); before,
         an error that says to ``await`` it (``timeout`` is accepted and ignored: on the
         event loop's thread nothing can block for the answer, which that loop brings)."""
-        if not self.done():
-            # Its caller gives up on it here: should it fail, that is not "an exception
-            # never retrieved" printed later, with a traceback, by the event loop.
-            self.add_done_callback(_retrieve)
-            raise asyncio.InvalidStateError(
-                "this call has not finished, and nothing on the event loop's thread can "
-                "block for it (that loop brings its answer): `await` it in an `async def` "
-                "method or function; or give the actor max_concurrency > 1, whose sync "
-                "methods run in threads and get futures they can block on with .result()")
-        return super().result()
+        if self.done():  # (asked on every await: the task waking up asks it)
+            return _future_result(self)
+        # Its caller gives up on it here: should it fail, that is not "an exception
+        # never retrieved" printed later, with a traceback, by the event loop.
+        self.add_done_callback(_retrieve)
+        raise asyncio.InvalidStateError(
+            "this call has not finished, and nothing on the event loop's thread can "
+            "block for it (that loop brings its answer): `await` it in an `async def` "
+            "method or function; or give the actor max_concurrency > 1, whose sync "
+            "methods run in threads and get futures they can block on with .result()")
 
     def cancel(self, msg: Any = None) -> bool:
         if not super().cancel(msg):
