@@ -114,6 +114,22 @@ async def closed_on_own_loop(runtime: Any, limit: float) -> bool:
     return True
 
 
+async def close_under_way(runtime: Any, limit: float) -> bool:
+    """Wait for the close of ``runtime`` that another task or thread began, so that a
+    second ``close()`` returns as the first does, the runtime closed (it returned at
+    once, the actors still stopping, and a program that went on to end its loop cut
+    their stop short). False where that close can no longer end: the runtime's loop
+    closed in the middle of it, or has stopped for ``limit`` seconds: the caller ends
+    it. (Polled: it waits for a state another thread's loop may change.)"""
+    loop = runtime.loop
+    deadline = time.monotonic() + limit
+    while runtime._open:
+        if loop.is_closed() or (time.monotonic() > deadline and not loop.is_running()):
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
 def runtime_opened(runtime: Any) -> None:
     """``runtime`` opened in this (driver) process: the innermost from now on."""
     _runtimes.append(runtime)

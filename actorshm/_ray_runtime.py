@@ -203,10 +203,14 @@ class RayRuntime(_events.EventSource, RayInspectable):
         await self.close()
 
     async def close(self) -> None:
-        """Kill every actor this runtime spawned; shut down (or disconnect from) Ray."""
-        if not self._open or self._closing:
+        """Kill every actor this runtime spawned; shut down (or disconnect from) Ray.
+        While another task or thread closes it, return once that close has ended."""
+        if not self._open:
             return
-        if await _client.closed_on_own_loop(self, 30):  # (from another thread's loop)
+        if self._closing:
+            if await _client.close_under_way(self, 30):
+                return
+        elif await _client.closed_on_own_loop(self, 30):  # (from another thread's loop)
             return
         self._closing = True
         try:

@@ -171,14 +171,18 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         """Stop every actor (ask, grace period, SIGTERM, SIGKILL) and reap them.
 
         Leaving ``async with`` calls it; after ``start()``, call it yourself. Calling it
-        again does nothing, and so does calling it in a copy of the driver made by
-        ``os.fork()`` (a child leaving ``async with`` through ``sys.exit``): the actors
-        are the driver's.
+        again does nothing; while another task or thread closes it, it returns once that
+        close has ended. Calling it in a copy of the driver made by ``os.fork()`` (a
+        child leaving ``async with`` through ``sys.exit``) does nothing either: the
+        actors are the driver's.
         """
-        if not self._open or self._closing:
+        if not self._open or (self._closing and os.getpid() != self._owner):
             return
-        if os.getpid() == self._owner and await _client.closed_on_own_loop(
-                self, self.shutdown_grace + 5 + _descendants.GRACE):
+        limit = self.shutdown_grace + 5 + _descendants.GRACE
+        if self._closing:
+            if await _client.close_under_way(self, limit):
+                return
+        elif os.getpid() == self._owner and await _client.closed_on_own_loop(self, limit):
             return
         if os.getpid() != self._owner:
             self._open, self._closing = False, True

@@ -921,6 +921,26 @@ def test_a_close_handed_to_a_loop_that_stops_meanwhile_ends_here():
         assert asyncio.run(_until_gone([c.pid], 10)) == []
 
 
+@pytest.mark.parametrize("where", ["same loop", "another thread"])
+async def test_a_second_close_returns_once_the_runtime_is_closed(where):
+    # It returned at once while the first close still stopped the actors: a program
+    # that closes in two places (a shutdown task and its main) went on with them
+    # running, and ending its loop then cut their stop short.
+    rt = await actorshm.Runtime(shutdown_grace=10).start()
+    c = await Counter.spawn(0)
+    await c.stall(1)  # (its loop held a second: the first close waits for it)
+    first = asyncio.ensure_future(rt.close())
+    await asyncio.sleep(0.1)
+    t0 = time.monotonic()
+    if where == "same loop":
+        await rt.close()
+    else:
+        await asyncio.to_thread(asyncio.run, rt.close())
+    assert time.monotonic() - t0 > 0.3
+    assert not _running(c.pid)
+    await first
+
+
 def test_a_handle_kept_past_its_runtime_fails_cleanly_anywhere():
     # (a module-level handle across asyncio.run calls, or used from sync code later)
     async def spawn():
