@@ -569,7 +569,11 @@ def _outcome(item: asyncio.Future) -> Any:
         raise ActorError("an item of this ActorPool map was cancelled (its fn(actor, "
                          "value), or what that awaited, was cancelled), so it has no "
                          "result")
-    return item.result()
+    try:
+        return item.result()
+    except BaseException:
+        del item  # (kept by the error's traceback, this frame would keep the item, which
+        raise  # keeps the error: a reference cycle, the caller's frames in it)
 
 
 def _settle(fut: asyncio.Future) -> None:

@@ -34,7 +34,15 @@ class CallFuture(asyncio.Future):
         an error that says to ``await`` it (``timeout`` is accepted and ignored: on the
         event loop's thread nothing can block for the answer, which that loop brings)."""
         if self.done():  # (asked on every await: the task waking up asks it)
-            return _future_result(self)
+            try:
+                return _future_result(self)
+            except BaseException:
+                # The error's traceback keeps this frame: without ``self`` in it, or
+                # every failed call would be a reference cycle (future -> error ->
+                # traceback -> frame -> future), its arguments' and the caller's
+                # frames' memory kept until the garbage collector next runs.
+                del self
+                raise
         # Its caller gives up on it here: should it fail, that is not "an exception
         # never retrieved" printed later, with a traceback, by the event loop.
         self.add_done_callback(_retrieve)

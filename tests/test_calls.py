@@ -343,6 +343,28 @@ async def test_blocking_on_a_call_where_nothing_can_block_says_what_to_do(rt, ca
     assert await on_loop.call_handle(c, 1) >= 2  # and the actor is fine
 
 
+async def test_a_failed_call_is_freed_when_dropped_with_no_collector_run(rt):
+    # Its error's traceback kept the frame of the future's own result(), and that
+    # frame the future: every failed call was a reference cycle, its arguments and
+    # the caller's frames kept (with their shared blocks) until a collection.
+    import weakref
+    c = await Counter.spawn(0)
+    gc.disable()
+    try:
+        fut = c.incr("x")  # (0 + "x" fails)
+        ref = weakref.ref(fut)
+        try:
+            await fut
+        except TypeError:
+            pass
+        del fut
+        for _ in range(3):  # (the loop lets go of its wake-up callback's arguments)
+            await asyncio.sleep(0)
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 async def test_a_class_that_cannot_travel_by_value_is_named_with_the_fix(rt):
     # a class of __main__ (a script, a notebook) travels by value; one holding a lock
     # cannot, and the error is about the class, not about __init__'s arguments

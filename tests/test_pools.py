@@ -95,6 +95,29 @@ async def test_errors_reach_the_awaitable_and_the_pool_goes_on(rt):
     assert pool.has_free()
 
 
+async def test_a_failed_map_item_is_freed_with_no_collector_run(rt):
+    # The error's traceback kept the frame that took the item's result, and that frame
+    # the item, which keeps the error: a reference cycle per failed item, the caller's
+    # frames in it (their arrays with them) until the garbage collector ran.
+    import gc
+    pool = ActorPool(await workers(1))
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(ValueError, match="bad value 0"):
+            async for _ in pool.map(lambda a, v: a.fail_if(v, 0), [0]):
+                pass
+        await asyncio.sleep(0.05)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cycles = [type(o).__name__ for o in gc.garbage if isinstance(o, asyncio.Future)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert cycles == []
+
+
 async def test_many_queued_items_that_fail_at_once_each_fail_and_the_pool_goes_on(rt):
     # An item whose fn fails at once frees its actor for the next item at once: 3,000 of
     # them queued behind a busy actor must not recurse (RecursionError lost an actor).
