@@ -334,12 +334,22 @@ def actor(cls: type | None = None, /, **options: Any):
 
 
 class ActorMethod:
-    """One public method of an actor, bound to a handle: calling it sends the call."""
+    """One public method of an actor, bound to a handle: calling it sends the call.
 
-    __slots__ = ("_handle", "_name", "_what", "_run_ahead", "_plain")
+    It keeps what a call needs, not the handle, which keeps it (each handle's methods
+    are made once): the two would be a reference cycle, and a handle dropped would wait
+    for the garbage collector, its runtime's record of a dead actor with it."""
 
-    def __init__(self, handle: "ActorHandle", name: str, run_ahead: int = 16) -> None:
-        self._handle = handle
+    __slots__ = ("_client", "_actor_id", "_cls_name", "_methods", "_max_pending", "_name",
+                 "_what", "_run_ahead", "_plain")
+
+    def __init__(self, handle: "ActorHandle | ActorMethod", name: str,
+                 run_ahead: int = 16) -> None:
+        self._client = handle._client
+        self._actor_id = handle._actor_id
+        self._cls_name = handle._cls_name
+        self._methods = handle._methods
+        self._max_pending = handle._max_pending
         self._name = name
         self._what = f"{handle._cls_name}.{name}"
         self._run_ahead = run_ahead
@@ -358,14 +368,14 @@ class ActorMethod:
             ValueError: ``run_ahead`` is below 1 (TypeError: not an int).
         """
         # (Every backend's handles come through here, Ray's too.)
-        if self._handle._methods.get(self._name) != STREAM:
+        if self._methods.get(self._name) != STREAM:
             raise TypeError(
                 f"{self._what}.options(run_ahead=...): run_ahead applies to streaming "
                 f"methods (generators) only, and {self._what} is not one: it returns one "
                 f"result, so there is nothing to run ahead of; call it without "
                 f"options: `handle.{self._name}(...)`")
         _check_int("run_ahead", run_ahead, 1, "an int >= 1")
-        return ActorMethod(self._handle, self._name, run_ahead)
+        return ActorMethod(self, self._name, run_ahead)
 
     def __call__(self, *args: Any, **kwargs: Any):
         """Send the call now; return an awaitable of its result.
@@ -377,16 +387,15 @@ class ActorMethod:
             RuntimeError: this process is a fork (``os.fork``: a DataLoader's worker) of
                 the one whose runtime or actor the handle belongs to (nothing is sent).
         """
-        h = self._handle
         if self._plain:
-            return h._client.call(h._actor_id, self._name, args, kwargs, self._what)
-        if h._methods.get(self._name) == STREAM and hasattr(h._client, "stream"):
+            return self._client.call(self._actor_id, self._name, args, kwargs, self._what)
+        if self._methods.get(self._name) == STREAM and hasattr(self._client, "stream"):
             # an async iterator of its items (a client without ``stream`` streams in call)
-            return h._client.stream(h._actor_id, self._name, args, kwargs, self._what,
-                                    self._run_ahead)
-        if h._max_pending > 0:
-            return _limited_call(h, self._name, args, kwargs, self._what)
-        return h._client.call(h._actor_id, self._name, args, kwargs, self._what)
+            return self._client.stream(self._actor_id, self._name, args, kwargs, self._what,
+                                       self._run_ahead)
+        if self._max_pending > 0:
+            return _limited_call(self, self._name, args, kwargs, self._what)
+        return self._client.call(self._actor_id, self._name, args, kwargs, self._what)
 
     def __getattr__(self, name: str):
         no_attribute(self, name, RAY_CALLS, lambda: (
@@ -555,7 +564,7 @@ class _Reserved:
         return False
 
 
-def _limited_call(h: "ActorHandle", method: str, args: tuple, kwargs: dict, what: str):
+def _limited_call(h: "ActorMethod", method: str, args: tuple, kwargs: dict, what: str):
     aid = h._actor_id
     key = (h._client, aid)
     slot = _Reserved()

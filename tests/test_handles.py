@@ -44,3 +44,22 @@ async def test_ray_habits_say_what_to_write(rt):
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
         c.incr.nothing
     assert await c.incr() == 1
+
+
+async def test_a_dropped_handle_is_freed_with_no_collector_run(rt):
+    # A handle keeps the methods it made, and each method kept the handle: a reference
+    # cycle, so a dropped handle (and its runtime's record of a dead actor, which stays
+    # while a handle may use it) waited for the garbage collector.
+    import gc
+    import weakref
+    c = await Counter.spawn(0)
+    assert await c.incr(1) == 1
+    incr = c.incr  # (a method kept past its handle still calls the actor)
+    ref = weakref.ref(c)
+    gc.disable()
+    try:
+        del c
+        assert ref() is None
+    finally:
+        gc.enable()
+    assert await incr(2) == 3
