@@ -340,8 +340,8 @@ class ActorMethod:
     are made once): the two would be a reference cycle, and a handle dropped would wait
     for the garbage collector, its runtime's record of a dead actor with it."""
 
-    __slots__ = ("_client", "_actor_id", "_cls_name", "_methods", "_max_pending", "_name",
-                 "_what", "_run_ahead", "_plain")
+    __slots__ = ("_client", "_actor_id", "_cls_name", "_methods", "_max_pending",
+                 "_actor_name", "_pid", "_name", "_what", "_run_ahead", "_plain")
 
     def __init__(self, handle: "ActorHandle | ActorMethod", name: str,
                  run_ahead: int = 16) -> None:
@@ -350,6 +350,8 @@ class ActorMethod:
         self._cls_name = handle._cls_name
         self._methods = handle._methods
         self._max_pending = handle._max_pending
+        self._actor_name = handle._actor_name
+        self._pid = handle._pid
         self._name = name
         self._what = f"{handle._cls_name}.{name}"
         self._run_ahead = run_ahead
@@ -404,6 +406,13 @@ class ActorMethod:
 
     def __repr__(self) -> str:
         return f"<actor method {self._what}>"
+
+    def __reduce__(self):
+        # As its handle pickles (``ActorHandle.__reduce__``), then this method of it.
+        pid = self._client.actor_pid(self._actor_id, self._pid)
+        return (_rebuild_method, ((self._actor_id, self._cls_name, self._methods,
+                                   self._actor_name, pid, self._max_pending),
+                                  self._name, self._run_ahead))
 
 
 class ActorHandle:
@@ -535,6 +544,10 @@ def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1):
             # each call with an AttributeError about the id)
             client = Foreign(f"{cls_name} (id {actor_id})")
     return ActorHandle(client, actor_id, cls_name, methods, name, pid, max_pending)
+
+
+def _rebuild_method(handle: tuple, name: str, run_ahead: int) -> ActorMethod:
+    return ActorMethod(_rebuild_handle(*handle), name, run_ahead)
 
 
 # Unanswered calls per actor from this process, for actors with ``max_pending_calls``:

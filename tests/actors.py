@@ -419,6 +419,9 @@ class Caller:
     async def call_handle(self, handle, k):
         return await handle.incr(k)
 
+    async def call_method(self, method, *args):
+        return await method(*args)
+
     def pid_of(self, handle):
         return handle.pid
 

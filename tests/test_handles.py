@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 import actorshm
-from actors import Counter, Named
+from actors import Caller, Counter, Named
 
 
 async def test_methods_named_name_and_actor_id_win_over_handle_properties(rt):
@@ -63,3 +63,15 @@ async def test_a_dropped_handle_is_freed_with_no_collector_run(rt):
     finally:
         gc.enable()
     assert await incr(2) == 3
+
+
+async def test_a_method_pickles_as_its_handle_does(rt):
+    # (a method keeps no handle, but travels as one: to another actor, or copied)
+    import copy
+    import pickle
+    c = await Counter.spawn(0)
+    caller = await Caller.spawn()
+    gen = pickle.loads(pickle.dumps(c.logged_stream.options(run_ahead=2)))
+    assert gen._run_ahead == 2 and [x async for x in gen(3)] == [0, 1, 2]
+    assert await copy.deepcopy(c.incr)(5) == 5
+    assert await caller.call_method(c.incr, 2) == 7  # (called inside the other actor)
