@@ -112,7 +112,7 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
             left = await host.watch_death.remote(rec.pid)
             death = None
         except Exception as exc:
-            death = exc
+            death = exc.with_traceback(None)  # (its traceback held this frame, and so it)
         if runtime._closing:
             return
         killed = key in client._dead

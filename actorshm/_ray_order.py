@@ -226,8 +226,10 @@ class CallOrder:
             except asyncio.TimeoutError:  # a slow restart: Ray holds the message for it
                 self._died.discard(key)
                 self._resync(actor_id)
-            except BaseException:  # not restarted (or Ray is gone): the pid stays
-                pass
+            except BaseException as exc:  # not restarted (or Ray is gone): the pid stays
+                # (a cycle otherwise: its traceback holds wait_for's frame, which holds
+                # the task that holds it)
+                exc.__traceback__ = None
             finally:
                 self._watching.discard(key)
                 self._release(actor_id, loop)

@@ -80,7 +80,10 @@ class RayStream(Stream):
             if not isinstance(err, ActorDiedError):  # (see ``RayClient._cancel``)
                 self._cancel(self._gen)
             self._finish()
-            raise err from err.__cause__  # (its remote traceback; not Ray's error)
+            try:
+                raise err from err.__cause__  # (its remote traceback; not Ray's error)
+            finally:
+                del err  # (its traceback keeps this frame: no cycle through the local)
         except BaseException:  # cancelled: stop the generator in the actor
             self._cut = True
             self._stop()
@@ -90,7 +93,10 @@ class RayStream(Stream):
         item, err = self._outcome(value, self.what)
         if err is not None:
             self._finish()
-            raise err
+            try:
+                raise err
+            finally:
+                del err
         return item
 
     async def aclose(self) -> None:

@@ -1527,6 +1527,30 @@ async def test_streaming_methods(art):
     assert [int(a[0]) for a in arrays] == [0, 1, 2]
 
 
+async def test_a_failed_stream_or_call_leaves_no_reference_cycle(art):
+    # On Ray the stream's error stayed in a local of the frame it was raised from, which
+    # its traceback keeps: a cycle per failed stream, the consumer's frames in it (their
+    # arrays with them) until the garbage collector ran.
+    s = await Streamer.spawn()
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(KeyError):
+            async for _ in s.fail_after(2):
+                pass
+        await asyncio.sleep(0.1)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cycles = sorted({type(o).__name__ for o in gc.garbage
+                         if isinstance(o, BaseException) or type(o).__module__.startswith(
+                             ("actorshm", "asyncio"))})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert cycles == []
+
+
 @pytest.mark.parametrize("kept", [False, True])
 async def test_leaving_a_stream_early_stops_the_generator(art, kept):
     s = await Streamer.spawn()
