@@ -329,8 +329,8 @@ class CallStream(Stream):
     async def aclose(self) -> None:
         """Stop the stream: the generator in the actor is closed (its ``finally`` runs)."""
         self.inbox.stop()
-        if self.fut is not None and not self.fut.done():
-            self.fut.cancel()
+        if self.fut is not None:
+            _end_call(self.fut)
 
     def _left(self) -> None:
         """A loop over it was left before the end, or it was dropped: stop the call
@@ -338,16 +338,30 @@ class CallStream(Stream):
         self.inbox.stop()  # (the items it buffers, their blocks, go now, even if the
         # call has ended already: its last items may have arrived before its end)
         fut = self.fut
-        if fut is not None and not fut.done():
-            try:
-                fut.get_loop().call_soon_threadsafe(fut.cancel)
-            except RuntimeError:  # the loop is closed: so is the connection
-                pass
+        if fut is None:
+            return
+        if fut.done():
+            _end_call(fut)
+            return
+        try:
+            fut.get_loop().call_soon_threadsafe(_end_call, fut)
+        except RuntimeError:  # the loop is closed: so is the connection
+            pass
 
     __del__ = _left
 
     def __repr__(self) -> str:
         return f"<stream of {self.what}()>"
+
+
+def _end_call(fut: asyncio.Future) -> None:
+    """Stop the call of a stream that was left; or, if it ended already, let its error
+    go (the generator raised after the items taken: nobody is left to hear it, and
+    asyncio would print it as an exception never retrieved)."""
+    if not fut.done():
+        fut.cancel()
+    elif not fut.cancelled():
+        fut.exception()
 
 
 class StreamingClient:

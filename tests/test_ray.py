@@ -1527,6 +1527,26 @@ async def test_streaming_methods(art):
     assert [int(a[0]) for a in arrays] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("leave", ["break", "aclose"])
+async def test_a_stream_left_after_its_generator_raised_reports_nothing(art, leave):
+    # The generator's error had reached the caller, who left before taking it: asyncio
+    # reported it as "exception was never retrieved", with its traceback.
+    errors = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    s = await Streamer.spawn()
+    it = s.fail_after(1)
+    async for x in it:
+        await asyncio.sleep(0.5)  # (the error arrives meanwhile)
+        break
+    if leave == "aclose":
+        await it.aclose()
+    del it
+    await asyncio.sleep(0.1)
+    gc.collect()
+    await asyncio.sleep(0.1)
+    assert x == 0 and errors == []
+
+
 async def test_a_failed_stream_or_call_leaves_no_reference_cycle(art):
     # On Ray the stream's error stayed in a local of the frame it was raised from, which
     # its traceback keeps: a cycle per failed stream, the consumer's frames in it (their
