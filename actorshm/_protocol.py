@@ -215,12 +215,7 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         except _results.Unfinished:
             raise
         except _results.DependencyFailed as dep:
-            fut.set_exception(_results.not_made(copy_exc(dep.exc)))
-            if isinstance(dep.exc, ActorDiedError):
-                # An actor's death, which its runtime reported: a call that took its
-                # result and that nobody awaits prints nothing more, as the calls that
-                # waited on that actor's connection (``fail_pending``).
-                fut.exception()
+            _results.fail_not_made(fut, copy_exc(dep.exc))
             return
         except MemoryError:  # out of shared memory while copying an array: as it is
             raise

@@ -25,7 +25,8 @@ from . import _client, _registry
 from ._actor import STREAM, ActorHandle, ActorOptions, public_methods
 from ._descendants import is_stopped, machine, process_start
 from ._client import ThreadCallFuture
-from ._results import CallFuture, DependencyFailed, futures_in, not_made, with_results
+from ._results import (CallFuture, DependencyFailed, fail_not_made, futures_in, not_made,
+                       with_results)
 from ._errors import ActorDiedError, class_not_loaded
 from ._ray_errors import check_args, outcome, pickling_failed, translate, unavailable_error
 from ._ray_host import Host, simple
@@ -321,7 +322,7 @@ class RayClient(CallOrder):
                 try:
                     args, kwargs = _with_results(args, kwargs)
                 except DependencyFailed as dep:
-                    fut.set_exception(not_made(copy_exc(dep.exc)))
+                    fail_not_made(fut, copy_exc(dep.exc))
                     return fut
             else:  # sent once they are in, under the number it takes now
                 check_args(args, kwargs, what)
@@ -360,7 +361,7 @@ class RayClient(CallOrder):
             try:
                 args, kwargs = _with_results(args, kwargs)
             except DependencyFailed as dep:
-                fut.set_exception(not_made(copy_exc(dep.exc)))
+                fail_not_made(fut, copy_exc(dep.exc))
                 raise _Dropped from None
             held = self._restarting.get(actor_id.key)
             if held is not None:  # the actor restarts: the call waits for it too
@@ -417,6 +418,11 @@ class RayClient(CallOrder):
                     self._cancel(actor_id, seq)
                 if isinstance(err, BaseException) and not fut.cancelled():
                     fut.set_exception(err)
+                    if isinstance(err, ActorDiedError):
+                        # The actor died with the call pending: nobody awaiting it, it
+                        # prints no "exception was never retrieved", as locally (where
+                        # the calls waiting on a connection that ends fail quietly).
+                        fut.exception()
                 return
             result, err = outcome(cf.result(), what)
             if err is not None:

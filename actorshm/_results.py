@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ._errors import ActorError, Unsendable
+from ._errors import ActorDiedError, ActorError, Unsendable
 
 __all__ = ["CallFuture", "JoinedFuture", "reduce_future", "Unfinished", "DependencyFailed",
-           "not_made", "NOT_MADE", "futures_in", "with_results"]
+           "not_made", "fail_not_made", "NOT_MADE", "futures_in", "with_results"]
 
 
 _future_result = asyncio.Future.result
@@ -113,6 +113,16 @@ def not_made(exc: BaseException) -> BaseException:
     except Exception:  # (an exception type that takes no attributes)
         pass
     return exc
+
+
+def fail_not_made(fut: asyncio.Future, exc: BaseException) -> None:
+    """Fail call ``fut``, never made since a call's result it takes failed with ``exc``
+    (a copy: ``not_made`` marks it). Where that was an actor's death, which its runtime
+    reports, the call prints no "exception was never retrieved" if nobody awaits it, as
+    the calls that waited on that actor itself."""
+    fut.set_exception(not_made(exc))
+    if isinstance(exc, ActorDiedError):
+        fut.exception()
 
 
 def _identity(x):

@@ -365,28 +365,6 @@ async def test_a_failed_call_is_freed_when_dropped_with_no_collector_run(rt):
         gc.enable()
 
 
-async def test_a_call_given_a_dying_actors_result_reports_nothing_unawaited(rt):
-    # A call held for another call's result fails when that actor dies: nobody awaiting
-    # it, asyncio reported it as "exception was never retrieved", where the calls that
-    # waited on the dead actor itself fail quietly (its runtime reports the death).
-    import signal
-    errors = []
-    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
-    c, dying = await Counter.spawn(0), await Counter.spawn(0)
-    fut = c.echo(dying.slow_record(1, 10))  # (never awaited)
-    await asyncio.sleep(0.2)
-    os.kill(dying.pid, signal.SIGKILL)
-    for _ in range(100):
-        if fut.done():
-            break
-        await asyncio.sleep(0.05)
-    assert fut.done() and not fut.cancelled()
-    del fut
-    gc.collect()
-    await asyncio.sleep(0.1)
-    assert errors == []
-
-
 async def test_a_class_that_cannot_travel_by_value_is_named_with_the_fix(rt):
     # a class of __main__ (a script, a notebook) travels by value; one holding a lock
     # cannot, and the error is about the class, not about __init__'s arguments

@@ -1527,6 +1527,31 @@ async def test_streaming_methods(art):
     assert [int(a[0]) for a in arrays] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("held", [False, True])
+async def test_calls_an_actors_death_ends_report_nothing_unawaited(art, held):
+    # A call pending at the death, and one held for its result (given it as an
+    # argument): nobody awaiting them, asyncio reported each as "exception was never
+    # retrieved" (on Ray both, locally the held one), where the local backend's calls
+    # waiting on the dead actor's connection fail quietly (its runtime reports deaths).
+    errors = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    c, dying = await Counter.spawn(0), await Counter.spawn(0)
+    inner = dying.slow_record(1, 30)
+    fut = c.echo(inner) if held else inner  # (never awaited)
+    del inner
+    await asyncio.sleep(0.5)
+    os.kill(dying.pid, signal.SIGKILL)
+    for _ in range(200):
+        if fut.done():
+            break
+        await asyncio.sleep(0.05)
+    assert fut.done() and not fut.cancelled()
+    del fut
+    gc.collect()
+    await asyncio.sleep(0.1)
+    assert errors == []
+
+
 @pytest.mark.parametrize("leave", ["break", "aclose"])
 async def test_a_stream_left_after_its_generator_raised_reports_nothing(art, leave):
     # The generator's error had reached the caller, who left before taking it: asyncio
