@@ -29,22 +29,24 @@ class CallFuture(asyncio.Future):
     conn: Any = None  # set once the call is sent: its connection and call id
     cid = 0
 
-    def result(self, timeout: Any = None) -> Any:
-        """The call's result once it finished (as ``asyncio.Future.result``); before,
-        an error that says to ``await`` it (``timeout`` is accepted and ignored: on the
-        event loop's thread nothing can block for the answer, which that loop brings)."""
-        if self.done():  # (asked on every await: the task waking up asks it)
-            try:
-                return _future_result(self)
-            except BaseException:
-                # The error's traceback keeps this frame: without ``self`` in it, or
-                # every failed call would be a reference cycle (future -> error ->
-                # traceback -> frame -> future), its arguments' and the caller's
-                # frames' memory kept until the garbage collector next runs.
-                del self
-                raise
-        # Its caller gives up on it here: should it fail, that is not "an exception
-        # never retrieved" printed later, with a traceback, by the event loop.
+    @property
+    def result(self):
+        """``result()``: the call's result once it finished (``asyncio.Future.result``
+        itself); before, an error that says to ``await`` it.
+
+        A property that hands out asyncio's own method when the call is done: the task
+        that awaits a call asks ``result()`` of it as it wakes, and a method of ours would
+        put its frame in the traceback of every failed call (and, holding the future
+        that holds the error, make each a reference cycle)."""
+        if self.done():
+            return _future_result.__get__(self)
+        return self._unfinished
+
+    def _unfinished(self, timeout: Any = None) -> Any:
+        # (``timeout`` is accepted and ignored: on the event loop's thread nothing can
+        # block for the answer, which that loop brings.) Its caller gives up on it
+        # here: should it fail, that is not "an exception never retrieved" printed
+        # later, with a traceback, by the event loop.
         self.add_done_callback(_retrieve)
         raise asyncio.InvalidStateError(
             "this call has not finished, and nothing on the event loop's thread can "

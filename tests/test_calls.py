@@ -365,6 +365,17 @@ async def test_a_failed_call_is_freed_when_dropped_with_no_collector_run(rt):
         gc.enable()
 
 
+async def test_a_failed_calls_traceback_starts_at_the_await(rt):
+    # A frame of actorshm's own (the call future's result()) stood between the caller's
+    # `await` and the error in every failed call's traceback.
+    import traceback
+    c = await Counter.spawn(0)
+    with pytest.raises(TypeError) as info:
+        await c.incr("x")
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert [f.name for f in frames] == ["test_a_failed_calls_traceback_starts_at_the_await"]
+
+
 async def test_a_class_that_cannot_travel_by_value_is_named_with_the_fix(rt):
     # a class of __main__ (a script, a notebook) travels by value; one holding a lock
     # cannot, and the error is about the class, not about __init__'s arguments
