@@ -209,6 +209,18 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 asyncio.gather(*(r.stop(self.shutdown_grace) for r in recs), return_exceptions=True))
             try:
                 await asyncio.shield(task)
+            except asyncio.CancelledError:
+                # Cancelled while the actors stop: asyncio.run's answer to a Ctrl-C (or
+                # to the SIGINT a server such as uvicorn raises again after its own
+                # shutdown), or a time-out. Cut short, the stop would lose what the
+                # actors' atexit and finally blocks do: it ends first (within the
+                # grace), then the cancel goes on. A second cancel kills them at once.
+                try:
+                    await asyncio.shield(task)
+                except BaseException:
+                    kill_all(self._actors, self._ending, self._owner)
+                    raise
+                raise
             except BaseException:
                 kill_all(self._actors, self._ending, self._owner)
                 raise

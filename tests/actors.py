@@ -1113,6 +1113,9 @@ class Tidy:
             sys.exit(code)
         self.exiting = asyncio.get_running_loop().create_task(later())
 
+    def slow_exit(self, seconds):
+        atexit.register(time.sleep, seconds)  # (registered last: runs first)
+
     def hang_at_exit(self, close_stderr=False):
         atexit.register(time.sleep, 60)
         if close_stderr:

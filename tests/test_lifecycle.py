@@ -114,6 +114,59 @@ async def test_sys_exit_in_a_task_an_actor_started_ends_it_as_a_method_would(
     assert "never retrieved" not in err, err
 
 
+@pytest.mark.parametrize("how", ["close", "sys.exit"])
+async def test_a_clean_up_of_a_second_runs_whole(tmp_path, how):
+    # An actor closes its connection as it ends, before its atexit functions run: the
+    # driver killed it 0.3 s later, so an exit function that took a second (a flush, a
+    # checkpoint) and those after it never ran, whatever the grace.
+    path = str(tmp_path / "log")
+    rt = await actorshm.Runtime(shutdown_grace=10).start()
+    try:
+        t = await Tidy.spawn(path)
+        await t.slow_exit(1)
+        if how == "sys.exit":
+            with pytest.raises(ActorDiedError):
+                await t.exit()
+    finally:
+        await rt.close()
+    assert await _until_gone([t.pid], 10) == []
+    assert os.path.exists(path + ".atexit") and os.path.exists(path + ".async_atexit")
+
+
+async def test_a_close_cancelled_once_still_stops_the_actors_cleanly(tmp_path):
+    # asyncio.run cancels the main task on Ctrl-C; a server (uvicorn) that handled the
+    # Ctrl-C itself raises SIGINT again after its shutdown, which cancelled the close
+    # under way: the actors were killed, their atexit and finally never ran.
+    path = str(tmp_path / "log")
+    rt = await actorshm.Runtime(shutdown_grace=10).start()
+    t = await Tidy.spawn(path)
+    await t.start_background()
+    await t.slow_exit(1)  # (the stop takes a second: the cancel comes meanwhile)
+    closing = asyncio.ensure_future(rt.close())
+    await asyncio.sleep(0.3)
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert await _until_gone([t.pid], 10) == []
+    assert os.path.exists(path + ".atexit") and os.path.exists(path + ".background")
+
+
+async def test_a_close_cancelled_twice_kills_the_actors_at_once(tmp_path):
+    rt = await actorshm.Runtime(shutdown_grace=30).start()
+    t = await Tidy.spawn(str(tmp_path / "log"))
+    await t.slow_exit(60)  # (its clean stop would take the whole grace)
+    closing = asyncio.ensure_future(rt.close())
+    await asyncio.sleep(0.3)
+    t0 = time.monotonic()
+    for _ in range(2):
+        closing.cancel()
+        await asyncio.sleep(0.01)
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert await _until_gone([t.pid], 5) == []
+    assert time.monotonic() - t0 < 10
+
+
 async def test_a_clean_up_that_hangs_ends_within_the_grace(tmp_path):
     # sys.exit, then an exit function that would sleep a minute: the process exits once
     # shutdown_grace has passed, and the calls waiting on it fail then, not a minute on
