@@ -256,6 +256,8 @@ class Supervisor:
                 rec.death = rec.killed
                 rec.send_signal(signal.SIGKILL)
                 return
+            if self._closing:  # the runtime began to close meanwhile: it stops this
+                return  # process with the others (no "restarted" said of it, no event)
             logger.warning("actorshm: restarted %s (restart %d of %s) after: %s", rec.label,
                            rec.restarts, _limit(rec), first_line(why))
             _events.emit(self, "restarted", rec, why)

@@ -1011,6 +1011,24 @@ def test_a_handle_kept_past_its_runtime_fails_cleanly_anywhere():
         h.logged_stream(3)
 
 
+async def test_a_restart_under_way_as_the_runtime_closes_is_not_reported(caplog):
+    # (a service's stop SIGTERMs every process at once: the actor dies just before its
+    # runtime closes) The restart that began went on, said "restarted" and emitted the
+    # event after the close had begun, and the close then stopped the new process.
+    from actors import Phoenix
+    events = []
+    rt = await actorshm.Runtime().start()
+    rt.on_actor_event(lambda ev: events.append(ev.kind))
+    p = await Phoenix.options(max_restarts=-1).spawn("t")
+    pid = p.pid
+    os.kill(pid, signal.SIGTERM)
+    await _until_gone([pid], 10)
+    await asyncio.sleep(0.05)  # (the restart is under way)
+    await rt.close()
+    assert "restarted" not in events
+    assert "restarted" not in caplog.text
+
+
 async def test_max_restarts(rt_each):
     from actors import Phoenix
     p = await Phoenix.spawn("t")
