@@ -24,8 +24,8 @@ import weakref
 
 from . import _client, _descendants, _leases
 from ._introspect import STACK_SIGNAL
-from ._util import (LEAST_CLEAN_UP, coalesced_call, exit_code, leave_ctrl_c_to_the_driver,
-                    new_event_loop, watch_forks)
+from ._util import (coalesced_call, exit_code, leave_ctrl_c_to_the_driver, new_event_loop,
+                    watch_forks)
 from ._worker import Worker
 
 
@@ -121,12 +121,15 @@ async def _cancel_tasks(timeout: float) -> None:
         await asyncio.wait(tasks, timeout=timeout)
 
 
+_LEAST_CLEAN_UP = 0.5  # seconds a clean-up gets after sys.exit even with shutdown_grace=0
+
+
 def _exit_when_overdue(worker: "Worker") -> None:
     """Exit (``os._exit``) should this stopping actor still run ``shutdown_grace`` from
     now: its clean-up hangs (an ``atexit`` function joining a process that never ends).
     A thread's timer, as the clean-up may hold the event loop. (A runtime that closes
     sends SIGTERM at that time too; a method's ``sys.exit`` has no one else to.)"""
-    limit = max(worker.shutdown_grace, LEAST_CLEAN_UP)
+    limit = max(worker.shutdown_grace, _LEAST_CLEAN_UP)
 
     def overdue() -> None:
         try:  # (straight to fd 2: a method may have closed sys.stderr, or a hung

@@ -124,9 +124,6 @@ class FramedSocket(FrameReader):
         # (fds, why they were cut short or None) (``FrameReader``).
         self._fd_groups: collections.deque = collections.deque()
 
-    peer_done = property(lambda self: self._eof, doc="The peer closed its end (or the "
-                         "socket broke): nothing more comes from it.")
-
     # -- what a subclass provides ------------------------------------------------
     def _frame(self, kind: int, flags: int, cid: int, payload, fds) -> None:
         """Handle one whole frame read from the socket."""

@@ -44,9 +44,11 @@ class CallFuture(asyncio.Future):
 
     def _unfinished(self, timeout: Any = None) -> Any:
         # (``timeout`` is accepted and ignored: on the event loop's thread nothing can
-        # block for the answer, which that loop brings.) Its caller gives up on it
-        # here: should it fail, that is not "an exception never retrieved" printed
-        # later, with a traceback, by the event loop.
+        # block for the answer, which that loop brings.)
+        if self.done():  # (``g = fut.result`` taken before, called after)
+            return _future_result(self)
+        # Its caller gives up on it here: should it fail, that is not "an exception
+        # never retrieved" printed later, with a traceback, by the event loop.
         self.add_done_callback(_retrieve)
         raise asyncio.InvalidStateError(
             "this call has not finished, and nothing on the event loop's thread can "

@@ -205,8 +205,12 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 # of it can run there any more, so its actors are killed, not asked.
                 return
             recs = [r for r in self._actors.values() if r.alive or r.popen is not None]
-            task = asyncio.ensure_future(
-                asyncio.gather(*(r.stop(self.shutdown_grace) for r in recs), return_exceptions=True))
+
+            async def stop() -> None:
+                await asyncio.gather(*(r.stop(self.shutdown_grace) for r in recs),
+                                     return_exceptions=True)
+                await self._ending.wait()  # what they started: SIGTERM, SIGKILL after a grace
+            task = asyncio.ensure_future(stop())
             try:
                 await asyncio.shield(task)
             except asyncio.CancelledError:
@@ -224,7 +228,6 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             except BaseException:
                 kill_all(self._actors, self._ending, self._owner)
                 raise
-            await self._ending.wait()  # what they started: SIGTERM, SIGKILL after a grace
         finally:
             kill_all(self._actors, self._ending, self._owner)
             for r in list(self._actors.values()):

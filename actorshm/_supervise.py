@@ -26,7 +26,7 @@ from ._client import DEAD_KEPT
 from ._errors import ActorDiedError
 from ._launch import ActorRecord
 from ._protocol import Connection
-from ._util import LEAST_CLEAN_UP, describe_exit, first_line
+from ._util import describe_exit, first_line
 
 logger = logging.getLogger("actorshm")
 
@@ -133,25 +133,21 @@ class Supervisor:
             return
         except asyncio.TimeoutError:
             pass
+        if self._closing:
+            # Stopping with its runtime, it closed its connection as it ends, before its
+            # atexit functions run: those have the grace, which ``close`` gives it (it
+            # waits for the exit, then SIGTERM, SIGKILL). Killed here, a clean-up of
+            # over 0.3 s was cut short.
+            return
         if rec.conn is not None:
             rec.conn.close(ActorDiedError(f"{rec.label} closed its connection"))
-        # An actor closes its connection as it ends (a stop, sys.exit), before its
-        # atexit functions run, and those have the grace: the actor exits by itself once
-        # it has passed. Killed 0.3 s on, a clean-up of a second was cut short. Only
-        # an actor still running after that (its connection closed by mistake) is.
-        try:
-            await asyncio.wait_for(rec.exited.wait(),
-                                   max(self.shutdown_grace, LEAST_CLEAN_UP) + 1.0)
-        except asyncio.TimeoutError:
-            rec.send_signal(signal.SIGKILL)  # (not once its exit is seen: see there)
+        rec.send_signal(signal.SIGKILL)  # (not once its exit is seen: see there)
 
     def connection_closed(self, conn: Connection) -> None:
         """An actor's connection closed (``Host``)."""
         rec = self._actors.get(conn.peer_id)
-        if rec is not None and rec.conn is conn and rec.alive and not self._closing \
-                and not conn.peer_done:
-            # Closed on a protocol error: the actor is unusable. (One that closed its
-            # end is leaving: ``_await_exit_then_close`` gives it its grace.)
+        if rec is not None and rec.conn is conn and rec.alive and not self._closing:
+            # The connection broke (protocol error): the actor is unusable.
             rec.send_signal(signal.SIGKILL)
 
     # -- death and shutdown ------------------------------------------------------

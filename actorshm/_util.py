@@ -13,9 +13,6 @@ import sys
 import threading
 
 PR_SET_PDEATHSIG = 1
-# Seconds a stopping actor's clean-up (finally, __del__, atexit) gets even with a
-# shutdown_grace of 0: the actor exits by itself once its grace, or this, has passed.
-LEAST_CLEAN_UP = 0.5
 
 
 def require_linux(what: str) -> None:

@@ -186,6 +186,23 @@ class Starter:
     def exit(self, code):
         os._exit(code)
 
+    def child_with_a_slow_sigterm(self, path):
+        """A child whose SIGTERM handler takes 0.3 s, then writes ``path``: its pid."""
+        import subprocess
+        code = ("import signal, sys, time\n"
+                "def term(*_):\n"
+                "    time.sleep(0.3)\n"
+                f"    open({path!r}, 'w').write('ran')\n"
+                "    sys.exit(0)\n"
+                "signal.signal(signal.SIGTERM, term)\n"
+                "print('ready', flush=True)\n"
+                "while True:\n"
+                "    time.sleep(1)\n")
+        self.slow_child = subprocess.Popen([sys.executable, "-c", code],
+                                           stdout=subprocess.PIPE, text=True)
+        self.slow_child.stdout.readline()
+        return self.slow_child.pid
+
     def pool(self, n):
         """A multiprocessing pool (which replaces workers that die): their pids."""
         import multiprocessing as mp

@@ -374,6 +374,9 @@ async def test_a_failed_calls_traceback_starts_at_the_await(rt):
         await c.incr("x")
     frames = traceback.extract_tb(info.value.__traceback__)
     assert [f.name for f in frames] == ["test_a_failed_calls_traceback_starts_at_the_await"]
+    fut = c.incr(2)
+    result = fut.result  # (taken before the call finished, called after)
+    assert await fut == 2 and result() == 2
 
 
 async def test_a_class_that_cannot_travel_by_value_is_named_with_the_fix(rt):

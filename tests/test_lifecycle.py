@@ -114,8 +114,7 @@ async def test_sys_exit_in_a_task_an_actor_started_ends_it_as_a_method_would(
     assert "never retrieved" not in err, err
 
 
-@pytest.mark.parametrize("how", ["close", "sys.exit"])
-async def test_a_clean_up_of_a_second_runs_whole(tmp_path, how):
+async def test_a_clean_up_of_a_second_runs_whole_at_a_close(tmp_path):
     # An actor closes its connection as it ends, before its atexit functions run: the
     # driver killed it 0.3 s later, so an exit function that took a second (a flush, a
     # checkpoint) and those after it never ran, whatever the grace.
@@ -124,9 +123,6 @@ async def test_a_clean_up_of_a_second_runs_whole(tmp_path, how):
     try:
         t = await Tidy.spawn(path)
         await t.slow_exit(1)
-        if how == "sys.exit":
-            with pytest.raises(ActorDiedError):
-                await t.exit()
     finally:
         await rt.close()
     assert await _until_gone([t.pid], 10) == []
@@ -149,6 +145,21 @@ async def test_a_close_cancelled_once_still_stops_the_actors_cleanly(tmp_path):
         await closing
     assert await _until_gone([t.pid], 10) == []
     assert os.path.exists(path + ".atexit") and os.path.exists(path + ".background")
+
+
+async def test_a_close_cancelled_once_still_ends_what_actors_started_cleanly(tmp_path):
+    # (what actors started gets SIGTERM, then its grace: the cancelled close SIGKILLed it)
+    path = str(tmp_path / "term")
+    rt = await actorshm.Runtime(shutdown_grace=10).start()
+    s = await Starter.spawn()
+    child = await s.child_with_a_slow_sigterm(path)
+    closing = asyncio.ensure_future(rt.close())
+    await asyncio.sleep(0.05)
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert await _until_gone([child], 5) == []
+    assert os.path.exists(path)
 
 
 async def test_a_close_cancelled_twice_kills_the_actors_at_once(tmp_path):
