@@ -408,11 +408,8 @@ class ActorMethod:
         return f"<actor method {self._what}>"
 
     def __reduce__(self):
-        # As its handle pickles (``ActorHandle.__reduce__``), then this method of it.
-        pid = self._client.actor_pid(self._actor_id, self._pid)
-        return (_rebuild_method, ((self._actor_id, self._cls_name, self._methods,
-                                   self._actor_name, pid, self._max_pending),
-                                  self._name, self._run_ahead))
+        # As its handle pickles, then this method of it.
+        return (_rebuild_method, (_handle_args(self), self._name, self._run_ahead))
 
 
 class ActorHandle:
@@ -498,10 +495,7 @@ class ActorHandle:
         await self._client.kill(self._actor_id)
 
     def __reduce__(self):
-        # The current pid (``pid``), not the one this handle was made with: the process
-        # that unpickles it cannot follow restarts that happened before.
-        return (_rebuild_handle, (self._actor_id, self._cls_name, self._methods,
-                                  self._actor_name, self.pid, self._max_pending))
+        return (_rebuild_handle, _handle_args(self))
 
     def __repr__(self) -> str:
         return f"<ActorHandle {self._cls_name} id={self._actor_id} pid={self.pid}>"
@@ -544,6 +538,14 @@ def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1):
             # each call with an AttributeError about the id)
             client = Foreign(f"{cls_name} (id {actor_id})")
     return ActorHandle(client, actor_id, cls_name, methods, name, pid, max_pending)
+
+
+def _handle_args(h: "ActorHandle | ActorMethod") -> tuple:
+    """What a handle (or a method of one) travels as: ``_rebuild_handle``'s arguments,
+    with the actor's current pid, not the one the handle was made with (the process
+    that unpickles it cannot follow restarts that happened before)."""
+    return (h._actor_id, h._cls_name, h._methods, h._actor_name,
+            h._client.actor_pid(h._actor_id, h._pid), h._max_pending)
 
 
 def _rebuild_method(handle: tuple, name: str, run_ahead: int) -> ActorMethod:

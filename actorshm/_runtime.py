@@ -43,9 +43,8 @@ __all__ = ["Runtime", "run", "current_runtime", "get_actor"]
 # runtime (passed to one of its actors) then names no actor there, never another one.
 _actor_ids = itertools.count(1)
 
-
-
 _forked_warned = [False]  # a forked copy of the driver was told to end with os._exit()
+
 
 class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendChoice,
               StreamingClient):
