@@ -1572,7 +1572,7 @@ async def test_a_stream_left_after_its_generator_raised_reports_nothing(art, lea
     assert x == 0 and errors == []
 
 
-async def test_a_failed_stream_or_call_leaves_no_reference_cycle(art):
+async def test_a_failed_stream_leaves_no_reference_cycle(art):
     # On Ray the stream's error stayed in a local of the frame it was raised from, which
     # its traceback keeps: a cycle per failed stream, the consumer's frames in it (their
     # arrays with them) until the garbage collector ran.
