@@ -39,6 +39,11 @@ async def _amain(fd: int) -> int:
     _leases.set_forward_notices(True)  # an actor that dies must not strand its relays' blocks
     try:
         await worker.stopped
+        limit = _exit_when_overdue(worker)
+        if limit is not None and not worker.driver.closed:
+            # Its connection closes before its atexit functions run: the driver, told
+            # this, waits for its exit (it kills a process that closed it by mistake).
+            worker.driver.say_leaving(limit)
         await _end_like_a_program(worker, worker.shutdown_grace / 8)
         await _wait_for_gpu_leases(worker, worker.shutdown_grace / 4)
     finally:
@@ -75,8 +80,7 @@ async def _end_like_a_program(worker: "Worker", timeout: float) -> None:
     reference cycle kept the instance, a garbage collection. A sync call
     still running in a thread keeps the instance; non-daemon threads are not waited for.
     All of it has the runtime's ``shutdown_grace``: the process then exits regardless
-    (``_exit_when_overdue``), so that calls on it end with its death."""
-    _exit_when_overdue(worker)
+    (``_exit_when_overdue``, started before), so that calls on it end with its death."""
     # The cycles made before are collected at the end, after the atexit functions
     # (``main``), as a program's are: not by a collection that allocations here happen
     # to start. (Frozen, not disabled: what the clean-up makes is collected as usual.)
@@ -124,11 +128,15 @@ async def _cancel_tasks(timeout: float) -> None:
 _LEAST_CLEAN_UP = 0.5  # seconds a clean-up gets after sys.exit even with shutdown_grace=0
 
 
-def _exit_when_overdue(worker: "Worker") -> None:
+def _exit_when_overdue(worker: "Worker") -> float | None:
     """Exit (``os._exit``) should this stopping actor still run ``shutdown_grace`` from
     now: its clean-up hangs (an ``atexit`` function joining a process that never ends).
     A thread's timer, as the clean-up may hold the event loop. (A runtime that closes
-    sends SIGTERM at that time too; a method's ``sys.exit`` has no one else to.)"""
+    sends SIGTERM at that time too; a method's ``sys.exit`` has no one else to.)
+
+    Returns:
+        The seconds it gives the clean-up, or None if no timer could be started.
+    """
     limit = max(worker.shutdown_grace, _LEAST_CLEAN_UP)
 
     def overdue() -> None:
@@ -146,7 +154,8 @@ def _exit_when_overdue(worker: "Worker") -> None:
     try:
         timer.start()
     except RuntimeError:  # at its limit of threads (ulimit -u): the clean-up goes untimed
-        pass
+        return None  # (but for the driver's, which then waits only briefly)
+    return limit
 
 
 async def _written(conn, timeout: float) -> None:

@@ -82,8 +82,9 @@ class FrameReader:
         return False
 
     def drain(self) -> None:
-        """Read and handle what the peer wrote before it went away (its process exited)."""
-        while not self.closed and self.sock is not None and not self._eof:
+        """Read and handle what the peer wrote before it went away (its process exited),
+        also after a write found it gone (``_broken``) before a read had."""
+        while not self.closed and self.sock is not None:
             if not self._on_readable():
                 return
 

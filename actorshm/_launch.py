@@ -123,6 +123,9 @@ class ActorRecord:
         self.methods: dict = {}  # set by the runtime (``_actor.public_methods``)
         self.popen: subprocess.Popen | None = None
         self.conn = None  # its ``_protocol.Connection``
+        # the one its process closed as it stopped, while ``conn`` holds the calls made
+        # since for its restart (``_supervise``)
+        self.ended_conn = None
         self.pidfd, self.pid, self.alive = -1, 0, False
         self.no_pidfd = False  # pidfds are not to be had (see ``_poll_exit``)
         self.start_stamp: bytes | None = None  # a forked one's start, without pidfds

@@ -36,7 +36,8 @@ from ._framing import SMALL_FRAME, FramedSocket, close_fd, run_callbacks
 from ._lease_traffic import LeaseTraffic
 from ._ledger import Ledger
 from ._wire import (CALL, CANCEL, CREDIT, ERROR, HAS_BLOCKS, HAS_RELEASES,  # noqa: F401
-                    HEADER, HSIZE, ITEM, LEN, PLAIN, RELEASE, RESULT, RETIRE)
+                    HEADER, HSIZE, ITEM, LEAVING, LEAVING_PAYLOAD, LEN, PLAIN, RELEASE,
+                    RESULT, RETIRE)
 
 __all__ = ["Connection", "Host"]
 
@@ -112,6 +113,10 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         self._release_scheduled = False
         self.peer_id: int | None = None
         self.peer_pid: int | None = None  # an actor's link to another actor: its pid
+        # The peer (an actor) is stopping, its clean-up taking at most this many seconds
+        # (``LEAVING``, ``say_leaving``): the driver waits for its exit that long, and
+        # a little more, once the connection has ended (``_supervise``).
+        self.leaving: float | None = None
         if sock is not None:
             self.attach(sock)
 
@@ -354,6 +359,13 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
                 # after an earlier error).
                 fut.exception()
 
+    def say_leaving(self, seconds: float) -> None:
+        """Tell the driver (this actor's connection to it) that this process is ending,
+        and that its clean-up, ``atexit`` functions included, takes at most ``seconds``
+        more (``_actor_process``). Ahead of frames held back: it must not wait on them."""
+        self.write_urgent(HEADER.pack(LEAVING_PAYLOAD.size, LEAVING, 0, 0, 0)
+                          + LEAVING_PAYLOAD.pack(seconds))
+
     def _send(self, kind: int, flags: int, cid: int, payload, fds, close_fds=None) -> None:
         """Queue one frame (``kind`` 0: none, just the pending releases) and write."""
         if _leases.pending_releases:
@@ -500,6 +512,13 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             self._control_frame(kind, flags, cid, payload, fds)
         elif kind == RELEASE:
             self._apply_releases(payload)
+        elif kind == LEAVING:
+            ok = len(payload) == LEAVING_PAYLOAD.size
+            seconds = LEAVING_PAYLOAD.unpack(payload)[0] if ok else -1.0
+            if not 0.0 <= seconds < 1e6:  # (nan too)
+                self._protocol_error("bad leaving notice")
+                return
+            self.leaving = seconds
         elif kind == RETIRE:
             try:
                 key = pickle.loads(payload)

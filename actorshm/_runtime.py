@@ -490,9 +490,10 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
 
     async def _kill_now(self, rec: ActorRecord) -> None:
         """``kill``'s work: settle what the actor owes, SIGKILL it, wait for its end."""
-        if rec.conn is not None and not rec.conn.closed:
+        if rec.conn is not None and not rec.conn.closed and rec.conn.sock is not None:
             # Blocks it passed on and just got back: let their withdrawals go out first,
-            # so their owners need not keep them (bounded: a busy actor is killed anyway).
+            # so their owners need not keep them (bounded: a busy actor is killed anyway;
+            # one whose process is ending, its calls held for a restart, is not asked).
             try:
                 await asyncio.wait_for(rec.conn.call("__settle__", (0.05,), {}), 0.1)
             except Exception:

@@ -64,10 +64,12 @@ def _connect(runtime, conn, cid: int, target: int) -> None:
     caller = runtime.record(conn.peer_id)
     peer = (conn.peer_id, caller.pid if caller else None)
     accepted = rec.conn.call("__accept_peer__", (PassFd(fb), *peer), {})
-    if rec.alive:  # (it runs: no need to wait for its answer)
-        # ... unless it is dying, its death not yet seen here (the asker saw its own
-        # link break first): then its new process takes the asker's end, with the calls
-        # written into it meanwhile (it never read them: it answers before it reads).
+    if rec.alive and rec.conn.sock is not None:
+        # It runs: no need to wait for its answer, unless it is dying, its death not yet
+        # seen here (the asker saw its own link break first): then its new process takes
+        # the asker's end, with the calls written into it meanwhile (it never read them:
+        # it answers before it reads). (A connection not attached holds calls for a
+        # restart: one that a process ending on its own will have, below.)
         accepted.add_done_callback(
             lambda f: _hand_over(runtime, rec, target, fb, peer, conn, f))
         conn.reply(cid, (PassFd(fa), rec.label, rec.pid))

@@ -121,26 +121,37 @@ class Supervisor:
         rec = self._actors.get(conn.peer_id)
         if rec is not None and rec.conn is conn and rec.alive:
             # The process is exiting; give its pidfd a moment to tell us how.
-            self.loop.create_task(self._await_exit_then_close(rec))
+            self.loop.create_task(self._await_exit_then_close(rec, conn))
         elif rec is not None and rec.conn is conn and rec.death:
             conn.close(ActorDiedError(rec.death))  # (read to its end after the death)
         else:
             conn.close()
 
-    async def _await_exit_then_close(self, rec: ActorRecord) -> None:
+    async def _await_exit_then_close(self, rec: ActorRecord, conn: Connection) -> None:
+        # An actor that stops (``sys.exit``, or its runtime's close) closes its connection
+        # before its atexit functions run, having said how long they may take (it exits
+        # then: ``_actor_process``); one that said nothing closed it by mistake (or had
+        # no thread for its timer), and is killed 0.3 s on, so that a restart comes.
+        conn.drain()  # (a write may have found it closed before its last frames were read)
+        if rec.conn is conn and rec.alive and not rec.starting and self._may_restart(rec):
+            # The calls made from now on wait for the restart that follows its exit, as
+            # those made after it do: it would never see them.
+            rec.ended_conn = conn
+            self._fresh_connection(rec)
+        wait = 0.3 if conn.leaving is None else conn.leaving + 1.0
         try:
-            await asyncio.wait_for(rec.exited.wait(), 0.3)
+            await asyncio.wait_for(rec.exited.wait(), wait)
             return
         except asyncio.TimeoutError:
             pass
         if self._closing:
-            # Stopping with its runtime, it closed its connection as it ends, before its
-            # atexit functions run: those have the grace, which ``close`` gives it (it
-            # waits for the exit, then SIGTERM, SIGKILL). Killed here, a clean-up of
-            # over 0.3 s was cut short.
+            # Stopping with its runtime: ``close`` gives it the grace (it waits for the
+            # exit, then SIGTERM, SIGKILL).
             return
-        if rec.conn is not None:
-            rec.conn.close(ActorDiedError(f"{rec.label} closed its connection"))
+        rec.death = (f"{rec.label} closed its connection" if conn.leaving is None else
+                     f"{rec.label} was killed: its clean-up (atexit functions) did not "
+                     f"end within {wait:.3g} s of closing its connection")
+        conn.close(ActorDiedError(rec.death))
         rec.send_signal(signal.SIGKILL)  # (not once its exit is seen: see there)
 
     def connection_closed(self, conn: Connection) -> None:
@@ -183,9 +194,12 @@ class Supervisor:
         rec.free_budget_slot()
         for fwd in rec.pipes:
             fwd.drain()
-        if rec.conn is not None:
-            rec.conn.drain()  # what it wrote before it died: replies, releases, notices
-            rec.conn.close(ActorDiedError(why))
+        # (the connection it closed as it stopped, if calls made since wait in a fresh one)
+        conn = rec.ended_conn if rec.ended_conn is not None else rec.conn
+        rec.ended_conn = None
+        if conn is not None:
+            conn.drain()  # what it wrote before it died: replies, releases, notices
+            conn.close(ActorDiedError(why))
         rec.exited.set()
         if rec.starting and not self._closing and not rec.no_restart:
             # A restart's process ended while starting: ``_restart`` learns why. Until
@@ -208,11 +222,7 @@ class Supervisor:
     def _after_death(self, rec: ActorRecord, why: str) -> None:
         """Its process is gone: say so, and restart it if it may."""
         rec.death_told = True
-        limit = rec.options.max_restarts
-        # (a spawn that failed, was cancelled or timed out raised to its caller: nothing
-        # of it restarts, and its __init__ does not run again, as in Ray)
-        restart = (rec.spawned and not self._closing and not rec.no_restart
-                   and (limit == -1 or rec.restarts < limit))
+        restart = self._may_restart(rec)
         _events.emit(self, "died", rec, why, will_restart=restart)
         if not restart:
             if rec.conn is not None and not rec.conn.closed and rec.conn.sock is None:
@@ -224,6 +234,14 @@ class Supervisor:
             rec.restarts += 1
             self._fresh_connection(rec)
             self.loop.create_task(self._restart(rec, why))
+
+    def _may_restart(self, rec: ActorRecord) -> bool:
+        """Whether ``rec``'s death, now, restarts it. (A spawn that failed, was cancelled
+        or timed out raised to its caller: nothing of it restarts, and its ``__init__``
+        does not run again, as in Ray.)"""
+        limit = rec.options.max_restarts
+        return (rec.spawned and not self._closing and not rec.no_restart
+                and (limit == -1 or rec.restarts < limit))
 
     async def _restart(self, rec: ActorRecord, why: str) -> None:
         conn = rec.conn  # this attempt's; a death during start-up makes the next one's
@@ -295,8 +313,10 @@ class Supervisor:
     def _reap(self, rec: ActorRecord) -> None:
         rec.close_process(self.loop)
         rec.alive = False
-        if rec.conn is not None and not rec.conn.closed:
-            rec.conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
+        for conn in (rec.ended_conn, rec.conn):
+            if conn is not None and not conn.closed:
+                conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
+        rec.ended_conn = None
 
 
 def _limit(rec: ActorRecord) -> str:

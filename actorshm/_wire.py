@@ -40,7 +40,11 @@ CALL, RESULT, ERROR, RELEASE, RETIRE = 1, 2, 3, 4, 5
 # A cancelled call (caller to callee, no payload); an item of a streaming call (callee to
 # caller, a pickle like a result's); credit for more items (caller to callee: <I count).
 CANCEL, ITEM, CREDIT = 6, 7, 8
-LAST_KIND = CREDIT
+# An actor that begins to stop (``sys.exit``, its runtime's close) tells the driver how
+# long its clean-up may take, atexit functions included (<d seconds): its connection
+# closes before those run.
+LEAVING = 9
+LAST_KIND = LEAVING
 
 # Frame flags.
 HAS_BLOCKS = 1  # the payload starts with a block table (``_serialization``)
@@ -51,6 +55,7 @@ HAS_RELEASES = 4  # releases (and forward notices) ride ahead of the payload
 FLAT = 8
 MAX_FLAGS = HAS_BLOCKS | PLAIN | HAS_RELEASES | FLAT  # a header with other bits set is corrupt
 LEN = struct.Struct("<I")  # length prefix of what rides ahead of a payload
+LEAVING_PAYLOAD = struct.Struct("<d")  # a LEAVING frame's: seconds
 
 # Limits.
 MAX_FRAME = (1 << 31) - 1

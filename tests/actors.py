@@ -1148,8 +1148,13 @@ class Tidy:
         finally:
             _mark(self.path + ".finally")
 
-    def exit(self):
-        sys.exit(0)
+    def exit(self, code=0):
+        sys.exit(code)
+
+    def close_driver_socket(self):
+        import socket
+        from actorshm import _client
+        _client.current_worker().driver.sock.shutdown(socket.SHUT_RDWR)  # (a mistake)
 
     def make_cycle(self):
         self.me = self  # (now only a garbage collection frees it)

@@ -17,6 +17,7 @@ import pytest
 import actorshm
 from actorshm import ActorDiedError
 from actors import Caller, Counter, Dying, Faulty, Starter, Tidy
+from waits import until
 
 
 @pytest.mark.parametrize("how,expect", [
@@ -127,6 +128,86 @@ async def test_a_clean_up_of_a_second_runs_whole_at_a_close(tmp_path):
         await rt.close()
     assert await _until_gone([t.pid], 10) == []
     assert os.path.exists(path + ".atexit") and os.path.exists(path + ".async_atexit")
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+async def test_a_clean_up_of_a_second_runs_whole_after_sys_exit(tmp_path, restarts):
+    # (as at a close: the driver killed it 0.3 s after its connection closed, so that a
+    # restart came at once; the restart comes once it has exited)
+    path = str(tmp_path / "log")
+    async with actorshm.Runtime(shutdown_grace=10):
+        t = await Tidy.options(max_restarts=restarts).spawn(path)
+        first = t.pid
+        await t.slow_exit(1)
+        with pytest.raises(ActorDiedError, match="exited with code 3"):
+            await t.exit(3)
+        assert await _until_gone([first], 10) == []
+        assert os.path.exists(path + ".atexit") and os.path.exists(path + ".async_atexit")
+        if restarts:
+            await t.log("restarted")  # (waits for the new process)
+            assert t.pid != first
+        else:
+            with pytest.raises(ActorDiedError, match="exited with code 3"):
+                await t.log("after")
+
+
+async def test_a_call_written_as_an_actor_stops_leaves_its_clean_up_whole(tmp_path):
+    # A write that found its connection closed ended it before the actor's last frames
+    # were read, its notice that it was stopping among them: killed 0.3 s later, its
+    # atexit functions were cut short and its calls failed without its exit code.
+    path = str(tmp_path / "log")
+    async with actorshm.Runtime(shutdown_grace=10):
+        t = await Tidy.spawn(path)
+        await t.slow_exit(1)
+        dying = t.exit(3)
+        time.sleep(0.5)  # the driver's loop is busy as the actor stops
+        late = t.log("late")
+        for fut in (dying, late):
+            with pytest.raises(ActorDiedError, match="exited with code 3"):
+                await fut
+        assert os.path.exists(path + ".atexit")
+
+
+async def test_calls_made_during_a_clean_up_wait_for_the_restart(tmp_path):
+    # (from the driver, an actor linked to it, and one that links to it then: they
+    # failed, made on the connection the stopping process had closed)
+    path = str(tmp_path / "log")
+    async with actorshm.Runtime(shutdown_grace=10) as rt:
+        t = await Tidy.options(max_restarts=1).spawn(path)
+        linked, fresh = await Caller.spawn(), await Caller.spawn()
+        await linked.call_method(t.log, "linked")
+        first = t.pid
+        await t.slow_exit(2)
+        dying = t.exit(3)
+        assert await until(lambda: rt.record(t.actor_id).ended_conn is not None, 10)
+        calls = [t.log("driver"), linked.call_method(t.log, "linked"),
+                 fresh.call_method(t.log, "fresh")]
+        with pytest.raises(ActorDiedError, match="exited with code 3"):
+            await dying
+        assert await asyncio.gather(*calls) == [None] * 3
+        assert t.pid != first and os.path.exists(path + ".atexit")
+
+
+async def test_an_actor_that_closes_its_socket_by_mistake_is_killed_and_restarted(
+        tmp_path):
+    # (it said nothing of stopping: the driver does not wait for its exit functions)
+    path = str(tmp_path / "log")
+    async with actorshm.Runtime(shutdown_grace=30) as rt:
+        seen = []
+        rt.on_actor_event(seen.append)
+        t = await Tidy.options(max_restarts=1).spawn(path)
+        first = t.pid
+        await t.slow_exit(20)
+        start = time.monotonic()
+        with pytest.raises(ActorDiedError, match="closed its connection"):
+            await t.close_driver_socket()
+        await t.log("restarted")
+        assert t.pid != first and time.monotonic() - start < 10
+        assert await _until_gone([first], 10) == []
+        assert await until(lambda: len(seen) == 2)
+        assert [(e.kind, e.reason) for e in seen] == [
+            ("died", f"actor Tidy(id={t.actor_id}, pid={first}) closed its connection"),
+            ("restarted", f"actor Tidy(id={t.actor_id}, pid={first}) closed its connection")]
 
 
 async def test_a_close_cancelled_once_still_stops_the_actors_cleanly(tmp_path):

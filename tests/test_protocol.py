@@ -96,6 +96,24 @@ async def test_bad_releases_close_only_that_connection(rt):
     assert not host.calls
 
 
+async def test_a_leaving_notice_is_kept_and_a_bad_one_closes_the_connection():
+    # (an actor that ends on its own says how long its clean-up may take: the driver
+    # waits that long for its exit, ``_supervise``)
+    a, b = socket.socketpair()
+    sender = P.Connection(asyncio.get_running_loop(), Recorder(), a, "sender")
+    receiver = P.Connection(asyncio.get_running_loop(), Recorder(), b, "receiver")
+    sender.say_leaving(1.5)
+    assert await until(lambda: receiver.leaving is not None)
+    assert receiver.leaving == 1.5 and not receiver.closed
+    sender.close(), receiver.close()
+    for payload in (W.LEAVING_PAYLOAD.pack(float("nan")), W.LEAVING_PAYLOAD.pack(-1.0),
+                    b"\0" * 4):
+        receiver, _ = await receive_raw(
+            P.HEADER.pack(len(payload), W.LEAVING, 0, 0, 0) + payload)
+        assert receiver.closed and "bad leaving notice" in str(receiver.close_exc)
+        assert receiver.leaving is None
+
+
 async def test_a_message_over_the_frame_limit_fails_before_anything_is_sent(rt, monkeypatch):
     from actorshm import _encoding
     w = await Arrays.spawn()
