@@ -40,10 +40,12 @@ async def _amain(fd: int) -> int:
     try:
         await worker.stopped
         limit = _exit_when_overdue(worker)
-        if limit is not None and not worker.driver.closed:
-            # Its connection closes before its atexit functions run: the driver, told
-            # this, waits for its exit (it kills a process that closed it by mistake).
-            worker.driver.say_leaving(limit)
+        if limit is not None:
+            # Its connections close before its atexit functions run: the driver, told
+            # this, waits for its exit (it kills a process that closed one by mistake),
+            # and it and the peers send the calls made from now on to its restart.
+            for c in worker.connections():
+                c.say_leaving(limit)
         await _end_like_a_program(worker, worker.shutdown_grace / 8)
         await _wait_for_gpu_leases(worker, worker.shutdown_grace / 4)
     finally:
@@ -60,7 +62,7 @@ async def _amain(fd: int) -> int:
         now = loop.time()
         end = now + worker.shutdown_grace / 2
         peers_end = now + worker.shutdown_grace / 4
-        for c in [*worker.peers.values(), worker.driver]:
+        for c in [*worker.peers.values(), *worker.peers_leaving, worker.driver]:
             _leases.dispatch_releases()
             c.send_owed()
             await _written(c, (end if c is worker.driver else peers_end) - loop.time())

@@ -453,7 +453,8 @@ class Inspectable:
             RuntimeError: the runtime is not open.
         """
         got, missed = await self._ask_all("memory", timeout)
-        conns = [r.conn for r in self._actors.values() if r.conn is not None]
+        conns = [c for r in self._actors.values() for c in (r.conn, r.ended_conn)
+                 if c is not None]
         views = [("driver", held_blocks(conns))] + [(r.label, a) for r, a in got]
         return memory_report(views, [r.label for r, _ in missed])
 

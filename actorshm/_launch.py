@@ -175,6 +175,12 @@ class ActorRecord:
                               and not self.no_restart)
 
     @property
+    def stopping(self) -> bool:
+        """Its process said it is stopping (``LEAVING``: a method's ``sys.exit``, say)."""
+        conn = self.ended_conn if self.ended_conn is not None else self.conn
+        return conn is not None and conn.leaving is not None
+
+    @property
     def label(self) -> str:
         return f"actor {self.cls_name}(id={self.actor_id}, pid={self.pid})"
 
@@ -188,7 +194,8 @@ class ActorRecord:
         once it has exited."""
         if not self.alive:
             return
-        if self.death is None:
+        if self.death is None and not self.stopping:  # (one that stops on its own is
+            # named by its exit: the exit code its sys.exit gave)
             self.death = f"{self.label} was stopped because its runtime closed"
         if self.conn is not None and not self.conn.closed:
             self.conn.call("__stop__", (), {}).add_done_callback(_ignore_result)
@@ -201,24 +208,30 @@ class ActorRecord:
             except asyncio.TimeoutError:
                 continue
 
-    def send_signal(self, sig: int) -> None:
+    def send_signal(self, sig: int) -> bool:
         """Send ``sig`` to its process while the driver has not seen it exit: through its
         pidfd, which names that process alone. Once the exit is seen (the pidfd closed),
         nothing is sent, even while ``alive`` waits for the exit code: the process may
-        be reaped (a fork server reaps its children at once) and its number another's."""
+        be reaped (a fork server reaps its children at once) and its number another's.
+
+        Returns:
+            Whether it was sent (False: its exit has been seen, or came first).
+        """
         if self.pidfd >= 0:
             try:
                 signal.pidfd_send_signal(self.pidfd, sig)
+                return True
             except ProcessLookupError:
-                pass
+                return False
         elif self.alive and self.no_pidfd and self.pid in _live_pids:  # (``_poll_exit``)
             if self.popen is not None:
                 try:
                     self.popen.send_signal(sig)  # (not once it has been reaped)
+                    return self.popen.returncode is None
                 except ProcessLookupError:
-                    pass
-            else:
-                kill_if_same(self.pid, self.start_stamp, sig)
+                    return False
+            return kill_if_same(self.pid, self.start_stamp, sig)
+        return False
 
     def kill_now(self) -> None:
         """SIGKILL its process and everything in its group (watchdog included) at once,
@@ -478,14 +491,16 @@ def _poll_exit(loop: asyncio.AbstractEventLoop, on_exit, rec: ActorRecord, pid: 
                                         start)
 
 
-def kill_if_same(pid: int, start: bytes | None, sig: int) -> None:
+def kill_if_same(pid: int, start: bytes | None, sig: int) -> bool:
     """Send ``sig`` to process ``pid`` (a fork server's child, without pidfds) if its
-    number still names the process that started at ``start``."""
+    number still names the process that started at ``start``; whether it was sent."""
     if start is not None and _descendants.process_start(pid) == start:
         try:
             os.kill(pid, sig)
+            return True
         except OSError:  # (gone meanwhile)
             pass
+    return False
 
 
 def _exited(on_exit, rec: ActorRecord, pid: int) -> None:

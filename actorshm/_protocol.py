@@ -65,8 +65,9 @@ class Host(Protocol):
     def connection_closed(self, conn: "Connection") -> None:
         """``conn`` closed (its calls have failed)."""
 
-    # Optional: ``cancel_call(conn, cid)``, the caller cancelled call ``cid``; and
-    # ``stream_credit(conn, cid, n)``, the caller of streaming call ``cid`` took n items.
+    # Optional: ``cancel_call(conn, cid)``, the caller cancelled call ``cid``;
+    # ``stream_credit(conn, cid, n)``, the caller of streaming call ``cid`` took n items;
+    # and ``connection_leaving(conn)``, the peer (an actor) began to stop (``LEAVING``).
 
 
 TOO_DEEP = ("nested too deeply to pickle (Python's recursion limit, "
@@ -519,6 +520,9 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
                 self._protocol_error("bad leaving notice")
                 return
             self.leaving = seconds
+            leaving = getattr(self.host, "connection_leaving", None)
+            if leaving is not None:
+                leaving(self)
         elif kind == RETIRE:
             try:
                 key = pickle.loads(payload)

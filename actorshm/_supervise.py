@@ -116,10 +116,27 @@ class Supervisor:
                        "from another Runtime (a handle works only within the runtime "
                        "that spawned its actor), or the actor ended long ago")
 
+    def connection_leaving(self, conn: Connection) -> None:
+        """The actor on ``conn`` began to stop (``Host``; ``LEAVING``): it starts no call
+        from now on, so the calls made from now on wait for its restart, if one comes."""
+        rec = self._actors.get(conn.peer_id)
+        if rec is not None and rec.conn is conn:
+            self._hold_calls_for_restart(rec)
+
+    def _hold_calls_for_restart(self, rec: ActorRecord) -> None:
+        """``rec``'s process is ending (it stops, or its connection ended): if a restart
+        follows, the calls made from now on wait for it in a fresh connection, as those
+        made after its exit do (its own would fail them), and ``ended_conn`` keeps its
+        connection to its exit (``_exited``)."""
+        if rec.alive and not rec.starting and rec.ended_conn is None \
+                and self._may_restart(rec):
+            rec.ended_conn = rec.conn
+            self._fresh_connection(rec)
+
     def connection_eof(self, conn: Connection) -> None:
         """An actor's connection broke (``Host``): close it once its process is gone."""
         rec = self._actors.get(conn.peer_id)
-        if rec is not None and rec.conn is conn and rec.alive:
+        if rec is not None and (rec.conn is conn or rec.ended_conn is conn) and rec.alive:
             # The process is exiting; give its pidfd a moment to tell us how.
             self.loop.create_task(self._await_exit_then_close(rec, conn))
         elif rec is not None and rec.conn is conn and rec.death:
@@ -133,11 +150,8 @@ class Supervisor:
         # then: ``_actor_process``); one that said nothing closed it by mistake (or had
         # no thread for its timer), and is killed 0.3 s on, so that a restart comes.
         conn.drain()  # (a write may have found it closed before its last frames were read)
-        if rec.conn is conn and rec.alive and not rec.starting and self._may_restart(rec):
-            # The calls made from now on wait for the restart that follows its exit, as
-            # those made after it do: it would never see them.
-            rec.ended_conn = conn
-            self._fresh_connection(rec)
+        if rec.conn is conn:
+            self._hold_calls_for_restart(rec)
         wait = 0.3 if conn.leaving is None else conn.leaving + 1.0
         try:
             await asyncio.wait_for(rec.exited.wait(), wait)
@@ -148,11 +162,12 @@ class Supervisor:
             # Stopping with its runtime: ``close`` gives it the grace (it waits for the
             # exit, then SIGTERM, SIGKILL).
             return
-        rec.death = (f"{rec.label} closed its connection" if conn.leaving is None else
-                     f"{rec.label} was killed: its clean-up (atexit functions) did not "
-                     f"end within {wait:.3g} s of closing its connection")
-        conn.close(ActorDiedError(rec.death))
-        rec.send_signal(signal.SIGKILL)  # (not once its exit is seen: see there)
+        why = (f"{rec.label} closed its connection" if conn.leaving is None else
+               f"{rec.label} was killed: its clean-up (atexit functions) did not end "
+               f"within {wait:.3g} s of closing its connection")
+        if rec.send_signal(signal.SIGKILL):  # (not once its exit is seen: see there)
+            rec.death = rec.death or why  # (its exit, next, reports it)
+        conn.close(ActorDiedError(rec.death or why))
 
     def connection_closed(self, conn: Connection) -> None:
         """An actor's connection closed (``Host``)."""
@@ -186,7 +201,7 @@ class Supervisor:
         rec.alive = False
         why = rec.death or f"{rec.label} died: {describe_exit(code)}" \
             f"{_oom.oom_note(rec, code)}"
-        if self._closing and rec.death is None:
+        if self._closing and rec.death is None and not rec.stopping:
             why = f"{rec.label} was stopped because its runtime closed"
         rec.death = why
         self._gpus.release(rec)

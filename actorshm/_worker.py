@@ -107,6 +107,7 @@ class Worker(StreamingClient):
         self.dropped: set[tuple] = set()  # sync calls cancelled while they ran
         self.outflows: dict[tuple, Outflow] = {}  # (conn, cid) of streams -> their credit
         self.peers: dict[int, Connection] = {}
+        self.peers_leaving: set[Connection] = set()  # links to peers that are stopping
         self.release_hook = None  # (set by ``_actor_process``: dispatches on this loop)
         self.collect_at_exit = False  # a cycle keeps the instance: collect after atexit
         self.driver = Connection(loop, self, socket.socket(fileno=fd), label="the driver")
@@ -543,7 +544,8 @@ class Worker(StreamingClient):
 
     def connections(self) -> list[Connection]:
         """The open connections: the driver's, then the peers'."""
-        return [c for c in (self.driver, *self.peers.values()) if not c.closed]
+        return [c for c in (self.driver, *self.peers.values(), *self.peers_leaving)
+                if not c.closed]
 
     async def grants_out(self, which, timeout: float, step: float) -> int:
         """Wait up to ``timeout`` until no grant (``_ledger.Grant``) that ``which(grant)``
@@ -597,6 +599,15 @@ class Worker(StreamingClient):
             conn.close(ActorDiedError(f"{conn.label} is gone: "
                                       f"{describe_exit(None)}"))
 
+    def connection_leaving(self, conn: Connection) -> None:
+        """The actor on ``conn`` began to stop (``Host``; ``LEAVING``): it starts no call
+        from now on, so the calls made from now on go through a new link, which the
+        driver connects to its restart, if one comes (``_services._connect``). Those
+        under way end on this one."""
+        if conn.peer_id is not None and self.peers.get(conn.peer_id) is conn:
+            del self.peers[conn.peer_id]
+            self.peers_leaving.add(conn)
+
     def connection_closed(self, conn: Connection) -> None:
         """A connection closed (``Host``): the driver's ends the actor; a peer's stops
         the streams it was taking (nobody is left to give them credit)."""
@@ -606,6 +617,7 @@ class Worker(StreamingClient):
             self.stop()
         elif conn.peer_id is not None and self.peers.get(conn.peer_id) is conn:
             del self.peers[conn.peer_id]
+        self.peers_leaving.discard(conn)
 
 
 class _Threads(ThreadPoolExecutor):

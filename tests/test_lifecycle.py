@@ -151,6 +151,22 @@ async def test_a_clean_up_of_a_second_runs_whole_after_sys_exit(tmp_path, restar
                 await t.log("after")
 
 
+async def test_a_close_during_a_clean_up_after_sys_exit_keeps_its_exit_code(tmp_path):
+    # (its calls failed saying the runtime had stopped it)
+    path = str(tmp_path / "log")
+    rt = await actorshm.Runtime(shutdown_grace=10).start()
+    try:
+        t = await Tidy.spawn(path)
+        await t.slow_exit(1)
+        exiting = t.exit(3)
+        assert await until(lambda: rt.record(t.actor_id).stopping, 10)
+    finally:
+        await rt.close()
+    with pytest.raises(ActorDiedError, match="exited with code 3"):
+        await exiting
+    assert os.path.exists(path + ".atexit")
+
+
 async def test_a_call_written_as_an_actor_stops_leaves_its_clean_up_whole(tmp_path):
     # A write that found its connection closed ended it before the actor's last frames
     # were read, its notice that it was stopping among them: killed 0.3 s later, its
@@ -168,24 +184,33 @@ async def test_a_call_written_as_an_actor_stops_leaves_its_clean_up_whole(tmp_pa
         assert os.path.exists(path + ".atexit")
 
 
-async def test_calls_made_during_a_clean_up_wait_for_the_restart(tmp_path):
+@pytest.mark.parametrize("slow", ["finally", "atexit"])
+async def test_calls_made_during_a_clean_up_wait_for_the_restart(tmp_path, slow):
     # (from the driver, an actor linked to it, and one that links to it then: they
-    # failed, made on the connection the stopping process had closed)
-    path = str(tmp_path / "log")
+    # failed, made on the connection of the stopping process, which runs no call)
     async with actorshm.Runtime(shutdown_grace=10) as rt:
-        t = await Tidy.options(max_restarts=1).spawn(path)
+        if slow == "finally":
+            a = await Dying.options(max_restarts=1).spawn()
+        else:
+            a = await Tidy.options(max_restarts=1).spawn(str(tmp_path / "log"))
         linked, fresh = await Caller.spawn(), await Caller.spawn()
-        await linked.call_method(t.log, "linked")
-        first = t.pid
-        await t.slow_exit(2)
-        dying = t.exit(3)
-        assert await until(lambda: rt.record(t.actor_id).ended_conn is not None, 10)
-        calls = [t.log("driver"), linked.call_method(t.log, "linked"),
-                 fresh.call_method(t.log, "fresh")]
-        with pytest.raises(ActorDiedError, match="exited with code 3"):
-            await dying
-        assert await asyncio.gather(*calls) == [None] * 3
-        assert t.pid != first and os.path.exists(path + ".atexit")
+        first = await linked.call_method(a.ping)
+        if slow == "finally":
+            running = a.slow_finally(2)  # (cancelled as it stops: its finally takes 2 s)
+            await a.ping()
+            exiting = a.exit_now()
+        else:
+            await a.slow_exit(2)
+            running, exiting = None, a.exit(3)
+        assert await until(lambda: rt.record(a.actor_id).ended_conn is not None, 10)
+        calls = [a.ping(), linked.call_method(a.ping), fresh.call_method(a.ping)]
+        assert _running(first)  # (still in its clean-up)
+        for fut in (running, exiting):
+            if fut is not None:
+                with pytest.raises(ActorDiedError, match="exited with code"):
+                    await fut
+        pids = await asyncio.gather(*calls)
+        assert pids == [a.pid] * 3 and a.pid != first
 
 
 async def test_an_actor_that_closes_its_socket_by_mistake_is_killed_and_restarted(
