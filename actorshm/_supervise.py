@@ -136,10 +136,11 @@ class Supervisor:
     def connection_eof(self, conn: Connection) -> None:
         """An actor's connection broke (``Host``): close it once its process is gone."""
         rec = self._actors.get(conn.peer_id)
-        if rec is not None and (rec.conn is conn or rec.ended_conn is conn) and rec.alive:
+        ours = rec is not None and (rec.conn is conn or rec.ended_conn is conn)
+        if ours and rec.alive:
             # The process is exiting; give its pidfd a moment to tell us how.
             self.loop.create_task(self._await_exit_then_close(rec, conn))
-        elif rec is not None and rec.conn is conn and rec.death:
+        elif ours and rec.death:
             conn.close(ActorDiedError(rec.death))  # (read to its end after the death)
         else:
             conn.close()
@@ -211,10 +212,10 @@ class Supervisor:
             fwd.drain()
         # (the connection it closed as it stopped, if calls made since wait in a fresh one)
         conn = rec.ended_conn if rec.ended_conn is not None else rec.conn
-        rec.ended_conn = None
         if conn is not None:
             conn.drain()  # what it wrote before it died: replies, releases, notices
             conn.close(ActorDiedError(why))
+        rec.ended_conn = None
         rec.exited.set()
         if rec.starting and not self._closing and not rec.no_restart:
             # A restart's process ended while starting: ``_restart`` learns why. Until

@@ -1172,7 +1172,11 @@ class Tidy:
         finally:
             _mark(self.path + ".stream")
 
+    def slow_del(self, seconds):
+        self.del_seconds = seconds
+
     def __del__(self):
+        time.sleep(getattr(self, "del_seconds", 0))  # (holding the event loop)
         self.f.close()
         # (an instance in a reference cycle is collected after atexit, as at a
         # program's end; one that is not, when it is dropped, before)

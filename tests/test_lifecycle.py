@@ -167,6 +167,21 @@ async def test_a_close_during_a_clean_up_after_sys_exit_keeps_its_exit_code(tmp_
     assert os.path.exists(path + ".atexit")
 
 
+async def test_the_end_of_a_connection_moved_aside_is_read_as_its_actors(tmp_path):
+    # A connection moved aside for a restart whose end is read only as the driver closes
+    # it, after the exit (here its reader is stopped; a busy driver can see the exit
+    # first): its calls failed with "the connection to ... is closed", not the death.
+    async with actorshm.Runtime(shutdown_grace=10) as rt:
+        t = await Tidy.options(max_restarts=1).spawn(str(tmp_path / "log"))
+        await t.slow_del(1)  # (its connection closes a second after it says it stops)
+        exiting = t.exit(3)
+        rec = rt.record(t.actor_id)
+        assert await until(lambda: rec.ended_conn is not None, 10)
+        rec.ended_conn._unwatch()
+        with pytest.raises(ActorDiedError, match="exited with code 3"):
+            await exiting
+
+
 async def test_a_call_written_as_an_actor_stops_leaves_its_clean_up_whole(tmp_path):
     # A write that found its connection closed ended it before the actor's last frames
     # were read, its notice that it was stopping among them: killed 0.3 s later, its
