@@ -44,6 +44,7 @@ async def _amain(fd: int) -> int:
             # Its connections close before its atexit functions run: the driver, told
             # this, waits for its exit (it kills a process that closed one by mistake),
             # and it and the peers send the calls made from now on to its restart.
+            worker.leaving = limit  # (and on the links it gets from now on: ``_worker``)
             for c in worker.connections():
                 c.say_leaving(limit)
         await _end_like_a_program(worker, worker.shutdown_grace / 8)

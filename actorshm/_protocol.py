@@ -114,6 +114,9 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         self._release_scheduled = False
         self.peer_id: int | None = None
         self.peer_pid: int | None = None  # an actor's link to another actor: its pid
+        # (such a link) the driver linked it to a process that is stopping and that no
+        # restart follows: its LEAVING is no reason for a new link (``_worker``)
+        self.last_process = False
         # The peer (an actor) is stopping, its clean-up taking at most this many seconds
         # (``LEAVING``, ``say_leaving``): the driver waits for its exit that long, and
         # a little more, once the connection has ended (``_supervise``).

@@ -72,7 +72,9 @@ def _connect(runtime, conn, cid: int, target: int) -> None:
         # restart: one that a process ending on its own will have, below.)
         accepted.add_done_callback(
             lambda f: _hand_over(runtime, rec, target, fb, peer, conn, f))
-        conn.reply(cid, (PassFd(fa), rec.label, rec.pid))
+        # (a target that said it is stopping, and is not restarted: its LEAVING on
+        # this link is no reason for a new one)
+        conn.reply(cid, (PassFd(fa), rec.label, rec.pid, rec.conn.leaving is not None))
         conn.close_after_send([fa])
         return
     rec.conn.close_after_send([fb])
@@ -83,7 +85,7 @@ def _connect(runtime, conn, cid: int, target: int) -> None:
             conn.reply_error(cid, ActorDiedError(runtime.death_of(target)) if
                              f.cancelled() else f.exception())
         else:
-            conn.reply(cid, (PassFd(fa), rec.label, rec.pid))
+            conn.reply(cid, (PassFd(fa), rec.label, rec.pid, False))
             conn.close_after_send([fa])
     accepted.add_done_callback(answered)
 

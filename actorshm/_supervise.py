@@ -278,6 +278,8 @@ class Supervisor:
                 await self._start_process(rec)
             finally:
                 rec.starting = False
+            if rec.alive and rec.conn is not None and rec.conn.leaving is not None:
+                self._hold_calls_for_restart(rec)  # (its LEAVING came while it started)
             if not rec.alive and not rec.death_told:  # it answered, then exited at once
                 self._after_death(rec, rec.death)
                 return

@@ -108,6 +108,7 @@ class Worker(StreamingClient):
         self.outflows: dict[tuple, Outflow] = {}  # (conn, cid) of streams -> their credit
         self.peers: dict[int, Connection] = {}
         self.peers_leaving: set[Connection] = set()  # links to peers that are stopping
+        self.leaving: float | None = None  # this actor said LEAVING (``_actor_process``)
         self.release_hook = None  # (set by ``_actor_process``: dispatches on this loop)
         self.collect_at_exit = False  # a cycle keeps the instance: collect after atexit
         self.driver = Connection(loop, self, socket.socket(fileno=fd), label="the driver")
@@ -154,6 +155,8 @@ class Worker(StreamingClient):
         conn = Connection(self.loop, self, label=f"actor {actor_id}")
         conn.peer_id = actor_id
         self.peers[actor_id] = conn
+        if self.leaving is not None:  # (sent once it is attached)
+            conn.say_leaving(self.leaving)
         fut = self.driver.call("__connect__", (actor_id,), {})
 
         def done(f: asyncio.Future) -> None:
@@ -165,7 +168,7 @@ class Worker(StreamingClient):
                     exc = ActorDiedError(str(exc))  # death, not an error its method raised
                 conn.close(exc)
             else:
-                fd, conn.label, conn.peer_pid = f.result()
+                fd, conn.label, conn.peer_pid, conn.last_process = f.result()
                 conn.attach(socket.socket(fileno=fd))
 
         fut.add_done_callback(done)
@@ -511,6 +514,8 @@ class Worker(StreamingClient):
                                   label=f"actor {peer_id}")
                 peer.peer_id, peer.peer_pid = peer_id, peer_pid
                 self.peers.setdefault(peer_id, peer)
+                if self.leaving is not None:  # a link made after it said LEAVING
+                    peer.say_leaving(self.leaving)
                 conn.reply(cid, None)
             elif method == "__peer_moved__":  # (``_services._hand_over``)
                 peer_id, pid = args
@@ -604,7 +609,8 @@ class Worker(StreamingClient):
         from now on, so the calls made from now on go through a new link, which the
         driver connects to its restart, if one comes (``_services._connect``). Those
         under way end on this one."""
-        if conn.peer_id is not None and self.peers.get(conn.peer_id) is conn:
+        if conn.peer_id is not None and self.peers.get(conn.peer_id) is conn \
+                and not conn.last_process:
             del self.peers[conn.peer_id]
             self.peers_leaving.add(conn)
 

@@ -442,6 +442,9 @@ class Caller:
     def pid_of(self, handle):
         return handle.pid
 
+    def ping(self):
+        return os.getpid()
+
     async def hit_other_times(self, k):
         """``other.hit()`` ``k`` times, one after another: each pid, or "died"."""
         out = []
@@ -775,6 +778,15 @@ class Dying:
 
     def ping(self):
         return os.getpid()
+
+    async def call_in_finally(self, method, seconds):
+        """Wait; as it is cancelled (its actor stops), call ``method()``, then take
+        ``seconds`` more."""
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await method()
+            await asyncio.sleep(seconds)
 
     async def reply_then_exit(self, value, code):
         asyncio.get_running_loop().call_later(0.01, os._exit, code)

@@ -151,6 +151,56 @@ async def test_a_clean_up_of_a_second_runs_whole_after_sys_exit(tmp_path, restar
                 await t.log("after")
 
 
+async def test_a_link_made_during_a_clean_up_hears_that_the_actor_is_stopping():
+    # An actor's clean-up calls another for the first time, which then calls it back:
+    # that link, made after the actor said it was stopping, never heard it, and the call
+    # went to the stopping process and failed instead of waiting for the restart.
+    async with actorshm.Runtime(shutdown_grace=10) as rt:
+        a = await Dying.options(max_restarts=1).spawn()
+        c = await Caller.spawn()
+        first = await a.ping()
+        running = a.call_in_finally(c.ping, 2)  # (its finally links to c, then 2 s)
+        await a.ping()
+        exiting = a.exit_now()
+        assert await until(lambda: rt.record(a.actor_id).ended_conn is not None, 10)
+        await asyncio.sleep(0.3)  # (its finally has called c)
+        back = c.call_method(a.ping)
+        assert _running(first)  # (still in its clean-up)
+        for fut in (running, exiting):
+            with pytest.raises(ActorDiedError, match="exited with code 0"):
+                await fut
+        assert await back == a.pid != first
+
+
+async def test_a_restart_that_stops_as_it_starts_holds_calls_for_the_next(monkeypatch):
+    # Its notice that it was stopping, read while its start was under way (the driver
+    # busy as it started), was dropped: the calls made during its clean-up failed.
+    from actorshm import _introspect
+    call_init = _introspect.call_init
+
+    def busy_after(rec, *args):
+        fut = call_init(rec, *args)
+        if rec.restarts == 1:
+            asyncio.get_running_loop().call_soon(time.sleep, 0.6)
+        return fut
+    monkeypatch.setattr(_introspect, "call_init", busy_after)
+    async with actorshm.Runtime(shutdown_grace=30) as rt:
+        a = await Dying.options(max_restarts=2).spawn()
+        rec, first = rt.record(a.actor_id), await a.ping()
+        calls = [a.slow_finally(1)]
+        await a.ping()
+        calls.append(a.exit_now())
+        assert await until(lambda: rec.ended_conn is not None, 10)
+        calls += [a.slow_finally(2), a.exit_now()]  # (restart 1 runs them as it starts)
+        assert await until(lambda: rec.pid != first and rec.ended_conn is not None, 10)
+        second = rec.pid
+        back = a.ping()
+        for fut in calls:
+            with pytest.raises(ActorDiedError, match="exited with code 0"):
+                await fut
+        assert await back == a.pid not in (first, second)
+
+
 async def test_a_close_during_a_clean_up_after_sys_exit_keeps_its_exit_code(tmp_path):
     # (its calls failed saying the runtime had stopped it)
     path = str(tmp_path / "log")
