@@ -157,7 +157,7 @@ def _exit_when_overdue(worker: "Worker") -> float | None:
     try:
         timer.start()
     except RuntimeError:  # at its limit of threads (ulimit -u): the clean-up goes untimed
-        return None  # (but for the driver's, which then waits only briefly)
+        return None  # (the driver kills it 0.3 s after its connection closes)
     return limit
 
 

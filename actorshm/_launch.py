@@ -123,8 +123,8 @@ class ActorRecord:
         self.methods: dict = {}  # set by the runtime (``_actor.public_methods``)
         self.popen: subprocess.Popen | None = None
         self.conn = None  # its ``_protocol.Connection``
-        # the one its process closed as it stopped, while ``conn`` holds the calls made
-        # since for its restart (``_supervise``)
+        # its ending process's connection (it said it is stopping, or the connection
+        # ended), while ``conn`` holds the calls made since for its restart (``_supervise``)
         self.ended_conn = None
         self.pidfd, self.pid, self.alive = -1, 0, False
         self.no_pidfd = False  # pidfds are not to be had (see ``_poll_exit``)
@@ -175,10 +175,16 @@ class ActorRecord:
                               and not self.no_restart)
 
     @property
-    def stopping(self) -> bool:
-        """Its process said it is stopping (``LEAVING``: a method's ``sys.exit``, say)."""
+    def leaving(self) -> float | None:
+        """The seconds its process said its clean-up may take, as it began to stop
+        (``LEAVING``: a method's ``sys.exit``, say); None if it has not."""
         conn = self.ended_conn if self.ended_conn is not None else self.conn
-        return conn is not None and conn.leaving is not None
+        return None if conn is None else conn.leaving
+
+    @property
+    def stopping(self) -> bool:
+        """Its process said it is stopping (``leaving``)."""
+        return self.leaving is not None
 
     @property
     def label(self) -> str:
@@ -194,8 +200,12 @@ class ActorRecord:
         once it has exited."""
         if not self.alive:
             return
-        if self.death is None and not self.stopping:  # (one that stops on its own is
-            # named by its exit: the exit code its sys.exit gave)
+        leaving = self.leaving
+        if leaving is not None:
+            # It stops on its own (its exit code names its death), and has the time it
+            # said its clean-up may take.
+            grace = max(grace, leaving)
+        elif self.death is None:
             self.death = f"{self.label} was stopped because its runtime closed"
         if self.conn is not None and not self.conn.closed:
             self.conn.call("__stop__", (), {}).add_done_callback(_ignore_result)
@@ -215,7 +225,7 @@ class ActorRecord:
         be reaped (a fork server reaps its children at once) and its number another's.
 
         Returns:
-            Whether it was sent (False: its exit has been seen, or came first).
+            Whether it was sent (False: its exit has been seen).
         """
         if self.pidfd >= 0:
             try:

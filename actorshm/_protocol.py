@@ -364,9 +364,10 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
                 fut.exception()
 
     def say_leaving(self, seconds: float) -> None:
-        """Tell the driver (this actor's connection to it) that this process is ending,
-        and that its clean-up, ``atexit`` functions included, takes at most ``seconds``
-        more (``_actor_process``). Ahead of frames held back: it must not wait on them."""
+        """Tell the peer (the driver, or an actor linked to this one) that this actor
+        process is stopping, and that its clean-up, ``atexit`` functions included,
+        takes at most ``seconds`` (``_actor_process``). Ahead of frames held back: it
+        must not wait on them."""
         self.write_urgent(HEADER.pack(LEAVING_PAYLOAD.size, LEAVING, 0, 0, 0)
                           + LEAVING_PAYLOAD.pack(seconds))
 

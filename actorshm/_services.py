@@ -72,9 +72,10 @@ def _connect(runtime, conn, cid: int, target: int) -> None:
         # restart: one that a process ending on its own will have, below.)
         accepted.add_done_callback(
             lambda f: _hand_over(runtime, rec, target, fb, peer, conn, f))
-        # (a target that said it is stopping, and is not restarted: its LEAVING on
-        # this link is no reason for a new one)
-        conn.reply(cid, (PassFd(fa), rec.label, rec.pid, rec.conn.leaving is not None))
+        # (a target that said it is stopping, and that no restart follows: its LEAVING
+        # on this link is no reason for a new one)
+        last = rec.conn.leaving is not None and not runtime.may_restart(rec)
+        conn.reply(cid, (PassFd(fa), rec.label, rec.pid, last))
         conn.close_after_send([fa])
         return
     rec.conn.close_after_send([fb])

@@ -129,7 +129,7 @@ class Supervisor:
         made after its exit do (its own would fail them), and ``ended_conn`` keeps its
         connection to its exit (``_exited``)."""
         if rec.alive and not rec.starting and rec.ended_conn is None \
-                and self._may_restart(rec):
+                and self.may_restart(rec):
             rec.ended_conn = rec.conn
             self._fresh_connection(rec)
 
@@ -210,7 +210,7 @@ class Supervisor:
         rec.free_budget_slot()
         for fwd in rec.pipes:
             fwd.drain()
-        # (the connection it closed as it stopped, if calls made since wait in a fresh one)
+        # (its ending process's connection, moved aside for calls that wait for a restart)
         conn = rec.ended_conn if rec.ended_conn is not None else rec.conn
         if conn is not None:
             conn.drain()  # what it wrote before it died: replies, releases, notices
@@ -222,8 +222,7 @@ class Supervisor:
             # it decides, calls made wait for the next attempt in a fresh connection (and
             # with it the record, its name and its handles stay the actor's own), if
             # one may come.
-            limit = rec.options.max_restarts
-            if limit == -1 or rec.restarts < limit:
+            if self.may_restart(rec):
                 self._fresh_connection(rec)
             return
         self._after_death(rec, why)
@@ -238,7 +237,7 @@ class Supervisor:
     def _after_death(self, rec: ActorRecord, why: str) -> None:
         """Its process is gone: say so, and restart it if it may."""
         rec.death_told = True
-        restart = self._may_restart(rec)
+        restart = self.may_restart(rec)
         _events.emit(self, "died", rec, why, will_restart=restart)
         if not restart:
             if rec.conn is not None and not rec.conn.closed and rec.conn.sock is None:
@@ -251,7 +250,7 @@ class Supervisor:
             self._fresh_connection(rec)
             self.loop.create_task(self._restart(rec, why))
 
-    def _may_restart(self, rec: ActorRecord) -> bool:
+    def may_restart(self, rec: ActorRecord) -> bool:
         """Whether ``rec``'s death, now, restarts it. (A spawn that failed, was cancelled
         or timed out raised to its caller: nothing of it restarts, and its ``__init__``
         does not run again, as in Ray.)"""

@@ -40,9 +40,9 @@ CALL, RESULT, ERROR, RELEASE, RETIRE = 1, 2, 3, 4, 5
 # A cancelled call (caller to callee, no payload); an item of a streaming call (callee to
 # caller, a pickle like a result's); credit for more items (caller to callee: <I count).
 CANCEL, ITEM, CREDIT = 6, 7, 8
-# An actor that begins to stop (``sys.exit``, its runtime's close) tells the driver how
-# long its clean-up may take, atexit functions included (<d seconds): its connection
-# closes before those run.
+# An actor that begins to stop (``sys.exit``, its runtime's close) tells the driver and
+# its peers how long its clean-up may take, atexit functions included (<d seconds): its
+# connections close before those run.
 LEAVING = 9
 LAST_KIND = LEAVING
 

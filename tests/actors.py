@@ -445,6 +445,24 @@ class Caller:
     def ping(self):
         return os.getpid()
 
+    def links_to(self, actor_id):
+        """How many links this actor holds to actor ``actor_id`` (open or ending)."""
+        from actorshm import _client
+        w = _client.current_worker()
+        return sum(c.peer_id == actor_id and not c.closed
+                   for c in (*w.peers.values(), *w.peers_leaving))
+
+    async def call_times(self, method, n, gap):
+        """``method()`` ``n`` times, ``gap`` seconds apart, on actor ``method``'s
+        actor: (the links to it open after the last, how many calls failed)."""
+        calls = []
+        for _ in range(n):
+            calls.append(method())
+            await asyncio.sleep(gap)
+        links = self.links_to(method._actor_id)
+        done = await asyncio.gather(*calls, return_exceptions=True)
+        return links, sum(isinstance(r, actorshm.ActorDiedError) for r in done)
+
     async def hit_other_times(self, k):
         """``other.hit()`` ``k`` times, one after another: each pid, or "died"."""
         out = []

@@ -163,7 +163,7 @@ async def test_a_link_made_during_a_clean_up_hears_that_the_actor_is_stopping():
         await a.ping()
         exiting = a.exit_now()
         assert await until(lambda: rt.record(a.actor_id).ended_conn is not None, 10)
-        await asyncio.sleep(0.3)  # (its finally has called c)
+        assert await until(lambda: c.links_to(a.actor_id), 10)  # (its finally called c)
         back = c.call_method(a.ping)
         assert _running(first)  # (still in its clean-up)
         for fut in (running, exiting):
@@ -192,22 +192,55 @@ async def test_a_restart_that_stops_as_it_starts_holds_calls_for_the_next(monkey
         calls.append(a.exit_now())
         assert await until(lambda: rec.ended_conn is not None, 10)
         calls += [a.slow_finally(2), a.exit_now()]  # (restart 1 runs them as it starts)
-        assert await until(lambda: rec.pid != first and rec.ended_conn is not None, 10)
-        second = rec.pid
-        back = a.ping()
+        assert await until(lambda: rec.pid != first and not rec.starting, 10)
+        assert rec.conn.sock is None or rec.conn.leaving is None  # (moved aside at once)
+        assert await until(lambda: rec.ended_conn is not None, 10)
+        second, back = rec.pid, a.ping()
         for fut in calls:
             with pytest.raises(ActorDiedError, match="exited with code 0"):
                 await fut
         assert await back == a.pid not in (first, second)
 
 
+async def test_a_kill_during_a_clean_up_ends_the_calls_held_for_the_restart(tmp_path):
+    async with actorshm.Runtime(shutdown_grace=10) as rt:
+        t = await Tidy.options(max_restarts=1).spawn(str(tmp_path / "log"))
+        await t.slow_exit(5)
+        exiting = t.exit(3)
+        assert await until(lambda: rt.record(t.actor_id).ended_conn is not None, 10)
+        held = t.ping()
+        start = time.monotonic()
+        await t.kill()
+        assert time.monotonic() - start < 3  # (not the clean-up's 5 s)
+        for fut in (exiting, held, t.ping()):
+            with pytest.raises(ActorDiedError, match="killed by actorshm kill"):
+                await fut
+
+
+async def test_an_actor_stopping_for_good_costs_its_callers_one_link():
+    # (each call from another actor during its clean-up made a new link, to hear again
+    # that it was stopping)
+    async with actorshm.Runtime(shutdown_grace=10) as rt:
+        a = await Dying.spawn()
+        c = await Caller.spawn()
+        running = a.slow_finally(2)
+        await c.call_method(a.ping)
+        exiting = a.exit_now()
+        assert await until(lambda: rt.record(a.actor_id).stopping, 10)
+        links, failed = await c.call_times(a.ping, 10, 0.05)
+        assert links <= 2 and failed == 10
+        for fut in (running, exiting):
+            with pytest.raises(ActorDiedError):
+                await fut
+
+
 async def test_a_close_during_a_clean_up_after_sys_exit_keeps_its_exit_code(tmp_path):
     # (its calls failed saying the runtime had stopped it)
     path = str(tmp_path / "log")
-    rt = await actorshm.Runtime(shutdown_grace=10).start()
+    rt = await actorshm.Runtime(shutdown_grace=0).start()  # (a clean-up has 0.5 s)
     try:
         t = await Tidy.spawn(path)
-        await t.slow_exit(1)
+        await t.slow_exit(0.3)
         exiting = t.exit(3)
         assert await until(lambda: rt.record(t.actor_id).stopping, 10)
     finally:
