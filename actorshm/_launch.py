@@ -175,6 +175,12 @@ class ActorRecord:
                               and not self.no_restart)
 
     @property
+    def open_conns(self) -> list:
+        """Its open connections: its ending process's (``ended_conn``), and the one that
+        holds calls for its restart (else its process's)."""
+        return [c for c in (self.ended_conn, self.conn) if c is not None and not c.closed]
+
+    @property
     def leaving(self) -> float | None:
         """The seconds its process said its clean-up may take, as it began to stop
         (``LEAVING``: a method's ``sys.exit``, say); None if it has not."""

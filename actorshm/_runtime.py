@@ -447,9 +447,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             return
         rec = self._actors.get(actor_id)
         if rec is not None and rec.alive and actor_id not in self._killing:
-            for conn in (rec.ended_conn, rec.conn):  # (the ending process's, and the one
-                if conn is not None and not conn.closed:  # holding calls for a restart)
-                    conn.fail_pending(ActorDiedError(rec.killed))
+            for conn in rec.open_conns:
+                conn.fail_pending(ActorDiedError(rec.killed))
 
     async def kill(self, actor_id: int) -> None:
         """Kill actor ``actor_id`` at once (SIGKILL, no restart); return once it is gone.

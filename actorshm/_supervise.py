@@ -330,9 +330,8 @@ class Supervisor:
     def _reap(self, rec: ActorRecord) -> None:
         rec.close_process(self.loop)
         rec.alive = False
-        for conn in (rec.ended_conn, rec.conn):
-            if conn is not None and not conn.closed:
-                conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
+        for conn in rec.open_conns:
+            conn.close(ActorDiedError(rec.death or f"{rec.label} was stopped"))
         rec.ended_conn = None
 
 
