@@ -866,7 +866,7 @@ async def test_a_stream_left_while_queued_never_runs(art, backend, leave):
     generator made its first item (and ran its finally) once that method ended."""
     c = await Counter.spawn()
     # On Ray, a new actor's first round is not checked: a cancel there can wait behind
-    # the sync method (1 time in 30 to 70, measured: docs/ray.md, "Cancelling a call").
+    # the sync method (8 times in 560, measured: docs/ray.md, "Cancelling a call").
     rounds = range(-1, 3) if backend == "ray" else range(3)
     for i in rounds:  # (on Ray it depended on which message the actor's loop took first)
         busy = c.slow_record(i, 0.5)
