@@ -269,11 +269,18 @@ def _check_picklable_dtype(dtype) -> None:
     ok = _dtype_ok.get(dtype)
     if ok is None:
         import torch
-        try:
-            pickle.loads(pickle.dumps(torch.empty(1, dtype=dtype)))
-            ok = True
-        except Exception:
-            ok = False
+        from ._torch import QUANTIZED
+        with warnings.catch_warnings():  # (torch deprecates making quantized tensors)
+            warnings.simplefilter("ignore")
+            try:
+                # (``check_sendable`` refused a tensor of a quantized dtype that is not
+                # quantized; ``torch.empty`` of such a dtype fails, so make one that is)
+                sample = torch.quantize_per_tensor(torch.zeros(1), 1.0, 0, dtype) \
+                    if dtype in QUANTIZED else torch.empty(1, dtype=dtype)
+                pickle.loads(pickle.dumps(sample))
+                ok = True
+            except Exception:
+                ok = False
         _dtype_ok[dtype] = ok
     if not ok:
         raise TypeError(

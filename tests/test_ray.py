@@ -1961,6 +1961,22 @@ async def test_a_tensor_whose_dtype_torch_cannot_pickle_is_refused_before_sendin
     assert await asyncio.wait_for(c.incr(), 30) == 2
 
 
+async def test_a_quantized_tensor_travels_on_both_backends(art):
+    # On Ray the check of which dtypes torch can pickle made its sample with
+    # torch.empty, which a quantized dtype refuses: a quantized tensor (which torch
+    # pickles with its quantizer) was refused as one that torch cannot rebuild.
+    torch = pytest.importorskip("torch")
+    c = await Counter.spawn()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch deprecates making quantized tensors)
+        for dtype in (torch.qint8, torch.quint8, torch.qint32):
+            q = torch.quantize_per_tensor(torch.tensor([0.5, 1.0, 2.0]), 0.1, 1, dtype)
+            (back,) = await asyncio.wait_for(c.echo([q]), 30)
+            assert back.dtype == dtype and back.is_quantized
+            assert back.q_scale() == pytest.approx(0.1) and back.q_zero_point() == 1
+            assert back.dequantize().tolist() == pytest.approx([0.5, 1.0, 2.0])
+
+
 async def test_tensors_on_ray_are_copies_and_shared_ones_warn(art, backend):
     ray_only(backend, "on the local backend a tensor argument is written through")
     torch = pytest.importorskip("torch")
