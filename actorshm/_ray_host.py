@@ -32,6 +32,7 @@ from . import _client, _introspect, _shm
 from ._descendants import machine, process_start
 from ._errors import ActorDiedError, init_exit_error
 from ._ray_errors import check_result
+from ._ray_loop import TaskWatch
 from ._ray_watched import Watched
 from ._remote_errors import call_caught
 from ._remote_errors import encode_exception as _encode_exception
@@ -214,6 +215,7 @@ class Host(Watched):
         self._resyncs: dict = {}  # caller -> (upto, calls that may come), before its turns
         self._cancel_lock = threading.Lock()
         self._loop = None  # the actor's event loop, where every call runs
+        self._watch = None  # Ray's tasks on it (``_ray_loop``), once it is known
         self._tasks: dict = {}  # (caller, seq) -> the task running that call
         # (caller, seq) -> (method, the coroutine or async generator running it): Ray
         # runs each call in a task whose outer coroutines are compiled (Cython), with no
@@ -260,12 +262,19 @@ class Host(Watched):
 
     async def ready(self) -> tuple:
         """``(True, pid)`` once ``__init__`` returned, ``(False, encoded error)`` if it raised."""
-        self._loop = asyncio.get_running_loop()
+        self._on_loop()
         if self._pending_init is not None:
             self._build()
         if self._init_error is not None:
             return False, self._init_error
         return True, os.getpid()
+
+    def _on_loop(self) -> None:
+        """Note the actor's event loop (where every call runs), and watch the tasks made
+        on it from its first call (``ready``, at spawn) on (``_ray_loop``)."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._watch = TaskWatch(self._loop)
 
     async def meta(self) -> tuple:
         """``(class name, public methods, streaming methods, max_pending_calls,
@@ -455,7 +464,7 @@ class Host(Watched):
         if key in self._cancelled:
             self._skip_cancelled(caller, seq, base)
             return None, None
-        self._loop = asyncio.get_running_loop()
+        self._on_loop()
         if self._pending_init is not None:
             self._build()
         if self._init_error is not None:
@@ -498,6 +507,8 @@ class Host(Watched):
                     self._ran.add(method)
                     owed.advance()
                     owed = None
+                if inline:  # (it holds the loop, and so Ray's thread: ``_ray_loop``)
+                    await self._watch.settled()
                 if self._requested and key in self._requested:  # cancelled while queued
                     with self._cancel_lock:
                         self._requested.discard(key)
@@ -621,7 +632,7 @@ class Host(Watched):
         if key in self._cancelled:
             self._skip_cancelled(caller, seq, base)
             return
-        self._loop = asyncio.get_running_loop()
+        self._on_loop()
         if self._pending_init is not None:
             self._build()
         if self._init_error is not None:
@@ -658,6 +669,12 @@ class Host(Watched):
                 # Each item is made in one of the actor's slots, as locally: not while
                 # max_concurrency calls run, and no call starts meanwhile beyond them.
                 await self._take_slot(key, links[0] if links else (), what, link[3])
+                if step is None and self._executor is None:  # (as in ``_call``)
+                    try:
+                        await self._watch.settled()
+                    except BaseException:  # (cancelled: left while queued)
+                        self._give_slot(key)
+                        raise
                 if not started and self._requested and key in self._requested:
                     # Left while it was queued (the cancel came while a sync method held
                     # the loop, and its turn and slot came first): it never starts, as
