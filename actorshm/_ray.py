@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from . import _client, _registry
+from . import _client, _registry, _serialization
 from ._actor import STREAM, ActorHandle, ActorOptions, public_methods
 from ._descendants import is_stopped, machine, process_start
 from ._client import ThreadCallFuture
@@ -717,6 +717,11 @@ class RayClient(CallOrder):
             if self._remote_host is None:
                 # Cancel messages run in their own group: their own thread and loop.
                 self._remote_host = ray.remote(concurrency_groups={"control": 1})(Host)
+                # A cached method of a class sent by value goes by value, as locally
+                # (Ray's table of serializers is its pickler's: one for the process).
+                ray.util.register_serializer(
+                    _serialization.LruCache, serializer=_serialization.lru_cache_state,
+                    deserializer=_serialization.from_lru_cache_state)
         methods = public_methods(cls)
         streams = frozenset(n for n, kind in methods.items() if kind == STREAM)
         # The host enforces max_concurrency and call order itself (Ray runs async actor

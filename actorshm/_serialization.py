@@ -23,6 +23,8 @@ region is still opened: the connection and the peer carry on.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 import io
 import os
@@ -79,6 +81,55 @@ def send_mp_main_by_value() -> None:
     for pickler in (cloudpickle, sys.modules.get("ray.cloudpickle")):
         if pickler is not None:
             pickler.register_pickle_by_value(mod)
+
+
+LruCache = functools._lru_cache_wrapper  # what functools.lru_cache and cache make
+
+
+def _sent_by_value(obj: Any) -> bool:
+    """Whether cloudpickle sends function ``obj`` by value: it was defined in the
+    script, a notebook or a function, or in a module registered to go by value."""
+    module = getattr(obj, "__module__", None)
+    if module is None or module in ("__main__", "__mp_main__") or \
+            "<locals>" in getattr(obj, "__qualname__", "<locals>"):
+        return True
+    by_value = cloudpickle.list_registry_pickle_by_value()
+    parts = module.split(".")
+    return any(".".join(parts[:i]) in by_value for i in range(1, len(parts) + 1))
+
+
+def reduce_lru_cache(obj: Any) -> Any:
+    """``functools.lru_cache`` (or ``cache``) around a function sent by value: rebuilt
+    around that function, sent by value too, with an empty cache. pickle names the
+    wrapper by its module and name, which the actor's process cannot look up: an actor
+    class of the script with a cached method could not be spawned. Any other one:
+    named, as pickle does (``obj.__reduce__()``)."""
+    func = getattr(obj, "__wrapped__", None)
+    if func is None or not _sent_by_value(obj):
+        return obj.__reduce__()
+    params = obj.cache_parameters()
+    return _rebuild_lru_cache, (func, params["maxsize"], params["typed"])
+
+
+def _rebuild_lru_cache(func, maxsize, typed):
+    return functools.lru_cache(maxsize=maxsize, typed=typed)(func)
+
+
+def lru_cache_state(obj: Any) -> tuple:
+    """``reduce_lru_cache`` as Ray's custom serializers take it (the Ray backend
+    registers it; ``from_lru_cache_state`` undoes it): ``(module, name)`` or ``(function,
+    maxsize, typed)``."""
+    r = reduce_lru_cache(obj)
+    return (obj.__module__, r) if isinstance(r, str) else r[1]
+
+
+def from_lru_cache_state(state: tuple) -> Any:
+    if len(state) == 2:  # named: look it up, as pickle does
+        obj = importlib.import_module(state[0])
+        for part in state[1].split("."):
+            obj = getattr(obj, part)
+        return obj
+    return _rebuild_lru_cache(*state)
 
 
 def refuse_file(f) -> None:
@@ -225,6 +276,8 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
             return _reduce_code(obj)
         if t in FILE_TYPES and obj is not sys.stdout and obj is not sys.stderr:
             refuse_file(obj)
+        if t is LruCache:
+            return reduce_lru_cache(obj)
         module = getattr(t, "__module__", None)  # (a class may have none)
         if module in PROCESS_BOUND:  # (cheap: asked of every object)
             refuse_process_bound(obj, module)

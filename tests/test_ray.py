@@ -534,6 +534,36 @@ async def test_an_exception_class_pickled_by_value_is_the_callers_own(art):
     assert await items_before(r.items(), LocalError, "in a stream") == [1]
 
 
+async def test_a_cached_method_of_a_class_sent_by_value_is_cached_in_the_actor(art):
+    # functools.lru_cache names its wrapper by module and name, which the actor's process
+    # cannot look up for a class of the script or of a function: it could not spawn.
+    import functools
+
+    @actorshm.actor
+    class Cached:
+        def __init__(self):
+            self.runs = 0
+
+        @functools.lru_cache(maxsize=8, typed=True)
+        def square(self, x):
+            self.runs += 1
+            return x * x
+
+        @functools.cache
+        def twice(self, x):
+            self.runs += 1
+            return 2 * x
+
+        def count(self):
+            return self.runs, type(self).square.cache_parameters()
+
+    c = await Cached.spawn()
+    assert [await c.square(3), await c.square(3), await c.twice(4), await c.twice(4)] == \
+        [9, 9, 8, 8]
+    assert await c.count() == (2, {"maxsize": 8, "typed": True})  # (cached there)
+    assert Cached().square(5) == 25  # (and here, as the class it is)
+
+
 async def test_an_actors_exit_or_interrupt_does_not_end_the_caller(art):
     with pytest.raises(actorshm.ActorDiedError, match=r"exited in __init__.*sys.exit\(3\)"):
         await Faulty.spawn("exit")
