@@ -390,9 +390,9 @@ class RayClient(CallOrder):
         return None
 
     def killed(self, key: str, why: str = "was killed") -> None:
-        """Actor ``key`` was killed: calls made from now on fail ("the actor " + ``why``),
-        and so do those still waiting for their arguments (now, not once the arguments
-        are in)."""
+        """Actor ``key`` was killed, or died for good (``why`` says which): calls made from
+        now on fail ("the actor " + ``why``), and so do those still waiting for their
+        arguments (now, not once the arguments are in)."""
         self._dead[key] = why
         if len(self._dead) > KILLED_KEPT:
             del self._dead[next(iter(self._dead))]
@@ -835,7 +835,7 @@ class RayClient(CallOrder):
                              "Cls.options(name=...).spawn()") from None
         key = handle._actor_id.hex()
         if key in self._dead:
-            raise ValueError(f"no live actor named {name!r} (it was killed)")
+            raise ValueError(f"no live actor named {name!r} (it {self._dead[key]})")
         due = time.monotonic() + RESTART_WAIT
         while True:
             try:

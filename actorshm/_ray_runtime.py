@@ -285,6 +285,11 @@ class RayRuntime(_events.EventSource, RayInspectable):
                                "death": death}
         while len(self._gone) > _client.DEAD_KEPT:
             self._gone.popitem(last=False)
+        if key not in CLIENT._dead:
+            # Its calls fail at once from now on, and it reads as unreachable: forgetting
+            # its call numbers forgot the death a call had seen, and an ActorPool whose
+            # member's call failed just then kept the dead member (reachable: True).
+            CLIENT.killed(key, f"died ({death})")
         CLIENT.forget(key)
 
     def given_up(self, actor_id: RayActorId, death: str) -> None:

@@ -1458,6 +1458,23 @@ async def test_actor_pool_keeps_members_that_live(art):
     assert len(pool) == 0
 
 
+async def test_an_actor_dead_for_good_stays_unreachable_once_forgotten(art):
+    # On Ray, the watch that found the actor dead for good made the client forget its
+    # call numbers, and with them the death a call had seen: the actor then read as
+    # reachable, and an ActorPool whose member's call failed just then kept the dead
+    # member, whose next call failed at once (1 time in 4 under load).
+    f = await Faulty.spawn()
+    pid = f.pid
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(f.exit_later(0), 30)
+    assert await until(lambda: [r["alive"] for r in art.actors() if r["pid"] == pid] ==
+                       [False], 30)
+    await asyncio.sleep(0.5)  # (Ray's restart watch, which ends once Ray says dead)
+    assert f._client.reachable(f._actor_id) is False
+    with pytest.raises(actorshm.ActorDiedError, match="died|exited"):
+        await asyncio.wait_for(f.ok(), 30)
+
+
 async def test_actor_group(art):
     g = await actorshm.ActorGroup.spawn(PoolWorker, 3)
     tags = [t for t, _ in await g.work(0)]
