@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from . import _client, _registry, _serialization
+from . import _client, _registry
 from ._actor import STREAM, ActorHandle, ActorOptions, public_methods
 from ._descendants import is_stopped, machine, process_start
 from ._client import ThreadCallFuture
@@ -29,7 +29,7 @@ from ._results import (CallFuture, DependencyFailed, fail_not_made, futures_in, 
                        with_results)
 from ._errors import ActorDiedError, class_not_loaded
 from ._ray_errors import check_args, outcome, pickling_failed, translate, unavailable_error
-from ._ray_host import Host, simple
+from ._ray_host import Host, register_reducers, simple
 from ._ray_order import CallOrder, end_actor, ray_up
 from ._ray_placement import await_ready, check_feasible, requested
 from ._remote_errors import copy_exc, decode_exception
@@ -142,7 +142,7 @@ def check_ray_version(version: str) -> None:
             f"pip install -U 'ray>={want}'")
 
 
-KILLED_KEPT = 10_000  # killed actors' keys a process keeps (``RayClient._dead``)
+KILLED_KEPT = 10_000  # dead actors' keys a process keeps (``RayClient._dead``)
 
 
 class RayActorId:
@@ -247,9 +247,9 @@ class RayClient(CallOrder):
 
     def __init__(self) -> None:
         super().__init__()  # (``CallOrder``'s state)
-        # Keys of actors killed (the latest ``KILLED_KEPT``, as an ordered set): their
-        # calls fail at once. (An older one's call goes to Ray, which fails it too.)
-        self._dead: dict[str, str] = {}  # killed actors' keys: why calls to them fail
+        # Keys of actors killed or dead for good (the latest ``KILLED_KEPT``, in order):
+        # their calls fail at once. (An older one's call goes to Ray, which fails it too.)
+        self._dead: dict[str, str] = {}  # those actors' keys: why calls to them fail
         self._remote_host = None
         self._names_ok: tuple | None = None  # (Ray connection, answer): ``_names_work``
         self._spawn_listeners: list = []
@@ -623,7 +623,7 @@ class RayClient(CallOrder):
 
     async def kill(self, actor_id: RayActorId) -> None:
         ray = import_ray()
-        self.killed(actor_id.key)
+        self.killed(actor_id.key, self._dead.get(actor_id.key, "was killed"))  # (or why it died)
         if not ray_up() or actor_id.handle is None:  # the runtime shut Ray down (a
             # handle of a runtime that closed, ``_stale``), and every actor with it
             self._release(actor_id, None)
@@ -717,11 +717,7 @@ class RayClient(CallOrder):
             if self._remote_host is None:
                 # Cancel messages run in their own group: their own thread and loop.
                 self._remote_host = ray.remote(concurrency_groups={"control": 1})(Host)
-                # A cached method of a class sent by value goes by value, as locally
-                # (Ray's table of serializers is its pickler's: one for the process).
-                ray.util.register_serializer(
-                    _serialization.LruCache, serializer=_serialization.lru_cache_state,
-                    deserializer=_serialization.from_lru_cache_state)
+                register_reducers(ray)
         methods = public_methods(cls)
         streams = frozenset(n for n, kind in methods.items() if kind == STREAM)
         # The host enforces max_concurrency and call order itself (Ray runs async actor

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _client, _introspect, _shm
+from . import _client, _introspect, _serialization, _shm
 from ._descendants import machine, process_start
 from ._errors import ActorDiedError, init_exit_error
 from ._ray_errors import check_result
@@ -179,6 +179,15 @@ class _Turns:
             w.set_result(None)
 
 
+def register_reducers(ray: Any) -> None:
+    """Teach Ray's pickling what actorshm's own does beyond cloudpickle, in this process
+    (Ray's table of serializers is its pickler's, one for the process): a cached method
+    (``functools.lru_cache``) of a class sent by value goes by value, as locally."""
+    ray.util.register_serializer(_serialization.LruCache,
+                                 serializer=_serialization.lru_cache_state,
+                                 deserializer=_serialization.from_lru_cache_state)
+
+
 class Host(Watched):
     """Wraps the user's class inside a Ray actor process (made remote by ``_ray``).
 
@@ -241,6 +250,7 @@ class Host(Watched):
         try:
             import ray
             self._ctx = ray.get_runtime_context()
+            register_reducers(ray)  # (for what it sends: results, items, its own calls)
         except Exception:  # pragma: no cover - outside Ray
             self._ctx = None
         # The user's __init__ runs on the actor's event loop, as on the local backend
@@ -254,6 +264,8 @@ class Host(Watched):
             freeze_arrays(args)
             freeze_arrays(kwargs)
             self._instance = cls(*args, **kwargs)
+            if self._watch is not None:  # (its __init__ may have set a task factory)
+                self._watch.keep()
         except BaseException as exc:  # raised by spawn in the caller
             exc = init_exit_error(self._cls_name, exc)
             self._init_error = encode_exception(exc)
@@ -505,10 +517,11 @@ class Host(Watched):
                         self._handed + _FIRST_RUN_GRACE - time.monotonic()
                     await asyncio.sleep(max(0.0, wait))
                     self._ran.add(method)
+                if inline:  # (it holds the loop, and so Ray's thread: ``_ray_loop``)
+                    await self._watch.settled()  # (its turn not passed on yet)
+                if owed is not None:
                     owed.advance()
                     owed = None
-                if inline:  # (it holds the loop, and so Ray's thread: ``_ray_loop``)
-                    await self._watch.settled()
                 if self._requested and key in self._requested:  # cancelled while queued
                     with self._cancel_lock:
                         self._requested.discard(key)

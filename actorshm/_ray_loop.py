@@ -18,6 +18,7 @@ done-callbacks run. A sync method run on the loop awaits it just before it start
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 __all__ = ["TaskWatch"]
@@ -28,9 +29,17 @@ class TaskWatch:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._live: set = set()
+        self._live: weakref.WeakSet = weakref.WeakSet()  # (a task nobody keeps still goes)
         self._made_by = loop.get_task_factory()  # (one set before: it still makes them)
         loop.set_task_factory(self._make)
+
+    def keep(self) -> None:
+        """Stand in front of the loop's task factory again should it have changed (an
+        ``__init__`` that sets its own): that one makes the tasks, and this keeps them."""
+        made_by = self._loop.get_task_factory()
+        if made_by != self._make:
+            self._made_by = made_by
+            self._loop.set_task_factory(self._make)
 
     def _make(self, loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any):
         if self._made_by is not None:
@@ -48,8 +57,10 @@ class TaskWatch:
         self._loop.call_soon(self._live.discard, task)
 
     async def settled(self) -> None:
-        """Return once every task that has ended has had its done-callbacks run: at
-        once as a rule; a task that ended in this loop step makes it wait a step or
-        two."""
-        while any(t.done() for t in self._live):
+        """Return once every task that had ended when it was called has had its
+        done-callbacks run: at once as a rule; a task that ended in this loop step makes
+        it wait a step or two (those that end meanwhile do not)."""
+        ended = [t for t in list(self._live) if t.done()]
+        while ended:
             await asyncio.sleep(0)
+            ended = [t for t in ended if t in self._live]

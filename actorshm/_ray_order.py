@@ -63,7 +63,8 @@ async def ready_after_restart(host: Any) -> tuple:
 
 class CallOrder:
     """Call numbering, cancels and restarts for ``RayClient``, which sends the calls
-    (``_submit``, ``_settle_with``) and knows the actors it killed (``_dead``)."""
+    (``_submit``, ``_settle_with``) and knows the actors killed or dead for good
+    (``_dead``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

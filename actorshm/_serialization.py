@@ -87,48 +87,66 @@ LruCache = functools._lru_cache_wrapper  # what functools.lru_cache and cache ma
 
 
 def _sent_by_value(obj: Any) -> bool:
-    """Whether cloudpickle sends function ``obj`` by value: it was defined in the
-    script, a notebook or a function, or in a module registered to go by value."""
+    """Whether cloudpickle (actorshm's, or Ray's copy) sends function ``obj`` by value: it
+    was defined in the script, a notebook or a function, or in a module registered to
+    go by value with either."""
     module = getattr(obj, "__module__", None)
     if module is None or module in ("__main__", "__mp_main__") or \
             "<locals>" in getattr(obj, "__qualname__", "<locals>"):
         return True
-    by_value = cloudpickle.list_registry_pickle_by_value()
+    by_value = set()
+    for pickler in (cloudpickle, sys.modules.get("ray.cloudpickle")):
+        if pickler is not None:
+            by_value.update(pickler.list_registry_pickle_by_value())
     parts = module.split(".")
     return any(".".join(parts[:i]) in by_value for i in range(1, len(parts) + 1))
+
+
+def _named(module: str, qualname: str, load=importlib.import_module) -> Any:
+    obj = load(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def reduce_lru_cache(obj: Any) -> Any:
     """``functools.lru_cache`` (or ``cache``) around a function sent by value: rebuilt
     around that function, sent by value too, with an empty cache. pickle names the
     wrapper by its module and name, which the actor's process cannot look up: an actor
-    class of the script with a cached method could not be spawned. Any other one:
-    named, as pickle does (``obj.__reduce__()``)."""
+    class of the script with a cached method could not be spawned. One that its name
+    finds (in an importable module): named, as pickle does (``obj.__reduce__()``)."""
     func = getattr(obj, "__wrapped__", None)
-    if func is None or not _sent_by_value(obj):
+    if func is None:
         return obj.__reduce__()
+    if not _sent_by_value(obj):
+        try:
+            if _named(obj.__module__, obj.__qualname__, sys.modules.__getitem__) is obj:
+                return obj.__reduce__()
+        except Exception:
+            pass  # (``fast = lru_cache()(slow)``: its name finds another object)
     params = obj.cache_parameters()
-    return _rebuild_lru_cache, (func, params["maxsize"], params["typed"])
+    extra = {k: v for k, v in vars(obj).items() if k != "__wrapped__"}
+    return _rebuild_lru_cache, (func, params["maxsize"], params["typed"], extra)
 
 
-def _rebuild_lru_cache(func, maxsize, typed):
-    return functools.lru_cache(maxsize=maxsize, typed=typed)(func)
+def _rebuild_lru_cache(func, maxsize, typed, extra=None):
+    wrapper = functools.lru_cache(maxsize=maxsize, typed=typed)(func)
+    if extra:  # (set on the wrapper itself: ``__isabstractmethod__``, say)
+        vars(wrapper).update(extra)
+    return wrapper
 
 
 def lru_cache_state(obj: Any) -> tuple:
     """``reduce_lru_cache`` as Ray's custom serializers take it (the Ray backend
     registers it; ``from_lru_cache_state`` undoes it): ``(module, name)`` or ``(function,
-    maxsize, typed)``."""
+    maxsize, typed, attributes)``."""
     r = reduce_lru_cache(obj)
     return (obj.__module__, r) if isinstance(r, str) else r[1]
 
 
 def from_lru_cache_state(state: tuple) -> Any:
     if len(state) == 2:  # named: look it up, as pickle does
-        obj = importlib.import_module(state[0])
-        for part in state[1].split("."):
-            obj = getattr(obj, part)
-        return obj
+        return _named(*state)
     return _rebuild_lru_cache(*state)
 
 

@@ -562,6 +562,12 @@ async def test_a_cached_method_of_a_class_sent_by_value_is_cached_in_the_actor(a
         [9, 9, 8, 8]
     assert await c.count() == (2, {"maxsize": 8, "typed": True})  # (cached there)
     assert Cached().square(5) == 25  # (and here, as the class it is)
+    # One whose name finds another object (``fast = lru_cache()(slow)``) goes by value:
+    # named, it failed to pickle locally, and on Ray it arrived as the bare function.
+    import actors
+    back = await asyncio.wait_for(Counter.spawn(), 30)
+    fast = await back.echo(actors.fast_square)
+    assert fast(3) == 9 and fast.cache_parameters() == {"maxsize": 16, "typed": False}
 
 
 async def test_an_actors_exit_or_interrupt_does_not_end_the_caller(art):
@@ -935,6 +941,17 @@ def test_a_sync_method_starts_once_the_tasks_that_ended_have_handed_over():
         await asyncio.wait_for(watch.settled(), 1)  # a task still running is no wait
         assert not late.done()
         await late
+        # A task factory set later (an actor's __init__ may) still makes the tasks, and
+        # the watch, put back in front, keeps them.
+        made = []
+        asyncio.get_running_loop().set_task_factory(
+            lambda loop, coro, **kw: made.append(1) or asyncio.Task(coro, loop=loop, **kw))
+        watch.keep()
+        task = asyncio.ensure_future(unpickle())
+        task.add_done_callback(lambda t: handed.append("again"))
+        await asyncio.sleep(0)
+        await watch.settled()
+        assert made == [1] and handed == ["arguments", "again"]
 
     try:
         loop.run_until_complete(main())
