@@ -2059,12 +2059,13 @@ async def test_a_quantized_tensor_travels_on_both_backends(art):
     c = await Counter.spawn()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (torch deprecates making quantized tensors)
-        for dtype in (torch.qint8, torch.quint8, torch.qint32):
-            q = torch.quantize_per_tensor(torch.tensor([0.5, 1.0, 2.0]), 0.1, 1, dtype)
+        packed = [getattr(torch, n) for n in ("quint4x2", "quint2x4") if hasattr(torch, n)]
+        for dtype in (torch.qint8, torch.quint8, torch.qint32, *packed):
+            q = torch.quantize_per_tensor(torch.tensor([0.5, 1.0, 2.0, 0.0]), 0.5, 1, dtype)
             (back,) = await asyncio.wait_for(c.echo([q]), 30)
             assert back.dtype == dtype and back.is_quantized
-            assert back.q_scale() == pytest.approx(0.1) and back.q_zero_point() == 1
-            assert back.dequantize().tolist() == pytest.approx([0.5, 1.0, 2.0])
+            assert back.q_scale() == pytest.approx(0.5) and back.q_zero_point() == 1
+            assert back.dequantize().tolist() == q.dequantize().tolist()
 
 
 async def test_tensors_on_ray_are_copies_and_shared_ones_warn(art, backend):
