@@ -289,7 +289,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
             # Its calls fail at once from now on, and it reads as unreachable: forgetting
             # its call numbers forgot the death a call had seen, and an ActorPool whose
             # member's call failed just then kept the dead member (reachable: True).
-            CLIENT.killed(key, f"died ({death})")
+            CLIENT.killed(key, f"died: {death}")
         CLIENT.forget(key)
 
     def given_up(self, actor_id: RayActorId, death: str) -> None:
