@@ -113,8 +113,10 @@ class Supervisor:
         gone = self.forgotten(actor_id)
         why = rec.death if rec is not None else gone["death"] if gone else None
         return why or (f"no actor with id {actor_id} in this runtime: its handle comes "
-                       "from another Runtime (a handle works only within the runtime "
-                       "that spawned its actor), or the actor ended long ago")
+                       "from another Runtime, closed or open on another thread's event "
+                       "loop (a handle works only while the runtime that spawned its "
+                       "actor is open, and in actors of runtimes on that runtime's "
+                       "loop), or the actor ended long ago")
 
     def connection_leaving(self, conn: Connection) -> None:
         """The actor on ``conn`` began to stop (``Host``; ``LEAVING``): it starts no call

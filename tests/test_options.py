@@ -163,18 +163,34 @@ async def test_runtimes_open_at_once_count_their_actors_apart():
             await busy
 
 
-async def test_a_handle_passed_into_another_runtime_never_reaches_another_actor():
-    # (a notebook whose first cell ran twice: two runtimes, old handles in variables)
+async def test_a_handle_passed_into_an_actor_of_another_runtime_reaches_its_actor():
+    # (a notebook whose first cell ran twice: two runtimes, old handles in variables) An
+    # actor of one runtime reaches an actor of another one open on the same loop through
+    # a handle it was given, as the driver does and as on Ray: its driver finds the
+    # runtime that started it (the call failed with ActorDiedError, the actor alive).
     from actors import Caller
     async with actorshm.Runtime(shutdown_grace=1.0):
         first = [await Counter.spawn(10 * i) for i in range(2)]
+        outer_caller = await Caller.spawn()
         async with actorshm.Runtime(shutdown_grace=1.0):
             here = [await Counter.spawn(100 + i) for i in range(2)]
             caller = await Caller.spawn(first[1])
-            with pytest.raises(actorshm.ActorDiedError, match="another Runtime"):
-                await caller.call_other(1)
+            assert await caller.call_other(1) == 11
+            assert await caller.pid_of(first[1]) == first[1].pid
             assert await here[1].incr(0) == 101  # ids apart: nothing went to this one
-            assert await first[1].incr(0) == 10  # from its own driver, it still works
+            assert await first[1].incr(0) == 11  # the call above reached it
+            # the other way: an actor of the outer runtime calls one of the inner
+            assert await outer_caller.call_handle(here[0], 5) == 105
+            # a kill from an actor of the inner runtime ends the outer one's actor
+            await caller.call_method(first[0].kill)
+            with pytest.raises(actorshm.ActorDiedError):
+                await first[0].incr(0)
+            with pytest.raises(actorshm.ActorDiedError, match="killed"):
+                await caller.call_handle(first[0], 1)
+        # the inner runtime closed: its actors are gone for the outer one's actors too
+        with pytest.raises(actorshm.ActorDiedError):
+            await outer_caller.call_handle(here[1], 1)
+        assert await outer_caller.call_handle(first[1], 1) == 12
 
 
 def test_a_budget_below_one_arena_in_the_environment_is_refused():
