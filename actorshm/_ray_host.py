@@ -756,6 +756,11 @@ class Host(Watched):
                     await close()
                 else:
                     gen.close()
+            except Exception:
+                # Its finally failed (it yielded again: "generator ignored GeneratorExit"):
+                # nobody is left to tell, as locally (raised here, asyncio printed it
+                # from the actor: "Task exception was never retrieved").
+                pass
             finally:
                 if slot:
                     self._give_slot(key)
