@@ -173,7 +173,12 @@ def share(tensor):
                     dtype=src.dtype, device=src.device)
         if out.shape != src.shape:  # (dense: its own strides over the flat copy)
             out = out.as_strided(src.shape, src.stride())
-        out.copy_(src)
+        try:
+            out.copy_(src)
+        except NotImplementedError:
+            # A dtype torch has no copy kernel for (the bit-packed kinds: uint1-7, int1-7,
+            # bits8...): its bytes, as sending copies them (one byte per element).
+            out.view(_t.uint8).copy_(src.view(_t.uint8))
         out = _torch.finish(out, False, False, bits)
     return _dressed(tensor, out)
 

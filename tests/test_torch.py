@@ -89,6 +89,26 @@ async def test_every_dtype_round_trips_by_reference(rt):
         assert torch.equal(back.view(torch.uint8), ordinary.view(torch.uint8)), dtype
 
 
+async def test_share_copies_the_bit_packed_dtypes_bit_for_bit(rt):
+    # torch has no copy kernel for uint1-7 / int1-7 (one byte per element): share()
+    # raised torch's NotImplementedError ("copy_kernel" not implemented for 'UInt4'),
+    # though empty() and sending such a tensor worked.
+    names = [n for n in ("uint1", "uint2", "uint4", "uint7", "int1", "int4", "int7")
+             if hasattr(torch, n)]
+    if not names:
+        pytest.skip("this torch has no bit-packed dtypes")
+    w = await TorchWorker.spawn()
+    raw = torch.arange(12, dtype=torch.uint8).reshape(3, 4)
+    for name in names:
+        dtype = getattr(torch, name)
+        for t in (raw.view(dtype), raw.view(dtype).t(), raw.view(dtype)[:, ::2]):
+            s = at.share(t)
+            assert at.is_shared(s) and s.dtype == dtype and s.shape == t.shape, name
+            assert torch.equal(s.view(torch.uint8), t.view(torch.uint8)), name
+            info = await w.info(s)
+            assert info["shared"] and info["dtype"] == dtype, name
+
+
 async def test_views_keep_strides_and_storage_offset(rt):
     w = await TorchWorker.spawn()
     base = at.zeros(6, 8)
