@@ -211,12 +211,17 @@ class GroupMethod:
                 f"{what} is a streaming method (a generator), and a group call waits for "
                 f"one result per member; nothing was sent. Iterate each member's stream: "
                 f"`[h.{self._name}(...) for h in group]`, each an async iterator")
+        fresh: list = []  # the shared copies made here, of ordinary arrays
         if len(self._handles) > 1 and getattr(self._handles[0]._client, "shares_memory", True):
-            args, kwargs = _share_once((args, kwargs))  # not on Ray: it copies arguments
+            memo: dict = {}
+            args, kwargs = _share_once((args, kwargs), memo)  # not on Ray: it copies them
+            fresh = [new for _, new in memo.values() if type(new) is np.ndarray]
+        by_ref = _shm.counters["arrays_zero_copy"]
         futs = None if self._send is None else self._send(self._ids, self._name, args,
                                                            kwargs, self._whats)
         if futs is not None:  # (only on the event loop's thread: the loop is running)
             del args, kwargs
+            _first_got_copies(fresh, by_ref)
             return _gather(asyncio.get_running_loop(), futs, self._handles, self._name)
         futs = []
         for i, h in enumerate(self._handles):
@@ -227,6 +232,7 @@ class GroupMethod:
                     raise  # nothing was sent: as for a single call
                 futs.append(_client.failed_call(exc))
         del args, kwargs  # the members hold what they need (shared copies go home)
+        _first_got_copies(fresh, by_ref)
         if all(isinstance(f, asyncio.Future) for f in futs):
             return _gather(futs[0].get_loop(), futs, self._handles, self._name)
         # Made from a thread other than the event loop's: each call is a
@@ -357,6 +363,18 @@ def _who(h: ActorHandle) -> str:
 def _brief(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _first_got_copies(fresh: list, by_ref: int) -> None:
+    """Count the copies ``_share_once`` made (``fresh``) as one member's arguments copied,
+    not passed by reference, as a single call counts an ordinary array and as a group
+    call encoded once counts a tensor: the bytes copied once, by reference for the other
+    members. Each member's call counted them by reference; ``by_ref`` is the count of
+    arrays passed by reference before the calls (none moves if no call counted them:
+    every member's failed before it was encoded)."""
+    if fresh and _shm.counters["arrays_zero_copy"] - by_ref >= len(fresh):
+        _shm.counters["arrays_zero_copy"] -= len(fresh)
+        _shm.counters["bytes_zero_copy"] -= sum(a.nbytes for a in fresh)
 
 
 def _share_once(obj: Any, memo: dict | None = None) -> Any:
