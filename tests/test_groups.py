@@ -178,6 +178,21 @@ async def test_ordinary_array_is_copied_once_for_the_whole_group(rt):
     assert actorshm.stats()["blocks_live"] <= before["blocks_live"]
 
 
+async def test_a_group_call_counts_an_ordinary_tensor_as_an_ordinary_array(rt):
+    # the ndarray, copied once for the group, was counted by reference for every member
+    # as well (one more than the tensor, and than the members that got it by reference)
+    torch = pytest.importorskip("torch", reason="torch is not installed (the torch extra)")
+    g = await ActorGroup.spawn(PoolWorker, 3)
+    moved = []
+    for x in (np.ones(1 << 16), torch.ones(1 << 16, dtype=torch.float64)):
+        before = actorshm.stats()
+        assert await g.sum(x) == [float(1 << 16)] * 3
+        s = actorshm.stats()
+        moved.append(tuple(s[k] - before[k] for k in (
+            "bytes_copied", "arrays_copied", "bytes_zero_copy", "arrays_zero_copy")))
+    assert moved[0] == moved[1] == (1 << 19, 1, 2 << 19, 2)
+
+
 async def test_what_recurs_in_a_group_call_arrives_once_as_in_a_single_call(rt):
     g = await ActorGroup.spawn(PoolWorker, 2)
     x, lst = np.ones(1000), [1, 2]
