@@ -673,6 +673,10 @@ def copy_to_shared(arr: np.ndarray) -> np.ndarray:
     if arr.flags.c_contiguous or arr.flags.f_contiguous:
         order = "F" if (arr.flags.f_contiguous and not arr.flags.c_contiguous) else "C"
         out = empty(arr.shape, arr.dtype, order=order)
+        if out.strides != arr.strides and arr.size:
+            # an axis of length 1 with a stride of its own (``a[:, None]``: 0): kept,
+            # as any other stride is (it never moves to another element)
+            out = np.ndarray(arr.shape, arr.dtype, buffer=out, strides=arr.strides)
     else:
         offset, n, strides = copy_layout(arr)
         raw = np.asarray(pool().alloc(n))

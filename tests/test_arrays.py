@@ -129,6 +129,12 @@ async def test_small_ordinary_arrays_travel_in_band(rt):
     for x in (big[:, ::2], big[::-1, 3:], big.T[::2], big[5:6, ::7], big[::2, ::2],
               big[::-2, 1::2].T):  # (every other row and column: four times its bytes)
         assert (await a.info(x))[2] == x.strides and np.array_equal(await a.echo(x), x)
+    # an axis of length 1 keeps its own stride (``[:, None]``: 0), in band or not: numpy's
+    # own layout for the copy gave (8, 8)
+    for x in (np.arange(10.0)[:, None], np.arange(20.0)[::2][:, None], np.arange(10.0)[None, :],
+              np.asfortranarray(big)[:, None, :5], actorshm.share(np.arange(5.0))[:, None]):
+        assert (await a.info(x))[2] == x.strides and np.array_equal(await a.echo(x), x)
+        assert actorshm.share(x).strides == x.strides
     x = big.T[::20, ::20]
     strides = (await a.info(x))[2]
     assert strides == (8, 80) and np.array_equal(await a.echo(x), x)
