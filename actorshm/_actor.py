@@ -532,7 +532,7 @@ def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1):
     if own is not None:
         client = own()
     else:
-        client = client_for_decode()
+        client = client_for_decode(actor_id)
         if not getattr(client, "shares_memory", True):  # a Ray runtime's process
             # (its client would take the local actor's id for a Ray actor's, and fail
             # each call with an AttributeError about the id)

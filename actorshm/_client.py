@@ -170,15 +170,37 @@ def client() -> Any:
         "around your code, or run it with `actorshm.run(main())`.")
 
 
-def client_for_decode() -> Any:
+def client_for_decode(actor_id: Any = None) -> Any:
+    """The client a handle to actor ``actor_id`` decoded here calls through: the one
+    whose connection it arrived on (else this process's), or in the driver the runtime
+    that started the actor (``runtime_of``)."""
     from ._serialization import current_decode_conn
     conn = current_decode_conn()
     if conn is not None and (conn.host is _worker[0] or conn.host in _runtimes):
-        return conn.host  # the client whose connection the handle arrived on
-    try:
-        return client()
-    except RuntimeError:
-        return _Unbound()
+        host = conn.host  # the client whose connection the handle arrived on
+    else:
+        try:
+            host = client()
+        except RuntimeError:
+            return _Unbound()
+    return host if actor_id is None or host is _worker[0] else runtime_of(host, actor_id)
+
+
+def runtime_of(runtime: Any, actor_id: Any) -> Any:
+    """The runtime that started actor ``actor_id``: ``runtime``, or another runtime open
+    in the driver on the same event loop that knows the actor (runtimes open at once:
+    one opened inside another, a notebook's first cell run twice). Actor ids are unique
+    in the process, so no other actor answers to one. ``runtime`` when none knows it,
+    and for a Ray runtime's ids (their runtime is named in them)."""
+    record = getattr(runtime, "record", None)
+    if record is None or record(actor_id) is not None or runtime.forgotten(actor_id):
+        return runtime
+    for rt in list(_runtimes):
+        if rt is not runtime and getattr(rt, "loop", None) is runtime.loop and \
+                hasattr(rt, "record") and (  # (not a Ray runtime: none of its actors)
+                    rt.record(actor_id) is not None or rt.forgotten(actor_id)):
+            return rt
+    return runtime
 
 
 def refuse_runtime(rt) -> None:

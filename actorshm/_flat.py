@@ -38,6 +38,7 @@ __all__ = ["encode_flat", "decode_flat"]
 
 _ndarray = np.ndarray
 _find_block = _shm.find_block
+_first_sends = _shm.first_sends
 _dumps = pickle.dumps
 _loads = pickle.loads
 _LEN = LEN
@@ -70,8 +71,9 @@ def _hole(enc: _FlatEncoding, a: np.ndarray):
         aoff = a.__array_interface__["data"][0] - view.region.addr - view.offset
         _remember_offset(a, view, aoff)
     row = enc.lease(view, ARENA, arena_fd)
-    enc.zc_bytes += a.nbytes
-    enc.zc_arrays += 1
+    if not (_first_sends and _shm.first_send(enc, a)):  # (a group's fresh copy: copied)
+        enc.zc_bytes += a.nbytes
+        enc.zc_arrays += 1
     return (row, aoff, a.shape, dtype_token(a.dtype), a.strides)
 
 

@@ -211,17 +211,12 @@ class GroupMethod:
                 f"{what} is a streaming method (a generator), and a group call waits for "
                 f"one result per member; nothing was sent. Iterate each member's stream: "
                 f"`[h.{self._name}(...) for h in group]`, each an async iterator")
-        fresh: list = []  # the shared copies made here, of ordinary arrays
         if len(self._handles) > 1 and getattr(self._handles[0]._client, "shares_memory", True):
-            memo: dict = {}
-            args, kwargs = _share_once((args, kwargs), memo)  # not on Ray: it copies them
-            fresh = [new for _, new in memo.values() if type(new) is np.ndarray]
-        by_ref = _shm.counters["arrays_zero_copy"]
+            args, kwargs = _share_once((args, kwargs))  # not on Ray: it copies arguments
         futs = None if self._send is None else self._send(self._ids, self._name, args,
                                                            kwargs, self._whats)
         if futs is not None:  # (only on the event loop's thread: the loop is running)
             del args, kwargs
-            _first_got_copies(fresh, by_ref)
             return _gather(asyncio.get_running_loop(), futs, self._handles, self._name)
         futs = []
         for i, h in enumerate(self._handles):
@@ -232,7 +227,6 @@ class GroupMethod:
                     raise  # nothing was sent: as for a single call
                 futs.append(_client.failed_call(exc))
         del args, kwargs  # the members hold what they need (shared copies go home)
-        _first_got_copies(fresh, by_ref)
         if all(isinstance(f, asyncio.Future) for f in futs):
             return _gather(futs[0].get_loop(), futs, self._handles, self._name)
         # Made from a thread other than the event loop's: each call is a
@@ -365,18 +359,6 @@ def _brief(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _first_got_copies(fresh: list, by_ref: int) -> None:
-    """Count the copies ``_share_once`` made (``fresh``) as one member's arguments copied,
-    not passed by reference, as a single call counts an ordinary array and as a group
-    call encoded once counts a tensor: the bytes copied once, by reference for the other
-    members. Each member's call counted them by reference; ``by_ref`` is the count of
-    arrays passed by reference before the calls (none moves if no call counted them:
-    every member's failed before it was encoded)."""
-    if fresh and _shm.counters["arrays_zero_copy"] - by_ref >= len(fresh):
-        _shm.counters["arrays_zero_copy"] -= len(fresh)
-        _shm.counters["bytes_zero_copy"] -= sum(a.nbytes for a in fresh)
-
-
 def _share_once(obj: Any, memo: dict | None = None) -> Any:
     """``obj`` with every ordinary ndarray in it (through lists, tuples and dicts) replaced
     by a shared copy, made once: each member's call then passes that copy by reference.
@@ -392,8 +374,9 @@ def _share_once(obj: Any, memo: dict | None = None) -> Any:
         if obj.dtype.hasobject or obj.size == 0 or _shm.is_shared(obj):
             return obj
         shared = _shm.copy_to_shared(obj)
-        _shm.counters["bytes_copied"] += _shm.copy_nbytes(obj)  # (it was not shared)
-        _shm.counters["arrays_copied"] += 1
+        # counted copied by the first member's call, by reference by the others' (as a
+        # group call encoded once counts a tensor, and a single call an array)
+        _shm.copied_for_sending(shared, _shm.copy_nbytes(obj))
         memo[id(obj)] = (obj, shared)  # (``obj`` kept: its id stays its own meanwhile)
         return shared
     if t is list:

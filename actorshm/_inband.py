@@ -67,10 +67,11 @@ def inline_array(a: np.ndarray):
             buf = _PickleBuffer(a)
         except (ValueError, BufferError):  # datetime64/timedelta64 export no buffer
             buf = _PickleBuffer(a.reshape(-1).view(np.uint8))
-        if 1 in a.shape:  # (an axis of length 1 may have any stride: ``a[:, None]``)
-            return rebuild_inline, (buf, _tokens.get(dt) or dtype_token(dt), a.shape,
+        shape = a.shape
+        if 1 in shape:  # (an axis of length 1 may have any stride: ``a[:, None]``)
+            return rebuild_inline, (buf, _tokens.get(dt) or dtype_token(dt), shape,
                                     a.strides)
-        return rebuild_inline, (buf, _tokens.get(dt) or dtype_token(dt), a.shape)
+        return rebuild_inline, (buf, _tokens.get(dt) or dtype_token(dt), shape)
     if fl.c_contiguous or fl.f_contiguous:  # read-only, or F order
         b = a.copy(order="K") if not fl.writeable else a  # (read-only bytes would arrive so)
         return rebuild_inline, (_PickleBuffer(b.ravel(order="K").view(np.uint8)),

@@ -350,7 +350,7 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
         view = _shm.find_block(a)
         enc.count("bytes_copied", n)
         enc.count("arrays_copied", 1)
-    else:
+    elif not (_shm.first_sends and _shm.first_send(enc, a)):  # (a group's fresh copy)
         enc.count("bytes_zero_copy", a.nbytes)
         enc.count("arrays_zero_copy", 1)
     row = enc.lease(view, ARENA, arena_fd)

@@ -35,7 +35,7 @@ def serve(runtime, conn, cid: int, call: list) -> None:
             task = runtime.loop.create_task(runtime.get_actor(*args))
             task.add_done_callback(lambda t: _reply_task(conn, cid, t))
         elif method == "__kill__":
-            task = runtime.loop.create_task(owner(runtime, args[0]).kill(*args))
+            task = runtime.loop.create_task(_client.runtime_of(runtime, args[0]).kill(*args))
             task.add_done_callback(lambda t: _reply_task(conn, cid, t))
         elif method == "__spawn__":
             cls, options, a, k = args
@@ -50,30 +50,15 @@ def serve(runtime, conn, cid: int, call: list) -> None:
         conn.reply_error(cid, exc)
 
 
-def owner(runtime, actor_id: int):
-    """The runtime that started actor ``actor_id``: ``runtime`` (that of the actor
-    asking), or another runtime open in this process on the same event loop, whose
-    handle was passed in (one opened around it; a notebook's cell run twice). Actor ids
-    are unique in the process, so no other actor answers to it. ``runtime`` when none
-    knows it."""
-    if runtime.record(actor_id) is not None:
-        return runtime
-    for rt in list(_client._runtimes):
-        if rt is not runtime and getattr(rt, "loop", None) is runtime.loop and (
-                rt.record(actor_id) is not None or rt.forgotten(actor_id)):
-            return rt
-    return runtime
-
-
 def _connect(runtime, conn, cid: int, target: int) -> None:
     """Connect the actor on ``conn`` to actor ``target``: a socket pair, one end to
     each. A target that is restarting gets its end once its new process runs (the call
     waits in its fresh connection, as the driver's own calls do), and the asker its end
     once that one took it: calls made after a death wait for the new process, from an
     actor as from the driver (they failed at once, one after another, until it ran).
-    The target may be another runtime's (``owner``)."""
+    The target may be another runtime's (``_client.runtime_of``)."""
     caller = runtime.record(conn.peer_id)
-    runtime = owner(runtime, target)
+    runtime = _client.runtime_of(runtime, target)
     rec = runtime.record(target)
     if rec is None or rec.conn is None or rec.conn.closed:
         raise ActorDiedError(runtime.death_of(target))

@@ -22,6 +22,7 @@ import secrets
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -665,6 +666,43 @@ def _share_masked(arr, ma):
     out._hardmask = arr.hardmask
     out.fill_value = arr.fill_value
     return out
+
+
+# Shared copies of ordinary arrays made for several messages at once (``ActorGroup``
+# copies an argument once for all its members): the first message made with one counts
+# it copied, not passed by reference, as a message that copies an array itself does.
+# id(copy) -> (a weak reference to it, the bytes copied).
+first_sends: dict = {}
+
+
+def copied_for_sending(copy: np.ndarray, nbytes: int) -> None:
+    """``copy`` is a fresh shared copy of an ordinary array of ``nbytes`` copied bytes,
+    made to be sent: the first message made with it counts it copied (``first_send``)."""
+    key = id(copy)
+
+    def gone(ref, key=key) -> None:
+        entry = first_sends.get(key)
+        if entry is not None and entry[0] is ref:
+            del first_sends[key]
+    first_sends[key] = (weakref.ref(copy, gone), nbytes)
+
+
+def first_send(enc, a: np.ndarray) -> bool:
+    """Count shared array ``a`` in message ``enc`` as copied if this is the first message
+    made with it of a copy ``copied_for_sending`` announced; True if so. (Only a message
+    that is made counts, and takes the copy's first send: ``before_send``.)"""
+    entry = first_sends.get(id(a))
+    if entry is None or entry[0]() is not a:
+        return False
+    enc.count("bytes_copied", entry[1])
+    enc.count("arrays_copied", 1)
+    enc.before_send(_sent_first, id(a))
+    return True
+
+
+def _sent_first(keys) -> None:
+    for key in keys:
+        first_sends.pop(key, None)
 
 
 def copy_to_shared(arr: np.ndarray) -> np.ndarray:

@@ -442,6 +442,9 @@ class Caller:
     def pid_of(self, handle):
         return handle.pid
 
+    def echo_handle(self, handle):
+        return handle
+
     def ping(self):
         return os.getpid()
 

@@ -191,6 +191,20 @@ async def test_a_group_call_counts_an_ordinary_tensor_as_an_ordinary_array(rt):
         moved.append(tuple(s[k] - before[k] for k in (
             "bytes_copied", "arrays_copied", "bytes_zero_copy", "arrays_zero_copy")))
     assert moved[0] == moved[1] == (1 << 19, 1, 2 << 19, 2)
+    # the same when the members' calls are encoded one by one, later: from another
+    # thread, and waiting for an argument (a call's result) first. (They were counted by
+    # reference for all three members; adjusting after the calls, from the process's
+    # counters, could take other calls' arrays for them and drive the counters below 0.)
+    x = np.ones(1 << 16)
+    counter = await Counter.spawn(0)
+    for call in (lambda: asyncio.to_thread(lambda: g.sum(x).result(30)),
+                 lambda: g.write_at(x, counter.incr(0), 1.0)):
+        before = actorshm.stats()
+        await call()
+        s = actorshm.stats()
+        assert tuple(s[k] - before[k] for k in ("bytes_copied", "arrays_copied",
+                                                "bytes_zero_copy", "arrays_zero_copy")) == \
+            (1 << 19, 1, 2 << 19, 2)
 
 
 async def test_what_recurs_in_a_group_call_arrives_once_as_in_a_single_call(rt):

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import pickle
 import threading
 
 import pytest
@@ -187,10 +188,39 @@ async def test_a_handle_passed_into_an_actor_of_another_runtime_reaches_its_acto
                 await first[0].incr(0)
             with pytest.raises(actorshm.ActorDiedError, match="killed"):
                 await caller.call_handle(first[0], 1)
+            # a handle that comes back to the driver through the other runtime's actor,
+            # or unpickled in this one's scope, calls the actor that runtime started
+            back = await outer_caller.echo_handle(here[1])
+            assert await back.incr(1) == 102
+            assert await pickle.loads(pickle.dumps(first[1])).incr(0) == 11
         # the inner runtime closed: its actors are gone for the outer one's actors too
         with pytest.raises(actorshm.ActorDiedError):
             await outer_caller.call_handle(here[1], 1)
         assert await outer_caller.call_handle(first[1], 1) == 12
+
+
+async def test_an_actor_of_a_runtime_open_beside_a_ray_runtime_finds_its_peers(rt):
+    # A Ray runtime open on the same loop (no actors here: its ids name it) is skipped
+    # when the driver looks for the runtime of a local actor id; it has no records, and
+    # looking raised AttributeError for every id this runtime did not know.
+    from actorshm import _client
+
+    class OtherBackend:  # (what the lookup sees of a Ray runtime)
+        loop = asyncio.get_running_loop()
+
+    _client._runtimes.insert(0, OtherBackend())
+    try:
+        from actors import Caller
+        caller, c = await Caller.spawn(), await Counter.spawn(3)
+        assert _client.runtime_of(rt, 10 ** 9) is rt
+        assert await caller.call_handle(c, 1) == 4
+        async with actorshm.Runtime(shutdown_grace=1.0):
+            gone = await Counter.spawn(0)
+        with pytest.raises(actorshm.ActorDiedError):
+            await caller.call_handle(gone, 1)
+        await caller.call_method(gone.kill)  # (an actor that is gone: nothing to do)
+    finally:
+        del _client._runtimes[0]
 
 
 def test_a_budget_below_one_arena_in_the_environment_is_refused():
