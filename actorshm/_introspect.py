@@ -346,6 +346,17 @@ def check_timeout(what: str, timeout: Any) -> None:
                          f"to wait for each actor's answer), not {timeout!r}")
 
 
+def check_file(file: Any) -> None:
+    """``rt.dump_stacks``'s ``file`` is a stream to print to, or None (``sys.stderr``)."""
+    if file is not None and not callable(getattr(file, "write", None)):
+        path = isinstance(file, (str, bytes)) or hasattr(file, "__fspath__")
+        raise TypeError(
+            f"rt.dump_stacks(file=...) takes a stream to print to (sys.stderr, an open "
+            f"text file, io.StringIO()), not {type(file).__name__} {file!r}"
+            + ("; to write them to a file, open it: `with open(path, 'w') as f: await "
+               "rt.dump_stacks(file=f)`" if path else ""))
+
+
 def memory_report(views: list, unresponsive: list) -> MemoryReport:
     """A ``MemoryReport`` from each answering process's ``(label, held_blocks())``."""
     owners = {t: label for label, v in views for t in v["tokens"]}
@@ -478,6 +489,7 @@ class Inspectable:
         Raises:
             RuntimeError: the runtime is not open.
         """
+        check_file(file)
         got, missed = await self._ask_all("stacks", timeout)
         parts = []
         for rec, text in got:

@@ -94,8 +94,9 @@ def check_start_options(start_method: str, shm_budget: Any) -> int | None:
     budget as an int (or None)."""
     if start_method not in ("spawn", "forkserver"):
         raise ValueError(f"start_method must be 'spawn' or 'forkserver', not "
-                         f"{start_method!r}: a bare fork deadlocks with threads and "
-                         "cannot re-initialize CUDA")
+                         f"{start_method!r}" + (": a bare fork deadlocks with threads "
+                                                "and cannot re-initialize CUDA"
+                                                if start_method == "fork" else ""))
     if shm_budget is None:
         return None
     budget = check_number("shm_budget", shm_budget, _shm.MIN_BUDGET, int,

@@ -14,7 +14,7 @@ import asyncio
 import sys
 from typing import Any, TextIO
 
-from ._introspect import (MemoryReport, check_timeout, held_blocks, memory_report,
+from ._introspect import (MemoryReport, check_file, check_timeout, held_blocks, memory_report,
                           stats_report)
 from ._ray import CLIENT
 
@@ -118,6 +118,7 @@ class RayInspectable:
         Raises:
             RuntimeError: the runtime is not open.
         """
+        check_file(file)
         got, missed = await self._ask_all("stacks", timeout)
         parts = []
         for h, text in got:

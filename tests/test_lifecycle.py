@@ -472,8 +472,11 @@ async def test_current_runtime():
 
 
 async def test_bad_start_method():
-    with pytest.raises(ValueError, match="fork"):
+    with pytest.raises(ValueError, match="a bare fork deadlocks"):
         actorshm.Runtime(start_method="fork")
+    with pytest.raises(ValueError, match="'spawn' or 'forkserver', not 'bogus'") as err:
+        actorshm.Runtime(start_method="bogus")
+    assert "bare fork" not in str(err.value)  # (that is why fork is refused, not this)
 
 
 async def test_runtime_exit_leaves_nothing_behind(start_method):

@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import io
 import os
+import pathlib
 import pickle
 import signal
 import subprocess
@@ -1313,6 +1314,12 @@ async def test_stats_memory_and_stacks_of_every_actor(art, backend):
                 await ask(timeout=bad)
         for fine in (None, np.float32(5), np.int64(5)):  # (None: no limit)
             await ask(timeout=fine)
+    # so is a path where a stream goes (an AttributeError about 'write', after the wait)
+    for bad in ("stacks.txt", pathlib.Path("stacks.txt")):
+        with pytest.raises(TypeError, match=r"dump_stacks\(file=\.\.\.\) takes a stream.*open"):
+            await art.dump_stacks(file=bad)
+    with pytest.raises(TypeError, match=r"takes a stream to print to .*not int 3$"):
+        await art.dump_stacks(file=3)
 
 
 async def test_stacks_show_a_pending_async_call_awaited_coroutine_by_coroutine(art):
