@@ -623,7 +623,8 @@ class RayClient(CallOrder):
 
     async def kill(self, actor_id: RayActorId) -> None:
         ray = import_ray()
-        self.killed(actor_id.key, self._dead.get(actor_id.key, "was killed"))  # (or why it died)
+        # (one dead for good keeps why it died)
+        self.killed(actor_id.key, self._dead.get(actor_id.key, "was killed"))
         if not ray_up() or actor_id.handle is None:  # the runtime shut Ray down (a
             # handle of a runtime that closed, ``_stale``), and every actor with it
             self._release(actor_id, None)

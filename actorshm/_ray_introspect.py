@@ -14,8 +14,8 @@ import asyncio
 import sys
 from typing import Any, TextIO
 
-from ._introspect import (MemoryReport, check_file, check_timeout, held_blocks, memory_report,
-                          stats_report)
+from ._introspect import (MemoryReport, check_file, check_timeout, held_blocks,
+                          memory_report, stats_report)
 from ._ray import CLIENT
 
 __all__ = ["RayInspectable", "RayMemoryReport"]
