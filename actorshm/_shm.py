@@ -504,9 +504,12 @@ def release_budget(owner: int, trim: bool = False) -> None:
         _pool.trim()
     global _shared
     if trim and _shared is not None:  # the last runtime closed: so does its budget
-        _pool.join(None)
-        _shared.close()
-        _shared = None
+        # Under the pool's lock, as every charge is: a thread allocating meanwhile (a
+        # driver thread, an actor's thread pool) charges it before, or not at all.
+        with _pool.lock:
+            _pool.join(None)
+            shared, _shared = _shared, None
+        shared.close()
     if trim and _pool is not None:  # and what is still held goes once it is dropped
         with _pool.lock:
             _pool.trim_below = _pool._next_index

@@ -195,3 +195,50 @@ def test_a_forked_child_allocates_from_a_pool_of_its_own():
     # the child's two blocks are its own, the parent's next two are not them, and an
     # inherited array is still the parent's memory
     assert out.stdout.split() == ["2", "False", "True"]
+
+
+CHARGE_AS_THE_BUDGET_CLOSES = """
+import threading, time
+from actorshm import _budget, _shm
+_shm.shared_budget()  # (as a runtime opens)
+charge, trim = _budget.SharedBudget.charge, _shm.HostPool.trim
+trimmed, charging = threading.Event(), threading.Event()
+
+def slow_charge(self, slot, size):  # a thread's charge, caught halfway
+    charging.set()
+    time.sleep(0.3)
+    return charge(self, slot, size)
+
+def trim_then_wait(self):  # the close, caught after its trim
+    n = trim(self)
+    trimmed.set()
+    charging.wait(10)
+    return n
+
+_budget.SharedBudget.charge, _shm.HostPool.trim = slow_charge, trim_then_wait
+out = []
+
+def allocate():
+    trimmed.wait(10)
+    try:
+        out.append(_shm.empty(64 << 20, dtype="u1").nbytes)  # (a region of its own)
+    except Exception as exc:
+        out.append(repr(exc))
+
+t = threading.Thread(target=allocate)
+t.start()
+_shm.release_budget(0, trim=True)  # (as the last runtime closes)
+t.join(10)
+print(out, _shm._shared, _shm.pool().shared)
+"""
+
+
+def test_a_thread_allocating_as_the_last_runtime_closes_gets_its_array():
+    # A driver thread allocating while the last runtime closed: the budget the driver
+    # shares with its actors was unmapped under its charge, and the allocation failed
+    # with "ValueError: operation forbidden on released memoryview object" (or a
+    # negative fd), neither an error about memory nor one about the runtime.
+    out = subprocess.run([sys.executable, "-c", CHARGE_AS_THE_BUDGET_CLOSES],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[67108864]", "None", "None"], out.stdout
