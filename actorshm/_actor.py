@@ -485,7 +485,9 @@ class ActorHandle:
         turn), as a call is sent when made, and it returns what a call does: a future
         (not a coroutine: ``await`` it, or hand it to ``asyncio.wait_for``, ``gather``
         or ``wait``). Cancelling the wait (a time-out, even of 0 s) does not stop the
-        kill. With no event loop running here, a coroutine to run on one."""
+        kill. With no event loop running here (a driver thread, a sync method of an actor
+        with max_concurrency > 1), a ``concurrent.futures.Future``, as a call made there
+        returns: the kill runs on a loop of its own meanwhile."""
         begins = getattr(self._client, "kill_begins", None)  # (the local runtime's)
         if begins is not None:
             begins(self._actor_id)
@@ -508,17 +510,49 @@ class ActorHandle:
 
 
 def start_shielded(work) -> Awaitable:
-    """Start coroutine ``work`` on the running loop now, where waiting for it is up to
-    the caller and cancelling that wait does not stop it: a future (``kill``). With no
-    loop running here, or one whose task factory fails, ``work`` itself, to be awaited."""
+    """Start coroutine ``work`` now, where waiting for it is up to the caller and
+    cancelling that wait does not stop it (``kill``): on the running loop, a future; with
+    no loop running in this thread (a driver thread, a sync method of an actor with
+    max_concurrency > 1), on a loop of its own in a thread of its own, a
+    ``concurrent.futures.Future`` (``.result()``, or ``await`` it from a later loop), as
+    a call made there returns. Where the running loop cannot make tasks (a task factory
+    that fails), ``work`` itself, to be awaited."""
     try:
-        task = asyncio.get_running_loop().create_task(work)
-    except Exception:  # no loop runs here, or it cannot make tasks
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return _start_in_thread(work)
+    try:
+        task = loop.create_task(work)
+    except Exception:  # it cannot make tasks
         return work
     task.add_done_callback(_seen)
     outer = asyncio.shield(task)
     outer.add_done_callback(_seen)  # (an error nobody awaits is no "never retrieved")
     return outer
+
+
+def _start_in_thread(work):
+    import concurrent.futures
+
+    from ._client import ThreadCallFuture
+    out = ThreadCallFuture()
+
+    def run() -> None:
+        try:
+            result = asyncio.run(work)
+        except BaseException as exc:
+            try:
+                out.set_exception(exc)
+            except concurrent.futures.InvalidStateError:  # the wait was cancelled
+                pass
+        else:
+            try:
+                out.set_result(result)
+            except concurrent.futures.InvalidStateError:
+                pass
+
+    threading.Thread(target=run, name="actorshm-kill", daemon=True).start()
+    return out
 
 
 def _seen(fut: asyncio.Future) -> None:

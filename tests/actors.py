@@ -1131,6 +1131,12 @@ class ThreadLoopUser:
             return n, h.actor_id
         return asyncio.run(go())
 
+    def kill_and_wait(self, target):
+        """``target.kill()`` (a handle or a group) in this thread, with no event loop
+        running in it: what it returned, and its result."""
+        done = target.kill()
+        return type(done).__name__, done.result(timeout=10)
+
 
 @actor
 class Tidy:

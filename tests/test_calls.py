@@ -1,6 +1,7 @@
 """Calls: spawning, ordering, concurrency, exceptions, what can be sent."""
 
 import asyncio
+import concurrent.futures
 import gc
 import os
 import sys
@@ -291,6 +292,35 @@ async def test_sync_method_in_thread_can_wait_on_calls(rt):
     # the driver, from a thread of its own
     result = await asyncio.to_thread(lambda: c.incr(1).result(timeout=10))
     assert result == 4
+
+
+async def test_kill_from_a_thread_with_no_event_loop_goes_through(rt):
+    # A driver thread, and a sync method of an actor with max_concurrency > 1 (a thread
+    # of its pool), have no event loop running: there h.kill() and group.kill() returned
+    # a coroutine, which nothing ran, and the actors lived on.
+    from actors import ThreadLoopUser
+    a, b, c, d = [await Counter.spawn(5) for _ in range(4)]
+
+    def thread():
+        b.kill()  # never waited for: it goes through all the same
+        done = a.kill()
+        return done, done.result(timeout=10)
+    done, result = await asyncio.to_thread(thread)
+    assert isinstance(done, concurrent.futures.Future) and result is None
+    user = await ThreadLoopUser.spawn()
+    assert await user.kill_and_wait(c) == ("ThreadCallFuture", None)
+    assert await user.kill_and_wait(actorshm.ActorGroup([d])) == ("ThreadCallFuture", None)
+    for h in a, c, d:
+        with pytest.raises(actorshm.ActorDiedError, match="kill"):
+            await h.incr()
+    async with timeout(10):
+        while True:  # (b's kill may still be under way)
+            try:
+                await b.incr()
+            except actorshm.ActorDiedError as exc:
+                assert "kill" in str(exc)
+                break
+            await asyncio.sleep(0.02)
 
 
 async def test_a_result_holding_an_unfinished_call_says_to_await_it(rt):
