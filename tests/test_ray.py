@@ -716,6 +716,23 @@ async def test_kill_fails_pending_and_later_calls_promptly(art):
     assert forgotten.done() and not forgotten._log_traceback
 
 
+async def test_kill_from_a_thread_with_no_event_loop_goes_through(art):
+    # (a driver thread; a sync method of an actor with max_concurrency > 1): it returned
+    # a coroutine, which nothing ran
+    from actors import ThreadLoopUser
+    a, c = await Counter.spawn(), await Counter.spawn()
+
+    def thread():
+        done = a.kill()
+        return type(done).__name__, done.result(timeout=20)
+    assert await asyncio.to_thread(thread) == ("ThreadCallFuture", None)
+    user = await ThreadLoopUser.spawn()
+    assert await user.kill_and_wait(c) == ("ThreadCallFuture", None)
+    for h in a, c:
+        with pytest.raises(actorshm.ActorDiedError):
+            await asyncio.wait_for(h.incr(), 10)
+
+
 async def test_an_actor_spawned_and_killed_leaves_a_summary_row_only(art, backend):
     # On Ray the runtime kept each dead actor's handle (Ray's actor handle with it, some
     # 64 KB) and its call numbers for its whole life: a runtime that spawns and kills
