@@ -336,8 +336,11 @@ def _reduce_array(enc: _Encoder, a: np.ndarray):
             # viewing the data as a MaskedArray would drop the mask.
             return _rebuild_masked, (t, a.data, ma.getmask(a), a.fill_value, a.hardmask)
     dtype = a.dtype
-    if dtype.hasobject or a.size == 0:
+    if dtype.hasobject:
         return None  # by value, in band (object arrays hold Python objects, not bytes)
+    if a.size == 0:  # by value too, with its strides (numpy's pickling takes its own)
+        return (rebuild_inline, (bytearray(), dtype_token(dtype), a.shape, a.strides)) \
+            if t is _ndarray else None
     view = _shm.find_block(a)
     if view is None:
         n = _shm.copy_nbytes(a)  # (bytes copied, in band or into a block: counted so)

@@ -137,6 +137,12 @@ async def test_small_ordinary_arrays_travel_in_band(rt):
         copy = actorshm.share(x)
         assert actorshm.is_shared(copy) and copy.strides == x.strides
         assert (await a.info(copy))[2] == x.strides  # and by reference
+    # an empty array keeps its strides too (numpy's pickling gave its own: (24, 8))
+    for x in (np.zeros((0, 3)), np.zeros((3, 0), order="F"), big[:, :0:2],
+              np.zeros((0, 2), dtype=[("a", "i4"), ("b", "f8")])):
+        assert (await a.info(x))[2] == x.strides
+        echoed = await a.echo([x])
+        assert echoed[0].strides == x.strides and echoed[0].dtype == x.dtype
     x = big.T[::20, ::20]
     strides = (await a.info(x))[2]
     assert strides == (8, 80) and np.array_equal(await a.echo(x), x)
