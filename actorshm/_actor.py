@@ -487,7 +487,12 @@ class ActorHandle:
         or ``wait``). Cancelling the wait (a time-out, even of 0 s) does not stop the
         kill. With no event loop running here (a driver thread, a sync method of an actor
         with max_concurrency > 1), a ``concurrent.futures.Future``, as a call made there
-        returns: the kill runs on a loop of its own meanwhile."""
+        returns: the kill is handed to the runtime's loop, in order with the calls made
+        after it (on Ray it runs on a loop of its own)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return kill_from_thread(self._client, self.kill, self._kill)
         begins = getattr(self._client, "kill_begins", None)  # (the local runtime's)
         if begins is not None:
             begins(self._actor_id)
@@ -510,25 +515,32 @@ class ActorHandle:
 
 
 def start_shielded(work) -> Awaitable:
-    """Start coroutine ``work`` now, where waiting for it is up to the caller and
-    cancelling that wait does not stop it (``kill``): on the running loop, a future; with
-    no loop running in this thread (a driver thread, a sync method of an actor with
-    max_concurrency > 1), on a loop of its own in a thread of its own, a
-    ``concurrent.futures.Future`` (``.result()``, or ``await`` it from a later loop), as
-    a call made there returns. Where the running loop cannot make tasks (a task factory
-    that fails), ``work`` itself, to be awaited."""
+    """Start coroutine ``work`` on the running loop now, where waiting for it is up to
+    the caller and cancelling that wait does not stop it: a future (``kill``). With no
+    loop running here, or one whose task factory fails, ``work`` itself, to be awaited."""
     try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return _start_in_thread(work)
-    try:
-        task = loop.create_task(work)
-    except Exception:  # it cannot make tasks
+        task = asyncio.get_running_loop().create_task(work)
+    except Exception:  # no loop runs here, or it cannot make tasks
         return work
     task.add_done_callback(_seen)
     outer = asyncio.shield(task)
     outer.add_done_callback(_seen)  # (an error nobody awaits is no "never retrieved")
     return outer
+
+
+def kill_from_thread(client, kill, work):
+    """A kill asked where no event loop runs (a driver thread, a sync method of an actor
+    with max_concurrency > 1), as a call made there goes: ``kill()`` handed to the
+    event loop of ``client`` (a runtime's, an actor's), in order with the calls made
+    after it; where the client has none (Ray's), coroutine ``work()`` run on a loop of
+    its own, in a thread of its own, begun now. Returns a ``concurrent.futures.Future``
+    (``.result()``, or ``await`` it from a loop of this thread's own)."""
+    from ._client import call_from_thread, refuse_if_forked
+    home = getattr(client, "loop", None)
+    if home is not None:
+        refuse_if_forked(home)
+        return call_from_thread(home, kill)
+    return _start_in_thread(work())
 
 
 def _start_in_thread(work):

@@ -14,8 +14,8 @@ from typing import Any, Awaitable, Iterable, Iterator
 import numpy as np
 
 from . import _client, _shm
-from ._actor import (RAY_CALLS, STREAM, ActorHandle, _Spawner, no_attribute,
-                     refuse_options_as_init_args, start_shielded)
+from ._actor import (RAY_CALLS, STREAM, ActorHandle, _Spawner, kill_from_thread,
+                     no_attribute, refuse_options_as_init_args, start_shielded)
 from ._client import ThreadCallFuture
 from ._errors import ActorError, ActorGroupError
 from ._pool import check_handles
@@ -157,6 +157,10 @@ class ActorGroup:
     def kill(self) -> Awaitable[None]:
         """End every member's process (``handle.kill()`` on each, at once); a future,
         as ``handle.kill()`` returns: cancelling the wait does not stop the kills."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # (no event loop runs here: as ``handle.kill()`` does)
+            return kill_from_thread(self._handles[0]._client, self.kill, self._kill_all)
         return start_shielded(self._kill_all())
 
     async def _kill_all(self) -> None:

@@ -304,9 +304,11 @@ async def test_kill_from_a_thread_with_no_event_loop_goes_through(rt):
     def thread():
         b.kill()  # never waited for: it goes through all the same
         done = a.kill()
-        return done, done.result(timeout=10)
-    done, result = await asyncio.to_thread(thread)
+        after = a.incr(1)  # made after the kill: it fails, as on the loop
+        return done, done.result(timeout=10), after.exception(timeout=10)
+    done, result, after = await asyncio.to_thread(thread)
     assert isinstance(done, concurrent.futures.Future) and result is None
+    assert isinstance(after, actorshm.ActorDiedError) and "kill" in str(after)
     user = await ThreadLoopUser.spawn()
     assert await user.kill_and_wait(c) == ("ThreadCallFuture", None)
     assert await user.kill_and_wait(actorshm.ActorGroup([d])) == ("ThreadCallFuture", None)
