@@ -1,8 +1,8 @@
 """What the driver does for actor processes: their calls to the runtime.
 
 An actor that calls another actor asks the driver to connect them (``__connect__``):
-the driver makes a socket pair and hands one end to each, so the two then talk
-directly. Actors also spawn, kill and find actors through the driver, and ask for its
+the asker makes a socket pair and the driver hands its other end to the target, so the
+two then talk directly. Actors also spawn, kill and find actors through the driver, and ask for its
 counters (``actorshm.stats`` of the driver).
 """
 
@@ -14,7 +14,6 @@ from . import _client, _shm
 from ._errors import ActorDiedError
 from ._framing import close_fd
 from ._serialization import PassFd
-from ._util import socket_pair
 
 
 def serve(runtime, conn, cid: int, call: list) -> None:
@@ -50,20 +49,24 @@ def serve(runtime, conn, cid: int, call: list) -> None:
         conn.reply_error(cid, exc)
 
 
-def _connect(runtime, conn, cid: int, target: int) -> None:
-    """Connect the actor on ``conn`` to actor ``target``: a socket pair, one end to
-    each. A target that is restarting gets its end once its new process runs (the call
-    waits in its fresh connection, as the driver's own calls do), and the asker its end
-    once that one took it: calls made after a death wait for the new process, from an
-    actor as from the driver (they failed at once, one after another, until it ran).
-    The target may be another runtime's (``_client.runtime_of``)."""
-    caller = runtime.record(conn.peer_id)
-    runtime = _client.runtime_of(runtime, target)
-    rec = runtime.record(target)
-    if rec is None or rec.conn is None or rec.conn.closed:
-        raise ActorDiedError(runtime.death_of(target))
-    a, b = socket_pair()
-    fa, fb = a.detach(), b.detach()
+def _connect(runtime, conn, cid: int, target: int, fb: int) -> None:
+    """Connect the actor on ``conn`` to actor ``target``: hand the target ``fb``, the
+    end of a socket pair the asker made (it writes its calls into its own end at once).
+    A target that is restarting gets it once its new process runs (the calls wait in
+    the socket, as the driver's own calls wait in its fresh connection), and the asker
+    is answered once that one took it: calls made after a death wait for the new
+    process, from an actor as from the driver (they failed at once, one after another,
+    until it ran). The target may be another runtime's (``_client.runtime_of``).
+    The answer: the target's label, its pid, and whether it is its last process."""
+    try:
+        caller = runtime.record(conn.peer_id)
+        runtime = _client.runtime_of(runtime, target)
+        rec = runtime.record(target)
+        if rec is None or rec.conn is None or rec.conn.closed:
+            raise ActorDiedError(runtime.death_of(target))
+    except BaseException:
+        close_fd(fb)  # (the asker's calls end with this error, not at the socket's end)
+        raise
     peer = (conn.peer_id, caller.pid if caller else None)
     accepted = rec.conn.call("__accept_peer__", (PassFd(fb), *peer), {})
     if rec.alive and rec.conn.sock is not None:
@@ -77,19 +80,16 @@ def _connect(runtime, conn, cid: int, target: int) -> None:
         # (a target that said it is stopping, and that no restart follows: its LEAVING
         # on this link is no reason for a new one)
         last = rec.conn.leaving is not None and not runtime.may_restart(rec)
-        conn.reply(cid, (PassFd(fa), rec.label, rec.pid, last))
-        conn.close_after_send([fa])
+        conn.reply(cid, (rec.label, rec.pid, last))
         return
     rec.conn.close_after_send([fb])
 
     def answered(f: asyncio.Future) -> None:
         if f.cancelled() or f.exception() is not None:
-            close_fd(fa)
             conn.reply_error(cid, ActorDiedError(runtime.death_of(target)) if
                              f.cancelled() else f.exception())
         else:
-            conn.reply(cid, (PassFd(fa), rec.label, rec.pid, False))
-            conn.close_after_send([fa])
+            conn.reply(cid, (rec.label, rec.pid, False))
     accepted.add_done_callback(answered)
 
 

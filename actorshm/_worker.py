@@ -28,9 +28,10 @@ from ._errors import ActorDiedError, init_exit_error
 from ._introspect import serve_probe
 from ._protocol import Connection
 from ._remote_errors import call_in_thread
+from ._serialization import PassFd
 from ._streams import (CANCELLED_BY_CALLER, NO_META, Outflow, StreamingClient, StreamSlot,
                        chain, reentrant_error, run_stream)
-from ._util import describe_exit, exit_code, leave_if_forked
+from ._util import describe_exit, exit_code, leave_if_forked, socket_pair
 
 # Replies made while a connection's frames are read go out together once they are all
 # handled, unless a sync call that may take long is about to run (``Worker._start``).
@@ -108,6 +109,9 @@ class Worker(StreamingClient):
         self.outflows: dict[tuple, Outflow] = {}  # (conn, cid) of streams -> their credit
         self.peers: dict[int, Connection] = {}
         self.peers_leaving: set[Connection] = set()  # links to peers that are stopping
+        # Links the driver has not answered for yet (``_connect``) -> what their peer
+        # did meanwhile ("leaving", "ended"), seen once the answer tells what it means.
+        self.brokering: dict[Connection, set] = {}
         self.leaving: float | None = None  # this actor said LEAVING (``_actor_process``)
         self.release_hook = None  # (set by ``_actor_process``: dispatches on this loop)
         self.collect_at_exit = False  # a cycle keeps the instance: collect after atexit
@@ -152,14 +156,31 @@ class Worker(StreamingClient):
         return _multicast.call_many(conns, method, args, kwargs, what, meta)
 
     def _connect(self, actor_id: int) -> Connection:
+        """A link to actor ``actor_id``: a socket pair made here, whose one end the
+        driver hands to that actor (``_services._connect``). Calls are written into
+        ours at once, as the driver's are, even if this actor's loop then blocks
+        (the target reads them once it has its end); the link is known good, or closed
+        with the driver's word on the target, once the driver answers."""
         conn = Connection(self.loop, self, label=f"actor {actor_id}")
         conn.peer_id = actor_id
         self.peers[actor_id] = conn
-        if self.leaving is not None:  # (sent once it is attached)
+        try:
+            ours, theirs = socket_pair()
+        except OSError as exc:  # out of fds: the calls on it fail with the error
+            conn.close(exc)
+            return conn
+        fd = theirs.detach()
+        self.brokering[conn] = set()
+        conn.attach(ours)
+        if self.leaving is not None:
             conn.say_leaving(self.leaving)
-        fut = self.driver.call("__connect__", (actor_id,), {})
+        try:
+            fut = self.driver.call("__connect__", (actor_id, PassFd(fd)), {})
+        finally:
+            self.driver.close_after_send([fd])
 
         def done(f: asyncio.Future) -> None:
+            seen = self.brokering.pop(conn, ())
             if f.cancelled():
                 conn.close()
             elif f.exception() is not None:
@@ -168,8 +189,11 @@ class Worker(StreamingClient):
                     exc = ActorDiedError(str(exc))  # death, not an error its method raised
                 conn.close(exc)
             else:
-                fd, conn.label, conn.peer_pid, conn.last_process = f.result()
-                conn.attach(socket.socket(fileno=fd))
+                conn.label, conn.peer_pid, conn.last_process = f.result()
+                if "leaving" in seen:
+                    self.connection_leaving(conn)
+                if "ended" in seen:
+                    self.connection_eof(conn)
 
         fut.add_done_callback(done)
         return conn
@@ -600,6 +624,8 @@ class Worker(StreamingClient):
         """A connection broke (``Host``)."""
         if conn is self.driver:
             conn.close(ActorDiedError("the driver is gone"))
+        elif conn in self.brokering:  # (the driver's answer says why: ``_connect``)
+            self.brokering[conn].add("ended")
         else:
             conn.close(ActorDiedError(f"{conn.label} is gone: "
                                       f"{describe_exit(None)}"))
@@ -609,7 +635,9 @@ class Worker(StreamingClient):
         from now on, so the calls made from now on go through a new link, which the
         driver connects to its restart, if one comes (``_services._connect``). Those
         under way end on this one."""
-        if conn.peer_id is not None and self.peers.get(conn.peer_id) is conn \
+        if conn in self.brokering:  # (the driver's answer says whether it is the last)
+            self.brokering[conn].add("leaving")
+        elif conn.peer_id is not None and self.peers.get(conn.peer_id) is conn \
                 and not conn.last_process:
             del self.peers[conn.peer_id]
             self.peers_leaving.add(conn)

@@ -439,6 +439,17 @@ class Caller:
     async def call_method(self, method, *args):
         return await method(*args)
 
+    def call_then_block(self, method, path, seconds):
+        """Call ``method(path)`` (a ``Marker.mark``) without waiting for it, then block
+        this actor's event loop for up to ``seconds``: whether the call ran meanwhile."""
+        method(path)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if os.path.exists(path):
+                return True
+            time.sleep(0.01)
+        return False
+
     def pid_of(self, handle):
         return handle.pid
 
@@ -1270,6 +1281,12 @@ def _mark_collecting(path):
     """An exit function's trace: whether garbage collection runs while it does."""
     import gc
     _mark(path, f"gc {'on' if gc.isenabled() else 'off'}")
+
+
+@actor
+class Marker:
+    def mark(self, path):
+        _mark(path)
 
 
 def _mark(path, text="ran"):

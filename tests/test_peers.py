@@ -20,6 +20,16 @@ async def test_handles_pass_and_call_directly(rt_each):
     assert back == [c] and await back[0].incr(1) == 14
 
 
+async def test_an_actors_first_call_to_a_peer_is_sent_when_made(rt, tmp_path):
+    # The link to a new peer was attached only once the driver's answer was read on the
+    # caller's event loop: a method that made its first call to a peer and then blocked
+    # its loop held that call back until it returned (later calls left at once).
+    from actors import Marker
+    caller, marker = await Caller.spawn(), await Marker.spawn()
+    for i in range(2):  # (the first call on a new link, then one on the link made)
+        assert await caller.call_then_block(marker.mark, str(tmp_path / f"m{i}"), 20)
+
+
 async def test_nested_error_and_death_through_actor(rt):
     c = await Counter.spawn()
     caller = await Caller.spawn(c)
