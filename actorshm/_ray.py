@@ -430,9 +430,15 @@ class RayClient(CallOrder):
             else:
                 fut.set_result(result)
 
+        def done(c: concurrent.futures.Future) -> None:
+            self._finished(actor_id, seq, c, loop)
+            try:
+                loop.call_soon_threadsafe(settle, c)
+            except RuntimeError:  # its loop closed (a thread's, ended): nobody waits
+                pass
+
         cf = ref.future()
-        cf.add_done_callback(lambda c: (self._finished(actor_id, seq, c, loop),
-                                        loop.call_soon_threadsafe(settle, c)))
+        cf.add_done_callback(done)
         fut.add_done_callback(lambda f: f.cancelled() and self._cancel(actor_id, seq))
 
     def _submit(self, actor_id, remote_method, method, args, kwargs, what, number=None,

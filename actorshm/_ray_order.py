@@ -151,9 +151,11 @@ class CallOrder:
         try:
             asyncio.get_running_loop().call_soon(self._send_cancels, actor_id.key)
         except RuntimeError:  # not in a loop's thread
-            if loop is not None and not loop.is_closed():
+            try:
+                if loop is None or loop.is_closed():
+                    raise RuntimeError("no loop")
                 loop.call_soon_threadsafe(self._send_cancels, actor_id.key)
-            else:
+            except RuntimeError:  # (none, or closed meanwhile: at once)
                 self._send_cancels(actor_id.key)
 
     def _send_cancels(self, key: str) -> None:
@@ -231,13 +233,33 @@ class CallOrder:
                 # (a cycle otherwise: its traceback holds wait_for's frame, which holds
                 # the task that holds it)
                 exc.__traceback__ = None
-            finally:
-                self._watching.discard(key)
-                self._release(actor_id, loop)
+                if isinstance(exc, asyncio.CancelledError):
+                    # Its loop ends (a thread's ``asyncio.run``), the restart still under
+                    # way: the loop of a call that waits for it goes on watching.
+                    self._watching.discard(key)
+                    if self._watch_elsewhere(actor_id, loop, hold):
+                        return
+            self._watching.discard(key)
+            self._release(actor_id, loop)
 
         self._watchers.add(loop.create_task(watch()))
         for t in [t for t in self._watchers if t.done()]:
             self._watchers.discard(t)
+
+    def _watch_elsewhere(self, actor_id: Any, loop, hold: bool) -> bool:
+        """Hand the watch of a restart to the loop of a call held for it, other than
+        ``loop``; False where there is none (or the actor was killed meanwhile)."""
+        if actor_id.key in self._dead:
+            return False
+        for entry in list(self._restarting.get(actor_id.key, ())):
+            other = entry[0].get_loop()
+            if other is not loop and not other.is_closed():
+                try:
+                    other.call_soon_threadsafe(self.watch_restart, actor_id, other, hold)
+                except RuntimeError:  # (closed meanwhile)
+                    continue
+                return True
+        return False
 
     def _release(self, actor_id: Any, loop) -> None:
         """Send the calls that waited for the restart (``watch_restart``), in order."""
@@ -247,13 +269,39 @@ class CallOrder:
                 self._drop(actor_id, number[0])  # cancelled while it waited, or killed
                 if not fut.done():
                     why = self._dead.get(actor_id.key) or "is gone (Ray was shut down)"
-                    fut.set_exception(ActorDiedError(f"{what}: the actor {why}"))
+                    fail_on_its_loop(fut, ActorDiedError(f"{what}: the actor {why}"))
                 continue
             try:
                 ref, seq = self._submit(actor_id, None, method, args, kwargs, what, number,
                                         link)  # (the chain it was made in)
             except Exception as exc:
                 self._drop(actor_id, number[0])
-                fut.set_exception(exc)
+                fail_on_its_loop(fut, exc)
                 continue
-            self._settle_with(actor_id, fut, ref, seq, what, loop)
+            # (on the loop of the call's caller: another thread's, maybe, not the loop
+            # that saw the restart)
+            self._settle_with(actor_id, fut, ref, seq, what, fut.get_loop())
+
+
+def fail_on_its_loop(fut: asyncio.Future, exc: BaseException) -> None:
+    """Fail ``fut`` with ``exc`` from any thread: on its own loop, which is woken (a
+    future of another thread's loop set from here would wake nobody); nothing where
+    that loop has closed (its caller is gone)."""
+    loop = fut.get_loop()
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+
+    def fail() -> None:
+        if not fut.done():
+            fut.set_exception(exc)
+            fut.exception()  # (retrieved: a caller that left prints nothing)
+    if here is loop:
+        fail()
+        return
+    try:
+        loop.call_soon_threadsafe(fail)
+    except RuntimeError:  # its loop is closed
+        pass
+

@@ -246,3 +246,26 @@ class SlowCloser:
 
     def closed_(self):
         return list(self.closed)
+
+
+@actor(max_restarts=2)
+class SlowRestart:
+    """Its restarts (each start after the first: the file at ``marker`` says so) take
+    a second."""
+
+    def __init__(self, marker):
+        if os.path.exists(marker):
+            time.sleep(1)
+        else:
+            open(marker, "w").close()
+
+    def ping(self):
+        return "pong"
+
+    async def crash_soon(self):
+        asyncio.get_running_loop().call_later(0.2, os._exit, 3)
+        await asyncio.sleep(5)
+
+    def slow(self, seconds):
+        time.sleep(seconds)
+        return 1

@@ -733,6 +733,59 @@ async def test_kill_from_a_thread_with_no_event_loop_goes_through(art):
             await asyncio.wait_for(h.incr(), 10)
 
 
+async def test_calls_made_during_a_restart_another_threads_loop_saw_are_answered(art,
+                                                                                  tmp_path):
+    # On Ray the restart was watched on the loop of the call that saw the death, a
+    # thread's own: when that loop ended, the calls held for the restart were sent at
+    # once, failed, and their answers went to the closed loop ("Event loop is closed"
+    # printed, the calls never answered); a call from a thread's loop during a restart
+    # seen here was answered on this loop, its own never woken.
+    import threading
+    from ray_actors import SlowRestart
+    h = await SlowRestart.spawn(str(tmp_path / "marker"))
+    await h.ping()
+    saw, made = threading.Event(), threading.Event()
+
+    def thread():
+        async def go():
+            with pytest.raises(actorshm.ActorDiedError):
+                await h.crash_soon()
+            saw.set()
+            made.wait(20)  # (until this loop's calls are made, then this loop ends)
+            await asyncio.sleep(0.01)
+        asyncio.run(go())
+    t = threading.Thread(target=thread)
+    t.start()
+    saw.wait(30)  # (holding this loop: the thread's loop hears of the death first)
+    held = [h.ping() for _ in range(3)]
+    made.set()
+    await asyncio.to_thread(t.join)
+    assert await asyncio.wait_for(asyncio.gather(*held), 30) == ["pong"] * 3
+    # and a call from a thread's own loop, during a restart this loop saw
+    with pytest.raises(actorshm.ActorDiedError):
+        await h.crash_soon()
+
+    async def from_thread():
+        return await asyncio.wait_for(h.ping(), 30)
+    assert await asyncio.to_thread(asyncio.run, from_thread()) == "pong"
+
+
+async def test_an_answer_after_a_threads_loop_ended_prints_nothing(art, capfd, caplog):
+    # (on Ray: "Exception in callback ... RuntimeError: Event loop is closed", once for
+    # each call a thread's own loop timed out or never awaited)
+    from ray_actors import SlowRestart
+    h = await SlowRestart.spawn(os.devnull)
+
+    async def thread_loop():
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(h.slow(0.6), 0.1)
+        h.slow(0.3)  # (never awaited)
+    await asyncio.to_thread(asyncio.run, thread_loop())
+    await asyncio.sleep(1.2)
+    assert await h.ping() == "pong"
+    assert "Event loop is closed" not in capfd.readouterr().err + caplog.text
+
+
 async def test_an_actor_spawned_and_killed_leaves_a_summary_row_only(art, backend):
     # On Ray the runtime kept each dead actor's handle (Ray's actor handle with it, some
     # 64 KB) and its call numbers for its whole life: a runtime that spawns and kills
