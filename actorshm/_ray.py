@@ -30,7 +30,7 @@ from ._results import (CallFuture, DependencyFailed, fail_not_made, futures_in, 
 from ._errors import ActorDiedError, class_not_loaded
 from ._ray_errors import check_args, outcome, pickling_failed, translate, unavailable_error
 from ._ray_host import Host, register_reducers, simple
-from ._ray_order import CallOrder, end_actor, ray_up
+from ._ray_order import CallOrder, end_actor, fail_on_its_loop, ray_up
 from ._ray_placement import await_ready, check_feasible, requested
 from ._remote_errors import copy_exc, decode_exception
 from ._streams import chain
@@ -287,15 +287,14 @@ class RayClient(CallOrder):
             task.cancel()
 
     def close_calls(self, keys: set | None, why: str) -> None:
-        """Fail the calls of this event loop still pending on the actors ``keys`` (None:
-        on every actor) with ``ActorDiedError`` (``why``), as retrieved: a runtime that
-        closes ends them without asyncio's "exception was never retrieved" for each (an
-        ``await`` still raises), as a connection that ends does on the local backend."""
-        loop = asyncio.get_running_loop()
+        """Fail the calls still pending on the actors ``keys`` (None: on every actor)
+        with ``ActorDiedError`` (``why``), each on its own event loop (another thread's
+        too), as retrieved: a runtime that closes ends them without asyncio's "exception
+        was never retrieved" for each (an ``await`` still raises), as a connection that
+        ends does on the local backend."""
         for fut, (key, what) in list(self._calls.items()):
-            if (keys is None or key in keys) and not fut.done() and fut.get_loop() is loop:
-                fut.set_exception(ActorDiedError(f"{what}: {why}"))
-                fut.exception()  # (retrieved)
+            if (keys is None or key in keys) and not fut.done():
+                fail_on_its_loop(fut, ActorDiedError(f"{what}: {why}"))
 
     # -- calls -------------------------------------------------------------------
     def call(self, actor_id: RayActorId, method: str, args: tuple, kwargs: dict,
@@ -500,9 +499,11 @@ class RayClient(CallOrder):
             out.set_exception(ActorDiedError(f"{what}: {gone}"))
             return out
         ref, seq = self._submit(actor_id, None, method, args, kwargs, what)
+        self._calls[out] = (actor_id.key, what)  # (failed by a kill, a close: close_calls)
+        out.add_done_callback(lambda f: self._calls.pop(f, None))
 
         def settle(cf) -> None:
-            if out.done():  # cancelled by the caller
+            if out.done():  # cancelled by the caller, or failed by a kill or a close
                 return
             exc = cf.exception()
             try:

@@ -23,7 +23,7 @@ from typing import Any
 from ._errors import ActorDiedError
 from ._ray_errors import unavailable_error
 
-__all__ = ["CallOrder", "ray_up", "ready_after_restart", "RESTART_WAIT"]
+__all__ = ["CallOrder", "ray_up", "ready_after_restart", "RESTART_WAIT", "fail_on_its_loop"]
 
 RESTART_WAIT = 300.0  # seconds a restart may take before a watch stops waiting for it
 
@@ -286,7 +286,14 @@ class CallOrder:
 def fail_on_its_loop(fut: asyncio.Future, exc: BaseException) -> None:
     """Fail ``fut`` with ``exc`` from any thread: on its own loop, which is woken (a
     future of another thread's loop set from here would wake nobody); nothing where
-    that loop has closed (its caller is gone)."""
+    that loop has closed (its caller is gone). A ``concurrent.futures.Future`` (a call
+    made from a thread with no loop) is failed at once."""
+    if isinstance(fut, concurrent.futures.Future):
+        try:
+            fut.set_exception(exc)
+        except concurrent.futures.InvalidStateError:  # (done meanwhile)
+            pass
+        return
     loop = fut.get_loop()
     try:
         here = asyncio.get_running_loop()

@@ -786,6 +786,22 @@ async def test_an_answer_after_a_threads_loop_ended_prints_nothing(art, capfd, c
     assert "Event loop is closed" not in capfd.readouterr().err + caplog.text
 
 
+async def test_calls_from_other_threads_pending_at_a_kill_say_it_was_the_kill(art):
+    # (on Ray they failed later, as Ray saw the death: "the actor died unexpectedly")
+    c = await Counter.spawn()
+    await c.incr()
+    plain = await asyncio.to_thread(lambda: c.slow_record(1, 30))  # (no loop there)
+
+    async def thread_loop():
+        return await asyncio.gather(c.slow_record(2, 30), return_exceptions=True)
+    looped = asyncio.ensure_future(asyncio.to_thread(asyncio.run, thread_loop()))
+    await asyncio.sleep(0.5)
+    await c.kill()
+    for err in (await asyncio.to_thread(plain.exception, 20),
+                (await asyncio.wait_for(looped, 20))[0]):
+        assert isinstance(err, actorshm.ActorDiedError) and "kill" in str(err), err
+
+
 async def test_an_actor_spawned_and_killed_leaves_a_summary_row_only(art, backend):
     # On Ray the runtime kept each dead actor's handle (Ray's actor handle with it, some
     # 64 KB) and its call numbers for its whole life: a runtime that spawns and kills
