@@ -548,11 +548,19 @@ def watch_for_room(loop, shared: SharedBudget | None = None) -> None:
     short of the shared budget; ends when this process leaves it."""
     p = pool()
     shared = shared or p.shared
-    if shared is None or p.shared is not shared or loop.is_closed():
+    if shared is None or loop.is_closed():
         return
-    if shared.pressure():
+    # (under the pool's lock, as the budget leaves the pool: the last runtime may close
+    # on another thread's loop meanwhile)
+    with p.lock:
+        if p.shared is not shared:
+            return
+        pressed = shared.pressure()
+    if pressed:
         p.trim()
-        shared.answer(p.slot)
+        with p.lock:
+            if p.shared is shared:
+                shared.answer(p.slot)
     loop.call_later(ROOM_POLL, watch_for_room, loop, shared)
 
 

@@ -242,3 +242,48 @@ def test_a_thread_allocating_as_the_last_runtime_closes_gets_its_array():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[67108864]", "None", "None"], out.stdout
+
+
+ANSWER_AS_THE_BUDGET_CLOSES = """
+import asyncio, threading
+from actorshm import _shm
+_shm.shared_budget()  # (as a runtime opens)
+trim = _shm.HostPool.trim
+trimming, closed = threading.Event(), threading.Event()
+
+def slow_trim(self):  # the watch's trim, caught before it answers
+    if threading.current_thread().name == "watching":
+        trimming.set()
+        closed.wait(10)
+    return trim(self)
+
+_shm.HostPool.trim = slow_trim
+loop = asyncio.new_event_loop()
+errors = []
+loop.set_exception_handler(lambda _loop, context: errors.append(context["exception"]))
+
+def watch():
+    asyncio.set_event_loop(loop)
+    _shm.watch_for_room(loop)  # (a runtime's loop, watching for asks for room)
+    loop.run_forever()
+
+t = threading.Thread(target=watch, name="watching")
+t.start()
+_shm.pool().shared.ask_for_room()  # (another process short of room)
+trimming.wait(10)
+_shm.release_budget(0, trim=True)  # (the last runtime closes, on this thread)
+closed.set()
+loop.call_soon_threadsafe(loop.call_later, 0.3, loop.stop)
+t.join(10)
+print([repr(e) for e in errors])
+"""
+
+
+def test_a_watch_for_room_answering_as_the_last_runtime_closes_fails_nothing():
+    # (a runtime's loop answering another process's ask for room while the last runtime
+    # closed on another thread's loop: "ValueError: operation forbidden on released
+    # memoryview object" from the watch, logged by its loop)
+    out = subprocess.run([sys.executable, "-c", ANSWER_AS_THE_BUDGET_CLOSES],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]"], out.stdout
