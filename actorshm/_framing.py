@@ -138,8 +138,9 @@ class FramedSocket(FrameReader):
         raise NotImplementedError
 
     # -- lifecycle -------------------------------------------------------------
-    def attach(self, sock: socket.socket) -> None:
-        """Start using ``sock`` (a connection may buffer frames before it has one)."""
+    def attach(self, sock: socket.socket, read: bool = True) -> None:
+        """Start using ``sock`` (a connection may buffer frames before it has one);
+        ``read=False``: write only, until ``start_reading``."""
         if self.closed:
             sock.close()
             return
@@ -148,9 +149,15 @@ class FramedSocket(FrameReader):
         self.fd = sock.fileno()
         self._rview = _recv_view()  # the thread that reads it: this loop's
         self._rviews = [self._rview]
-        self.loop.add_reader(self.fd, self._on_readable)
+        if read:
+            self.loop.add_reader(self.fd, self._on_readable)
         if self._out:
             self._flush()
+
+    def start_reading(self) -> None:
+        """Read what comes on a socket attached with ``read=False``."""
+        if self.sock is not None and not self.closed and not self._eof:
+            self.loop.add_reader(self.fd, self._on_readable)
 
     def _close_socket(self) -> list:
         """Stop reading and writing, close the socket and every fd still queued here.

@@ -259,7 +259,7 @@ def call_init(rec, config: dict, args: tuple, kwargs: dict) -> asyncio.Future:
         rec.probe.close()
         theirs.close()
         raise _class_unsendable(rec.cls) or exc
-    rec.conn.close_after_send([theirs.detach()])
+    rec.conn.close_after_call(fut, [theirs.detach()])
     probe = rec.probe
     fut.add_done_callback(lambda f: setattr(probe, "ready", not f.cancelled()
                                             and f.exception() is None))

@@ -286,6 +286,16 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         return fut
 
 
+    def close_after_call(self, fut: asyncio.Future, fds: list[int]) -> None:
+        """Close ``fds`` (which call ``fut`` passes on) in this process once its frame is
+        written: as the frame last queued, when the call was sent; when the call ends
+        (answered, so written; or failed unsent), when it is held behind an unfinished
+        result (``_hold``) and its frame not queued yet."""
+        if fut.conn is self and not fut.done():
+            self.close_after_send(fds)
+        else:
+            fut.add_done_callback(lambda _f: [close_fd(fd) for fd in fds])
+
     def reply(self, cid: int, value: Any, what: str = "") -> None:
         if self.closed:
             return

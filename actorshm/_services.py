@@ -82,7 +82,7 @@ def _connect(runtime, conn, cid: int, target: int, fb: int) -> None:
         last = rec.conn.leaving is not None and not runtime.may_restart(rec)
         conn.reply(cid, (rec.label, rec.pid, last))
         return
-    rec.conn.close_after_send([fb])
+    rec.conn.close_after_call(accepted, [fb])
 
     def answered(f: asyncio.Future) -> None:
         if f.cancelled() or f.exception() is not None:
@@ -106,7 +106,7 @@ def _hand_over(runtime, rec, target: int, fb: int, peer: tuple, asker,
     if runtime.record(target) is rec and not rec.alive and rec.conn is not None \
             and not rec.conn.closed:
         taken = rec.conn.call("__accept_peer__", (PassFd(fb), *peer), {})
-        rec.conn.close_after_send([fb])
+        rec.conn.close_after_call(taken, [fb])
 
         def tell(t: asyncio.Future) -> None:
             if not t.cancelled() and t.exception() is None and not asker.closed:

@@ -25,6 +25,7 @@ from typing import Any
 from . import _client, _leases, _plugins, _shm  # noqa: F401  (_plugins: lazy GPU plug-in)
 from . import _multicast
 from ._errors import ActorDiedError, init_exit_error
+from ._framing import close_fd
 from ._introspect import serve_probe
 from ._protocol import Connection
 from ._remote_errors import call_in_thread
@@ -159,8 +160,9 @@ class Worker(StreamingClient):
         """A link to actor ``actor_id``: a socket pair made here, whose one end the
         driver hands to that actor (``_services._connect``). Calls are written into
         ours at once, as the driver's are, even if this actor's loop then blocks
-        (the target reads them once it has its end); the link is known good, or closed
-        with the driver's word on the target, once the driver answers."""
+        (the target reads them once it has its end); what the target sends back is read
+        once the driver has answered (the target's pid, whether it is its last process),
+        or the link closes with the driver's word on the target."""
         conn = Connection(self.loop, self, label=f"actor {actor_id}")
         conn.peer_id = actor_id
         self.peers[actor_id] = conn
@@ -171,13 +173,15 @@ class Worker(StreamingClient):
             return conn
         fd = theirs.detach()
         self.brokering[conn] = set()
-        conn.attach(ours)
+        conn.attach(ours, read=False)  # (what comes back is read once the driver answers)
         if self.leaving is not None:
             conn.say_leaving(self.leaving)
         try:
             fut = self.driver.call("__connect__", (actor_id, PassFd(fd)), {})
-        finally:
-            self.driver.close_after_send([fd])
+        except BaseException:
+            close_fd(fd)
+            raise
+        self.driver.close_after_call(fut, [fd])
 
         def done(f: asyncio.Future) -> None:
             seen = self.brokering.pop(conn, ())
@@ -190,6 +194,7 @@ class Worker(StreamingClient):
                 conn.close(exc)
             else:
                 conn.label, conn.peer_pid, conn.last_process = f.result()
+                conn.start_reading()
                 if "leaving" in seen:
                     self.connection_leaving(conn)
                 if "ended" in seen:

@@ -439,6 +439,19 @@ class Caller:
     async def call_method(self, method, *args):
         return await method(*args)
 
+    async def link_behind_a_held_spawn(self, counter, marker, path):
+        """Spawn a ``Marker`` given an unfinished call as its argument (the spawn is
+        held on the connection to the driver until that call's result is in), and
+        meanwhile make the first call to ``marker`` (a new link), opening a file as it
+        goes (it would take the number of a socket end closed too early)."""
+        spawn = asyncio.ensure_future(Marker.spawn(counter.async_record(1, 1.0)))
+        await asyncio.sleep(0.05)
+        call = marker.mark(path)
+        with open(os.devnull) as _file:
+            pid = await asyncio.wait_for(call, 20)
+            await asyncio.wait_for(spawn, 20)
+        return pid
+
     def call_then_block(self, method, path, seconds):
         """Call ``method(path)`` (a ``Marker.mark``) without waiting for it, then block
         this actor's event loop for up to ``seconds``: whether the call ran meanwhile."""
@@ -1285,8 +1298,12 @@ def _mark_collecting(path):
 
 @actor
 class Marker:
+    def __init__(self, value=None):
+        self.value = value
+
     def mark(self, path):
         _mark(path)
+        return os.getpid()
 
 
 def _mark(path, text="ran"):

@@ -30,6 +30,19 @@ async def test_an_actors_first_call_to_a_peer_is_sent_when_made(rt, tmp_path):
         assert await caller.call_then_block(marker.mark, str(tmp_path / f"m{i}"), 20)
 
 
+async def test_a_first_call_made_behind_a_held_driver_call_reaches_its_peer(rt, tmp_path):
+    # The link's socket end, sent to the driver with the call that asks for the link,
+    # was closed as soon as that call was made: held behind a spawn waiting for its
+    # argument's result, it then went without it (EBADF: the actor's connection to the
+    # driver broke) or with whatever file took its number (the call failed, "gone").
+    from actors import Marker
+    caller, counter, marker = await Caller.spawn(), await Counter.spawn(), \
+        await Marker.spawn()
+    assert await caller.link_behind_a_held_spawn(counter, marker, str(tmp_path / "m")) == \
+        marker.pid
+    assert await caller.call_method(marker.mark, str(tmp_path / "m2")) == marker.pid
+
+
 async def test_nested_error_and_death_through_actor(rt):
     c = await Counter.spawn()
     caller = await Caller.spawn(c)
