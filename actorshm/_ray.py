@@ -332,13 +332,19 @@ class RayClient(CallOrder):
                 task.add_done_callback(lambda t: self._waits_for_args.pop(t, None))
                 fut.add_done_callback(lambda f: f.cancelled() and task.cancel())
                 return fut
-        held = self._restarting.get(actor_id.key)
-        if held is not None:  # Ray restarts its process: the call waits for the new one
-            check_args(args, kwargs, what)
-            held.append((fut, method, args, kwargs, what, self._number(actor_id),
-                         chain.get()))
-            return fut
-        ref, seq = self._submit(actor_id, None, method, args, kwargs, what)
+        if actor_id.key in self._restarting:  # Ray restarts its process: the call waits
+            check_args(args, kwargs, what)  # for the new one
+            number = self._number(actor_id)
+            if self._hold(actor_id.key, (fut, method, args, kwargs, what, number,
+                                         chain.get())):
+                return fut
+            try:  # (the new process came meanwhile: it goes now, under that number)
+                ref, seq = self._submit(actor_id, None, method, args, kwargs, what, number)
+            except BaseException:
+                self._drop(actor_id, number[0])
+                raise
+        else:
+            ref, seq = self._submit(actor_id, None, method, args, kwargs, what)
         self._settle_with(actor_id, fut, ref, seq, what, loop)
         return fut
 
@@ -362,10 +368,9 @@ class RayClient(CallOrder):
             except DependencyFailed as dep:
                 fail_not_made(fut, copy_exc(dep.exc))
                 raise _Dropped from None
-            held = self._restarting.get(actor_id.key)
-            if held is not None:  # the actor restarts: the call waits for it too
-                held.append((fut, method, args, kwargs, what, number, chain.get()))
-                return
+            if self._hold(actor_id.key, (fut, method, args, kwargs, what, number,
+                                         chain.get())):
+                return  # (the actor restarts: the call waits for it too)
             ref, seq = self._submit(actor_id, None, method, args, kwargs, what, number)
         except BaseException as exc:  # (cancelled: the call, its actor's kill, a close)
             if not isinstance(exc, _Dropped) and not fut.done():
@@ -434,7 +439,7 @@ class RayClient(CallOrder):
             try:
                 loop.call_soon_threadsafe(settle, c)
             except RuntimeError:  # its loop closed (a thread's, ended): nobody waits
-                pass
+                self._calls.pop(fut, None)
 
         cf = ref.future()
         cf.add_done_callback(done)

@@ -213,7 +213,8 @@ class CallOrder:
             return
         self._died.add(key)
         if hold:
-            self._restarting.setdefault(key, [])
+            with self._lock:
+                self._restarting.setdefault(key, [])
         if key in self._watching:
             return
         self._watching.add(key)
@@ -251,9 +252,11 @@ class CallOrder:
         ``loop``; False where there is none (or the actor was killed meanwhile)."""
         if actor_id.key in self._dead:
             return False
-        for entry in list(self._restarting.get(actor_id.key, ())):
+        with self._lock:
+            held = list(self._restarting.get(actor_id.key, ()))
+        for entry in held:
             other = entry[0].get_loop()
-            if other is not loop and not other.is_closed():
+            if other is not loop and other.is_running() and not entry[0].done():
                 try:
                     other.call_soon_threadsafe(self.watch_restart, actor_id, other, hold)
                 except RuntimeError:  # (closed meanwhile)
@@ -261,10 +264,21 @@ class CallOrder:
                 return True
         return False
 
+    def _hold(self, key: str, entry: tuple) -> bool:
+        """Add a call to those waiting for actor ``key``'s restart (``watch_restart``);
+        False where none waits (no restart, or its calls were just released)."""
+        with self._lock:  # (a loop of another thread may release them meanwhile)
+            held = self._restarting.get(key)
+            if held is None:
+                return False
+            held.append(entry)
+            return True
+
     def _release(self, actor_id: Any, loop) -> None:
         """Send the calls that waited for the restart (``watch_restart``), in order."""
-        for fut, method, args, kwargs, what, number, link in \
-                self._restarting.pop(actor_id.key, ()):
+        with self._lock:
+            held = self._restarting.pop(actor_id.key, ())
+        for fut, method, args, kwargs, what, number, link in held:
             if fut.done() or actor_id.key in self._dead or not ray_up():
                 self._drop(actor_id, number[0])  # cancelled while it waited, or killed
                 if not fut.done():
