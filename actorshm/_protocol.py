@@ -212,6 +212,17 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
                 self._hold(entry, u.fut)
         return fut
 
+    def call_ahead(self, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
+        """Send a call now, ahead of calls held behind an unfinished result (``_hold``):
+        a service call whose arguments hold no call's result, and whose answer must not
+        wait for one (``Worker._connect``)."""
+        fut = _CallFuture(loop=self.loop)
+        if self.closed:
+            fut.set_exception(copy_exc(self.close_exc))
+            return fut
+        self._send_call(fut, method, args, kwargs, "", None, None)
+        return fut
+
     def _send_call(self, fut, method, args, kwargs, what, meta, stream,
                    plain: bytes | None = None) -> None:
         """Send a call (``plain``: its payload, pickled already by the plain path)."""
@@ -293,8 +304,15 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         result (``_hold``) and its frame not queued yet."""
         if fut.conn is self and not fut.done():
             self.close_after_send(fds)
-        else:
-            fut.add_done_callback(lambda _f: [close_fd(fd) for fd in fds])
+            return
+
+        def ended(f: asyncio.Future) -> None:
+            if f.conn is self and not self.closed:  # sent, then cancelled or failed: its
+                self.close_after_send(fds)  # frame may still wait in the queue, ahead
+            else:  # of the last one (answered: written long since; never sent)
+                for fd in fds:
+                    close_fd(fd)
+        fut.add_done_callback(ended)
 
     def reply(self, cid: int, value: Any, what: str = "") -> None:
         if self.closed:

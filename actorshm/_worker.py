@@ -177,7 +177,9 @@ class Worker(StreamingClient):
         if self.leaving is not None:
             conn.say_leaving(self.leaving)
         try:
-            fut = self.driver.call("__connect__", (actor_id, PassFd(fd)), {})
+            # (ahead of calls held on the driver connection: what the target sends
+            # back is read once this is answered)
+            fut = self.driver.call_ahead("__connect__", (actor_id, PassFd(fd)), {})
         except BaseException:
             close_fd(fd)
             raise

@@ -444,13 +444,15 @@ class Caller:
         held on the connection to the driver until that call's result is in), and
         meanwhile make the first call to ``marker`` (a new link), opening a file as it
         goes (it would take the number of a socket end closed too early)."""
-        spawn = asyncio.ensure_future(Marker.spawn(counter.async_record(1, 1.0)))
+        result = counter.async_record(1, 3.0)
+        spawn = asyncio.ensure_future(Marker.spawn(result))
         await asyncio.sleep(0.05)
         call = marker.mark(path)
         with open(os.devnull) as _file:
             pid = await asyncio.wait_for(call, 20)
+            waited = result.done()  # (whether the call waited for the held one)
             await asyncio.wait_for(spawn, 20)
-        return pid
+        return pid, waited
 
     def call_then_block(self, method, path, seconds):
         """Call ``method(path)`` (a ``Marker.mark``) without waiting for it, then block

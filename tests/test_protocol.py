@@ -584,6 +584,38 @@ async def test_a_held_call_sent_to_a_peer_gone_meanwhile_fails_quietly():
     assert errors == []
 
 
+async def test_an_fd_a_held_call_passes_stays_open_until_its_frame_is_written():
+    # A held call, sent behind a hold (as behind a forward notice) and then cancelled:
+    # its fd was closed as the call ended, its frame still queued; writing it then
+    # failed (EBADF broke the connection) or sent whatever file took its number.
+    from actorshm._results import CallFuture
+    from actorshm._serialization import PassFd
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    with b:
+        conn = P.Connection(loop, Recorder(), a, "sender")
+        dep = CallFuture(loop=loop)
+        conn.call("first", (dep,), {})  # held: the calls after it wait for its argument
+        r, w = socket.socketpair()
+        fd = w.detach()
+        fut = conn.call("passes", (PassFd(fd),), {})
+        conn.close_after_call(fut, [fd])
+        hold = conn.hold()
+        dep.set_result(5)
+        await asyncio.sleep(0)  # (both sent, their frames queued behind the hold)
+        assert fut.conn is conn and conn._out
+        fut.cancel()
+        await asyncio.sleep(0.01)
+        os.fstat(fd)  # still open: its frame is not written yet
+        conn.unhold(hold)
+        await asyncio.sleep(0.01)
+        assert not conn.closed
+        with pytest.raises(OSError):  # closed once written
+            os.fstat(fd)
+        conn.close()
+        r.close()
+
+
 def test_copy_exc_finds_a_class_s_slots_once_and_copies_them():
     # copy_exc (once per call a closed connection fails) walked every class of the
     # exception's MRO each time: about 6.7 us a copy, 0.1 us before a6ca319.
