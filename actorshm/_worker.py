@@ -180,8 +180,10 @@ class Worker(StreamingClient):
             # (ahead of calls held on the driver connection: what the target sends
             # back is read once this is answered)
             fut = self.driver.call_ahead("__connect__", (actor_id, PassFd(fd)), {})
-        except BaseException:
-            close_fd(fd)
+        except BaseException as exc:  # (out of memory, an interrupt): no link is made,
+            close_fd(fd)  # the next call asks afresh
+            self.brokering.pop(conn, None)
+            conn.close(exc if isinstance(exc, Exception) else None)
             raise
         self.driver.close_after_call(fut, [fd])
 

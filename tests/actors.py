@@ -454,6 +454,26 @@ class Caller:
             await asyncio.wait_for(spawn, 20)
         return pid, waited
 
+    async def link_after_a_failed_ask(self, marker, path):
+        """Call ``marker`` while asking the driver for the link fails (out of memory as
+        the ask is encoded), then call it again: what the second call returns."""
+        from actorshm import _serialization
+        encode = _serialization.encode
+
+        def failing(obj, conn):
+            if type(obj) is tuple and obj and obj[0] == "__connect__":
+                raise MemoryError("no memory for the ask")
+            return encode(obj, conn)
+        _serialization.encode = failing
+        try:
+            try:
+                marker.mark(path)
+            except MemoryError:
+                pass
+        finally:
+            _serialization.encode = encode
+        return await asyncio.wait_for(marker.mark(path), 20)
+
     def call_then_block(self, method, path, seconds):
         """Call ``method(path)`` (a ``Marker.mark``) without waiting for it, then block
         this actor's event loop for up to ``seconds``: whether the call ran meanwhile."""

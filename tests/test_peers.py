@@ -44,6 +44,13 @@ async def test_a_first_call_made_behind_a_held_driver_call_reaches_its_peer(rt, 
     assert await caller.call_method(marker.mark, str(tmp_path / "m2")) == marker.pid
 
 
+async def test_a_link_whose_ask_failed_is_asked_for_again(rt, tmp_path):
+    # (the half-made link stayed registered: every later call to that actor hung)
+    from actors import Marker
+    caller, marker = await Caller.spawn(), await Marker.spawn()
+    assert await caller.link_after_a_failed_ask(marker, str(tmp_path / "m")) == marker.pid
+
+
 async def test_nested_error_and_death_through_actor(rt):
     c = await Counter.spawn()
     caller = await Caller.spawn(c)
