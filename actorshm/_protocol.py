@@ -296,7 +296,6 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         fut.conn, fut.cid = self, cid
         return fut
 
-
     def close_after_call(self, fut: asyncio.Future, fds: list[int]) -> None:
         """Close ``fds`` (which call ``fut`` passes on) in this process once its frame is
         written: as the frame last queued, when the call was sent; when the call ends

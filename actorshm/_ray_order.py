@@ -151,12 +151,13 @@ class CallOrder:
         try:
             asyncio.get_running_loop().call_soon(self._send_cancels, actor_id.key)
         except RuntimeError:  # not in a loop's thread
-            try:
-                if loop is None or loop.is_closed():
-                    raise RuntimeError("no loop")
-                loop.call_soon_threadsafe(self._send_cancels, actor_id.key)
-            except RuntimeError:  # (none, or closed meanwhile: at once)
-                self._send_cancels(actor_id.key)
+            if loop is not None and not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(self._send_cancels, actor_id.key)
+                    return
+                except RuntimeError:  # (closed meanwhile)
+                    pass
+            self._send_cancels(actor_id.key)  # (no loop to gather them: at once)
 
     def _send_cancels(self, key: str) -> None:
         with self._lock:
@@ -325,4 +326,3 @@ def fail_on_its_loop(fut: asyncio.Future, exc: BaseException) -> None:
         loop.call_soon_threadsafe(fail)
     except RuntimeError:  # its loop is closed
         pass
-

@@ -2,8 +2,8 @@
 
 An actor that calls another actor asks the driver to connect them (``__connect__``):
 the asker makes a socket pair and the driver hands its other end to the target, so the
-two then talk directly. Actors also spawn, kill and find actors through the driver, and ask for its
-counters (``actorshm.stats`` of the driver).
+two then talk directly. Actors also spawn, kill and find actors through the driver,
+and ask for its counters (``actorshm.stats`` of the driver).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def serve(runtime, conn, cid: int, call: list) -> None:
             task = runtime.loop.create_task(runtime.get_actor(*args))
             task.add_done_callback(lambda t: _reply_task(conn, cid, t))
         elif method == "__kill__":
-            task = runtime.loop.create_task(_client.runtime_of(runtime, args[0]).kill(*args))
+            owner = _client.runtime_of(runtime, args[0])
+            task = runtime.loop.create_task(owner.kill(*args))
             task.add_done_callback(lambda t: _reply_task(conn, cid, t))
         elif method == "__spawn__":
             cls, options, a, k = args

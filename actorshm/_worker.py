@@ -110,9 +110,9 @@ class Worker(StreamingClient):
         self.outflows: dict[tuple, Outflow] = {}  # (conn, cid) of streams -> their credit
         self.peers: dict[int, Connection] = {}
         self.peers_leaving: set[Connection] = set()  # links to peers that are stopping
-        # Links the driver has not answered for yet (``_connect``) -> what their peer
-        # did meanwhile ("leaving", "ended"), seen once the answer tells what it means.
-        self.brokering: dict[Connection, set] = {}
+        # Links the driver has not answered for yet (``_connect``; they are read once it
+        # has) -> whether writing to them broke meanwhile (seen once the answer says why).
+        self.brokering: dict[Connection, bool] = {}
         self.leaving: float | None = None  # this actor said LEAVING (``_actor_process``)
         self.release_hook = None  # (set by ``_actor_process``: dispatches on this loop)
         self.collect_at_exit = False  # a cycle keeps the instance: collect after atexit
@@ -172,7 +172,7 @@ class Worker(StreamingClient):
             conn.close(exc)
             return conn
         fd = theirs.detach()
-        self.brokering[conn] = set()
+        self.brokering[conn] = False
         conn.attach(ours, read=False)  # (what comes back is read once the driver answers)
         if self.leaving is not None:
             conn.say_leaving(self.leaving)
@@ -188,7 +188,7 @@ class Worker(StreamingClient):
         self.driver.close_after_call(fut, [fd])
 
         def done(f: asyncio.Future) -> None:
-            seen = self.brokering.pop(conn, ())
+            broke = self.brokering.pop(conn, False)
             if f.cancelled():
                 conn.close()
             elif f.exception() is not None:
@@ -199,9 +199,7 @@ class Worker(StreamingClient):
             else:
                 conn.label, conn.peer_pid, conn.last_process = f.result()
                 conn.start_reading()
-                if "leaving" in seen:
-                    self.connection_leaving(conn)
-                if "ended" in seen:
+                if broke:
                     self.connection_eof(conn)
 
         fut.add_done_callback(done)
@@ -634,7 +632,7 @@ class Worker(StreamingClient):
         if conn is self.driver:
             conn.close(ActorDiedError("the driver is gone"))
         elif conn in self.brokering:  # (the driver's answer says why: ``_connect``)
-            self.brokering[conn].add("ended")
+            self.brokering[conn] = True
         else:
             conn.close(ActorDiedError(f"{conn.label} is gone: "
                                       f"{describe_exit(None)}"))
@@ -644,9 +642,7 @@ class Worker(StreamingClient):
         from now on, so the calls made from now on go through a new link, which the
         driver connects to its restart, if one comes (``_services._connect``). Those
         under way end on this one."""
-        if conn in self.brokering:  # (the driver's answer says whether it is the last)
-            self.brokering[conn].add("leaving")
-        elif conn.peer_id is not None and self.peers.get(conn.peer_id) is conn \
+        if conn.peer_id is not None and self.peers.get(conn.peer_id) is conn \
                 and not conn.last_process:
             del self.peers[conn.peer_id]
             self.peers_leaving.add(conn)
