@@ -358,50 +358,57 @@ def _reduce_bare(enc, t: torch.Tensor):
     # One copy per storage and message serves every tensor on it that it covers: views
     # of one tensor sent together stay views of one copy, as torch.multiprocessing keeps
     # them, and the rows of a batch (``list(batch)``) do not each copy the storage up to
-    # themselves. The first copy is the whole storage where that costs at most what a
-    # copy of the tensor's span may (``keeps_layout``), and once this message has copied
-    # a storage's worth of it piecemeal; a small view of a much larger storage is copied
-    # compactly, alone.
-    if made is not None and span <= made[0]:
+    # themselves. The whole storage is copied once the views of it met in this message,
+    # this one included, would keep its layout (``keeps_layout``: their bytes are at
+    # least about a quarter of it; a single view, as when sent alone), or once the
+    # pieces copied so far and this one would add up to more than the storage (so that
+    # it is copied less than twice). Until then a view has its own copy, up to its last
+    # element (strides and storage offset kept), or compactly when that would span much
+    # more than its bytes (a small view of a much larger storage).
+    if made is not None and made[1] is not None and span <= made[0]:
         return _copied(enc, t, made, kind, requires_grad)
-    spent = made[2] if made is not None else 0
-    if _shm.keeps_layout(n, nbytes):
+    covered, where, spent, seen = made if made is not None else (0, None, 0, 0)
+    keep = _shm.keeps_layout(span, nbytes)
+    if _shm.keeps_layout(n, seen + nbytes) or spent + (span if keep else nbytes) > n:
         span = n
-    elif not _shm.keeps_layout(span, nbytes):  # (a clone resolves the view bits: they
-        bits = view_bits(t)                     # are set again on it, its memory as is)
-        t = finish(without_bits(t.detach(), bits).clone(), False, False, bits)
-        st = t.untyped_storage()
-        return _copied(enc, t, _copy(enc, st, st.nbytes()), kind, requires_grad)
-    elif spent + span > n:
-        span = n
+    elif not keep:  # (a clone resolves the view bits: they are set again on it, its
+        bits = view_bits(t)  # memory as is)
+        c = finish(without_bits(t.detach(), bits).clone(), False, False, bits)
+        cst = c.untyped_storage()
+        own = _copy(enc, cst, cst.nbytes())
+        if copies is None:
+            copies = enc.copies = {}
+        copies[st.data_ptr()] = (covered, where, spent + own[0], seen + nbytes)
+        return _copied(enc, c, own, kind, requires_grad)
     if copies is None:
         copies = enc.copies = {}
-    made = copies[st.data_ptr()] = _copy(enc, st, span, spent)
+    made = copies[st.data_ptr()] = _copy(enc, st, span, spent, seen + nbytes)
     return _copied(enc, t, made, kind, requires_grad)
 
 
-def _copy(enc, st, n: int, spent: int = 0) -> tuple:
+def _copy(enc, st, n: int, spent: int = 0, seen: int = 0) -> tuple:
     """A copy of the first ``n`` bytes of storage ``st`` for this message: in band when
     small, as a small numpy array goes (a copy either way, and a shared block would cost
     more than the bytes it carries; ``encode`` counts it), else in a new shared block.
-    ``(n, where, bytes of this storage copied so far in the message)``; ``where`` is the
-    in-band buffer (pickled once however many tensors use it), or the copy's array."""
+    ``(n, where, bytes of this storage copied so far in the message, bytes of the views
+    of it sent so far)``; ``where`` is the in-band buffer (pickled once however many
+    tensors use it), or the copy's array."""
     if in_band(n, enc.inlined):
         enc.inlined += n
         enc.n_inlined += 1
-        return n, pickle.PickleBuffer(_bytes_of(st, n)), spent + n
+        return n, pickle.PickleBuffer(_bytes_of(st, n)), spent + n, seen
     copy = _shm.empty(n, np.uint8)
     # numpy's memcpy, not torch's copy_: torch splits a copy over its intra-op
     # threads, which on a busy machine took 10 ms for 1 MiB instead of 50 µs.
     np.copyto(copy, _bytes_of(st, n))
     enc.count("bytes_copied", n)
     enc.count("arrays_copied", 1)
-    return n, copy, spent + n
+    return n, copy, spent + n, seen
 
 
 def _copied(enc, t: torch.Tensor, made: tuple, kind, requires_grad: bool):
     """The reduction of ordinary tensor ``t`` over the copy ``made`` (``_copy``)."""
-    n, where, _ = made
+    n, where = made[0], made[1]
     if type(where) is pickle.PickleBuffer:
         return _rebuild_inline_tensor, (
             where, str(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(),

@@ -41,6 +41,10 @@ class TorchWorker:
         return float(b.reshape(-1)[0]), \
             a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
+    def storages(self, ts):
+        """How many storages the tensors ``ts`` view."""
+        return len({t.untyped_storage().data_ptr() for t in ts})
+
     def poke_storage(self, st):
         """Set the first byte of storage ``st`` to 7; its kind, bytes and dtype."""
         untyped = st._untyped_storage if isinstance(st, torch.TypedStorage) else st
