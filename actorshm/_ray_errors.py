@@ -74,10 +74,11 @@ def _dtype_hint(text: str) -> str:
     if "UntypedStorage" not in text or "dtype" not in text:
         return ""
     return (" (a torch tensor of a dtype that torch's own pickling cannot rebuild, such "
-            "as uint16/uint32/uint64, complex32 or a float8 kind, lies in it, deeper than "
-            "the checks before sending look: on the Ray backend tensors travel by torch's "
-            "pickling. Send `t.view(torch.uint8)` and view it back with `.view(dtype)` on "
-            "the other side, or use the local backend)")
+            "as uint16/uint32/uint64, complex32 or a float8 kind, or a "
+            "torch.UntypedStorage, lies in it, deeper than the checks before sending "
+            "look: on the Ray backend tensors travel by torch's pickling. Send "
+            "`t.view(torch.uint8)` and view it back with `.view(dtype)` on the other "
+            "side, a tensor over a storage, or use the local backend)")
 
 
 def translate(exc: BaseException, what: str, sent: str | None = "result") -> BaseException:
@@ -93,7 +94,8 @@ def translate(exc: BaseException, what: str, sent: str | None = "result") -> Bas
         cause = getattr(exc, "client_exc", None)
         text = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) \
             else str(exc).strip().splitlines()[0]
-        return TypeError(f"the result of {what} could not be deserialized here: {text}"
+        whose = f"an item of {what}" if sent == "item" else f"the result of {what}"
+        return TypeError(f"{whose} could not be deserialized here: {text}"
                          f"{_dtype_hint(text)}")
     if isinstance(exc, rex.RayTaskError):  # the host failed, e.g. a result that won't pickle
         cause = getattr(exc, "cause", None)
@@ -211,6 +213,14 @@ def _check(values: tuple, refused: str, warn_for: str | None) -> None:
             if not warned and tensor_is_shared(x):  # (sparse, a wrapper subclass: no
                 # storage of their own to ask about)
                 warned = _warn_shared(warn_for, "an actorshm shared tensor")
+        elif tensor is not None and isinstance(x, torch.UntypedStorage):
+            if not _torch_pickles("storage", lambda: torch.zeros(1).untyped_storage()):
+                raise TypeError(
+                    f"{refused}: a torch.UntypedStorage cannot travel on the Ray backend: "
+                    "Ray passes it by torch's own pickling, which cannot rebuild one in "
+                    "this torch version. Send a tensor over it instead "
+                    "(`torch.empty(0, dtype=torch.uint8).set_(storage)`; its "
+                    "`.untyped_storage()` in the actor), or use the local backend")
         elif module is not None and isinstance(x, module):
             from ._torch import tensor_is_shared
             if not warned and any(tensor_is_shared(p)
@@ -259,29 +269,37 @@ def _warn_shared(what: str, thing: str) -> bool:
     return True
 
 
-_dtype_ok: dict = {}  # torch dtype -> whether torch can pickle a tensor of it
+_pickles: dict = {}  # what torch's own pickling can rebuild (a dtype, "storage") -> bool
+
+
+def _torch_pickles(key, sample) -> bool:
+    """Whether torch's own pickling, which Ray uses, rebuilds ``sample()`` (asked once
+    per ``key``: some torch versions cannot for some dtypes, or for an untyped storage)."""
+    ok = _pickles.get(key)
+    if ok is None:
+        with warnings.catch_warnings():  # (torch deprecates making quantized tensors)
+            warnings.simplefilter("ignore")
+            try:
+                pickle.loads(pickle.dumps(sample()))
+                ok = True
+            except Exception:
+                ok = False
+        _pickles[key] = ok
+    return ok
 
 
 def _check_picklable_dtype(dtype) -> None:
     """Ray passes tensors by torch's own pickling, which some torch versions cannot do
     for some dtypes (the float8 kinds): say so before sending rather than let the actor
     fail to unpickle the call."""
-    ok = _dtype_ok.get(dtype)
-    if ok is None:
+    def sample():
         import torch
         from ._torch import QUANTIZED
-        with warnings.catch_warnings():  # (torch deprecates making quantized tensors)
-            warnings.simplefilter("ignore")
-            try:
-                # (``check_sendable`` refused a tensor of a quantized dtype that is not
-                # quantized; ``torch.empty`` of such a dtype fails, so make one that is)
-                sample = torch.quantize_per_tensor(torch.zeros(1), 1.0, 0, dtype) \
-                    if dtype in QUANTIZED else torch.empty(1, dtype=dtype)
-                pickle.loads(pickle.dumps(sample))
-                ok = True
-            except Exception:
-                ok = False
-        _dtype_ok[dtype] = ok
+        # (``check_sendable`` refused a tensor of a quantized dtype that is not
+        # quantized; ``torch.empty`` of such a dtype fails, so make one that is)
+        return torch.quantize_per_tensor(torch.zeros(1), 1.0, 0, dtype) \
+            if dtype in QUANTIZED else torch.empty(1, dtype=dtype)
+    ok = _torch_pickles(dtype, sample)
     if not ok:
         raise TypeError(
             f"a {dtype} tensor cannot travel on the Ray backend: Ray passes tensors by "

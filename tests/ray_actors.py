@@ -126,6 +126,14 @@ class ArrayUser:
         yield torch.ones(1)
         yield [torch.ones(3, requires_grad=True) * 2]
 
+    def storage_items(self, depth):
+        import torch  # an untyped storage ``depth`` lists deep, after an item
+        yield 1
+        out = torch.zeros(2).untyped_storage()
+        for _ in range(depth):
+            out = [out]
+        yield out
+
     def step(self, module):
         import torch
         with torch.no_grad():
