@@ -175,8 +175,8 @@ QUANTIZED = frozenset(getattr(torch, name) for name in
 
 
 def check_sendable(t: torch.Tensor) -> None:
-    """Refuse a tensor that is part of an autograd graph, or of a quantized dtype but
-    not quantized (before anything is sent)."""
+    """Refuse a tensor that is part of an autograd graph, of a quantized dtype but not
+    quantized, or without a storage (MKL-DNN), before anything is sent."""
     if t.requires_grad and not t.is_leaf:
         raise _serialization.Unsendable(  # (a TypeError whose message says it all)
             "a tensor that requires grad and is not a leaf (it is part of an autograd "
@@ -187,6 +187,13 @@ def check_sendable(t: torch.Tensor) -> None:
             "raw memory: it has no scale or zero point) cannot be sent, as torch cannot "
             "rebuild it: send its raw memory (e.g. t.view(torch.int32)), or a quantized "
             "tensor (torch.quantize_per_tensor)")
+    if t.layout == MKLDNN:
+        raise _serialization.Unsendable(
+            "an MKL-DNN tensor (t.to_mkldnn()) has no storage to send or share, and torch "
+            "cannot pickle it: send `t.to_dense()`")
+
+
+MKLDNN = getattr(torch, "_mkldnn", None)  # (the layout of t.to_mkldnn())
 
 
 def view_bits(t: torch.Tensor) -> int:

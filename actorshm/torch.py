@@ -238,6 +238,9 @@ def _check_shareable(tensor, what: str) -> None:
             f"quantized (a .view({tensor.dtype}) of raw memory: it has no scale or zero "
             "point) cannot be shared, as torch cannot rebuild it: share its raw memory "
             "(e.g. t.view(torch.int32)), or a quantized tensor's dequantize()")
+    if tensor.layout == _torch.MKLDNN:
+        raise TypeError(f"actorshm.torch.{what}: an MKL-DNN tensor (t.to_mkldnn()) has no "
+                        "storage to share; share `t.to_dense()`")
     if tensor.is_nested or tensor.is_quantized:
         kind = "nested" if tensor.is_nested else "quantized"
         raise TypeError(

@@ -516,6 +516,20 @@ async def test_a_quantized_dtype_view_of_raw_memory_is_refused_before_sending(rt
     assert (await w.info(torch.ones(2)))["shape"] == (2,)  # the actor lives on
 
 
+async def test_an_mkldnn_tensor_is_refused_and_a_meta_tensor_travels(rt):
+    # An MKL-DNN tensor has no storage: the error was torch's "Cannot access storage of
+    # OpaqueTensorImpl", with advice about open files and locks
+    w = await TorchWorker.spawn()
+    if getattr(torch, "_mkldnn", None) is not None and torch.backends.mkldnn.is_available():
+        with pytest.raises(TypeError, match=r"MKL-DNN tensor.*t\.to_dense\(\)"):
+            w.info([torch.ones(3).to_mkldnn()])
+        with pytest.raises(TypeError, match=r"share: an MKL-DNN tensor.*t\.to_dense\(\)"):
+            at.share(torch.ones(3).to_mkldnn())  # (was torch's "copy_mkldnn_: ...")
+    meta = torch.nn.Parameter(torch.empty(2, 3, device="meta"))
+    info = await w.info(meta)
+    assert info["shape"] == (2, 3) and info["parameter"] and info["requires_grad"]
+
+
 async def test_parameter_and_requires_grad_travel_and_non_leaf_is_refused(rt):
     w = await TorchWorker.spawn()
     p = torch.nn.Parameter(at.zeros(4))
