@@ -341,13 +341,14 @@ class ActorMethod:
     for the garbage collector, its runtime's record of a dead actor with it."""
 
     __slots__ = ("_client", "_actor_id", "_cls_name", "_methods", "_max_pending",
-                 "_actor_name", "_pid", "_name", "_what", "_run_ahead", "_plain")
+                 "_actor_name", "_pid", "_name", "_what", "_run_ahead", "_plain", "_family")
 
     def __init__(self, handle: "ActorHandle | ActorMethod", name: str,
                  run_ahead: int = 16) -> None:
         self._client = handle._client
         self._actor_id = handle._actor_id
         self._cls_name = handle._cls_name
+        self._family = handle._family
         self._methods = handle._methods
         self._max_pending = handle._max_pending
         self._actor_name = handle._actor_name
@@ -429,6 +430,7 @@ class ActorHandle:
         self._actor_name = name
         self._pid = pid
         self._bound: dict[str, ActorMethod] = {}
+        self._family: str | None = None  # its id's token, if not its client's (``family``)
 
     def __getattr__(self, name: str) -> ActorMethod:
         if name.startswith("_"):
@@ -572,8 +574,8 @@ def _seen(fut: asyncio.Future) -> None:
         fut.exception()
 
 
-def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1):
-    from ._client import Foreign, client_for_decode
+def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1, family=None):
+    from ._client import Foreign, client_for_decode, known_family
     own = getattr(actor_id, "actorshm_client", None)  # an id that names its client (Ray)
     if own is not None:
         client = own()
@@ -583,7 +585,12 @@ def _rebuild_handle(actor_id, cls_name, methods, name, pid, max_pending=-1):
             # (its client would take the local actor's id for a Ray actor's, and fail
             # each call with an AttributeError about the id)
             client = Foreign(f"{cls_name} (id {actor_id})")
-    return ActorHandle(client, actor_id, cls_name, methods, name, pid, max_pending)
+        elif family is not None and not known_family(family):
+            # (another driver's id: here it would name whichever actor has that number)
+            client = Foreign(f"{cls_name} (id {actor_id})", family)
+    h = ActorHandle(client, actor_id, cls_name, methods, name, pid, max_pending)
+    h._family = family
+    return h
 
 
 def _handle_args(h: "ActorHandle | ActorMethod") -> tuple:
@@ -591,7 +598,8 @@ def _handle_args(h: "ActorHandle | ActorMethod") -> tuple:
     with the actor's current pid, not the one the handle was made with (the process
     that unpickles it cannot follow restarts that happened before)."""
     return (h._actor_id, h._cls_name, h._methods, h._actor_name,
-            h._client.actor_pid(h._actor_id, h._pid), h._max_pending)
+            h._client.actor_pid(h._actor_id, h._pid), h._max_pending,
+            h._family or getattr(h._client, "family", None))
 
 
 def _rebuild_method(handle: tuple, name: str, run_ahead: int) -> ActorMethod:

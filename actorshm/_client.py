@@ -34,6 +34,7 @@ def _after_fork_in_child() -> None:
     it may open a runtime of its own."""
     global runtimes_lock, _forked_from
     runtimes_lock = threading.Lock()
+    _family[0] = None  # (the ids its runtimes would hand out are its own)
     w = _worker[0]
     if w is None and not _runtimes:
         return
@@ -75,6 +76,25 @@ def forked_error(loop) -> RuntimeError | None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 _worker: list = [None]  # the worker, inside an actor process
+_family: list = [None]  # (see ``family``)
+
+
+def family() -> str:
+    """The token of the actor ids the runtimes of this process hand out (they count from
+    1 in every process): its pid and a random part, made once. A handle carries its
+    id's, so that one unpickled in another driver's process (read from a file, sent over
+    a queue) is refused rather than call whatever actor has its id there."""
+    f = _family[0]
+    if f is None:
+        import secrets
+        f = _family[0] = f"{os.getpid()}-{secrets.token_hex(8)}"
+    return f
+
+
+def known_family(f: str) -> bool:
+    """Whether a handle of id token ``f`` addresses an actor this process can call: one
+    of its own runtimes' or, in an actor, one of its driver's."""
+    return f == family() or f == getattr(_worker[0], "family", None)
 
 
 def set_worker(worker: Any) -> None:
@@ -212,17 +232,27 @@ def refuse_runtime(rt) -> None:
 
 
 class Foreign:
-    """The client of a local-backend actor's handle unpickled in a process of a Ray
-    runtime (its driver or one of its actors): only the runtime that spawned the actor
-    can reach it, so every use says so."""
+    """The client of a local-backend actor's handle unpickled where its runtime cannot
+    be reached: in a process of a Ray runtime (its driver or one of its actors), or of
+    another driver's runtime (``family``). Only the runtime that spawned the actor can
+    reach it, so every use says so."""
 
     shares_memory = False  # (a Ray runtime's process: group calls share nothing first)
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, owner: str | None = None) -> None:
         self.what = what
+        self.owner = owner  # the token of the driver whose runtime spawned it, if not Ray
 
     def _error(self):
         from ._errors import ActorDiedError
+        if self.owner is not None:
+            return ActorDiedError(
+                f"actor {self.what} belongs to a runtime of another process (pid "
+                f"{self.owner.split('-')[0]}): its handle was pickled there and unpickled "
+                "here, and a handle works only within the runtime that spawned its actor "
+                "and that runtime's actors (pass handles to actors as arguments; in "
+                "another program, spawn the actor there, or look it up by name with "
+                "actorshm.get_actor inside the runtime that owns it)")
         return ActorDiedError(
             f"actor {self.what} belongs to a runtime of the local backend, and this "
             "process is a Ray runtime's: a handle works only within the runtime that "

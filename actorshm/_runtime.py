@@ -253,6 +253,11 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 _shm.release_budget(id(self), trim=not still_open)  # idle memory too
             self._finalizer.detach()  # (set by start(), which close() needs)
 
+    @property
+    def family(self) -> str:
+        """The token of this process's actor ids, which handles carry (``_client.family``)."""
+        return _client.family()
+
     # -- spawning ----------------------------------------------------------------
     async def spawn(self, cls: type, options: ActorOptions, args: tuple,
                     kwargs: dict) -> ActorHandle:
@@ -327,8 +332,9 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             _raise_out_of_fds(exc)
         deadline = self.loop.time() + self.start_timeout  # (the fork's wait counts too)
         try:
-            await start_process(self.loop, rec, child, actor_env(rec), self._forkserver,
-                                self._on_exit)
+            env = actor_env(rec)
+            env["ACTORSHM_FAMILY"] = self.family  # (whose ids its handles carry)
+            await start_process(self.loop, rec, child, env, self._forkserver, self._on_exit)
         except OSError as exc:
             parent.close()
             _raise_out_of_fds(exc)

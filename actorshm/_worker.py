@@ -83,6 +83,9 @@ class Worker(StreamingClient):
     def __init__(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
         self.loop = loop
         self.loop_thread = threading.get_ident()
+        # The token of its driver's actor ids, which the handles it makes carry
+        # (``_client.family``; not for the programs it starts).
+        self.family = os.environ.pop("ACTORSHM_FAMILY", None)
         self.stopped = loop.create_future()
         self._closing = False
         self.exit_code = 0

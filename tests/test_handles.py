@@ -75,3 +75,47 @@ async def test_a_method_pickles_as_its_handle_does(rt):
     assert gen._run_ahead == 2 and [x async for x in gen(3)] == [0, 1, 2]
     assert await copy.deepcopy(c.incr)(5) == 5
     assert await caller.call_method(c.incr, 2) == 7  # (called inside the other actor)
+
+
+_OTHER_DRIVER = """
+import itertools, pickle, sys
+import actorshm
+from actorshm import _runtime
+from actors import Counter
+
+async def main():
+    _runtime._actor_ids = itertools.count(int(sys.argv[1]))  # (its next id: ours)
+    c = await Counter.spawn(100)
+    h = pickle.dumps((c, c.incr))
+    assert await pickle.loads(h)[1](1) == 101  # (in its own process the handle works)
+    sys.stdout.buffer.write(h)
+
+actorshm.run(main())
+"""
+
+
+async def test_a_handle_from_another_drivers_process_is_refused_not_misrouted(rt):
+    # Actor ids count from 1 in every process: a handle pickled in one program and
+    # unpickled in another (a file, a queue) called whatever actor had its id there
+    import os
+    import pickle
+    import subprocess
+    import sys
+    mine = await Counter.spawn(0)
+    here = os.path.dirname(__file__)
+    out = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-c", _OTHER_DRIVER, str(mine._actor_id)],
+        capture_output=True, cwd=here, timeout=60,
+        env=dict(os.environ, PYTHONPATH=here))
+    assert out.returncode == 0, out.stderr.decode()
+    theirs, incr = pickle.loads(out.stdout)
+    assert theirs._actor_id == mine._actor_id
+    for call in (lambda: theirs.incr(5), lambda: incr(5)):
+        with pytest.raises(actorshm.ActorDiedError, match=r"Counter \(id \d+\) belongs to "
+                                                          r"a runtime of another process"):
+            await call()
+    assert await mine.incr(1) == 1  # ours was never called
+    # within this program handles travel as before: through pickle, and to an actor
+    caller = await Caller.spawn()
+    assert await pickle.loads(pickle.dumps(mine)).incr(1) == 2
+    assert await caller.call_method(mine.incr, 1) == 3
