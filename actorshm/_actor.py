@@ -94,9 +94,10 @@ class ActorOptions:
                                 f"not {type(new.env).__name__}")
             for k, v in new.env.items():
                 if not (isinstance(k, str) and isinstance(v, str)):
+                    fix = ".decode() them (os.fsdecode)" if isinstance(k, bytes) or \
+                        isinstance(v, bytes) else f"write it as {str(k)!r}: {str(v)!r}"
                     raise TypeError(f"env must be a dict of str to str (environment "
-                                    f"variables): {k!r}: {v!r} is not; write it as "
-                                    f"{str(k)!r}: {str(v)!r}")
+                                    f"variables): {k!r}: {v!r} is not; {fix}")
         for k, v in (new.env or {}).items():
             if not k or "=" in k or "\0" in k or "\0" in v:
                 raise ValueError(f"env: {k!r} -> {v!r} is not an environment variable (a "
@@ -205,6 +206,11 @@ class _Spawner:
 
     def options(self, **kw: Any) -> "_Spawner":
         return _Spawner(self._cls, self._options.merged(**kw))
+
+    def __await__(self):
+        name = self._cls.__qualname__
+        raise TypeError(f"{name}.options(...) is not awaitable: start the actor with "
+                        f"`await {name}.options(...).spawn(*args)`")
 
     def __call__(self, *args: Any, **kwargs: Any):
         # ``Cls.options(...)(...)`` reads as Ray's ``Cls.options(...).remote(...)``; say
@@ -399,6 +405,10 @@ class ActorMethod:
         if self._max_pending > 0:
             return _limited_call(self, self._name, args, kwargs, self._what)
         return self._client.call(self._actor_id, self._name, args, kwargs, self._what)
+
+    def __await__(self):
+        raise TypeError(f"{self._what} is a method, not a call: call it, "
+                        f"`await handle.{self._name}(...)`")
 
     def __getattr__(self, name: str):
         no_attribute(self, name, RAY_CALLS, lambda: (

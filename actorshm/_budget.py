@@ -357,7 +357,8 @@ class SharedBudget:
                                 self._q[base], self._q[base + 1]))
         return sorted(out, key=lambda u: -u[2])
 
-    def over_budget_message(self, size: int, want: int | None = None) -> str:
+    def over_budget_message(self, size: int, want: int | None = None,
+                            dedicated: bool = False) -> str:
         """The error text when ``size`` more bytes (an arena, for an array of ``want``)
         do not fit: the budget, who uses how much, and the fix."""
         users = self.users()
@@ -366,7 +367,8 @@ class SharedBudget:
                         for label, pid, n in users[:8])
         if len(users) > 8:
             who += f", and {len(users) - 8} more"
-        return (f"actorshm: cannot allocate {what_for(size, want)} of shared memory: the "
+        return (f"actorshm: cannot allocate {what_for(size, want, dedicated)} of shared "
+                "memory: the "
                 f"runtime's budget is {fmt_bytes(self.budget)} for the driver and its actors "
                 f"together, and {fmt_bytes(used)} is in use ({who or 'none'}). Drop arrays "
                 "you no longer need (a stream's items made ahead of its consumer count too: "
@@ -375,11 +377,15 @@ class SharedBudget:
                 "(or ACTORSHM_SHM_BUDGET=bytes).")
 
 
-def what_for(size: int, want: int | None) -> str:
+def what_for(size: int, want: int | None, dedicated: bool = False) -> str:
     """``size`` bytes, or, for an array of ``want`` bytes carved from a new arena of
-    ``size``, both (so that the error names the array's own size too)."""
+    ``size`` (or given a region of ``size``, ``dedicated``), both (so that the error
+    names the array's own size too)."""
     if want is None or want >= size:
         return fmt_bytes(size)
+    if dedicated:
+        return f"{fmt_bytes(want)} ({fmt_bytes(size)} as the pool rounds it, so that it " \
+               "can be recycled for arrays of other sizes)"
     return f"{fmt_bytes(want)} (a new {fmt_bytes(size)} arena, which small arrays share)"
 
 

@@ -150,9 +150,18 @@ async def close_under_way(runtime: Any, limit: float) -> bool:
     return True
 
 
+# A runtime left open when its event loop shut down closes then (``Runtime.start``);
+# what errors about it say, and whether the last one closed so.
+WITH_LOOP = ("as the event loop it was opened on shut down (an asyncio.run() returned "
+             "with it open): a runtime lives within one event loop; open it inside the "
+             "asyncio.run() that uses it (`async with actorshm.Runtime():`)")
+closed_with_loop = [False]
+
+
 def runtime_opened(runtime: Any) -> None:
     """``runtime`` opened in this (driver) process: the innermost from now on."""
     _runtimes.append(runtime)
+    closed_with_loop[0] = False
 
 
 def runtime_closed(runtime: Any) -> bool:
@@ -187,7 +196,8 @@ def client() -> Any:
         return innermost_runtime()
     raise RuntimeError(
         "no actorshm runtime is open. Open one with `async with actorshm.Runtime():` "
-        "around your code, or run it with `actorshm.run(main())`.")
+        "around your code, or run it with `actorshm.run(main())`." + (
+            f" (The last one closed {WITH_LOOP}.)" if closed_with_loop[0] else ""))
 
 
 def client_for_decode(actor_id: Any = None) -> Any:
@@ -229,6 +239,16 @@ def refuse_runtime(rt) -> None:
     raise Unsendable(
         f"{type(rt).__name__} cannot be sent to another process (it owns this process's "
         "actors and memory): pass actor handles instead, which pickle")
+
+
+def refuse_sync_with(rt, *exc_info) -> None:
+    """A runtime's ``__enter__`` (and ``__exit__``): it opens and closes on an event
+    loop, with ``async with``; say so rather than "does not support the context manager
+    protocol"."""
+    raise TypeError(
+        f"{type(rt).__name__} is an async context manager: write `async with "
+        "actorshm.Runtime(...) as rt:` inside an async function, and run that with "
+        "actorshm.run(main()) (or asyncio.run)")
 
 
 class Foreign:

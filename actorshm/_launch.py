@@ -83,7 +83,10 @@ def check_number(name: str, value: Any, least: float, kind: type, unit: str, *,
     ``above``), as ``kind``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"Runtime({name}=...) must be a number ({unit}), not {value!r}")
-    if not (least < value if above else least <= value) or not value < float("inf"):
+    if value != value or value == float("inf"):  # (nan, inf)
+        raise ValueError(f"Runtime({name}=...) must be a finite number ({unit}), not "
+                         f"{value!r}")
+    if not (least < value if above else least <= value):
         raise ValueError(f"Runtime({name}=...) must be {'more than' if above else 'at least'} "
                          f"{least} ({unit}), not {value!r}")
     return kind(value)

@@ -38,7 +38,12 @@ def check_handles(handles: Iterable[Any], what: str) -> list[ActorHandle]:
         raise ValueError(f"{what} needs at least one actor handle; spawn some first, "
                          f"e.g. `await actorshm.ActorGroup.spawn(Cls, 4)`")
     if len(set(out)) != len(out):
-        raise ValueError(f"{what}: the same actor is listed twice")
+        first: dict = {}
+        for i, h in enumerate(out):
+            if h in first:
+                raise ValueError(f"{what}: the same actor is listed twice (items "
+                                 f"{first[h]} and {i}: {h!r}); list each actor once")
+            first[h] = i
     return out
 
 

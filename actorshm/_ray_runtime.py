@@ -195,6 +195,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
         CLIENT.fixed_cluster = address is None  # a local Ray: no autoscaler
 
     __reduce__ = _client.refuse_runtime
+    __enter__ = __exit__ = _client.refuse_sync_with
 
     async def __aenter__(self) -> "RayRuntime":
         return await self.start()

@@ -116,9 +116,11 @@ class Pool:
     def _make_region(self, key: tuple, size: int, dedicated: bool) -> Region:
         raise NotImplementedError
 
-    def _over_budget(self, size: int, want: int | None = None) -> SharedMemoryError:
+    def _over_budget(self, size: int, want: int | None = None,
+                     dedicated: bool = False) -> SharedMemoryError:
         return SharedMemoryError(
-            f"actorshm: cannot allocate {what_for(size, want)} of shared memory: this process's "
+            f"actorshm: cannot allocate {what_for(size, want, dedicated)} of shared memory: "
+            "this process's "
             f"budget is {fmt_bytes(self.budget)} and {fmt_bytes(self.reserved)} is already in "
             "use. Drop arrays you no longer need (a stream's items made ahead of its "
             "consumer count too: lower its run_ahead, h.method.options(run_ahead=2)(...)), "
@@ -160,10 +162,10 @@ class Pool:
         short = self._charge(size)
         if short:
             if spare:  # (nothing idle given back, no wait: the caller has another way)
-                raise self._over_budget(size, want)
+                raise self._over_budget(size, want, dedicated)
             self._retire_free(short)
             if self._charge(size) and not self._wait_for_room(size):
-                raise self._over_budget(size, want)
+                raise self._over_budget(size, want, dedicated)
         index = self._next_index
         try:
             region = self._make_region((self.token, index), size, dedicated)
@@ -324,7 +326,7 @@ class Pool:
                     return None
                 counters[self._k_allocs] += 1
             elif size >= self.large:
-                region, offset = self._new_region(size, dedicated=True), 0
+                region, offset = self._new_region(size, dedicated=True, want=int(nbytes)), 0
                 counters[self._k_allocs] += 1
             else:
                 chunk = self._chunk
@@ -422,10 +424,11 @@ class HostPool(Pool):
                 return False
         return False
 
-    def _over_budget(self, size: int, want: int | None = None) -> SharedMemoryError:
+    def _over_budget(self, size: int, want: int | None = None,
+                     dedicated: bool = False) -> SharedMemoryError:
         if self._short_shared:
-            return SharedMemoryError(self.shared.over_budget_message(size, want))
-        return super()._over_budget(size, want)
+            return SharedMemoryError(self.shared.over_budget_message(size, want, dedicated))
+        return super()._over_budget(size, want, dedicated)
 
     def report(self, out: dict) -> None:
         super().report(out)
@@ -626,7 +629,12 @@ def share(arr) -> np.ndarray:
     """
     if type(arr) is not np.ndarray:
         _refuse_other_library(arr)
+    given = arr
     arr = np.asanyarray(arr)
+    if arr.dtype.hasobject and not isinstance(given, np.ndarray):
+        raise TypeError(f"actorshm.share takes an array (or numbers numpy makes one of), "
+                        f"not {type(given).__name__}: numpy would make an object array of "
+                        "it, which cannot live in shared memory")
     t = type(arr)
     if t is not np.ndarray:
         ma = sys.modules.get("numpy.ma")  # loaded wherever a masked array exists

@@ -1590,9 +1590,11 @@ def test_a_ctrl_c_while_actors_start_is_the_drivers_alone(start_method):
 
 
 def test_a_runtime_whose_event_loop_ended_says_so_and_closes_at_once():
-    # A runtime opened in one asyncio.run() and used in the next (a test fixture's loop,
+    # A runtime opened in one event loop and used in the next (a test fixture's loop,
     # a notebook): a spawn waited 6.5 s, then raised asyncio's "Event loop is closed",
-    # calls failed with "attached to a different loop", and close() took 8 s.
+    # calls failed with "attached to a different loop", and close() took 8 s. (A loop
+    # closed without shutting down its async generators, as asyncio.run does, which
+    # closes the runtime: next test.)
     rt = actorshm.Runtime()
 
     async def first():
@@ -1600,7 +1602,9 @@ def test_a_runtime_whose_event_loop_ended_says_so_and_closes_at_once():
         h = await Counter.spawn(1)
         return h, h.pid
 
-    h, pid = asyncio.run(first())
+    loop = asyncio.new_event_loop()
+    h, pid = loop.run_until_complete(first())
+    loop.close()
 
     async def then(fn):
         return await fn()
@@ -1617,6 +1621,45 @@ def test_a_runtime_whose_event_loop_ended_says_so_and_closes_at_once():
     assert not os.path.exists(f"/proc/{pid}")  # (reaped too)
     with pytest.raises(RuntimeError, match="no actorshm runtime is open"):
         actorshm.current_runtime()
+
+
+@pytest.mark.parametrize("run", ["asyncio", "uvloop"])
+def test_a_runtime_left_open_closes_as_its_event_loop_shuts_down(run):
+    # asyncio.run() returning with a runtime open (started, never closed) left its
+    # actors running until the process exited, out of reach: their calls failed, and
+    # kill() said the runtime had closed while the process lived on
+    import uvloop
+    rt = actorshm.Runtime(shutdown_grace=1.0)
+
+    async def forgetful():
+        await rt.start()
+        return await Counter.spawn(1)
+
+    h = (asyncio.run if run == "asyncio" else uvloop.run)(forgetful())
+    assert rt.closing and not os.path.exists(f"/proc/{h.pid}")  # (stopped and reaped)
+
+    async def then(fn):
+        return await fn()
+
+    where = r"closed as the event loop it was opened on shut down .*asyncio.run\(\) that"
+    with pytest.raises(ActorDiedError, match=f"was stopped because its runtime {where}"):
+        asyncio.run(then(h.incr))
+    with pytest.raises(RuntimeError, match=f"this actorshm Runtime {where}"):
+        asyncio.run(then(rt.stats))
+    with pytest.raises(RuntimeError, match=f"no actorshm runtime is open.*The last one "
+                                           f"{where}"):
+        asyncio.run(then(Counter.spawn))
+
+    async def proper():  # (the same within one loop, closed by hand: nothing is said)
+        r = await actorshm.Runtime(shutdown_grace=1.0).start()
+        c = await Counter.spawn(1)
+        assert await c.incr(1) == 2
+        await r.close()
+        return c
+
+    h = asyncio.run(proper())
+    with pytest.raises(ActorDiedError, match=r"its runtime closed$"):
+        asyncio.run(then(h.incr))
 
 
 async def test_a_name_in_an_outer_runtime_is_not_found_from_an_inner_one_and_says_so():

@@ -274,10 +274,54 @@ def test_calling_options_instead_of_spawn_says_to_spawn():
         Counter.options(name="x")()
 
 
+async def test_a_forgotten_call_spawn_or_async_says_what_to_write(rt):
+    # asyncio's words were "object ActorMethod can't be used in 'await' expression",
+    # the same for a spawner, and "'Runtime' object does not support the context
+    # manager protocol"
+    c = await Counter.spawn()
+    with pytest.raises(TypeError, match=r"Counter\.incr is a method, not a call: call it, "
+                                        r"`await handle\.incr\(\.\.\.\)`"):
+        await c.incr
+    with pytest.raises(TypeError, match=r"Counter\.options\(\.\.\.\) is not awaitable: "
+                                        r"start the actor with `await Counter\.options"):
+        await Counter.options(name="x")
+    with pytest.raises(TypeError, match=r"Runtime is an async context manager: write "
+                                        r"`async with actorshm\.Runtime\(\.\.\.\) as rt:`"):
+        with actorshm.Runtime():
+            pass
+    assert await c.incr() == 1
+    assert actorshm.current_runtime() is rt
+
+
+@pytest.mark.parametrize("option", ["start_timeout", "shutdown_grace"])
+def test_an_infinite_time_is_refused_as_not_finite(option):
+    # "must be more than 0 ..., not inf": inf is more than 0
+    with pytest.raises(ValueError, match=rf"Runtime\({option}=\.\.\.\) must be a finite "
+                                         r"number .*, not inf"):
+        actorshm.Runtime(**{option: float("inf")})
+
+
+def test_share_of_something_not_an_array_names_it():
+    # "object arrays cannot live in shared memory", of None
+    for bad, name in ((None, "NoneType"), ([1, None], "list")):
+        with pytest.raises(TypeError, match=rf"actorshm\.share takes an array .*, not {name}"):
+            actorshm.share(bad)
+
+
+async def test_a_handle_listed_twice_names_both_items(rt):
+    c, d = await Counter.spawn(), await Counter.spawn()
+    for make in (actorshm.ActorPool, actorshm.ActorGroup):
+        with pytest.raises(ValueError, match=r"the same actor is listed twice \(items 0 and "
+                                             r"2: <ActorHandle Counter"):
+            make([c, d, c])
+
+
 def test_bad_env_names_the_entry_and_a_bad_target_names_what_it_got():
     with pytest.raises(TypeError, match=r"env must be .*: 'OMP_NUM_THREADS': 4 is not; write "
                                         r"it as 'OMP_NUM_THREADS': '4'"):
         Counter.options(env={"OMP_NUM_THREADS": 4})
+    with pytest.raises(TypeError, match=r"env must be .*: b'A': b'1' is not; \.decode\(\)"):
+        Counter.options(env={b"A": b"1"})  # (it said "write it as "b'A'": "b'1'"")
     with pytest.raises(TypeError, match=r"env must be a dict .*, not list"):
         Counter.options(env=["A=1"])
     with pytest.raises(TypeError, match=r"@actor decorates classes, not function "

@@ -152,6 +152,12 @@ def test_over_budget_names_the_array_and_the_arena_it_needs(pool):
         pool.alloc(1 << 20)
     with pytest.raises(SharedMemoryError, match=r"cannot allocate 8\.0 MiB of shared"):
         pool.alloc(2 * _shm.LARGE)  # (an arena of its own: one size to name)
+    # one rounded up to its size class said the rounded size ("112.0 MiB" for 100)
+    want = 2 * _shm.LARGE + 1000
+    with pytest.raises(SharedMemoryError, match=rf"cannot allocate {want / 2**20:.1f} MiB "
+                                                rf"\({pool.size_class(want) / 2**20:.1f} MiB "
+                                                r"as the pool rounds it"):
+        pool.alloc(want)
     del held
 
 
