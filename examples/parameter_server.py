@@ -296,7 +296,7 @@ def parse(argv=None):
         try:
             import torch
         except ImportError:
-            raise SystemExit("--torch needs PyTorch: pip install 'actorshm[torch]'") from None
+            raise SystemExit("--torch needs PyTorch: pip install -e '.[torch]'") from None
         if args.device == "cuda" and not torch.cuda.is_available():
             raise SystemExit("cuda path not available: torch sees no GPU")
     elif args.device == "cuda":
