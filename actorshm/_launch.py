@@ -137,6 +137,7 @@ class ActorRecord:
         self.death: str | None = None
         self.exited = asyncio.Event()
         self.stderr_tail: collections.deque = collections.deque(maxlen=20)
+        self.stderr_capture: list | None = None  # its stderr lines gathered meanwhile
         self.pipes: list = []
         self.gpus: list[str] = []
         self.spawn_args: tuple = ()

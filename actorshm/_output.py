@@ -68,6 +68,9 @@ class OutputForwarder:
         text = "".join(prefix + ln.decode(errors="replace") + "\n" for ln in lines)
         if self.which == "stderr":
             self.rec.stderr_tail.extend(ln.decode(errors="replace") + "\n" for ln in lines)
+            if self.rec.stderr_capture is not None:
+                self.rec.stderr_capture.extend(ln.decode(errors="replace") + "\n"
+                                               for ln in lines)
         out = sys.stderr if self.which == "stderr" else sys.stdout
         try:
             try:

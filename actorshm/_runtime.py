@@ -401,9 +401,10 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         try:
             pid = await asyncio.wait_for(fut, max(deadline - self.loop.time(), 0.001))
         except asyncio.TimeoutError:
+            where = await _where_it_waits(rec)
             raise ActorDiedError(f"{rec.label} did not start within {self.start_timeout} s "
                                  f"{_crowd(self._starting - 1)}(Runtime(start_timeout=...) "
-                                 "sets the limit)") from None
+                                 f"sets the limit){where}") from None
         except ActorDiedError as exc:
             await asyncio.sleep(0.05)  # let stderr drain into the tail
             tail = "".join(rec.stderr_tail)
@@ -620,6 +621,38 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 "live on that loop. Open the runtime inside the asyncio.run() that uses "
                 "it (`async with actorshm.Runtime():` in main, or actorshm.run(main())), "
                 "or close it before its loop ends (`await rt.close()`)")
+
+
+async def _where_it_waits(rec: ActorRecord, limit: float = 1.0) -> str:
+    """The stacks of the threads of ``rec``'s process, which is late to start (its
+    import of the actor's module, or ``__init__``, hangs), as its faulthandler prints
+    them to its stderr on ``STACK_SIGNAL``: gathered for up to ``limit`` seconds, for
+    the error to quote; "" if none came (not started far enough to have the handler)."""
+    got = rec.stderr_capture = []
+    try:
+        if not rec.send_signal(_introspect.STACK_SIGNAL):
+            return ""
+        loop = asyncio.get_running_loop()
+        deadline, seen = loop.time() + limit, -1
+        while loop.time() < deadline and (not got or len(got) != seen):
+            seen = len(got)
+            await asyncio.sleep(0.1)
+    finally:
+        rec.stderr_capture = None
+    # Its main thread first (faulthandler prints it last, as the current one), and not
+    # the thread of actorshm's own that answers the driver's probes.
+    blocks: list = []
+    for ln in got:
+        if ln.startswith(("Thread ", "Current thread ")) or not blocks:
+            blocks.append([])
+        if ln.strip():
+            blocks[-1].append(ln)
+    blocks.sort(key=lambda b: not b[0].startswith("Current thread "))
+    lines = [ln for b in blocks if not any("in _probe_loop" in ln for ln in b) for ln in b]
+    if not lines:
+        return ""
+    return ". Where it was as the time ran out (innermost call first):\n" + \
+        "".join(lines[:40])
 
 
 def _crowd(others: int) -> str:

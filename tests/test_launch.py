@@ -453,6 +453,20 @@ def test_actor_output_comes_a_line_at_a_time_under_isolated_mode(tmp_path):
     assert lines == ["from the actor", "then the driver"] * 2, p.stdout
 
 
+async def test_a_start_that_times_out_says_where_the_actor_was(tmp_path, start_method):
+    # "did not start within 1.0 s" alone: nothing said whether its module's import or
+    # its __init__ hung, nor where
+    from actors import SlowStart
+    marker = tmp_path / "slow"
+    marker.write_text("x")
+    async with actorshm.Runtime(start_method=start_method, start_timeout=1.0,
+                                shutdown_grace=1.0):
+        with pytest.raises(ActorDiedError, match=r"(?s)did not start within 1\.0 s .*sets "
+                                                 r"the limit\)\. Where it was .*"
+                                                 r"actors\.py\", line \d+ in __init__"):
+            await asyncio.wait_for(SlowStart.spawn(str(marker), 30.0), 30)
+
+
 async def test_start_timeout_counts_the_fork_and_init_together(tmp_path):
     # With the fork server, the fork's wait and __init__'s each had the whole
     # start_timeout: a spawn could take nearly twice the limit and succeed.
