@@ -158,6 +158,41 @@ WITH_LOOP = ("as the event loop it was opened on shut down (an asyncio.run() ret
 closed_with_loop = [False]
 
 
+async def close_with_loop(runtime: Any) -> None:
+    """Have ``runtime`` (just opened on the running loop) closed as that loop shuts
+    down, if it is still open then: otherwise its actors lived on, out of reach (their
+    calls fail once the loop is gone), until this process exited. An async generator
+    that the loop finalizes on shutdown (``asyncio.run`` returning,
+    ``loop.shutdown_asyncgens()``) closes it; ``end_loop_guard`` ends the generator when
+    the runtime closes otherwise."""
+    guard = _loop_guard(runtime)
+    await guard.__anext__()  # (its first step is what registers it with the loop)
+    runtime.loop_guard = guard
+
+
+async def _loop_guard(runtime: Any):
+    try:
+        yield
+    finally:
+        runtime.loop_guard = None
+        if runtime._open and not runtime._closing:
+            runtime.closed_with_loop = closed_with_loop[0] = True  # (its errors say so)
+            await runtime.close()
+
+
+def end_loop_guard(runtime: Any) -> None:
+    """End ``runtime``'s ``close_with_loop`` generator, the runtime closed: here, at
+    once, rather than by the loop's hook when it is collected (the loop may be closed
+    by then)."""
+    guard, runtime.loop_guard = runtime.loop_guard, None
+    if guard is not None:
+        step = guard.aclose()
+        try:
+            step.send(None)  # (its ``finally`` has nothing to wait for: it ends)
+        except StopIteration:
+            pass
+
+
 def runtime_opened(runtime: Any) -> None:
     """``runtime`` opened in this (driver) process: the innermost from now on."""
     _runtimes.append(runtime)

@@ -96,6 +96,8 @@ class RayRuntime(_events.EventSource, RayInspectable):
         self.connect_on_first_use = False
         self._open = False
         self._closing = False
+        self.loop_guard = None  # (made by start(): ``_client.close_with_loop``)
+        self.closed_with_loop = False  # (closed by it)
         self._spawned: list[ActorHandle] = []
         self._watchers: list[asyncio.Task] = []  # one per spawned actor (events)
         # Spawned actors that died for good, by key: their summary rows for ``actors()``
@@ -103,6 +105,8 @@ class RayRuntime(_events.EventSource, RayInspectable):
         self._gone: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._given_up: dict[str, str] = {}  # key -> why: listed dead, may yet come back
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    closing = property(lambda self: self._closing, doc="Whether it is closing or closed.")
 
     async def start(self) -> "RayRuntime":
         """Connect to (or start) Ray and open the runtime; see ``Runtime.start``.
@@ -125,6 +129,7 @@ class RayRuntime(_events.EventSource, RayInspectable):
         self._open = True
         _shm.set_budget(None, id(self))  # (no budget of its own: idle memory kept for reuse)
         _client.runtime_opened(self)
+        await _client.close_with_loop(self)
         return self
 
     def _given(self) -> list:
@@ -220,8 +225,10 @@ class RayRuntime(_events.EventSource, RayInspectable):
                 t.cancel()
             self._watchers.clear()
             ray = import_ray()
+            why = "was stopped because its runtime closed" + (
+                f" {_client.WITH_LOOP}" if self.closed_with_loop else "")
             for h in self._spawned:
-                CLIENT.killed(h._actor_id.key, "was stopped because its runtime closed")
+                CLIENT.killed(h._actor_id.key, why)
                 try:
                     ray.kill(h._actor_id.handle, no_restart=True)
                 except Exception:
@@ -247,8 +254,11 @@ class RayRuntime(_events.EventSource, RayInspectable):
             self._open = False
             if not _client.runtime_closed(self):
                 _shm.release_budget(id(self), trim=True)  # idle shared memory, as locally
+            _client.end_loop_guard(self)
 
     def _check_open(self) -> None:
+        if self.closed_with_loop:
+            raise RuntimeError(f"this actorshm Runtime closed {_client.WITH_LOOP}")
         if not self._open:
             raise RuntimeError("this Runtime is closed")
 

@@ -106,8 +106,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self._open = False
         self._closing = False
         self._finalizer = None
-        self._guard = None  # (made by start(): ``_close_with_loop``)
-        self._closed_with_loop = False  # (``_close_with_loop`` closed it)
+        self.loop_guard = None  # (made by start(): ``_client.close_with_loop``)
+        self.closed_with_loop = False  # (closed by it)
         self._ending: _descendants.Ending | None = None  # (made by start())
         self._owner = 0  # the driver's pid (set by start())
         self._forkserver: ForkServerClient | None = None
@@ -158,40 +158,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self._owner = os.getpid()
         self._finalizer = weakref.finalize(self, kill_all, self._actors, self._ending,
                                            self._owner)
-        guard = self._close_with_loop()
-        await guard.__anext__()  # (the loop learns of it now: see ``_close_with_loop``)
-        self._guard = guard
+        await _client.close_with_loop(self)
         return self
-
-    async def _close_with_loop(self):
-        """An async generator that the runtime's loop finalizes as it shuts down
-        (``asyncio.run`` returning, ``loop.shutdown_asyncgens()``), which closes the
-        runtime if it is still open then: its actors lived on, out of reach (their
-        calls fail once the loop is gone), until this process exited. ``close()``
-        finishes it (``_end_guard``)."""
-        try:
-            yield
-        finally:
-            self._guard = None
-            if self._open and not self._closing:
-                self._closed_with_loop = True
-                _client.closed_with_loop[0] = True  # (what "no runtime is open" adds)
-                for rec in self._actors.values():
-                    if rec.alive and rec.death is None:
-                        rec.death = f"{rec.label} was stopped because its runtime " \
-                                    f"closed {_client.WITH_LOOP}"
-                await self.close()
-
-    def _end_guard(self) -> None:
-        """Finish ``_close_with_loop``'s generator, the runtime closed: here, at once,
-        rather than by the loop's hook when it is collected (the loop may be closed)."""
-        guard, self._guard = self._guard, None
-        if guard is not None:
-            step = guard.aclose()
-            try:
-                step.send(None)  # (its ``finally`` has nothing to wait for: it ends)
-            except StopIteration:
-                pass
 
     __reduce__ = _client.refuse_runtime
     __enter__ = __exit__ = _client.refuse_sync_with
@@ -240,6 +208,11 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 # of it can run there any more, so its actors are killed, not asked.
                 return
             recs = [r for r in self._actors.values() if r.alive or r.popen is not None]
+            if self.closed_with_loop:  # (the message their calls fail with says why)
+                for r in recs:
+                    if r.alive and r.death is None:
+                        r.death = f"{r.label} was stopped because its runtime closed " \
+                                  f"{_client.WITH_LOOP}"
 
             async def stop() -> None:
                 await asyncio.gather(*(r.stop(self.shutdown_grace) for r in recs),
@@ -288,7 +261,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                     _leases.release_quarantine()  # whoever could hold those blocks is gone
                 _shm.release_budget(id(self), trim=not still_open)  # idle memory too
             self._finalizer.detach()  # (set by start(), which close() needs)
-            self._end_guard()
+            _client.end_loop_guard(self)
 
     @property
     def family(self) -> str:
@@ -608,7 +581,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
 
     def _check_open(self) -> None:
         _client.refuse_if_forked(self.loop)
-        if self._closed_with_loop:
+        if self.closed_with_loop:
             raise RuntimeError(f"this actorshm Runtime closed {_client.WITH_LOOP}")
         if not self._open or self._closing:
             raise RuntimeError("this actorshm Runtime is not open (closed, or never "

@@ -1046,6 +1046,27 @@ def test_a_sync_method_starts_once_the_tasks_that_ended_have_handed_over():
         loop.close()
 
 
+async def test_a_runtime_left_open_closes_as_its_event_loop_shuts_down(backend):
+    # asyncio.run() returning with a runtime open left its actors alive and out of
+    # reach until the process exited
+    opts = {"shutdown_grace": 1.0} if backend == "local" else {}
+    rt = actorshm.Runtime(backend=backend, **opts)
+
+    async def forgetful():
+        await rt.start()
+        c = await Counter.spawn()
+        assert await c.incr() == 1
+        return c
+
+    c = await asyncio.to_thread(asyncio.run, forgetful())  # (a loop of its own)
+    assert rt.closing  # (a Ray runtime had no `closing` to ask)
+    where = "closed as the event loop it was opened on shut down"
+    with pytest.raises(actorshm.ActorDiedError, match=f"stopped because its runtime {where}"):
+        await asyncio.wait_for(c.incr(), 30)
+    with pytest.raises(RuntimeError, match=f"this actorshm Runtime {where}"):
+        await rt.get_actor("nobody")
+
+
 async def test_a_local_actors_handle_in_a_ray_runtime_says_it_cannot_be_used(backend):
     """A local-backend actor's handle given to a Ray actor failed each call there with
     an AttributeError about the actor id ('int' object has no attribute 'streams')."""
