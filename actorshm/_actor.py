@@ -94,10 +94,11 @@ class ActorOptions:
                                 f"not {type(new.env).__name__}")
             for k, v in new.env.items():
                 if not (isinstance(k, str) and isinstance(v, str)):
-                    fix = ".decode() them (os.fsdecode)" if isinstance(k, bytes) or \
-                        isinstance(v, bytes) else f"write it as {str(k)!r}: {str(v)!r}"
+                    def text(x):  # (bytes decoded as os.environb's are)
+                        return os.fsdecode(x) if isinstance(x, bytes) else str(x)
                     raise TypeError(f"env must be a dict of str to str (environment "
-                                    f"variables): {k!r}: {v!r} is not; {fix}")
+                                    f"variables): {k!r}: {v!r} is not; write it as "
+                                    f"{text(k)!r}: {text(v)!r}")
         for k, v in (new.env or {}).items():
             if not k or "=" in k or "\0" in k or "\0" in v:
                 raise ValueError(f"env: {k!r} -> {v!r} is not an environment variable (a "

@@ -34,7 +34,9 @@ def _after_fork_in_child() -> None:
     it may open a runtime of its own."""
     global runtimes_lock, _forked_from
     runtimes_lock = threading.Lock()
-    _family[0] = None  # (the ids its runtimes would hand out are its own)
+    if _family[0] is not None:  # the ids its runtimes would hand out are its own; the
+        _forked_from_families.append(_family[0])  # parent's handles still pass here
+    _family[0] = None
     w = _worker[0]
     if w is None and not _runtimes:
         return
@@ -77,6 +79,7 @@ def forked_error(loop) -> RuntimeError | None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 _worker: list = [None]  # the worker, inside an actor process
 _family: list = [None]  # (see ``family``)
+_forked_from_families: list = []  # those of the processes this one is a fork of
 
 
 def family() -> str:
@@ -92,9 +95,11 @@ def family() -> str:
 
 
 def known_family(f: str) -> bool:
-    """Whether a handle of id token ``f`` addresses an actor this process can call: one
-    of its own runtimes' or, in an actor, one of its driver's."""
-    return f == family() or f == getattr(_worker[0], "family", None)
+    """Whether a handle of id token ``f`` addresses an actor of this process's runtimes
+    or, in an actor, of its driver's (or, in a fork of such a process, of that
+    process's: its calls then say that a fork cannot make them)."""
+    return f == family() or f == getattr(_worker[0], "family", None) or \
+        f in _forked_from_families
 
 
 def set_worker(worker: Any) -> None:
@@ -175,7 +180,9 @@ async def _loop_guard(runtime: Any):
         yield
     finally:
         runtime.loop_guard = None
-        if runtime._open and not runtime._closing:
+        # (not in a fork of the driver, whose runtimes are the driver's: ``_runtimes``
+        # is emptied there)
+        if runtime._open and not runtime._closing and runtime in _runtimes:
             runtime.closed_with_loop = closed_with_loop[0] = True  # (its errors say so)
             await runtime.close()
 
@@ -191,6 +198,8 @@ def end_loop_guard(runtime: Any) -> None:
             step.send(None)  # (its ``finally`` has nothing to wait for: it ends)
         except StopIteration:
             pass
+        except RuntimeError:  # (the loop's shutdown closes it at this moment, on its
+            pass  # thread: it finds the runtime closing, and does nothing either)
 
 
 def runtime_opened(runtime: Any) -> None:

@@ -106,6 +106,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self._open = False
         self._closing = False
         self._finalizer = None
+        self.family: str | None = None  # (set by start(): see there)
         self.loop_guard = None  # (made by start(): ``_client.close_with_loop``)
         self.closed_with_loop = False  # (closed by it)
         self._ending: _descendants.Ending | None = None  # (made by start())
@@ -156,6 +157,9 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             _client.runtime_opened(self)
         self._ending = _descendants.Ending()
         self._owner = os.getpid()
+        # The token of this process's actor ids, which its handles carry: kept, so that
+        # one pickled in a fork of the driver (a DataLoader's worker) passes here.
+        self.family = _client.family()
         self._finalizer = weakref.finalize(self, kill_all, self._actors, self._ending,
                                            self._owner)
         await _client.close_with_loop(self)
@@ -209,8 +213,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 return
             recs = [r for r in self._actors.values() if r.alive or r.popen is not None]
             if self.closed_with_loop:  # (the message their calls fail with says why)
-                for r in recs:
-                    if r.alive and r.death is None:
+                for r in recs:  # (one leaving on its own: its exit code says why)
+                    if r.alive and r.death is None and r.leaving is None:
                         r.death = f"{r.label} was stopped because its runtime closed " \
                                   f"{_client.WITH_LOOP}"
 
@@ -262,11 +266,6 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 _shm.release_budget(id(self), trim=not still_open)  # idle memory too
             self._finalizer.detach()  # (set by start(), which close() needs)
             _client.end_loop_guard(self)
-
-    @property
-    def family(self) -> str:
-        """The token of this process's actor ids, which handles carry (``_client.family``)."""
-        return _client.family()
 
     # -- spawning ----------------------------------------------------------------
     async def spawn(self, cls: type, options: ActorOptions, args: tuple,

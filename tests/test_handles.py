@@ -119,3 +119,38 @@ async def test_a_handle_from_another_drivers_process_is_refused_not_misrouted(rt
     caller = await Caller.spawn()
     assert await pickle.loads(pickle.dumps(mine)).incr(1) == 2
     assert await caller.call_method(mine.incr, 1) == 3
+
+
+_FORKED_PICKLER = """
+import os, pickle, sys
+import actorshm
+from actors import Counter
+
+async def main():
+    c = await Counter.spawn(10)
+    r, w = os.pipe()
+    if os.fork() == 0:  # a fork of the driver (a DataLoader's worker) sends it back
+        os.write(w, pickle.dumps([c, c.incr]))
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    h, incr = pickle.loads(data)
+    print(await h.incr(1), await incr(1))
+
+actorshm.run(main())
+"""
+
+
+def test_a_handle_pickled_in_a_fork_of_the_driver_works_back_in_the_driver():
+    # A fork's runtimes hand out ids of their own, so the fork took a token of its own,
+    # and pickled the driver's handles with it: back in the driver they were refused
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(__file__)
+    out = subprocess.run([sys.executable, "-c", _FORKED_PICKLER], capture_output=True,
+                         text=True, cwd=here, timeout=60, env=dict(os.environ, PYTHONPATH=here))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["11", "12"]
