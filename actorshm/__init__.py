@@ -66,7 +66,7 @@ for _name in __all__:
             _obj.__module__ = "actorshm"
         except (AttributeError, TypeError):
             pass
-del _name, _obj
+del _name, _obj, annotations  # (the last: ``from __future__``'s, not an API)
 
 
 def __getattr__(name: str):
@@ -82,4 +82,7 @@ def __getattr__(name: str):
             raise AttributeError(str(exc)) from exc
         globals()[name] = mod
         return mod
-    raise AttributeError(f"module 'actorshm' has no attribute {name!r}")
+    from ._habits import MODULE  # (Ray's ``ray.get`` and kin: say how it is spelled)
+    hint = MODULE.get(name)
+    raise AttributeError(f"module 'actorshm' has no attribute {name!r}" +
+                         (f": {hint}" if hint else ""))

@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable
 
+from . import _habits
 from ._errors import PendingCallsLimitError
 from ._util import THREAD_VARS
 
@@ -72,7 +73,8 @@ class ActorOptions:
         unknown = set(kw) - set(self.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown actor option(s) {sorted(unknown)}; known options: "
-                            f"{sorted(self.__dataclass_fields__)}")
+                            f"{sorted(self.__dataclass_fields__)}"
+                            f"{_habits.advice(_habits.OPTIONS, unknown)}")
         if "max_pending_calls" in kw and kw["max_pending_calls"] is None:
             kw["max_pending_calls"] = -1  # (no limit, as by default)
         new = replace(self, **kw)
@@ -85,7 +87,10 @@ class ActorOptions:
                             f"{new.num_cpus!r}")
         if not 0 < new.num_cpus < 1 << 16:
             raise ValueError("num_cpus must be a number > 0 and below 65536 (the thread "
-                             f"count), not {new.num_cpus!r}")
+                             f"count), not {new.num_cpus!r}" + (
+                                 ": to reserve no CPU (Ray's num_cpus=0), leave it out; "
+                                 "the default, 1, reserves none on the Ray backend"
+                                 if new.num_cpus == 0 else ""))
         _check_int("max_pending_calls", new.max_pending_calls, -1,
                    "an int >= 1 (or -1 or None for no limit)", not_zero=True)
         if new.env is not None:
@@ -340,6 +345,9 @@ def actor(cls: type | None = None, /, **options: Any):
     return cls
 
 
+_NO_RUN_AHEAD: Any = object()  # (``ActorMethod.options`` called without it)
+
+
 class ActorMethod:
     """One public method of an actor, bound to a handle: calling it sends the call.
 
@@ -366,7 +374,7 @@ class ActorMethod:
         # The common call: not streamed, no pending-calls limit (decided once, here).
         self._plain = handle._methods.get(name) != STREAM and handle._max_pending <= 0
 
-    def options(self, *, run_ahead: int) -> "ActorMethod":
+    def options(self, *, run_ahead: int = _NO_RUN_AHEAD, **ray_options: Any) -> "ActorMethod":
         """This method with call settings: ``handle.batches.options(run_ahead=4)(10)``.
 
         Args:
@@ -378,6 +386,11 @@ class ActorMethod:
             ValueError: ``run_ahead`` is below 1 (TypeError: not an int).
         """
         # (Every backend's handles come through here, Ray's too.)
+        if ray_options or run_ahead is _NO_RUN_AHEAD:
+            raise TypeError(
+                f"{self._what}.options() takes run_ahead=... (for a streaming method), not "
+                f"{sorted(ray_options) or 'nothing'}"
+                f"{_habits.advice(_habits.METHOD_OPTIONS, ray_options)}")
         if self._methods.get(self._name) != STREAM:
             raise TypeError(
                 f"{self._what}.options(run_ahead=...): run_ahead applies to streaming "
@@ -491,7 +504,7 @@ class ActorHandle:
             return self.__getattr__("name")
         return self._actor_name
 
-    def kill(self) -> Awaitable[None]:
+    def kill(self, **ray_options: Any) -> Awaitable[None]:
         """End the actor's process now (SIGKILL); pending calls raise ActorDiedError.
 
         The kill is under way once this returns (it starts at the event loop's next
@@ -502,6 +515,12 @@ class ActorHandle:
         with max_concurrency > 1), a ``concurrent.futures.Future``, as a call made there
         returns: the kill is handed to the runtime's loop, in order with the calls made
         after it (on Ray it runs on a loop of its own)."""
+        if ray_options:
+            raise TypeError(
+                f"kill() takes no options, not {sorted(ray_options)}: it ends the actor for "
+                "good, restarts or not (Ray's no_restart=True); to have an actor with "
+                "max_restarts restart, end its process: os.kill(handle.pid, "
+                "signal.SIGKILL)")
         try:
             asyncio.get_running_loop()
         except RuntimeError:

@@ -483,6 +483,13 @@ class _Results:
                         f"with `async for r in pool.{self._what[10:]}(...)` in an async "
                         "function")
 
+    __next__ = __iter__
+
+    def __await__(self):
+        raise TypeError(f"{self._what}() gives its results one by one: iterate them with "
+                        f"`async for r in pool.{self._what[10:]}(...)`, or collect them "
+                        f"with `[r async for r in pool.{self._what[10:]}(...)]`")
+
     def __anext__(self) -> Awaitable[Any]:
         self._polls += 1
         self._loop = asyncio.get_running_loop()

@@ -666,7 +666,7 @@ def current_runtime() -> Runtime:
     return rt
 
 
-async def get_actor(name: str) -> ActorHandle:
+async def get_actor(name: str, **ray_options: Any) -> ActorHandle:
     """A handle to the live actor spawned with ``options(name=name)``.
 
     Works in the driver and inside actors.
@@ -677,6 +677,10 @@ async def get_actor(name: str) -> ActorHandle:
     Raises:
         ValueError: no live actor has that name (whatever its type: API.md's rule).
     """
+    if ray_options:
+        from ._habits import OPTIONS, advice
+        raise TypeError(f"get_actor() takes the name alone, not {sorted(ray_options)}"
+                        f"{advice(OPTIONS, ray_options)}")
     return await _client.client().get_actor(name)
 
 

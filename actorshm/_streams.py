@@ -163,6 +163,8 @@ class Stream:
         raise TypeError(f"the stream of {self.what}() is asynchronous: iterate it with "
                         "`async for` in an `async def` function")
 
+    __next__ = __iter__  # (``next(stream)``: Ray's generators are iterated so)
+
     def __reduce__(self):
         raise TypeError(f"the stream of {self.what}() cannot be sent to another process: "
                         "iterate it here and send its items, or send the actor's handle "

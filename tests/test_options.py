@@ -328,3 +328,42 @@ def test_bad_env_names_the_entry_and_a_bad_target_names_what_it_got():
     with pytest.raises(TypeError, match=r"@actor decorates classes, not function "
                                         r"<function .*above a `class` statement"):
         actorshm.actor(lambda: 1)
+
+
+async def test_rays_spellings_say_how_actorshm_spells_them(rt):
+    # Each was Python's own error, naming no replacement: "module 'actorshm' has no
+    # attribute 'get'", "unknown actor option(s) ['runtime_env']", "options() got an
+    # unexpected keyword argument 'num_returns'", "'CallStream' object is not an iterator"
+    for name, says in (("get", r"`await handle\.method\(\.\.\.\)`"),
+                       ("wait", r"asyncio\.wait\(calls"), ("put", r"actorshm\.share"),
+                       ("kill", r"`await handle\.kill\(\)`"), ("init", r"Runtime\(\)"),
+                       ("remote", r"`@actorshm\.actor`")):
+        with pytest.raises(AttributeError, match=rf"no attribute '{name}': .*{says}"):
+            getattr(actorshm, name)
+    assert not hasattr(actorshm, "annotations")  # (``from __future__``'s)
+    with pytest.raises(AttributeError, match=r"no attribute 'nothing'$"):
+        actorshm.nothing
+    with pytest.raises(TypeError, match=r"unknown actor option\(s\) \['runtime_env'\].*"
+                                        r"runtime_env: environment variables go in `env="):
+        Counter.options(runtime_env={"env_vars": {"A": "1"}})
+    with pytest.raises(TypeError, match=r"max_task_retries: a call runs at most once"):
+        Counter.options(max_task_retries=3)
+    with pytest.raises(ValueError, match=r"not 0: to reserve no CPU .*leave it out"):
+        Counter.options(num_cpus=0)
+    c = await Counter.spawn()
+    with pytest.raises(TypeError, match=r"Counter\.incr\.options\(\) takes run_ahead=.*"
+                                        r"\['num_returns'\] \(num_returns: .*return a tuple"):
+        c.incr.options(num_returns=2)
+    with pytest.raises(TypeError, match=r"kill\(\) takes no options, not \['no_restart'\]"):
+        c.kill(no_restart=False)
+    with pytest.raises(TypeError, match=r"get_actor\(\) takes the name alone, not "
+                                        r"\['namespace'\] \(namespace: names are per"):
+        await actorshm.get_actor("x", namespace="y")
+    pool = actorshm.ActorPool([c])
+    with pytest.raises(TypeError, match=r"ActorPool\.map\(\) gives its results one by one"):
+        await pool.map(lambda a, v: a.incr(v), [1])
+    with pytest.raises(TypeError, match=r"come asynchronously"):
+        next(pool.map(lambda a, v: a.incr(v), [1]))
+    with pytest.raises(TypeError, match=r"is asynchronous: iterate it with `async for`"):
+        next(c.logged_stream(2))
+    assert [x async for x in pool.map(lambda a, v: a.incr(v), [1, 2])] == [1, 3]
