@@ -28,13 +28,13 @@ layouts (quantized, nested), torch pickles the tensor itself (by value).
 from __future__ import annotations
 
 import pickle
-import warnings
 
 import numpy as np
 import torch
 
 from . import _leases, _serialization, _shm
 from ._inband import in_band
+from ._util import warn_at_caller
 
 __all__ = ["storage_block", "tensor_over", "finish", "set_cuda_path", "tensor_is_shared"]
 
@@ -342,17 +342,19 @@ def _reduce_bare(enc, t: torch.Tensor):
     if made is None:
         where = _shared(enc, t)
         if where is not None:
+            if kind is _Parameter:
+                _note_parameter(enc, True)
             return _rebuild_tensor, where
     if st.is_shared() and not _warned[0] and (
             kind is _Parameter or t.requires_grad or not _from_another_process(st)):
         _warned[0] = True
-        warnings.warn(
+        warn_at_caller(
             "a tensor in torch's shared memory (share_memory_(), Module.share_memory()) is "
             "copied each time actorshm sends it, so an actor's writes to it do not reach "
             "this process: share it with actorshm instead, actorshm.torch.share_module("
             "model) or actorshm.torch.share(t) (once), and send what they return (and do "
-            "not call share_memory() after them: it moves the tensors back out)",
-            RuntimeWarning, stacklevel=2)
+            "not call share_memory() after them, here or in an actor: it moves the "
+            "tensors back out)", RuntimeWarning)
     requires_grad = t.requires_grad  # (a clone below would drop it)
     # The storage up to the view's last element, so that strides and storage offset stay.
     numel = t.numel()
@@ -413,8 +415,36 @@ def _copy(enc, st, n: int, spent: int = 0, seen: int = 0) -> tuple:
     return n, copy, spent + n, seen
 
 
+def _note_parameter(enc, shared: bool) -> None:
+    """A Parameter goes by reference (``shared``) or as a copy in message ``enc``. Both
+    in one message is a model partly shared (a layer added or replaced after
+    ``share_module``, ``.half()`` or ``.to()`` after it): its copied parameters never
+    learn from an actor's steps, so say so, once per process."""
+    if _warned_mixed[0]:
+        return
+    copies = enc.copies
+    if copies is None:
+        copies = enc.copies = {}
+    seen = copies.setdefault("parameters", set())  # (not an address: no storage's key)
+    seen.add(shared)
+    if len(seen) == 2:
+        _warned_mixed[0] = True
+        warn_at_caller(
+            "parameters of a model are sent partly by reference (shared with "
+            "actorshm.torch.share_module) and partly as copies (not in shared memory: "
+            "added or replaced after share_module, or moved by .to(), .half() or "
+            "share_memory() since): an actor's updates to the copies do not reach this "
+            "process. Call actorshm.torch.share_module(model) again after changing the "
+            "model (it moves only what is not shared yet)", RuntimeWarning)
+
+
+_warned_mixed = [False]  # (``_note_parameter``: once per process)
+
+
 def _copied(enc, t: torch.Tensor, made: tuple, kind, requires_grad: bool):
     """The reduction of ordinary tensor ``t`` over the copy ``made`` (``_copy``)."""
+    if kind is _Parameter:
+        _note_parameter(enc, False)
     n, where = made[0], made[1]
     if type(where) is pickle.PickleBuffer:
         return _rebuild_inline_tensor, (
@@ -555,9 +585,21 @@ def _rebuild_storage(whole: torch.Tensor, dtype: str | None):
     return torch.TypedStorage(wrap_storage=untyped, dtype=_DTYPES[dtype], _internal=True)
 
 
+def _refuse_script_module(enc, m):
+    """A TorchScript module's reduction: refused, saying what to send instead (torch
+    cannot pickle one: "Tried to serialize object ... which does not have a __getstate__
+    method defined", to which the generic advice about open files was added)."""
+    raise _serialization.Unsendable(
+        f"a TorchScript module ({type(m).__name__}, from torch.jit.script or "
+        "torch.jit.trace) cannot be pickled, so it cannot be sent: send the nn.Module it "
+        "was made from (shared with actorshm.torch.share_module for Hogwild) and script "
+        "it in the actor, or torch.jit.save it to a file and torch.jit.load it there")
+
+
 _serialization.register_reducer(torch.Tensor, _reduce_tensor)
 _serialization.register_reducer(torch.UntypedStorage, _reduce_storage)
 _serialization.register_reducer(torch.TypedStorage, _reduce_storage)
+_serialization.register_reducer(torch.jit.ScriptModule, _refuse_script_module)
 for _kind in (torch.Tensor, _Parameter):
     _serialization.register_flat(_kind, _tensor_hole, _flat_tensor)
 _serialization.register_shared_check(torch.Tensor, tensor_is_shared)

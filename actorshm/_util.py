@@ -264,3 +264,26 @@ def coalesced_call(loop, fn):
 # Thread-count variables set from an actor's ``num_cpus``, as Ray sets them for its actors.
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PICKLING = ("cloudpickle", "pickle", "copyreg", "copy")
+
+
+def warn_at_caller(message: str, category: type) -> None:
+    """``warnings.warn``, attributed to the first frame outside actorshm and the
+    pickling it runs (the user's line that made the call whose arguments gave rise to
+    it), however deep in the encoding it is raised: a ``stacklevel`` cannot say."""
+    import warnings
+    f = sys._getframe(1)
+    while f is not None and (f.f_code.co_filename.startswith(_PACKAGE_DIR) or
+                             str(f.f_globals.get("__name__", "")).split(".")[0]
+                             in _PICKLING):
+        f = f.f_back
+    if f is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    warnings.warn_explicit(message, category, f.f_code.co_filename, f.f_lineno,
+                           module=f.f_globals.get("__name__"),
+                           registry=f.f_globals.setdefault("__warningregistry__", {}),
+                           module_globals=f.f_globals)

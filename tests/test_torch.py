@@ -405,8 +405,9 @@ async def test_a_tensor_shared_by_torch_itself_is_copied_with_a_warning_once(rt,
     w = await TorchWorker.spawn()
     model = torch.nn.Linear(4, 2)
     model.share_memory()
-    with pytest.warns(RuntimeWarning, match=r"share_module\(model\)"):
+    with pytest.warns(RuntimeWarning, match=r"share_module\(model\)") as caught:
         await w.sgd_step(model, 0.5)
+    assert caught[0].filename == __file__  # (the line that sent it: not actorshm's)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: the second send says nothing
         await w.sgd_step(model, 0.5)
@@ -514,6 +515,47 @@ async def test_a_quantized_dtype_view_of_raw_memory_is_refused_before_sending(rt
                                             r"t\.view\(torch\.int32\)"):
             w.info(raw.view(torch.qint32))
     assert (await w.info(torch.ones(2)))["shape"] == (2,)  # the actor lives on
+
+
+async def test_a_model_shared_only_in_part_warns_that_the_rest_does_not_train(
+        rt, monkeypatch):
+    # A layer replaced after share_module was copied at each send in silence: the
+    # actor's steps never reached it, while the rest of the model trained
+    from actorshm import _torch
+    monkeypatch.setattr(_torch, "_warned_mixed", [False])
+    w = await TorchWorker.spawn()
+    model = at.share_module(torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                                torch.nn.Linear(4, 2)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        await w.sgd_step(model, 0.5)  # (all shared: nothing said)
+        await w.sgd_step(torch.nn.Linear(4, 2), 0.5)  # (all copied: an evaluation's)
+    model[1] = torch.nn.Linear(4, 2)
+    with pytest.warns(RuntimeWarning, match=r"parameters of a model are sent partly by "
+                                            r"reference .*share_module\(model\) again") \
+            as caught:
+        await w.sgd_step(model, 0.5)
+    assert caught[0].filename == __file__
+    at.share_module(model)
+    before = model[1].bias.detach().clone()
+    await w.sgd_step(model, 0.5)  # (shared again: the new layer trains)
+    assert torch.allclose(model[1].bias.detach(), before - 0.5)
+
+
+async def test_a_torchscript_module_is_refused_saying_what_to_send(rt):
+    # torch's own error, "Tried to serialize object ... which does not have a
+    # __getstate__ method defined", came with advice about open files and locks
+    w = await TorchWorker.spawn()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (torch 2.13 deprecates them)
+        scripted = [torch.jit.script(torch.nn.Linear(2, 2)),
+                    torch.jit.trace(torch.nn.Linear(2, 2), torch.ones(1, 2))]
+    for m in scripted:
+        with pytest.raises(TypeError, match=r"a TorchScript module \(\w+, from "
+                                            r"torch\.jit\.script or torch\.jit\.trace\) "
+                                            r"cannot be pickled.*script it in the actor"):
+            w.echo([m])
+    assert (await w.info(torch.ones(2)))["shape"] == (2,)
 
 
 async def test_an_mkldnn_tensor_is_refused_and_a_meta_tensor_travels(rt):
