@@ -222,7 +222,12 @@ class RayRuntime(_events.EventSource, RayInspectable):
         try:
             _events.close(self)
             for t in self._watchers:
-                t.cancel()
+                if t.get_loop().is_closed():  # (its loop ended with the runtime open, by
+                    # ``loop.close()`` alone: nothing can run it now, and cancelling it
+                    # would schedule on that loop, which raises)
+                    t._log_destroy_pending = False
+                else:
+                    t.cancel()
             self._watchers.clear()
             ray = import_ray()
             why = "was stopped because its runtime closed" + (
