@@ -425,9 +425,12 @@ def _note_parameter(enc, shared: bool) -> None:
     copies = enc.copies
     if copies is None:
         copies = enc.copies = {}
-    seen = copies.setdefault("parameters", set())  # (not an address: no storage's key)
-    seen.add(shared)
-    if len(seen) == 2:
+    # (one lookup per Parameter sent, a hot path in Hogwild: the first one's kind is
+    # kept, under a key that is no storage's address)
+    first = copies.get("parameters")
+    if first is None:
+        copies["parameters"] = shared
+    elif first is not shared:
         _warned_mixed[0] = True
         warn_at_caller(
             "parameters of a model are sent partly by reference (shared with "
