@@ -174,6 +174,9 @@ class FrameReader:
                 else:
                     fds = ()
                 pos = end
+                # (a sync call with frames behind it in this read waits for them: a
+                # cancel of it among them is seen before it starts; ``Host.read_ended``)
+                self.more_frames = n - pos >= HSIZE
                 if spanned:  # (rare: set only around the frame that spanned reads)
                     self.frame_spanned = True
                     self._frame(kind, flags, cid, data[start:end], fds)
@@ -187,6 +190,10 @@ class FrameReader:
         finally:
             if spanned:
                 self.frame_spanned = False
+            self.more_frames = False
+            if self.deferred:  # (calls of this read waited for its end: they may start)
+                self.deferred = False
+                self.host.read_ended()
             if not self.closed:
                 if buf:
                     del buf[:pos]
@@ -198,6 +205,8 @@ class FrameReader:
         return True
 
     _following = False  # in ``_follow_fds``
+    more_frames = False  # the frame being handled has whole frames behind it in this read
+    deferred = False  # the host queued a call until this read ends (``Host.read_ended``)
     _anc_seen = False  # the last read carried fds
     fds_why = ""  # why the fds of the last frame whose fds were cut short are missing (-1)
 

@@ -100,6 +100,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         self._actors: dict[int, ActorRecord] = {}
         self._names: dict[str, int] = {}
         self._killing: dict[int, asyncio.Task] = {}  # kills under way (``kill``)
+        self._kill_begun: set[int] = set()  # actors whose kill() was called (``kill_begins``)
         self._starting = 0  # actors between their start and ``__init__``'s answer
         # spawns made for actors (``_services.cancel_spawn``): (conn, cid) -> task or id
         self.spawns_for_actors: collections.OrderedDict = collections.OrderedDict()
@@ -417,6 +418,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         rec = self._actors.get(actor_id)
         if rec is None or rec.conn is None:
             return _client.failed_call(ActorDiedError(self.death_of(actor_id)))
+        if actor_id in self._kill_begun:  # (made after kill(): it would race the SIGKILL)
+            return _client.failed_call(ActorDiedError(rec.killed))
         return rec.conn.call(method, args, kwargs, what, **kw)
 
     def call_group(self, actor_ids: list, method: str, args: tuple, kwargs: dict,
@@ -441,7 +444,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         conns = []
         for actor_id in actor_ids:
             rec = self._actors.get(actor_id)
-            if rec is None or rec.conn is None:
+            if rec is None or rec.conn is None or actor_id in self._kill_begun:
                 return None  # (each call then fails as a single call would)
             conns.append(rec.conn)
         return _multicast.call_many(conns, method, args, kwargs, what)
@@ -463,6 +466,9 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             return
         rec = self._actors.get(actor_id)
         if rec is not None and rec.alive and actor_id not in self._killing:
+            # The calls made from now on fail at once too (until the kill is done, when
+            # its end says so), also those made before the kill's task first runs.
+            self._kill_begun.add(actor_id)
             for conn in rec.open_conns:
                 conn.fail_pending(ActorDiedError(rec.killed))
 
@@ -484,6 +490,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
             return
         rec.no_restart = True  # also ends a restart in progress
         if not rec.alive:
+            self._kill_begun.discard(actor_id)  # (its calls fail as its end says)
             if rec.conn is not None and not rec.conn.closed:  # calls waiting for a restart
                 rec.death = rec.killed
                 rec.conn.close(ActorDiedError(rec.death))
@@ -501,7 +508,8 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         if task is None:
             self.kill_begins(actor_id)
             task = self._killing[actor_id] = asyncio.ensure_future(self._kill_now(rec))
-            task.add_done_callback(lambda _t: self._killing.pop(actor_id, None))
+            task.add_done_callback(lambda _t: (self._killing.pop(actor_id, None),
+                                               self._kill_begun.discard(actor_id)))
         await asyncio.shield(task)
 
     async def _kill_now(self, rec: ActorRecord) -> None:

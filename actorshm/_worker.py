@@ -112,6 +112,7 @@ class Worker(StreamingClient):
         self.dropped: set[tuple] = set()  # sync calls cancelled while they ran
         self.outflows: dict[tuple, Outflow] = {}  # (conn, cid) of streams -> their credit
         self.peers: dict[int, Connection] = {}
+        self.kill_begun: set[int] = set()  # actors this one called kill() on (not yet done)
         self.peers_leaving: set[Connection] = set()  # links to peers that are stopping
         # Links the driver has not answered for yet (``_connect``; they are read once it
         # has) -> whether writing to them broke meanwhile (seen once the answer says why).
@@ -138,6 +139,8 @@ class Worker(StreamingClient):
             ctx = contextvars.copy_context()
             return _client.call_from_thread(self.loop, lambda: ctx.run(
                 self.call, actor_id, method, args, kwargs, what, meta, stream))
+        if actor_id in self.kill_begun:  # (made after kill(): it would race the SIGKILL)
+            return _client.failed_call(ActorDiedError(self._killed(actor_id)))
         conn = self.peers.get(actor_id)
         if conn is None:
             conn = self._connect(actor_id)
@@ -153,6 +156,8 @@ class Worker(StreamingClient):
             return None
         conns = []
         for actor_id in actor_ids:
+            if actor_id in self.kill_begun:
+                return None  # (each call then fails as a single call would)
             conn = self.peers.get(actor_id)
             conns.append(conn if conn is not None else self._connect(actor_id))
         link = chain.get()
@@ -218,9 +223,28 @@ class Worker(StreamingClient):
             return conn.peer_pid
         return pid
 
+    def kill_begins(self, actor_id: int) -> None:
+        """``handle.kill()`` was called here: as in the driver (``Runtime.kill_begins``),
+        the calls this actor made on ``actor_id`` and has not heard back fail now, and
+        those it makes until the kill is done fail at once."""
+        if threading.get_ident() != self.loop_thread:
+            return
+        self.kill_begun.add(actor_id)
+        conn = self.peers.get(actor_id)
+        if conn is not None and not conn.closed:
+            conn.fail_pending(ActorDiedError(self._killed(actor_id)))
+
+    def _killed(self, actor_id: int) -> str:
+        conn = self.peers.get(actor_id)
+        return f"{conn.label if conn is not None else f'actor {actor_id}'} was killed by " \
+            "actorshm kill()"
+
     async def kill(self, actor_id: int) -> None:
         """Ask the driver to kill actor ``actor_id`` (``Runtime.kill``)."""
-        await self._ask_driver("__kill__", (actor_id,))
+        try:
+            await self._ask_driver("__kill__", (actor_id,))
+        finally:  # (gone: its link's end, or the driver, says so from now on)
+            self.kill_begun.discard(actor_id)
 
     async def spawn(self, cls, options, args, kwargs):
         """Ask the driver to spawn an actor (``Runtime.spawn``, whose errors it raises)."""
@@ -276,6 +300,13 @@ class Worker(StreamingClient):
                 self.queue.append((conn, cid, call))
                 self.running += 1
                 self._finished(None, blocked=True)
+                return
+            if conn.more_frames and self.methods.get(method) is False:
+                # A sync method runs at once, to its end: the frames behind it in this
+                # read go first (a cancel of it among them, written when the caller
+                # cancelled it right after making it), then it starts (``read_ended``).
+                self.queue.append((conn, cid, call))
+                conn.deferred = True
                 return
             self._start(conn, cid, call)
         else:  # (held: the frames read meanwhile, cancels among them, go first)
@@ -497,6 +528,16 @@ class Worker(StreamingClient):
                 self.held = True
                 self.loop.call_soon(self.loop.call_soon, self._release_hold)
             return
+        self._drain()
+
+    def read_ended(self) -> None:
+        """A connection handled every frame of a read, after queueing a call until then
+        (``handle_call``): the queue goes on, unless the loop is held."""
+        if not self.held:
+            self._drain()
+
+    def _drain(self) -> None:
+        """Start queued calls while slots are free."""
         if not self.queue or self.draining:  # (draining: a sync call that the loop below
             return  # started ended here; the loop goes on with the next)
         # A loop, not a recursion: a sync call run here ends in ``_finished`` again, and

@@ -28,6 +28,11 @@ class Worker:
             pass
         self.log.append(("spin", t))
 
+    def block_loop_later(self, delay, t):
+        """Hold the event loop for ``t`` seconds, ``delay`` seconds from now, with no call
+        running: what arrives meanwhile is read at once when it ends."""
+        asyncio.get_running_loop().call_later(delay, time.sleep, t)
+
     async def awork(self, t):
         try:
             await asyncio.sleep(t)
@@ -148,6 +153,18 @@ class Relay:
     async def hold_stream(self, target, n):
         async for _ in target.acount(n):
             await asyncio.sleep(3600)  # takes one item and waits
+
+    async def kill_then_call(self, target, delay):
+        """Kill ``target``, then call it ``delay`` s later: what that call gave."""
+        await target.record("linked")  # (the call goes over a link already made)
+        kill = target.kill()
+        await asyncio.sleep(delay)
+        try:
+            out = await asyncio.wait_for(target.record("after"), 10)
+        except actorshm.ActorDiedError as exc:
+            out = str(exc)
+        await kill
+        return out
 
     async def pass_along(self, source, sink):
         return await sink.record(source.work(0.2))

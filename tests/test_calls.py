@@ -294,6 +294,28 @@ async def test_sync_method_in_thread_can_wait_on_calls(rt):
     assert result == 4
 
 
+async def test_a_call_made_after_kill_fails_while_the_kill_settles(rt):
+    # Made once the kill's task had asked the actor to settle, the call was sent and,
+    # answered in that moment, succeeded (about half the time); from a thread, a call
+    # made right after kill() did too when the loop ran the kill's task in between.
+    for _ in range(10):
+        a = await Counter.spawn(5)
+        kill = a.kill()
+        await asyncio.sleep(0.0003)  # (the kill's task asks the actor to settle)
+        with pytest.raises(actorshm.ActorDiedError, match="kill"):
+            await a.incr(1)
+        await kill
+
+
+async def test_a_call_an_actor_makes_after_its_kill_of_another_fails(rt):
+    # Inside an actor too, the call made on the link right after kill() was answered.
+    from call_actors import Relay, Worker
+    relay = await Relay.spawn()
+    for delay in (0, 0, 0.0003, 0.001):
+        out = await relay.kill_then_call(await Worker.spawn(), delay)
+        assert "killed by actorshm kill()" in out, out
+
+
 async def test_kill_from_a_thread_with_no_event_loop_goes_through(rt):
     # A driver thread, and a sync method of an actor with max_concurrency > 1 (a thread
     # of its pool), have no event loop running: there h.kill() and group.kill() returned

@@ -111,6 +111,22 @@ async def test_queued_call_too_large_for_one_read_never_runs_once_cancelled(rt, 
                                                  [np.zeros(2000) for _ in range(60)]))
 
 
+async def test_a_sync_call_cancelled_before_the_actor_read_it_never_runs(rt):
+    # An idle actor read a call, the call behind it and the cancel of that one at once
+    # (its loop was busy, or the calls came on a new link from another actor): it ran
+    # the first, then started the second before it handled the cancel behind it.
+    w = await Worker.spawn()
+    for _ in range(3):
+        await w.block_loop_later(0.05, 0.3)  # (no call holds a slot meanwhile)
+        await asyncio.sleep(0.1)
+        first, second = w.record("first"), w.record("second")
+        second.cancel()
+        assert await first == "first"
+        assert await w.record("next") == "next"
+        assert await w.get_log() == ["first", "next"]
+        await w.clear_log()
+
+
 async def test_hundreds_of_queued_calls_cancelled_at_once_never_run(rt):
     # The cancels of one turn go out in one write, so the actor reads them together:
     # none of the queued calls starts in the slot the cancelled running call frees.
