@@ -279,12 +279,17 @@ class _Lease(weakref.ref):
 
 
 def _block_died(lease: _Lease) -> None:
+    upstream, region, pool = lease.upstream, lease.region, lease.pool
+    # The dead lease stays in ``_blocks`` (and in a plug-in's map) until they are
+    # pruned: it must not keep its connections and region alive meanwhile (a driver
+    # that spawns and kills actors that send it arrays kept each one's connection).
+    lease.upstream = lease.region = lease.pool = None
     try:
-        if lease.upstream:
-            pending_releases.append((lease.upstream, lease.key, lease.region))
+        if upstream:
+            pending_releases.append((upstream, lease.key, region))
             _wake()
-        if lease.pool is not None:
-            lease.pool.block_returned(lease.region, lease.offset, lease.size)
+        if pool is not None:
+            pool.block_returned(region, lease.offset, lease.size)
     except Exception:  # interpreter shutdown: nothing left to tell
         pass
 
