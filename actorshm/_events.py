@@ -34,11 +34,14 @@ class ActorEvent:
         cls_name: the actor's class name.
         name: its ``name`` option, or ``None``.
         pid: the process that died, or the new process after a restart.
-        reason: why it died (exit code or signal, ``kill()``), or what the restart
-            followed.
+        reason: why it died, in words (the exit code or signal, ``kill()``, ...: e.g.
+            ``"actor Counter(id=1, pid=8974) died: it was killed by SIGKILL (-9)"``), or
+            for ``"restarted"``, the death the restart followed.
         will_restart: for ``"died"``: whether a restart is on its way.
         restarts: how many times it has been restarted so far.
         time: ``time.time()`` when the runtime learned of it.
+        killed: for ``"died"``: whether ``kill()`` ended it (this program's, on any of
+            its handles), not a crash, a signal from elsewhere or an exit.
     """
 
     kind: str
@@ -51,6 +54,7 @@ class ActorEvent:
     will_restart: bool = False
     restarts: int = 0
     time: float = 0.0
+    killed: bool = False
 
 
 # Guards the runtimes' sets of ``events()`` streams: one may be made (and closed) on
@@ -186,8 +190,10 @@ def emit(runtime: Any, kind: str, rec: Any, reason: str, will_restart: bool = Fa
     from ._actor import ActorHandle
     handle = ActorHandle(runtime, rec.actor_id, rec.cls_name, rec.methods, rec.options.name,
                          rec.pid, rec.options.max_pending_calls)
+    # (a kill's reason: on Ray "kill()", locally the record's ``killed`` words)
+    killed = kind == "died" and (reason == "kill()" or reason == getattr(rec, "killed", None))
     ev = ActorEvent(kind, handle, rec.actor_id, rec.cls_name, rec.options.name, rec.pid,
-                    reason, will_restart, rec.restarts, time.time())
+                    reason, will_restart, rec.restarts, time.time(), killed)
     with _STREAMS_LOCK:
         streams = list(streams)
     for s in streams:

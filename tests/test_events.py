@@ -25,7 +25,7 @@ async def test_death_by_signal_is_reported_without_a_call(rt):
     ev = await next_event(stream)
     assert ev.kind == "died" and ev.actor_id == c.actor_id and ev.handle == c
     assert ev.cls_name == "Counter" and ev.name == "watched" and ev.pid == pid
-    assert "SIGKILL" in ev.reason and not ev.will_restart
+    assert "SIGKILL" in ev.reason and not ev.will_restart and not ev.killed
     await asyncio.sleep(0)  # callbacks run on the loop, after the stream got it
     assert seen == [ev]
     unsubscribe()
@@ -33,6 +33,7 @@ async def test_death_by_signal_is_reported_without_a_call(rt):
     await d.kill()  # kill() is reported too, with its reason
     ev = await next_event(stream)
     assert ev.kind == "died" and ev.actor_id == d.actor_id and "kill()" in ev.reason
+    assert ev.killed  # (a program that replaces the actors that die can tell its own)
     assert seen == [seen[0]]  # unsubscribed
     await stream.aclose()
 
@@ -72,6 +73,7 @@ async def test_kill_while_a_restart_backs_off_is_reported(rt, tmp_path):
     await f.kill()
     ev = await next_event(stream, timeout=3)
     assert (ev.kind, ev.will_restart) == ("died", False) and "kill()" in ev.reason
+    assert ev.killed
     await stream.aclose()
 
 

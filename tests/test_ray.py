@@ -1327,12 +1327,14 @@ async def test_events_report_a_death_without_a_call_and_kill(art, backend):
     assert ev.cls_name == "Counter" and ev.name == "watched" and ev.pid == pid
     assert not ev.will_restart and ev.restarts == 0
     assert "SIGKILL" in ev.reason if backend == "local" else ev.reason.startswith("Ray: ")
+    assert not ev.killed
     await asyncio.sleep(0)  # callbacks run on the loop, after the stream got it
     assert seen == [ev]
     d = await Counter.spawn(0)
     await d.kill()
     ev = await next_event(stream)
     assert ev.kind == "died" and ev.actor_id == d.actor_id and "kill()" in ev.reason
+    assert ev.killed
     await stream.aclose()
 
 
@@ -1349,6 +1351,7 @@ async def test_a_kill_during_a_restart_is_reported_as_the_kill(art, tmp_path):
     await s.kill()
     ev = await next_event(stream)
     assert ev.kind == "died" and not ev.will_restart and "kill()" in ev.reason
+    assert ev.killed
     await stream.aclose()
 
 
