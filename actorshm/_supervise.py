@@ -34,8 +34,8 @@ logger = logging.getLogger("actorshm")
 
 class Supervisor:
     """Death, restart and connection-loss handling for ``Runtime`` (which provides
-    ``loop``, ``_actors``, ``_names``, ``_closing``, ``_gpus``, ``_forkserver`` and
-    ``_start_process``)."""
+    ``loop``, ``_actors``, ``_names``, ``_closing``, ``_kill_begun``, ``_gpus``,
+    ``_forkserver`` and ``_start_process``)."""
 
     _gone: "collections.OrderedDict[int, dict] | None" = None  # forgotten: id -> summary
     _handles_gone: "collections.deque | None" = None  # ids whose handle died (any thread)
@@ -92,8 +92,8 @@ class Supervisor:
         runtime closes). Should its connection be closed while a restart is coming,
         the restarts left decide, as ``_after_death`` will."""
         rec = self._actors.get(actor_id)
-        if rec is None or rec.no_restart or self._closing:
-            return False
+        if rec is None or rec.no_restart or self._closing or actor_id in self._kill_begun:
+            return False  # (kill_begun: kill() was called, its task is yet to run)
         if rec.conn is not None and not rec.conn.closed:
             return True
         limit = rec.options.max_restarts
@@ -105,7 +105,8 @@ class Supervisor:
         process that dies while starting leaves a fresh connection in its place at
         once, ``_exited``: calls made then wait for the next attempt.)"""
         rec = self._actors.get(actor_id)
-        return rec is not None and rec.conn is not None and not rec.conn.closed
+        return rec is not None and rec.conn is not None and not rec.conn.closed \
+            and actor_id not in self._kill_begun
 
     def death_of(self, actor_id: int) -> str:
         """Why actor ``actor_id`` cannot be called: its death, or that it is unknown."""

@@ -155,6 +155,20 @@ async def test_member_dying_mid_map_fails_with_actor_died_not_a_hang(rt):
         pool.submit(lambda a, v: a.work(v), 3)
 
 
+async def test_a_member_killed_mid_item_fails_that_item_only(rt):
+    # kill() fails the member's call at once, before the kill's task marks the actor
+    # dead for good: the pool took it for a member that would restart, gave it the next
+    # item, and that one failed too.
+    a, b = await workers(2)
+    pool = ActorPool([a, b])
+    futs = [pool.submit(lambda m, v: m.work(v, 0.1), v) for v in range(10)]
+    await asyncio.sleep(0.05)  # (items 0 and 1 run)
+    await b.kill()
+    out = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 20)
+    assert [i for i, r in enumerate(out) if isinstance(r, ActorDiedError)] == [1], out
+    assert len(pool) == 1
+
+
 async def test_another_actors_death_raised_by_a_member_keeps_the_member(rt):
     # Errors keep their type: a member whose method awaited a dead actor raises
     # ActorDiedError too, but it lives, and stays in the pool.
@@ -440,6 +454,23 @@ async def test_map_checks_fn_and_values_at_the_call(rt):
     it = pool.map(lambda a, v: a.incr(v), values())
     assert read == []
     assert [r async for r in it] == [1] and read == [1]
+
+
+async def test_an_error_of_values_comes_after_the_results_before_it(rt):
+    # The window was filled eagerly, so a generator's error was raised before the
+    # results of the values it had given: Python's map yields those first.
+    pool = ActorPool(await workers(2))
+
+    def values():
+        yield from range(4)
+        raise KeyError("input ran dry")
+    for method in ("map", "map_unordered"):
+        got = []
+        with pytest.raises(KeyError, match="input ran dry"):
+            async for r in getattr(pool, method)(work, values()):
+                got.append(r[1])
+        assert sorted(got) == [0, 1, 2, 3], (method, got)
+    assert (await pool.submit(work, 9))[1] == 9  # (the pool goes on)
 
 
 async def test_submit_from_a_thread_without_a_loop_says_what_to_do(rt):
