@@ -328,17 +328,26 @@ def _settle(out, futs: list, handles: tuple, name: str) -> None:
 async def _gather_all(aws: list) -> list[tuple[bool, Any]]:
     """Run every awaitable to its end; (True, result) or (False, exception) each.
 
-    Cancelled, it cancels them all and waits for them, so nothing runs on unseen."""
+    Cancelled, it cancels them all and waits for them, so nothing runs on unseen: also
+    when cancelled again meanwhile (an outer time-out on top of a cancel), since a
+    spawn left running, or one that ended and was not killed, is an actor nobody holds."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         await asyncio.wait(tasks)
     except BaseException:
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for t in tasks:  # kill what started before the cancellation reached it
-            if not t.cancelled() and t.exception() is None:
-                await asyncio.shield(t.result().kill())
+        while not all(t.done() for t in tasks):
+            try:
+                await asyncio.wait(tasks)
+            except BaseException:  # (cancelled again: the first cancel is raised below)
+                pass
+        # Kill what started before the cancellation reached it: every kill begins now
+        # and goes through, however this wait for them ends.
+        kills = [t.result().kill() for t in tasks
+                 if not t.cancelled() and t.exception() is None]
+        if kills:
+            await asyncio.gather(*kills, return_exceptions=True)
         raise
     return [(False, t.exception()) if t.exception() is not None else (True, t.result())
             for t in tasks]

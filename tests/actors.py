@@ -884,6 +884,23 @@ class EnvReader:
                        if i["user_api"] == "blas"})
 
 
+@actor
+class Staggered:
+    """Members of one group spawn take turns (files ``path.0``, ``path.1``, ...): those
+    from turn ``slow_from`` on sleep ``delay`` seconds in ``__init__``."""
+
+    def __init__(self, path, slow_from, delay):
+        turn = 0
+        while True:
+            try:
+                os.close(os.open(f"{path}.{turn}", os.O_CREAT | os.O_EXCL))
+                break
+            except FileExistsError:
+                turn += 1
+        if turn >= slow_from:
+            time.sleep(delay)
+
+
 @actor(max_concurrency=8)
 class PoolWorker:
     """For pools and groups: counts how many of its calls run at once."""

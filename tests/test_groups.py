@@ -12,6 +12,8 @@ import pytest
 import actorshm
 from actorshm import ActorDiedError, ActorError, ActorGroup, ActorGroupError
 from actors import Counter, Faulty, InitFailsOnce, PoolWorker, SubCounter
+from compat import timeout
+from waits import until
 
 
 async def test_call_every_member_results_in_member_order(rt):
@@ -298,6 +300,26 @@ async def test_spawn_takes_an_undecorated_subclass_of_an_actor_class(rt):
     g = await ActorGroup.spawn(SubCounter, 2, 5)
     assert await g.kind() == ["SubCounter", "SubCounter"]
     assert await g.incr() == [6, 6]
+
+
+async def test_a_spawn_cancelled_twice_leaves_no_actor_running(rt, tmp_path):
+    # A second cancel (an outer time-out on top of the first) reached the spawn while it
+    # waited for its cancelled starts to end: the members already started were never
+    # killed, and ran on with no handle to them.
+    from actors import Staggered
+    task = asyncio.ensure_future(ActorGroup.spawn(Staggered, 4, str(tmp_path / "t"), 2, 3.0))
+    async with timeout(20):  # (two members start, two sleep in __init__)
+        while len([r for r in rt.actors() if r["alive"]]) < 4 or \
+                len(list(tmp_path.iterdir())) < 4:
+            await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    task.cancel()
+    await asyncio.sleep(0)  # (it waits for the cancelled starts now)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+    assert await until(lambda: not any(r["alive"] for r in rt.actors()), timeout=10), \
+        rt.actors()
 
 
 async def test_cancelled_spawn_leaves_no_actor_running(rt):
