@@ -246,6 +246,7 @@ class ActorPool:
                    it: Iterator[Any], res: "_Results") -> AsyncIterator[Any]:
         pending: collections.deque = collections.deque()
         exhausted = False
+        failed = None  # what ``values`` raised: after the results of the values before it
         try:
             while not res.stopping:  # (``aclose`` from another task or thread)
                 while not exhausted and len(pending) < self._window():
@@ -254,8 +255,13 @@ class ActorPool:
                     except StopIteration:
                         exhausted = True
                         break
+                    except Exception as exc:
+                        exhausted, failed = True, exc
+                        break
                     pending.append(self.submit(fn, v))
                 if not pending:
+                    if failed is not None:
+                        raise failed
                     return
                 if not pending[0].done():  # (``aclose`` from another task may stop it)
                     await asyncio.wait((pending[0], res.stop_signal()),
@@ -302,6 +308,7 @@ class ActorPool:
 
         res.stop_signal().add_done_callback(lambda _f: wake.set())  # (``aclose``)
         exhausted = False
+        failed = None  # what ``values`` raised: after the results of the values before it
         try:
             while not res.stopping:  # (``aclose`` from another task or thread)
                 while not exhausted and len(pending) + len(done) < self._window():
@@ -310,11 +317,16 @@ class ActorPool:
                     except StopIteration:
                         exhausted = True
                         break
+                    except Exception as exc:
+                        exhausted, failed = True, exc
+                        break
                     f = self.submit(fn, v)
                     pending.add(f)
                     f.add_done_callback(finished)
                 if not done:
                     if not pending:
+                        if failed is not None:
+                            raise failed
                         return
                     wake.clear()
                     await wake.wait()
