@@ -10,17 +10,24 @@ from __future__ import annotations
 import array
 import errno
 import os
+import re
 import resource
 import socket
 from time import perf_counter as _clock
 
 from ._util import off_stdio
-from ._wire import (ANC_SIZE, CALL, HEADER, HSIZE, LAST_KIND, MARK, MAX_FDS_PER_FRAME,
-                    MAX_FLAGS, MAX_FRAME)
+from ._wire import (ANC_SIZE, CALL, CANCEL, HEADER, HSIZE, LAST_KIND, MARK,
+                    MAX_FDS_PER_FRAME, MAX_FLAGS, MAX_FRAME)
 
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)
 _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))  # received fds never leak to exec
 _unpack_header = HEADER.unpack_from
+_KIND_OFFSET = 4  # where a header's kind byte lies (``_wire.HEADER``: "<IBBHHQ")
+# The bytes of a CANCEL frame's header from its kind to its marker (any flags, no fds),
+# found in one C-level scan of a read. A match inside a payload only makes a call wait
+# for the end of its read.
+_CANCEL_HEADER = re.compile(re.escape(bytes([CANCEL])) + b"[\\x00-\\xff]" +  # kind, flags
+                            re.escape(HEADER.pack(0, CANCEL, 0, 0, 0)[6:10]))  # nfds, mark
 
 
 def close_fd(fd: int) -> None:
@@ -146,6 +153,8 @@ class FrameReader:
             data = view
             n = nread
         pos = 0
+        # (what ``cancel_behind`` looks at: this read, the place in it, a read ended by fds)
+        self._rdata, self._rn, self._cancel_at, self._carried = data, n, -1, carried
         self._corked += 1  # replies made while dispatching go out together, afterwards
         try:
             while n - pos >= HSIZE:
@@ -173,10 +182,7 @@ class FrameReader:
                         self.fds_why = cut
                 else:
                     fds = ()
-                pos = end
-                # (a sync call with frames behind it in this read waits for them: a
-                # cancel of it among them is seen before it starts; ``Host.read_ended``)
-                self.more_frames = n - pos >= HSIZE
+                pos = self._rpos = end
                 if spanned:  # (rare: set only around the frame that spanned reads)
                     self.frame_spanned = True
                     self._frame(kind, flags, cid, data[start:end], fds)
@@ -190,23 +196,54 @@ class FrameReader:
         finally:
             if spanned:
                 self.frame_spanned = False
-            self.more_frames = False
-            if self.deferred:  # (calls of this read waited for its end: they may start)
-                self.deferred = False
-                self.host.read_ended()
+            self._rdata = None
             if not self.closed:
                 if buf:
                     del buf[:pos]
                 elif pos < n:
                     buf += view[pos:n]
-                self.uncork()
+            try:
+                # Calls of this read that waited for its end may start, unless the frames
+                # written after them come in the reads that follow (``_follow_fds``).
+                if self.deferred and (self.closed or not (carried or self._following)):
+                    self._read_ended()
+            finally:
+                if not self.closed:
+                    self.uncork()
         if carried and not self._following:
             self._follow_fds()
+            if self.deferred:
+                self._read_ended()
         return True
 
     _following = False  # in ``_follow_fds``
-    more_frames = False  # the frame being handled has whole frames behind it in this read
-    deferred = False  # the host queued a call until this read ends (``Host.read_ended``)
+    deferred = False  # the host queued a call until its reads end (``Host.read_ended``)
+    _rdata = None  # the read being handled (``cancel_behind``), its length, ...
+    _rn = _rpos = 0  # ... the end of the frame being handled in it, ...
+    _cancel_at = -1  # ... where the next CANCEL header lies in it (its length: none) ...
+    _carried = False  # ... and whether it carried fds (its last frame: the one with them)
+
+    def cancel_behind(self) -> bool:
+        """Whether a CANCEL frame may lie behind the frame being handled, written after
+        it: later in this read, or in the reads that follow one that carried fds (the
+        kernel ends a read with the frame that carried them). A worker queues a sync call
+        until the end of the read (``Host.read_ended``) when so, so that a cancel written
+        right after the call wins."""
+        if self._carried:
+            return True
+        data, pos, n = self._rdata, self._rpos, self._rn
+        if data is None or n - pos < HSIZE:
+            return False
+        at = self._cancel_at
+        if at < pos:  # (not looked past this frame yet: the first look of this read)
+            m = _CANCEL_HEADER.search(data, pos + _KIND_OFFSET, n)
+            at = self._cancel_at = m.start() - _KIND_OFFSET if m is not None else n
+        return at < n
+
+    def _read_ended(self) -> None:
+        self.deferred = False
+        self.host.read_ended()
+
     _anc_seen = False  # the last read carried fds
     fds_why = ""  # why the fds of the last frame whose fds were cut short are missing (-1)
 

@@ -68,8 +68,9 @@ class Host(Protocol):
     # Optional: ``cancel_call(conn, cid)``, the caller cancelled call ``cid``;
     # ``stream_credit(conn, cid, n)``, the caller of streaming call ``cid`` took n items;
     # ``connection_leaving(conn)``, the peer (an actor) began to stop (``LEAVING``); and
-    # ``read_ended()``, every frame of a read was handled after ``handle_call`` set
-    # ``conn.deferred`` (it queued a call until then).
+    # ``read_ended()``, every frame of a read (and of the reads that follow one that
+    # carried fds) was handled after ``handle_call`` set ``conn.deferred`` (it queued a
+    # call until then, ``conn.cancel_behind()`` being true).
 
 
 TOO_DEEP = ("nested too deeply to pickle (Python's recursion limit, "

@@ -461,8 +461,13 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         has not heard back fails now, as on Ray, not only if its process dies before
         answering (``kill`` gives a quick call time to answer while it settles), nor only
         if no answer is read before the kill's task first runs. (From another thread's
-        event loop, ``kill`` does it on the runtime's.)"""
+        event loop it is handed to the runtime's, ahead of the calls made after it.)"""
         if threading.get_ident() != self._loop_thread:
+            # (another thread's event loop: on this one, ahead of the calls made after)
+            try:
+                self.loop.call_soon_threadsafe(self.kill_begins, actor_id)
+            except RuntimeError:  # (its loop has ended: so has every call on it)
+                pass
             return
         rec = self._actors.get(actor_id)
         if rec is not None and rec.alive and actor_id not in self._killing:
@@ -487,6 +492,7 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
                 self.kill(actor_id), self.loop))
         rec = self._actors.get(actor_id)
         if rec is None:
+            self._kill_begun.discard(actor_id)
             return
         rec.no_restart = True  # also ends a restart in progress
         if not rec.alive:

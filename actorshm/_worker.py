@@ -112,7 +112,7 @@ class Worker(StreamingClient):
         self.dropped: set[tuple] = set()  # sync calls cancelled while they ran
         self.outflows: dict[tuple, Outflow] = {}  # (conn, cid) of streams -> their credit
         self.peers: dict[int, Connection] = {}
-        self.kill_begun: set[int] = set()  # actors this one called kill() on (not yet done)
+        self.kill_begun: dict[int, int] = {}  # actors this one is killing -> kill() calls
         self.peers_leaving: set[Connection] = set()  # links to peers that are stopping
         # Links the driver has not answered for yet (``_connect``; they are read once it
         # has) -> whether writing to them broke meanwhile (seen once the answer says why).
@@ -228,11 +228,17 @@ class Worker(StreamingClient):
         the calls this actor made on ``actor_id`` and has not heard back fail now, and
         those it makes until the kill is done fail at once."""
         if threading.get_ident() != self.loop_thread:
+            # (another thread's event loop: on this one, ahead of the calls made after)
+            try:
+                self.loop.call_soon_threadsafe(self.kill_begins, actor_id)
+            except RuntimeError:  # (its loop has ended: so has every call on it)
+                pass
             return
-        self.kill_begun.add(actor_id)
-        conn = self.peers.get(actor_id)
-        if conn is not None and not conn.closed:
-            conn.fail_pending(ActorDiedError(self._killed(actor_id)))
+        self.kill_begun[actor_id] = self.kill_begun.get(actor_id, 0) + 1
+        why = ActorDiedError(self._killed(actor_id))
+        for conn in (self.peers.get(actor_id), *self.peers_leaving):
+            if conn is not None and conn.peer_id == actor_id and not conn.closed:
+                conn.fail_pending(why)
 
     def _killed(self, actor_id: int) -> str:
         conn = self.peers.get(actor_id)
@@ -244,7 +250,9 @@ class Worker(StreamingClient):
         try:
             await self._ask_driver("__kill__", (actor_id,))
         finally:  # (gone: its link's end, or the driver, says so from now on)
-            self.kill_begun.discard(actor_id)
+            n = self.kill_begun.pop(actor_id, 0) - 1
+            if n > 0:  # (another kill of it is under way)
+                self.kill_begun[actor_id] = n
 
     async def spawn(self, cls, options, args, kwargs):
         """Ask the driver to spawn an actor (``Runtime.spawn``, whose errors it raises)."""
@@ -301,10 +309,10 @@ class Worker(StreamingClient):
                 self.running += 1
                 self._finished(None, blocked=True)
                 return
-            if conn.more_frames and self.methods.get(method) is False:
-                # A sync method runs at once, to its end: the frames behind it in this
-                # read go first (a cancel of it among them, written when the caller
-                # cancelled it right after making it), then it starts (``read_ended``).
+            if self.methods.get(method) is False and conn.cancel_behind():
+                # A sync method runs at once, to its end: the frames read behind it go
+                # first (a cancel of it among them, written when the caller cancelled
+                # it right after making it), then it starts (``read_ended``).
                 self.queue.append((conn, cid, call))
                 conn.deferred = True
                 return
@@ -325,7 +333,13 @@ class Worker(StreamingClient):
             self._finished(None)
             return
         what = f"{self.cls_name}.{method}"
-        fn = getattr(self.instance, method)
+        try:
+            fn = getattr(self.instance, method)
+        except Exception as exc:  # (a __getattr__ or property of the class's own)
+            self.running += 1
+            conn.reply_error(cid, exc)
+            self._finished(None)
+            return
         self.seq += 1
         # Calls it makes carry the chain, this one last (tasks copy the context now).
         token = chain.set((meta.get("chain", ()), self.actor_id, what, self.seq))

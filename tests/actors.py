@@ -885,6 +885,22 @@ class EnvReader:
 
 
 @actor
+class LookupFails:
+    """Looking up its method ``boom`` raises (a ``__getattribute__`` of its own)."""
+
+    def __getattribute__(self, name):
+        if name == "boom":
+            raise LookupError(f"no {name} today")
+        return object.__getattribute__(self, name)
+
+    def boom(self):
+        return "boom"
+
+    def ok(self, x):
+        return x
+
+
+@actor
 class Staggered:
     """Members of one group spawn take turns (files ``path.0``, ``path.1``, ...): those
     from turn ``slow_from`` on sleep ``delay`` seconds in ``__init__``."""

@@ -311,9 +311,21 @@ async def test_a_call_an_actor_makes_after_its_kill_of_another_fails(rt):
     # Inside an actor too, the call made on the link right after kill() was answered.
     from call_actors import Relay, Worker
     relay = await Relay.spawn()
-    for delay in (0, 0, 0.0003, 0.001):
+    for delay in (0, 0, 0.0003):
         out = await relay.kill_then_call(await Worker.spawn(), delay)
         assert "killed by actorshm kill()" in out, out
+
+
+async def test_a_method_whose_lookup_raises_fails_its_call_only(rt):
+    # The actor looked the method up unguarded: the error left the call unanswered, and
+    # (raised at the end of a read) stopped the connection from writing at all.
+    from actors import LookupFails
+    h = await LookupFails.spawn()
+    boom, ok = h.boom(), h.ok(1)
+    with pytest.raises(LookupError, match="no boom today"):
+        await asyncio.wait_for(boom, 10)
+    assert await asyncio.wait_for(ok, 10) == 1
+    assert await asyncio.wait_for(h.ok(2), 10) == 2
 
 
 async def test_kill_from_a_thread_with_no_event_loop_goes_through(rt):

@@ -161,8 +161,10 @@ async def test_a_member_killed_mid_item_fails_that_item_only(rt):
     # item, and that one failed too.
     a, b = await workers(2)
     pool = ActorPool([a, b])
-    futs = [pool.submit(lambda m, v: m.work(v, 0.1), v) for v in range(10)]
-    await asyncio.sleep(0.05)  # (items 0 and 1 run)
+    futs = [pool.submit(lambda m, v: m.work(v, 0.5), v) for v in range(4)]
+    async with timeout(10):  # (items 0 and 1 run)
+        while (await b.counts())["active"] == 0:
+            await asyncio.sleep(0.01)
     await b.kill()
     out = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 20)
     assert [i for i, r in enumerate(out) if isinstance(r, ActorDiedError)] == [1], out
