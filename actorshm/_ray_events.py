@@ -102,6 +102,12 @@ def _ray_says_dead(exc: BaseException | None) -> bool:
     return rex is not None and isinstance(exc, rex.ActorDiedError)
 
 
+def _ray_killed(exc: BaseException | None) -> bool:
+    """Whether Ray says ``ray.kill`` ended the actor: ``kill()`` called inside an actor
+    (whose process records it, not the driver's), as the program's other kills."""
+    return _ray_says_dead(exc) and "killed by `ray.kill`" in str(exc)
+
+
 async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
     host, key = rec.actor_id.handle, rec.actor_id.key
     unavailable, limit = unavailable_error(), rec.options.max_restarts
@@ -115,7 +121,7 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
             death = exc.with_traceback(None)  # (its traceback held this frame, and so it)
         if runtime._closing:
             return
-        killed = key in client._dead
+        killed = key in client._dead or _ray_killed(death)
         # Ray says an actor is gone for good (``ActorDiedError``) only once it knows;
         # failing calls at once (``ray_env``), it first says "unavailable" for every
         # death. So the restarts left decide, and Ray's word where it has one (a process
@@ -138,9 +144,9 @@ async def _watch(runtime: Any, rec: _Record, client: Any) -> None:
         except Exception as exc:  # the restart failed (or never came)
             if not runtime._closing:  # (a restart slow to come is not ended)
                 # (a kill() that cut the restart short is named as every kill is)
-                why = "kill()" if key in client._dead else describe(exc)
-                _dead_for_good(runtime, rec, key in client._dead or _ray_says_dead(exc),
-                               why)
+                killed = key in client._dead or _ray_killed(exc)
+                why = "kill()" if killed else describe(exc)
+                _dead_for_good(runtime, rec, killed or _ray_says_dead(exc), why)
                 _events.emit(runtime, "died", rec, why)
             return
         if not ok:  # the restarted process's __init__ raised

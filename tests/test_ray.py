@@ -1338,6 +1338,20 @@ async def test_events_report_a_death_without_a_call_and_kill(art, backend):
     await stream.aclose()
 
 
+async def test_a_kill_made_inside_an_actor_is_reported_as_a_kill(art, backend):
+    # On Ray the actor's process records its kill(), not the driver's: the event said
+    # Ray's words with killed=False, and a program replacing dead actors brought back
+    # the one it had killed.
+    from call_actors import Relay, Worker
+    stream = art.events()
+    relay, target = await Relay.spawn(), await Worker.spawn()
+    assert "kill" in await asyncio.wait_for(relay.kill_then_call(target, 0), 60)
+    ev = await next_event(stream)
+    assert (ev.kind, ev.actor_id, ev.killed) == ("died", target.actor_id, True), ev
+    assert "kill()" in ev.reason
+    await stream.aclose()
+
+
 async def test_a_kill_during_a_restart_is_reported_as_the_kill(art, tmp_path):
     # On Ray the last "died" event gave Ray's words for the restart it cut short
     # ("Ray: it was killed by `ray.kill`"), not "kill()" as for every other kill.
