@@ -465,6 +465,11 @@ class Worker(StreamingClient):
         conn.reply(cid, result, what)
 
     async def _run_stream(self, conn, cid, fn, args, kwargs, what, meta, slot) -> None:
+        if conn.closed:
+            # Its caller is gone (an actor that died while the stream waited for a slot,
+            # or before its task ran): nobody would take an item, give credit or cancel
+            # it, and the generator would wait at its ``run_ahead``-th yield for good.
+            return
         out = self.outflows[(conn, cid)] = Outflow(meta.get("run_ahead", 16))
         out.slot = slot
         try:

@@ -3,6 +3,7 @@ re-entrant chains refused at once, and no "never retrieved" noise."""
 
 import asyncio
 import gc
+import os
 import time
 
 import numpy as np
@@ -128,6 +129,25 @@ async def test_a_sync_call_cancelled_before_the_actor_read_it_never_runs(rt):
         assert await w.record("next") == "next"
         assert await w.get_log() == ["first", "next"], i
         await w.clear_log()
+
+
+async def test_a_stream_whose_consumer_died_while_it_was_queued_never_starts(rt):
+    # The actor started it anyway, once its slot was free: the generator made its
+    # run-ahead items for nobody, then waited at its yield for good (its finally never
+    # ran; its task, credit and last item kept until the actor's end).
+    import signal
+    w, v = await Worker.spawn(), await Relay.spawn()
+    busy = w.awork(0.6)  # (holds w's one slot)
+    consumer = asyncio.ensure_future(v.total(w, 100))  # w.count(100), queued behind
+    await asyncio.sleep(0.3)
+    os.kill(v.pid, signal.SIGKILL)
+    with pytest.raises(actorshm.ActorDiedError):
+        await asyncio.wait_for(consumer, 10)
+    assert await asyncio.wait_for(busy, 10) == 0.6
+    await asyncio.sleep(0.2)
+    log = await w.get_log()
+    assert not any(type(e) is tuple and e[0] == "made" for e in log) or \
+        "count-finally" in log, log
 
 
 async def test_hundreds_of_queued_calls_cancelled_at_once_never_run(rt):
