@@ -211,7 +211,12 @@ class FrameReader:
                 if not self.closed:
                     self.uncork()
         if carried and not self._following:
-            self._follow_fds()
+            if self._follow_fds():
+                # Cut short with frames maybe left (a cancel of a call read): the host
+                # starts no queued call before the loop has read this socket again.
+                cut = getattr(self.host, "read_cut_short", None)
+                if cut is not None:
+                    cut()
             if self.deferred:
                 self._read_ended()
         return True
@@ -247,16 +252,18 @@ class FrameReader:
     _anc_seen = False  # the last read carried fds
     fds_why = ""  # why the fds of the last frame whose fds were cut short are missing (-1)
 
-    def _follow_fds(self) -> None:
+    def _follow_fds(self) -> bool:
         """Read on after a read that carried fds, while reads carry fds (at most 64: a
-        peer that keeps sending fds cannot starve the loop)."""
+        peer that keeps sending fds cannot starve the loop). True when it stopped at
+        that cap, frames maybe still in the socket."""
         self._following = True
         try:
             for _ in range(64):
                 if self.closed or self.sock is None:
-                    return
+                    return False
                 self._anc_seen = False
                 if not self._on_readable() or not self._anc_seen:
-                    return
+                    return False
+            return True
         finally:
             self._following = False

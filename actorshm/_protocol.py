@@ -70,7 +70,8 @@ class Host(Protocol):
     # ``connection_leaving(conn)``, the peer (an actor) began to stop (``LEAVING``); and
     # ``read_ended()``, every frame of a read (and of the reads that follow one that
     # carried fds) was handled after ``handle_call`` set ``conn.deferred`` (it queued a
-    # call until then, ``conn.cancel_behind()`` being true).
+    # call until then, ``conn.cancel_behind()`` being true); ``read_cut_short()``, the
+    # reads that follow one with fds stopped at their cap, frames maybe left unread.
 
 
 TOO_DEEP = ("nested too deeply to pickle (Python's recursion limit, "

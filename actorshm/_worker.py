@@ -104,6 +104,7 @@ class Worker(StreamingClient):
         self.seq = 0  # calls started
         self.holding: dict[tuple, int] = {}  # (conn, cid) of calls in a slot -> their seq
         self.held = False  # a sync call just held the loop: calls wait a moment (_finished)
+        self.rehold = False  # a read was cut short while held: the hold lasts a turn more
         self.draining = False  # ``_finished`` is starting queued calls
         self.reading: Connection | None = None  # whose frames handle_call was last given
         self.fast: set[str] = set()  # sync methods whose last run took under FAST_CALL
@@ -549,6 +550,16 @@ class Worker(StreamingClient):
             return
         self._drain()
 
+    def read_cut_short(self) -> None:
+        """A connection stopped reading with frames maybe left in its socket (64 reads
+        in a row carried fds): the queued calls wait for the loop to read it again, as
+        after a call that held the loop, since a cancel of one may be among them."""
+        if self.held:
+            self.rehold = True  # (the hold under way ends a turn later than planned)
+        else:
+            self.running += 1
+            self._finished(None, blocked=True)
+
     def read_ended(self) -> None:
         """A connection handled every frame of a read, after queueing a call until then
         (``handle_call``): the queue goes on, unless the loop is held."""
@@ -574,6 +585,10 @@ class Worker(StreamingClient):
             self.draining = False
 
     def _release_hold(self) -> None:
+        if self.rehold:  # (a read cut short meanwhile: the loop reads its socket first)
+            self.rehold = False
+            self.loop.call_soon(self.loop.call_soon, self._release_hold)
+            return
         self.held = False
         self.read_at = _clock()  # (the loop polled its sockets since the hold began)
         self._finished(None)

@@ -131,6 +131,20 @@ async def test_a_sync_call_cancelled_before_the_actor_read_it_never_runs(rt):
         await w.clear_log()
 
 
+async def test_calls_each_bringing_a_new_region_cancelled_as_made_never_run(rt):
+    # Each call's frame carried the fd of a region new to the actor, so the kernel ended
+    # a read with each, and the actor stopped following reads after 64: it started the
+    # 65th call, queued, before it read that call's cancel, which was still unread.
+    w = await Worker.spawn()
+    arrays = [actorshm.empty(4 << 20, np.uint8) for _ in range(72)]  # (each its own)
+    busy = w.work(0.5)
+    for a in arrays:
+        w.record(a).cancel()  # (cancelled before the next call is made, as the docs say)
+    assert await asyncio.wait_for(busy, 10) == 0.5
+    assert await w.record("next") == "next"
+    assert await w.get_log() == [("work", 0.5), "next"]
+
+
 async def test_a_stream_whose_consumer_died_while_it_was_queued_never_starts(rt):
     # The actor started it anyway, once its slot was free: the generator made its
     # run-ahead items for nobody, then waited at its yield for good (its finally never
