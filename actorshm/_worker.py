@@ -39,6 +39,7 @@ from ._util import describe_exit, exit_code, leave_if_forked, socket_pair
 FAST_CALL = 0.0005  # a sync method whose last run took less is taken to be fast again
 FLUSH_AFTER = 0.001  # replies wait at most this long behind fast calls
 BURST = 0.002  # sync calls run back to back this long at most before a read (cancels)
+REHOLDS = 8  # turns a hold may be made to last, for reads cut short (``read_cut_short``)
 
 
 class CallQueue(collections.OrderedDict):
@@ -105,6 +106,7 @@ class Worker(StreamingClient):
         self.holding: dict[tuple, int] = {}  # (conn, cid) of calls in a slot -> their seq
         self.held = False  # a sync call just held the loop: calls wait a moment (_finished)
         self.rehold = False  # a read was cut short while held: the hold lasts a turn more
+        self.reholds = 0  # turns the hold under way was made to last (``REHOLDS`` at most)
         self.draining = False  # ``_finished`` is starting queued calls
         self.reading: Connection | None = None  # whose frames handle_call was last given
         self.fast: set[str] = set()  # sync methods whose last run took under FAST_CALL
@@ -251,9 +253,18 @@ class Worker(StreamingClient):
         try:
             await self._ask_driver("__kill__", (actor_id,))
         finally:  # (gone: its link's end, or the driver, says so from now on)
-            n = self.kill_begun.pop(actor_id, 0) - 1
-            if n > 0:  # (another kill of it is under way)
-                self.kill_begun[actor_id] = n
+            if threading.get_ident() == self.loop_thread:
+                self._kill_done(actor_id)
+            else:  # (another thread's loop: on this one, where kill_begins counted it)
+                try:
+                    self.loop.call_soon_threadsafe(self._kill_done, actor_id)
+                except RuntimeError:  # its loop has ended
+                    pass
+
+    def _kill_done(self, actor_id: int) -> None:
+        n = self.kill_begun.pop(actor_id, 0) - 1
+        if n > 0:  # (another kill of it is under way)
+            self.kill_begun[actor_id] = n
 
     async def spawn(self, cls, options, args, kwargs):
         """Ask the driver to spawn an actor (``Runtime.spawn``, whose errors it raises)."""
@@ -555,7 +566,9 @@ class Worker(StreamingClient):
         in a row carried fds): the queued calls wait for the loop to read it again, as
         after a call that held the loop, since a cancel of one may be among them."""
         if self.held:
-            self.rehold = True  # (the hold under way ends a turn later than planned)
+            # (the hold under way ends a turn later than planned; a few times at most,
+            # so that a peer that keeps sending fds cannot hold the queue for good)
+            self.rehold = self.reholds < REHOLDS
         else:
             self.running += 1
             self._finished(None, blocked=True)
@@ -567,15 +580,17 @@ class Worker(StreamingClient):
             self._drain()
 
     def _drain(self) -> None:
-        """Start queued calls while slots are free."""
-        if not self.queue or self.draining:  # (draining: a sync call that the loop below
-            return  # started ended here; the loop goes on with the next)
+        """Start queued calls while slots are free (not while the queue is held: a call
+        in another slot that ends meanwhile, max_concurrency > 1, starts none)."""
+        if not self.queue or self.draining or self.held:  # (draining: a sync call that
+            return  # the loop below started ended here; the loop goes on with the next)
         # A loop, not a recursion: a sync call run here ends in ``_finished`` again, and
         # a long queue (a burst read while calls were held) would exceed Python's
         # recursion limit, its calls then never answered.
         self.draining = True
         try:
-            while self.queue and self.running < self.max_concurrency and not self.exited:
+            while self.queue and self.running < self.max_concurrency and not self.exited \
+                    and not self.held:
                 entry = self.queue.popleft()
                 if entry[0] is None:  # a stream waiting to take its next item
                     entry[1].grant()
@@ -587,9 +602,11 @@ class Worker(StreamingClient):
     def _release_hold(self) -> None:
         if self.rehold:  # (a read cut short meanwhile: the loop reads its socket first)
             self.rehold = False
+            self.reholds += 1
             self.loop.call_soon(self.loop.call_soon, self._release_hold)
             return
         self.held = False
+        self.reholds = 0
         self.read_at = _clock()  # (the loop polled its sockets since the hold began)
         self._finished(None)
 
