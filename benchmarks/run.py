@@ -765,7 +765,8 @@ software's own cost (docs/benchmarks-pinned.md).
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="actorshm and the floors only, sizes up to 64 MiB, under a minute")
+                   help="actorshm, its floors and the local peers (no Ray), sizes up to 64 MiB, a few "
+                        "minutes at most")
     p.add_argument("--out", help="also write the Markdown report to this file")
     p.add_argument("--pin-cpu", type=int, metavar="N",
                    help="run every process (this one and all it starts) on CPU N: "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 
 import numpy as np
@@ -279,7 +280,8 @@ def parse(argv=None):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--torch", action="store_true",
                    help="weights and gradients as torch tensors, gradients by autograd")
-    p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="also draw loss and accuracy per epoch into FILE.png (matplotlib)")
     p.add_argument("--single", action="store_true",
                    help="train in this one process with the same settings")
     p.add_argument("--backend", choices=["local", "ray"], default="local",
@@ -292,6 +294,8 @@ def parse(argv=None):
     for name in ("workers", "epochs", "batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        p.error(f"--plot {args.plot}: its folder does not exist")  # (not after training)
     if args.torch:
         try:
             import torch
