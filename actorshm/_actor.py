@@ -525,9 +525,10 @@ class ActorHandle:
             asyncio.get_running_loop()
         except RuntimeError:
             return kill_from_thread(self._client, self.kill, self._kill)
-        begins = getattr(self._client, "kill_begins", None)  # (the local runtime's)
-        if begins is not None:
-            begins(self._actor_id)
+        begins = getattr(self._client, "kill_begins", None)  # (the local backend's)
+        if begins is not None:  # (on the client's loop: this may be another thread's)
+            from ._client import on_loop
+            on_loop(self._client.loop, begins, self._actor_id)
         return start_shielded(self._kill())
 
     async def _kill(self) -> None:

@@ -403,6 +403,19 @@ def call_from_thread(loop, make_call):
     return cf
 
 
+def on_loop(loop, fn, *args) -> None:
+    """``fn(*args)`` on ``loop``: now, on the thread that runs it; from another thread,
+    handed to it, ahead of the calls that thread makes after (they go the same way);
+    nothing once the loop has ended."""
+    if asyncio._get_running_loop() is loop:
+        fn(*args)
+        return
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # (its loop has ended: so has everything on it)
+        pass
+
+
 def failed_call(exc: BaseException):
     """What a call that cannot be made returns: an awaitable that raises ``exc``, on the
     event loop running in this thread (an asyncio future), or, with none running, a

@@ -460,15 +460,9 @@ class Runtime(Supervisor, _events.EventSource, _introspect.Inspectable, BackendC
         """``handle.kill()`` was called: what this process asked actor ``actor_id`` and
         has not heard back fails now, as on Ray, not only if its process dies before
         answering (``kill`` gives a quick call time to answer while it settles), nor only
-        if no answer is read before the kill's task first runs. (From another thread's
-        event loop it is handed to the runtime's, ahead of the calls made after it.)"""
-        if threading.get_ident() != self._loop_thread:
-            # (another thread's event loop: on this one, ahead of the calls made after)
-            try:
-                self.loop.call_soon_threadsafe(self.kill_begins, actor_id)
-            except RuntimeError:  # (its loop has ended: so has every call on it)
-                pass
-            return
+        if no answer is read before the kill's task first runs. (On the runtime's loop:
+        ``handle.kill()`` on another thread's hands it over, ahead of the calls made
+        after it, ``_client.on_loop``.)"""
         rec = self._actors.get(actor_id)
         if rec is not None and rec.alive and actor_id not in self._killing:
             # The calls made from now on fail at once too (until the kill is done, when

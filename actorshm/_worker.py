@@ -229,14 +229,7 @@ class Worker(StreamingClient):
     def kill_begins(self, actor_id: int) -> None:
         """``handle.kill()`` was called here: as in the driver (``Runtime.kill_begins``),
         the calls this actor made on ``actor_id`` and has not heard back fail now, and
-        those it makes until the kill is done fail at once."""
-        if threading.get_ident() != self.loop_thread:
-            # (another thread's event loop: on this one, ahead of the calls made after)
-            try:
-                self.loop.call_soon_threadsafe(self.kill_begins, actor_id)
-            except RuntimeError:  # (its loop has ended: so has every call on it)
-                pass
-            return
+        those it makes until the kill is done fail at once. (On this worker's loop.)"""
         self.kill_begun[actor_id] = self.kill_begun.get(actor_id, 0) + 1
         why = ActorDiedError(self._killed(actor_id))
         for conn in (self.peers.get(actor_id), *self.peers_leaving):
@@ -252,14 +245,9 @@ class Worker(StreamingClient):
         """Ask the driver to kill actor ``actor_id`` (``Runtime.kill``)."""
         try:
             await self._ask_driver("__kill__", (actor_id,))
-        finally:  # (gone: its link's end, or the driver, says so from now on)
-            if threading.get_ident() == self.loop_thread:
-                self._kill_done(actor_id)
-            else:  # (another thread's loop: on this one, where kill_begins counted it)
-                try:
-                    self.loop.call_soon_threadsafe(self._kill_done, actor_id)
-                except RuntimeError:  # its loop has ended
-                    pass
+        finally:  # (gone: its link's end, or the driver, says so from now on; on this
+            # worker's loop, where kill_begins counted it)
+            _client.on_loop(self.loop, self._kill_done, actor_id)
 
     def _kill_done(self, actor_id: int) -> None:
         n = self.kill_begun.pop(actor_id, 0) - 1
