@@ -97,7 +97,8 @@ class CallControl:
         except MemoryError:  # out of shared memory: as it is
             raise
         except Exception as exc:
-            raise TypeError(f"an item of {what or 'the stream'} cannot be sent: {exc}") \
+            raise TypeError(f"an item of {what or 'the stream'} cannot be sent: "
+                            f"{ser.unsendable_at([('item', value)], exc, self)}{exc}") \
                 from exc
         self.ledger.commit(enc, self)
         self._send(ITEM, flags, cid, payload, fds)

@@ -243,17 +243,24 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             return
         except MemoryError:  # out of shared memory while copying an array: as it is
             raise
-        except (ser.Unsendable, ser.MessageTooBig) as exc:  # says what to do already
+        except ser.MessageTooBig as exc:  # says what to do already
             raise TypeError(f"cannot send the arguments of {what or method}(): {exc}") \
                 from exc
         except Exception as exc:
-            if _too_deep(exc):
+            deep = _too_deep(exc)
+            where = "" if deep else ser.unsendable_at(
+                [*((f"args[{i}]", a) for i, a in enumerate(args)),
+                 *((f"kwargs[{k!r}]", v) for k, v in kwargs.items())], exc, self)
+            if isinstance(exc, ser.Unsendable):  # says what to do already
+                raise TypeError(f"cannot send the arguments of {what or method}(): "
+                                f"{where}{exc}") from exc
+            if deep:
                 hint = f"They are {TOO_DEEP}"
             else:
                 hint = ("Arguments must be picklable (cloudpickle); pass data, not open "
                         "files, locks or sockets.")
             raise TypeError(f"cannot send the arguments of {what or method}(): "
-                            f"{str(exc).rstrip('.')}. {hint}") from exc
+                            f"{where}{str(exc).rstrip('.')}. {hint}") from exc
         cid = self._next_id
         self._next_id = cid + 1
         self.ledger.commit(enc, self)
@@ -329,10 +336,13 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             return
         except Exception as exc:
             mistake = ser.result_mistake(value)
+            deep = _too_deep(exc)
+            where = "" if deep or mistake else ser.unsendable_at([("result", value)], exc,
+                                                                  self)
             if mistake is not None:
                 exc = TypeError(mistake)
-            err = TypeError(f"the result of {what or 'the call'} cannot be sent back: {exc}"
-                            + (f". It is {TOO_DEEP}" if _too_deep(exc) else ""))
+            err = TypeError(f"the result of {what or 'the call'} cannot be sent back: "
+                            f"{where}{exc}" + (f". It is {TOO_DEEP}" if deep else ""))
             err.__cause__ = exc
             self.reply_error(cid, err)
             # ``err`` -> its cause's traceback -> this frame -> ``err``: a cycle that would

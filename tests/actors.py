@@ -576,6 +576,13 @@ class Caller:
         return self.other.slow_record(k, 0.5)  # (forgot to await it)
 
 
+class Box:
+    """An object that pickles as its ``__dict__``."""
+
+    def __init__(self, x):
+        self.x = x
+
+
 @actor
 class Arrays:
     def __init__(self):
@@ -663,6 +670,13 @@ class Arrays:
 
     def unsendable_with(self, a):
         return [a, threading.Lock()]
+
+    def unsendable_deep(self):
+        return {"ok": 1, "rows": [2, Box(threading.Lock())]}
+
+    def unsendable_items(self):
+        yield 1
+        yield {"ok": 1, "rows": [2, Box(threading.Lock())]}
 
     async def make_and_lend(self, others, n, value):
         """A new array, lent to each of ``others`` (actor to actor) and returned."""

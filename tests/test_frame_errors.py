@@ -54,6 +54,39 @@ async def test_a_result_nested_too_deeply_says_so_and_how_to_fix_it(rt):
     assert await f.nested(3) == [[[[]]]]
 
 
+async def test_what_cannot_be_sent_is_named_by_where_it_lies(rt):
+    # Pickling names only the kind of object it could not take; deep in a call's
+    # arguments, a result or a stream's item, the error says where it lies too.
+    import threading
+    from actors import Box
+    torch = pytest.importorskip("torch")
+    a = await Arrays.spawn()
+    big = np.ones(1 << 18)  # (an ordinary array before it: copied, and let go again)
+    with pytest.raises(TypeError, match=r"Arrays.unsendable_with\(\): at args\[1\]\['h'\]"
+                                        r"\[0\]\.x, cannot pickle '_thread.lock' object"):
+        a.unsendable_with(big, {"h": [Box(threading.Lock())]})
+    with pytest.raises(TypeError, match=r"at kwargs\['b'\]\[1\], a tensor that requires "
+                                        r"grad and is not a leaf.*detach"):
+        a.unsendable_with(1, b=(1, torch.ones(2, requires_grad=True) * 2))
+    with pytest.raises(TypeError, match=r"unsendable_deep cannot be sent back: at "
+                                        r"result\['rows'\]\[1\]\.x, cannot pickle"):
+        await a.unsendable_deep()
+    items = []
+    with pytest.raises(TypeError, match=r"unsendable_items cannot be sent: at "
+                                        r"item\['rows'\]\[1\]\.x, cannot pickle"):
+        async for x in a.unsendable_items():
+            items.append(x)
+    assert items == [1]
+    # The one argument, or the result, as a whole: nothing more to say.
+    with pytest.raises(TypeError) as info:
+        a.unsendable_with(threading.Lock())
+    assert " at " not in str(info.value)
+    with pytest.raises(TypeError, match=r"cannot be sent back: at result\[1\], cannot"):
+        await a.unsendable_with(None)
+    del big, info
+    await until(lambda: actorshm.stats()["blocks_live"] == 0)  # the searches kept nothing
+
+
 @pytest.mark.parametrize("mode", ["r", "rb", "w", "r+b"])
 async def test_an_open_file_argument_is_refused_with_what_to_pass(rt, tmp_path, mode):
     path = tmp_path / "data.txt"
