@@ -13,7 +13,8 @@ from typing import Any
 
 from . import _results
 from . import _serialization as ser
-from ._errors import ProtocolError
+from ._culprit import at as culprit_at
+from ._errors import PICKLING_FAILURES, ProtocolError
 from ._remote_errors import UNPICKLING_ERRORS
 from ._wire import CANCEL, CREDIT, ITEM, LEN
 
@@ -96,9 +97,9 @@ class CallControl:
             payload, fds, enc, flags = ser.encode(value, self)
         except MemoryError:  # out of shared memory: as it is
             raise
-        except Exception as exc:
-            raise TypeError(f"an item of {what or 'the stream'} cannot be sent: "
-                            f"{ser.unsendable_at([('item', value)], exc, self)}{exc}") \
+        except PICKLING_FAILURES as exc:
+            where = culprit_at([("item", value)], exc, lambda part: ser.encode_part(part, self))
+            raise TypeError(f"an item of {what or 'the stream'} cannot be sent: {where}{exc}") \
                 from exc
         self.ledger.commit(enc, self)
         self._send(ITEM, flags, cid, payload, fds)

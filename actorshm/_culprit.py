@@ -12,7 +12,37 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-__all__ = ["culprit_path"]
+from ._errors import PICKLING_FAILURES, Unsendable
+
+__all__ = ["culprit_path", "at", "arguments_error", "too_deep", "TOO_DEEP"]
+
+TOO_DEEP = ("nested too deeply to pickle (Python's recursion limit, "
+            "sys.getrecursionlimit()): flatten the data (a list of rows, a numpy array), or "
+            "raise the limit with sys.setrecursionlimit.")
+
+
+def too_deep(exc: BaseException) -> bool:
+    """Whether pickling failed for want of recursion depth."""
+    return isinstance(exc, RecursionError) or \
+        isinstance(exc.__cause__ or exc.__context__, RecursionError)
+
+
+def arguments_error(what: str, exc: BaseException, args: tuple, kwargs: dict,
+                    encode: Callable[[Any], Any]) -> TypeError:
+    """The error of a call (or spawn) whose arguments could not be encoded (``exc``):
+    what failed, where it lies (``at``: ``encode`` encodes one part), and what to do.
+    Both backends."""
+    deep = too_deep(exc)
+    where = "" if deep else at([*((f"args[{i}]", a) for i, a in enumerate(args)),
+                                *((f"kwargs[{k!r}]", v) for k, v in kwargs.items())],
+                               exc, encode)
+    if isinstance(exc, Unsendable):  # says what to do already
+        return TypeError(f"cannot send the arguments of {what}(): {where}{exc}")
+    hint = f"They are {TOO_DEEP}" if deep else (
+        "Arguments must be picklable (cloudpickle); pass data, not open files, locks or "
+        "sockets.")
+    return TypeError(f"cannot send the arguments of {what}(): "
+                     f"{where}{str(exc).rstrip('.')}. {hint}")
 
 # Encodes tried at most, and how deep the search goes: it runs after a failure only, and
 # each try encodes a whole part again (a large part, a large encode), so it is bounded;
@@ -68,6 +98,24 @@ def culprit_path(roots: Iterable[tuple[str, Any]], message: str,
         else:
             return path  # none of its parts fails as it does: this is the culprit
     return None
+
+
+def at(roots: list[tuple[str, Any]], exc: BaseException, encode: Callable[[Any], Any]) -> str:
+    """``"at <path>, "`` for an error's message: where in a message (its ``roots``, as for
+    ``culprit_path``) lies the part that ``encode`` (one part; raises as it fails) fails
+    on as the whole message failed with ``exc``; ``""`` where that says nothing more
+    (the one root as a whole, or no such part)."""
+    def fails(part: Any) -> str | None:
+        try:
+            encode(part)
+        except PICKLING_FAILURES as e:  # (what the whole message raised, or another)
+            return str(e)
+        return None
+
+    path = culprit_path(roots, str(exc), fails)
+    if path is None or (len(roots) == 1 and path == roots[0][0]):
+        return ""
+    return f"at {path}, "
 
 
 def _parts(x: Any) -> Iterable[tuple[str, Any]]:

@@ -7,6 +7,7 @@ ran out (``SharedMemoryError``, also a ``MemoryError``).
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 __all__ = [
@@ -20,7 +21,16 @@ __all__ = [
     "ProtocolError",
     "ActorGroupError",
     "Unsendable",
+    "PICKLING_FAILURES",
 ]
+
+# What user code run while a message is pickled (a ``__reduce__``, ``__getstate__``,
+# ``__str__``) may raise that fails that message alone: any Exception, and a
+# CancelledError too, which raised there cancels nothing (pickling awaits nothing); left
+# to propagate, it ended the reply or the loop callback that was sending, and the call
+# was never answered. (KeyboardInterrupt and SystemExit stay what they are: the process
+# is interrupted, or exits.)
+PICKLING_FAILURES = (Exception, asyncio.CancelledError)
 
 
 class ActorError(Exception):

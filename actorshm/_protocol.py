@@ -30,8 +30,11 @@ from . import _leases, _results
 from . import _remote_errors as remote_errors
 from ._remote_errors import UNPICKLING_ERRORS, copy_exc, result_undecodable
 from . import _serialization as ser
-from ._errors import ActorDiedError, ProtocolError, undeserializable_arguments
+from ._errors import (PICKLING_FAILURES, ActorDiedError, ProtocolError,
+                      undeserializable_arguments)
 from ._control import CallControl
+from ._culprit import TOO_DEEP, arguments_error, too_deep
+from ._culprit import at as culprit_at
 from ._framing import SMALL_FRAME, FramedSocket, close_fd, run_callbacks
 from ._lease_traffic import LeaseTraffic
 from ._ledger import Ledger
@@ -72,17 +75,6 @@ class Host(Protocol):
     # carried fds) was handled after ``handle_call`` set ``conn.deferred`` (it queued a
     # call until then, ``conn.cancel_behind()`` being true); ``read_cut_short()``, the
     # reads that follow one with fds stopped at their cap, frames maybe left unread.
-
-
-TOO_DEEP = ("nested too deeply to pickle (Python's recursion limit, "
-            "sys.getrecursionlimit()): flatten the data (a list of rows, a numpy array), or "
-            "raise the limit with sys.setrecursionlimit.")
-
-
-def _too_deep(exc: BaseException) -> bool:
-    """Whether pickling failed for want of recursion depth."""
-    return isinstance(exc, RecursionError) or \
-        isinstance(exc.__cause__ or exc.__context__, RecursionError)
 
 
 class Connection(CallControl, LeaseTraffic, FramedSocket):
@@ -246,21 +238,11 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         except ser.MessageTooBig as exc:  # says what to do already
             raise TypeError(f"cannot send the arguments of {what or method}(): {exc}") \
                 from exc
-        except Exception as exc:
-            deep = _too_deep(exc)
-            where = "" if deep else ser.unsendable_at(
-                [*((f"args[{i}]", a) for i, a in enumerate(args)),
-                 *((f"kwargs[{k!r}]", v) for k, v in kwargs.items())], exc, self)
-            if isinstance(exc, ser.Unsendable):  # says what to do already
-                raise TypeError(f"cannot send the arguments of {what or method}(): "
-                                f"{where}{exc}") from exc
-            if deep:
-                hint = f"They are {TOO_DEEP}"
-            else:
-                hint = ("Arguments must be picklable (cloudpickle); pass data, not open "
-                        "files, locks or sockets.")
-            raise TypeError(f"cannot send the arguments of {what or method}(): "
-                            f"{where}{str(exc).rstrip('.')}. {hint}") from exc
+        except PICKLING_FAILURES as exc:
+            if method == "__init_actor__":  # (class, args, kwargs, config): the user's
+                args, kwargs = args[1], args[2]  # are the spawn's arguments
+            raise arguments_error(what or method, exc, args, kwargs,
+                                  lambda part: ser.encode_part(part, self)) from exc
         cid = self._next_id
         self._next_id = cid + 1
         self.ledger.commit(enc, self)
@@ -334,11 +316,11 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         except MemoryError as exc:  # out of shared memory: the caller gets it as it is
             self.reply_error(cid, exc)
             return
-        except Exception as exc:
+        except PICKLING_FAILURES as exc:
             mistake = ser.result_mistake(value)
-            deep = _too_deep(exc)
-            where = "" if deep or mistake else ser.unsendable_at([("result", value)], exc,
-                                                                  self)
+            deep = too_deep(exc)
+            where = "" if deep or mistake else \
+                culprit_at([("result", value)], exc, lambda part: ser.encode_part(part, self))
             if mistake is not None:
                 exc = TypeError(mistake)
             err = TypeError(f"the result of {what or 'the call'} cannot be sent back: "
@@ -376,7 +358,8 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             self._wait_before_reply(cid)
         try:
             self._send(ERROR, 0, cid, remote_errors.encode_exception(exc), ())
-        except Exception as err:
+        except BaseException as err:  # (its pickling raised even KeyboardInterrupt: its
+            # text goes, as on Ray, not that, which ended the actor as if interrupted)
             logger.exception("actorshm: the error reply of a call to %s could not be sent",
                              self.label)
             self._send(ERROR, 0, cid, remote_errors.encode_failure(exc, err), ())

@@ -28,7 +28,8 @@ from ._client import ThreadCallFuture
 from ._results import (CallFuture, DependencyFailed, fail_not_made, futures_in, not_made,
                        with_results)
 from ._errors import ActorDiedError, class_not_loaded
-from ._ray_errors import check_args, outcome, pickling_failed, translate, unavailable_error
+from ._ray_errors import (arguments_unsent, check_args, outcome, pickling_failed, translate,
+                          unavailable_error)
 from ._ray_host import Host, register_reducers, simple
 from ._ray_order import CallOrder, end_actor, fail_on_its_loop, ray_up
 from ._ray_placement import await_ready, check_feasible, requested
@@ -488,13 +489,9 @@ class RayClient(CallOrder):
                     opened[seq] = None
                     self._seqs[actor_id.key] = seq + 1
             return ref, seq
-        except TypeError as exc:
-            raise TypeError(f"{what}(): an argument cannot be serialized, nothing was "
-                            f"sent: {exc}") from exc
         except Exception as exc:
-            if pickling_failed(exc):  # (an argument's ``__reduce__`` raised, say)
-                raise TypeError(f"{what}(): an argument cannot be serialized, nothing "
-                                f"was sent: {exc}") from exc
+            if isinstance(exc, TypeError) or pickling_failed(exc):  # (an argument's
+                raise arguments_unsent(exc, what, args, kwargs) from exc  # __reduce__ raised)
             raise
 
     def _call_from_thread(self, actor_id, method, args, kwargs, what):
@@ -752,17 +749,15 @@ class RayClient(CallOrder):
         what = f"{cls.__qualname__}.spawn"
         req = requested(options.num_cpus, options.num_gpus)
         check_feasible(ray, cls.__qualname__, req, self.fixed_cluster)
+        check_args(args, kwargs, what)  # (as a call's: what Ray would let through silently)
         try:
             meta = (cls.__qualname__, methods, streams, options.max_pending_calls,
                     options.max_restarts)
             handle = self._remote_host.options(**opts).remote(
                 cls, args, kwargs, options.max_concurrency, get_client, meta)
-        except TypeError as exc:
-            raise TypeError(f"{what}(): an argument cannot be serialized: {exc}") from exc
         except Exception as exc:
-            if pickling_failed(exc):  # (an argument's ``__reduce__`` raised, say)
-                raise TypeError(f"{what}(): an argument cannot be serialized: {exc}") \
-                    from exc
+            if isinstance(exc, TypeError) or pickling_failed(exc):  # (an argument's
+                raise arguments_unsent(exc, what, args, kwargs) from exc  # __reduce__ raised)
             if isinstance(exc, ValueError) and options.name is not None and \
                     "already" in str(exc):
                 raise ValueError(f"an actor named {options.name!r} already exists; "

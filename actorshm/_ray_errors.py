@@ -16,14 +16,17 @@ import types
 import warnings
 from typing import Any
 
+import cloudpickle
+
 from . import _shm
+from ._culprit import arguments_error
 from ._errors import ActorDiedError, RemoteError, RemoteTraceback, undeserializable_arguments
 from ._remote_errors import decode_exception
 from ._serialization import (FILE_TYPES, PROCESS_BOUND, THREAD_FUTURE, refuse_file,
                              refuse_process_bound, result_mistake)
 
 __all__ = ["check_args", "check_result", "translate", "outcome", "unavailable_error",
-           "died", "pickling_failed"]
+           "died", "pickling_failed", "arguments_unsent"]
 
 
 def died(exc: BaseException, what: str) -> ActorDiedError:
@@ -53,6 +56,23 @@ def pickling_failed(exc: BaseException) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+_RAY_REPORT = "could not serialize the argument"
+_RAY_FAIL = re.compile(r"FAIL serialization: (.*)")
+
+
+def arguments_unsent(exc: BaseException, what: str, args: tuple, kwargs: dict) -> TypeError:
+    """The ``TypeError`` of a call or spawn whose arguments Ray could not serialize, as
+    the local backend words it (what pickling raised, where in the arguments, what to
+    do), not Ray's report on its whole payload, internal names and all."""
+    inner = exc
+    while inner.__cause__ is not None and _RAY_REPORT in str(inner).lower():
+        inner = inner.__cause__  # (Ray raises its report from pickling's own error)
+    if _RAY_REPORT in str(inner).lower():
+        found = _RAY_FAIL.search(str(inner))
+        inner = TypeError(found.group(1).strip() if found else "it cannot be pickled")
+    return arguments_error(what, inner, args, kwargs, cloudpickle.dumps)
 
 
 _UNCOMPUTED = "input arguments for this task could not be computed"

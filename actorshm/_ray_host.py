@@ -36,6 +36,7 @@ from ._ray_loop import TaskWatch
 from ._ray_watched import Watched
 from ._remote_errors import call_caught
 from ._remote_errors import encode_exception as _encode_exception
+from ._remote_errors import encode_failure
 from ._streams import CANCELLED_BY_CALLER, STREAM_DONE, chain, next_caught, reentrant_error
 
 # How long after a result was handed to Ray a sync method's first run waits (for Ray's
@@ -72,7 +73,12 @@ def encode_exception(exc: BaseException) -> bytes:
     """An error reply's exception, pickled as Ray pickled the actor's class (Ray's copy of
     cloudpickle): a class from the caller's ``__main__`` is the caller's own there."""
     from ray import cloudpickle  # (this module runs in Ray's workers only)
-    return _encode_exception(exc, cloudpickle.dumps)
+    try:
+        return _encode_exception(exc, cloudpickle.dumps)
+    except BaseException as why:  # its own pickling raised KeyboardInterrupt, SystemExit:
+        # its text, not that (left to Ray, the call failed as cancelled, with Ray's
+        # internal names, and the actor answered no call again)
+        return encode_failure(exc, why)
 
 
 def pack(pair: tuple) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 
 import cloudpickle
 
-from ._errors import ProtocolError, RemoteError, RemoteTraceback
+from ._errors import PICKLING_FAILURES, ProtocolError, RemoteError, RemoteTraceback
 from ._util import leave_if_forked, pipe_end
 from ._wire import MAX_MESSAGE
 
@@ -68,10 +68,10 @@ def encode_exception(exc: BaseException, dumps=cloudpickle.dumps) -> bytes:
             small = t(msg)
             if type(small) is not t or _text(small) != msg:
                 raise TypeError(msg)
-        except Exception:  # its __init__ takes no message, or formats it again
+        except PICKLING_FAILURES:  # its __init__ takes no message, or formats it again
             try:
                 small = _rebuild_exception(t, (msg,), None)
-            except Exception:
+            except PICKLING_FAILURES:
                 small = None
         blob = None if small is None else _pickle_exception(small, dumps, msg)
         if blob is not None and len(blob) > _BRIEF * 2:
@@ -84,7 +84,7 @@ def encode_exception(exc: BaseException, dumps=cloudpickle.dumps) -> bytes:
 def _text(exc: BaseException) -> str:
     try:
         return str(exc)
-    except Exception:
+    except PICKLING_FAILURES:
         return "<unprintable exception>"
 
 
@@ -97,17 +97,17 @@ def _pickle_exception(exc: BaseException, dumps, msg: str) -> bytes | None:
         return None
     try:
         blob = dumps(exc, protocol=5)
-    except Exception:  # its type or an attribute does not pickle, or its __reduce__ fails
-        blob = None
+    except PICKLING_FAILURES:  # its type or an attribute does not pickle, or its reduce
+        blob = None  # fails
     if blob is not None and _rebuilds(blob, exc, msg):
         return blob
     try:
         return dumps(_ByState(exc, dumps), protocol=5)
-    except Exception:
+    except PICKLING_FAILURES:
         pass
     try:  # a slot's value (say, AttributeError.obj) does not pickle: without the slots
         return dumps(_ByState(exc, dumps, slots=False), protocol=5)
-    except Exception:
+    except PICKLING_FAILURES:
         return None
 
 
@@ -119,7 +119,7 @@ def _holds_a_pipe_end(exc: BaseException) -> bool:
     and results with one are refused (``_serialization.refuse_connection``)."""
     try:
         items = [*exc.args, *vars(exc).values()]
-    except Exception:
+    except PICKLING_FAILURES:
         return False
     for x in list(items):
         if type(x) in (list, tuple):
@@ -137,13 +137,13 @@ def _rebuilds(blob: bytes, exc: BaseException, msg: str) -> bool:
     decides what it comes back as: for it, only that it loads is checked."""
     try:
         back = pickle.loads(blob)
-    except Exception:
+    except PICKLING_FAILURES:
         return False
     if not _default_reduce(type(exc)):
         return True
     try:
         return type(back) is type(exc) and str(back) == msg
-    except Exception:
+    except PICKLING_FAILURES:
         return False
 
 

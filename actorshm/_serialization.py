@@ -43,7 +43,6 @@ from . import _encoding, _leases, _results, _shm
 from ._encoding import (SCALARS, Encoding, MessageTooBig, add_fd, add_wait, arena_fd,
                         check_size)
 from ._flat import decode_flat, encode_flat
-from ._culprit import culprit_path
 from ._inband import dtype_token, in_band, inline_array, rebuild_inline
 from ._errors import ProtocolError, SharedMemoryError, Unsendable
 from ._util import pipe_end
@@ -252,26 +251,16 @@ def result_mistake(value: Any) -> str | None:
     return None
 
 
-def unsendable_at(roots: list, exc: BaseException, conn) -> str:
-    """``"at <path>, "``: where in a message (its ``roots``, ``(name, part)`` pairs) lies
-    the part whose encoding for ``conn`` raised ``exc`` (``_culprit``), or ``""`` where
-    that says nothing more (the one root as a whole, or not found). Error path only: it
-    encodes the parts again, committing nothing."""
-    def fails(part):
-        if type(part) is _ndarray and not part.dtype.hasobject:
-            return None  # (a plain array always travels: no copy made to learn that)
-        try:
-            encode(part, conn)
-        except (_results.Unfinished, _results.DependencyFailed, MemoryError):
-            return None
-        except Exception as e:  # (what the whole message raised, or another error)
-            return str(e)
-        return None
-
-    path = culprit_path(roots, str(exc), fails)
-    if path is None or (len(roots) == 1 and path == roots[0][0]):
-        return ""
-    return f"at {path}, "
+def encode_part(part: Any, conn) -> None:
+    """Encode one part of a message that failed to encode, for ``_culprit`` (which asks
+    where the failure lies); raises as that fails. Error path only: nothing is
+    committed, and a plain array is not copied to learn that it travels."""
+    if type(part) is _ndarray and not part.dtype.hasobject:
+        return
+    try:
+        encode(part, conn)
+    except (_results.Unfinished, _results.DependencyFailed, MemoryError):
+        pass  # (not a part that cannot be sent)
 
 
 # cloudpickle (3.1 on) names the file of every code object it sends by value

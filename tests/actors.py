@@ -576,6 +576,21 @@ class Caller:
         return self.other.slow_record(k, 0.5)  # (forgot to await it)
 
 
+class CancelsPickling:
+    def __reduce__(self):
+        raise asyncio.CancelledError("a __reduce__ raised CancelledError")
+
+
+class CancelsPicklingError(Exception):
+    def __reduce__(self):
+        raise asyncio.CancelledError("a __reduce__ raised CancelledError")
+
+
+class InterruptsPicklingError(Exception):
+    def __reduce__(self):
+        raise KeyboardInterrupt("a __reduce__ raised KeyboardInterrupt")
+
+
 class Box:
     """An object that pickles as its ``__dict__``."""
 
@@ -677,6 +692,22 @@ class Arrays:
     def unsendable_items(self):
         yield 1
         yield {"ok": 1, "rows": [2, Box(threading.Lock())]}
+
+    def cancels_pickling(self, what):
+        """A result, or an error, whose pickling raises CancelledError (KeyboardInterrupt:
+        ``what`` "interrupt")."""
+        if what == "error":
+            raise CancelsPicklingError("raised")
+        if what == "interrupt":
+            raise InterruptsPicklingError("raised")
+        return CancelsPickling()
+
+    async def cancels_pickling_async(self):
+        return CancelsPickling()
+
+    def cancels_pickling_items(self):
+        yield 1
+        yield CancelsPickling()
 
     async def make_and_lend(self, others, n, value):
         """A new array, lent to each of ``others`` (actor to actor) and returned."""

@@ -87,6 +87,29 @@ async def test_what_cannot_be_sent_is_named_by_where_it_lies(rt):
     await until(lambda: actorshm.stats()["blocks_live"] == 0)  # the searches kept nothing
 
 
+async def test_a_cancelled_error_raised_while_pickling_fails_that_message_alone(rt):
+    # Raised by a __reduce__, it cancels nothing: the actor sent no reply (sync and async
+    # methods, errors) and stopped answering; an argument raised it from the call.
+    from actors import CancelsPickling
+    a = await Arrays.spawn()
+    pid = a.pid
+    with pytest.raises(TypeError, match=r"cannot send the arguments of Arrays.echo\(\): a "
+                                        r"__reduce__ raised CancelledError"):
+        a.echo(CancelsPickling())
+    for call in (lambda: a.cancels_pickling("result"), a.cancels_pickling_async):
+        with pytest.raises(TypeError, match="cannot be sent back: a __reduce__ raised"):
+            await asyncio.wait_for(call(), 30)
+        assert await asyncio.wait_for(a.echo(1), 30) == 1
+    with pytest.raises(Exception) as info:  # (sent by its state: its own type or a
+        await asyncio.wait_for(a.cancels_pickling("error"), 30)  # RemoteError)
+    assert "raised" in str(info.value) and not isinstance(info.value, TimeoutError)
+    with pytest.raises(TypeError, match="an item of Arrays.cancels_pickling_items cannot "
+                                        "be sent: a __reduce__ raised"):
+        async for _ in a.cancels_pickling_items():
+            pass
+    assert await asyncio.wait_for(a.echo(2), 30) == 2 and a.pid == pid
+
+
 @pytest.mark.parametrize("mode", ["r", "rb", "w", "r+b"])
 async def test_an_open_file_argument_is_refused_with_what_to_pass(rt, tmp_path, mode):
     path = tmp_path / "data.txt"

@@ -586,6 +586,41 @@ async def test_unserializable_argument_is_a_type_error_before_sending(art):
     with pytest.raises(TypeError):
         c.echo(threading.Lock())
     assert await c.incr() == 1
+    # Worded alike on both backends: what pickling refused, where it lies, what to do
+    # (on Ray, not its report on the whole payload with the host's internal names)
+    fix = r"cannot pickle '_thread.lock' object\. Arguments must be picklable.*pass data"
+    with pytest.raises(TypeError, match=r"^cannot send the arguments of Counter.echo\(\): at "
+                                        r"args\[0\]\['s'\]\[1\], " + fix) as info:
+        c.echo({"s": [1, threading.Lock()]})
+    assert "_ray_host" not in str(info.value) and len(str(info.value)) < 300
+    with pytest.raises(TypeError, match=r"^cannot send the arguments of Counter\.(__init__|"
+                                        r"spawn)\(\): at kwargs\['start'\]\[0\], " + fix):
+        await Counter.spawn(start=[threading.Lock()])
+    assert await c.incr() == 2
+
+
+async def test_an_error_whose_pickling_raises_keyboard_interrupt_comes_back_as_text(art):
+    # (on Ray the call failed as cancelled, naming Ray's internals, and the actor never
+    # answered again)
+    a = await Arrays.spawn()
+    pid = a.pid
+    with pytest.raises(actorshm.RemoteError, match=r"InterruptsPicklingError: raised"):
+        await asyncio.wait_for(a.cancels_pickling("interrupt"), 60)
+    assert await asyncio.wait_for(a.echo(3), 60) == 3 and a.pid == pid
+
+
+async def test_spawn_arguments_are_checked_as_a_calls_are(art):
+    # (on Ray a spawn's arguments went unchecked: a tensor in an autograd graph arrived
+    # as a leaf, its graph silently dropped; an open file as a StringIO)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"cannot send the arguments of Counter\.(__init__|"
+                                        r"spawn)\(\): a tensor that requires grad.*detach"):
+        await Counter.spawn(torch.ones(2, requires_grad=True) * 2)
+    with open(__file__) as f:
+        with pytest.raises(TypeError, match=r"the open file .* cannot be sent.*path"):
+            await Counter.spawn(f)
+    c = await Counter.spawn(torch.ones(2, requires_grad=True))  # a leaf goes
+    assert await c.echo(5) == 5
 
 
 class RefusesPickling:
