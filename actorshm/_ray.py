@@ -768,7 +768,7 @@ class RayClient(CallOrder):
             # where it runs, asked now, while it answers (``kill``)
             where = handle.probe.options(concurrency_group="control").remote("where")
             named = await self._names_work(handle)
-            outcome = await await_ready(ready, ray, f"{what}()", req)
+            outcome = await await_ready(ready, ray, f"{what}()", req, handle._actor_id.hex())
             try:
                 where = await asyncio.wait_for(where, 5)
             except Exception:  # (then kill() never forces it)

@@ -2687,6 +2687,27 @@ async def test_a_spawn_waiting_for_busy_cpus_says_so_and_starts_once_they_are_fr
         assert await c.incr(1) == 8
 
 
+async def test_a_spawn_whose_process_cannot_start_says_so(ray_session, monkeypatch, caplog):
+    # (Ray tries again and again to start a process that fails at once, saying so only
+    # in the raylet's log: the spawn waited in silence; locally it fails at once)
+    from actorshm import _ray_placement
+    monkeypatch.setattr(_ray_placement, "WARN_AFTER", 0.5)
+    caplog.set_level("WARNING", logger="actorshm")
+    async with actorshm.Runtime(backend="ray"):
+        spawn = asyncio.ensure_future(
+            Counter.options(env={"PYTHONHOME": "/nonexistent"}).spawn(0))
+        deadline = time.monotonic() + 30
+        while "has waited" not in caplog.text and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert "Counter.spawn() has waited" in caplog.text
+        assert "no process runs it yet" in caplog.text and "PYTHONHOME" in caplog.text
+        assert not spawn.done()
+        spawn.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await spawn
+        assert await (await Counter.spawn(3)).incr(1) == 4  # others start as ever
+
+
 INFEASIBLE_SCRIPT = textwrap.dedent("""
     import os, sys, time
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
