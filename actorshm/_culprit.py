@@ -112,7 +112,10 @@ def at(roots: list[tuple[str, Any]], exc: BaseException, encode: Callable[[Any],
             return str(e)
         return None
 
-    path = culprit_path(roots, str(exc), fails)
+    try:
+        path = culprit_path(roots, str(exc), fails)
+    except PICKLING_FAILURES:  # (the parts' own code: a dict's items(), a property)
+        path = None  # the error goes as it is, without a path
     if path is None or (len(roots) == 1 and path == roots[0][0]):
         return ""
     return f"at {path}, "

@@ -87,6 +87,34 @@ async def test_what_cannot_be_sent_is_named_by_where_it_lies(rt):
     await until(lambda: actorshm.stats()["blocks_live"] == 0)  # the searches kept nothing
 
 
+class _NoDict:
+    def __init__(self):
+        object.__setattr__(self, "x", __import__("threading").Lock())
+
+    def __getattribute__(self, name):
+        if name == "__dict__":
+            raise RuntimeError("no __dict__ here")
+        return object.__getattribute__(self, name)
+
+
+def test_the_search_for_where_is_bounded_and_never_replaces_the_error():
+    import threading
+    import cloudpickle
+    from actorshm._culprit import at
+    lock = threading.Lock()
+    cyclic = [1]
+    cyclic += [cyclic, lock]  # (every level fails alike: the search stops at its bound)
+    for root in (_NoDict(), cyclic):
+        with pytest.raises(Exception) as info:
+            cloudpickle.dumps(root)
+        assert at([("args[0]", root), ("args[1]", 2)], info.value, cloudpickle.dumps) == ""
+    deep = {"a": [0] * 1000 + [{"b": (1, lock)}]}
+    with pytest.raises(TypeError) as info:
+        cloudpickle.dumps(deep)
+    assert at([("args[0]", 1), ("args[1]", deep)], info.value, cloudpickle.dumps) == \
+        "at args[1]['a'][1000]['b'][1], "
+
+
 async def test_a_cancelled_error_raised_while_pickling_fails_that_message_alone(rt):
     # Raised by a __reduce__, it cancels nothing: the actor sent no reply (sync and async
     # methods, errors) and stopped answering; an argument raised it from the call.
