@@ -3,13 +3,18 @@
 
 Pickling stops at the first object it cannot take and says only what that object is
 ("cannot pickle '_thread.lock' object"); in a dict of lists of objects a user is left to
-guess which one. On that error path only, the parts of the message are encoded again one
+guess which one. On that error path only, the parts of the message are pickled again one
 by one, in the order pickling took them, going down into the first part that fails the
-same way until none of its own parts does: that part is the culprit.
+same way until none of its own parts does: that part is the culprit. The encoder tries
+them with nothing done (``_serialization.encode_part``: no copies into shared memory,
+nothing counted); a part's own ``__reduce__`` runs again, once for each level of the
+path. The search is bounded in tries, depth and time: past a bound, the error says what
+failed without where.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterable
 
 from ._errors import PICKLING_FAILURES, Unsendable
@@ -44,11 +49,13 @@ def arguments_error(what: str, exc: BaseException, args: tuple, kwargs: dict,
     return TypeError(f"cannot send the arguments of {what}(): "
                      f"{where}{str(exc).rstrip('.')}. {hint}")
 
+
 # Encodes tried at most, and how deep the search goes: it runs after a failure only, and
 # each try encodes a whole part again (a large part, a large encode), so it is bounded;
 # past a bound the error is raised without a path, as before.
 MAX_TRIES = 300
 MAX_DEPTH = 32
+MAX_SECONDS = 0.25  # (parts that share one big object each pickle it again)
 
 _ATOMS = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None)})
 _DEFAULT_STATE = getattr(object, "__getstate__", None)  # (Python 3.11 on)
@@ -71,10 +78,14 @@ def culprit_path(roots: Iterable[tuple[str, Any]], message: str,
         message, or the search ran past its bounds.
     """
     tries = 0
+    give_up = time.perf_counter() + MAX_SECONDS
 
     def same(x: Any) -> bool:
         nonlocal tries
         tries += 1
+        if time.perf_counter() > give_up:
+            tries = MAX_TRIES
+            return False
         return fails(x) == message
 
     path = None

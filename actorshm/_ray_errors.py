@@ -16,14 +16,12 @@ import types
 import warnings
 from typing import Any
 
-import cloudpickle
-
 from . import _shm
 from ._culprit import arguments_error
 from ._errors import ActorDiedError, RemoteError, RemoteTraceback, undeserializable_arguments
 from ._remote_errors import decode_exception
-from ._serialization import (FILE_TYPES, PROCESS_BOUND, THREAD_FUTURE, refuse_file,
-                             refuse_process_bound, result_mistake)
+from ._serialization import (FILE_TYPES, PROCESS_BOUND, THREAD_FUTURE, encode_part,
+                             refuse_file, refuse_process_bound, result_mistake)
 
 __all__ = ["check_args", "check_result", "translate", "outcome", "unavailable_error",
            "died", "pickling_failed", "arguments_unsent"]
@@ -72,7 +70,7 @@ def arguments_unsent(exc: BaseException, what: str, args: tuple, kwargs: dict) -
     if _RAY_REPORT in str(inner).lower():
         found = _RAY_FAIL.search(str(inner))
         inner = TypeError(found.group(1).strip() if found else "it cannot be pickled")
-    return arguments_error(what, inner, args, kwargs, cloudpickle.dumps)
+    return arguments_error(what, inner, args, kwargs, encode_part)
 
 
 _UNCOMPUTED = "input arguments for this task could not be computed"

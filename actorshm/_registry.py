@@ -30,9 +30,12 @@ _flat_holes: dict[type, Any] = {}
 _flat_makers: set = set()
 # Type -> ``check(obj)``: whether a plug-in's object lies in shared memory (``is_shared``).
 _shared_checks: dict[type, Any] = {}
+# Type -> ``check(obj)``: raises as its reducer refuses ``obj``, doing nothing else
+# (``register_reducer``'s ``check``; the search for where a part that cannot be sent lies).
+_sendable_checks: dict[type, Any] = {}
 
 
-def register_reducer(cls: type, reducer) -> None:
+def register_reducer(cls: type, reducer, check=None) -> None:
     """Send instances of ``cls`` (and its subclasses) with ``reducer``.
 
     ``reducer(enc, obj)`` returns a pickle reduce value ``(callable, args)``, or
@@ -48,6 +51,10 @@ def register_reducer(cls: type, reducer) -> None:
     Args:
         cls: the type, exactly as the plug-in's library defines it.
         reducer: called as ``reducer(enc, obj)`` for every such object in a message.
+        check: optional, ``check(obj)`` raises as ``reducer`` refuses ``obj`` (an
+            ``Unsendable`` that says what to send instead) and does nothing else: where
+            a message could not be sent, it says which such object was refused, without
+            copying any (``_culprit``).
 
     Raises:
         TypeError: ``cls`` is not a type, or ``reducer`` is not callable.
@@ -55,7 +62,18 @@ def register_reducer(cls: type, reducer) -> None:
     if not isinstance(cls, type) or not callable(reducer):
         raise TypeError("register_reducer(cls, reducer) needs a type and a callable")
     _reducers[cls] = reducer
+    if check is not None:
+        _sendable_checks[cls] = check
     _not_reduced.clear()
+
+
+def plugin_check(t: type):
+    """The ``check`` registered with the reducer of ``t`` or a base class of it, or None."""
+    for base in t.__mro__:
+        check = _sendable_checks.get(base)
+        if check is not None:
+            return check
+    return None
 
 
 def register_flat(cls: type, hole, maker) -> None:

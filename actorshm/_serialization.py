@@ -55,7 +55,7 @@ __all__ = ["encode", "encode_plain_call", "decode", "Unsendable", "MessageTooBig
            "FILE_TYPES", "refuse_file", "refuse_process_bound", "PROCESS_BOUND"]
 
 from ._registry import (_OPENERS, _flat_holes, _lazy_plugins,  # noqa: F401
-                        _not_reduced, _plugin_reducer, _reducers, register_flat,
+                        _not_reduced, _plugin_reducer, _reducers, plugin_check, register_flat,
                         register_lazy_plugin, register_reducer, register_region_kind,
                         register_shared_check)
 
@@ -251,18 +251,6 @@ def result_mistake(value: Any) -> str | None:
     return None
 
 
-def encode_part(part: Any, conn) -> None:
-    """Encode one part of a message that failed to encode, for ``_culprit`` (which asks
-    where the failure lies); raises as that fails. Error path only: nothing is
-    committed, and a plain array is not copied to learn that it travels."""
-    if type(part) is _ndarray and not part.dtype.hasobject:
-        return
-    try:
-        encode(part, conn)
-    except (_results.Unfinished, _results.DependencyFailed, MemoryError):
-        pass  # (not a part that cannot be sent)
-
-
 # cloudpickle (3.1 on) names the file of every code object it sends by value
 # "<dynamic-code>", so that a remote traceback through an actor class of the driver's
 # script showed no file and no source line. Its file is kept here: on this one machine
@@ -316,6 +304,52 @@ class _Encoder(_Encoding, cloudpickle.Pickler):
             if r is not None:
                 return r(self, obj)
         return super().reducer_override(obj)
+
+
+class _Discard:
+    """A file that keeps nothing (``_Probe``)."""
+
+    @staticmethod
+    def write(data) -> int:
+        return len(data)
+
+
+_DISCARD = _Discard()
+
+
+def _placeholder() -> None:
+    return None
+
+
+class _Probe(_Encoder):
+    """Pickles a part of a message that could not be sent, to learn whether that part
+    fails too (``encode_part``), doing nothing but pickling it: arrays and plug-in types
+    (tensors) go as placeholders, not copied anywhere (a plug-in's ``check``, where it
+    registered one, still refuses what its reducer refuses); nothing is leased, counted,
+    spilled or waited for, and what it pickles is not kept."""
+
+    def array(self, obj):
+        return None if obj.dtype.hasobject else (_placeholder, ())  # (None: its items)
+
+    def reducer_override(self, obj):
+        if (_reducers or _lazy_plugins) and not isinstance(obj, _ndarray):
+            t = type(obj)
+            if _plugin_reducer(t) is not None:
+                check = plugin_check(t)
+                if check is not None:
+                    check(obj)
+                return _placeholder, ()
+        return super().reducer_override(obj)
+
+
+def encode_part(part: Any, conn=None) -> None:
+    """Pickle one part of a message that could not be sent, as it would be sent (on
+    ``conn``) but with nothing done (``_Probe``), for ``_culprit``, which asks where the
+    failure lies; raises as that part fails."""
+    try:
+        _Probe(_DISCARD, conn).dump(part)
+    except (_results.Unfinished, _results.DependencyFailed):
+        pass  # (a call's result as an argument: not a part that cannot be sent)
 
 
 class _ArrayEncoder(_Encoding, pickle.Pickler):

@@ -599,10 +599,11 @@ def _refuse_script_module(enc, m):
         "it in the actor, or torch.jit.save it to a file and torch.jit.load it there")
 
 
-_serialization.register_reducer(torch.Tensor, _reduce_tensor)
+_serialization.register_reducer(torch.Tensor, _reduce_tensor, check_sendable)
 _serialization.register_reducer(torch.UntypedStorage, _reduce_storage)
 _serialization.register_reducer(torch.TypedStorage, _reduce_storage)
-_serialization.register_reducer(torch.jit.ScriptModule, _refuse_script_module)
+_serialization.register_reducer(torch.jit.ScriptModule, _refuse_script_module,
+                                lambda m: _refuse_script_module(None, m))
 for _kind in (torch.Tensor, _Parameter):
     _serialization.register_flat(_kind, _tensor_hole, _flat_tensor)
 _serialization.register_shared_check(torch.Tensor, tensor_is_shared)

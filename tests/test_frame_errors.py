@@ -62,9 +62,15 @@ async def test_what_cannot_be_sent_is_named_by_where_it_lies(rt):
     torch = pytest.importorskip("torch")
     a = await Arrays.spawn()
     big = np.ones(1 << 18)  # (an ordinary array before it: copied, and let go again)
+    before = actorshm.stats()
     with pytest.raises(TypeError, match=r"Arrays.unsendable_with\(\): at args\[1\]\['h'\]"
-                                        r"\[0\]\.x, cannot pickle '_thread.lock' object"):
-        a.unsendable_with(big, {"h": [Box(threading.Lock())]})
+                                        r"\[1\]\.x, cannot pickle '_thread.lock' object"):
+        a.unsendable_with([big, list(range(300_000))], {"h": [big, Box(threading.Lock())]})
+    # The search pickles the parts with nothing done: no copy counted, nothing spilled,
+    # as for any message that was not sent
+    after = actorshm.stats()
+    for key in ("bytes_copied", "arrays_copied", "messages_spilled", "bytes_spilled"):
+        assert after[key] == before[key], key
     with pytest.raises(TypeError, match=r"at kwargs\['b'\]\[1\], a tensor that requires "
                                         r"grad and is not a leaf.*detach"):
         a.unsendable_with(1, b=(1, torch.ones(2, requires_grad=True) * 2))
