@@ -567,17 +567,18 @@ def watch_for_room(loop, shared: SharedBudget | None = None) -> None:
     loop.call_later(ROOM_POLL, watch_for_room, loop, shared)
 
 
-def join_budget(ticket: tuple | None) -> None:
+def join_budget(ticket: tuple | None, loop: asyncio.AbstractEventLoop) -> None:
     """In an actor: charge this process's arenas to its runtime's shared budget.
 
     Args:
         ticket: ``(fd, slot)`` from the driver (the memfd received, the slot it gave
             this process), or None to keep a budget of its own.
+        loop: the actor's event loop, which watches the budget for room.
     """
     if ticket is not None:
         fd, slot = ticket
         pool().join(SharedBudget(fd), slot)
-        watch_for_room(asyncio.get_event_loop())
+        watch_for_room(loop)
 
 
 def empty(shape, dtype=float, order: str = "C") -> np.ndarray:

@@ -682,7 +682,8 @@ class Worker(StreamingClient):
         self.max_concurrency = config["max_concurrency"]
         self.shutdown_grace = config.get("shutdown_grace", 2.0)
         _shm.set_budget(config.get("shm_budget"))
-        _shm.join_budget(config.get("shm_ledger"))  # the budget shared with the runtime
+        # (the budget shared with the runtime)
+        _shm.join_budget(config.get("shm_ledger"), self.loop)
         if config.get("probe") is not None:
             serve_probe(config["probe"], self)
         from ._actor import public_methods
