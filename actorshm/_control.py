@@ -14,7 +14,7 @@ from typing import Any
 from . import _results
 from . import _serialization as ser
 from ._culprit import at as culprit_at
-from ._errors import PICKLING_FAILURES, ProtocolError
+from ._errors import REPLY_PICKLING_FAILURES, ProtocolError
 from ._remote_errors import UNPICKLING_ERRORS
 from ._wire import CANCEL, CREDIT, ITEM, LEN
 
@@ -97,8 +97,9 @@ class CallControl:
             payload, fds, enc, flags = ser.encode(value, self)
         except MemoryError:  # out of shared memory: as it is
             raise
-        except PICKLING_FAILURES as exc:
-            where = culprit_at([("item", value)], exc, lambda part: ser.encode_part(part, self))
+        except REPLY_PICKLING_FAILURES as exc:
+            where = culprit_at([("item", value)], exc, lambda part: ser.encode_part(part, self),
+                               REPLY_PICKLING_FAILURES)
             raise TypeError(f"an item of {what or 'the stream'} cannot be sent: {where}{exc}") \
                 from exc
         self.ledger.commit(enc, self)

@@ -111,21 +111,23 @@ def culprit_path(roots: Iterable[tuple[str, Any]], message: str,
     return None
 
 
-def at(roots: list[tuple[str, Any]], exc: BaseException, encode: Callable[[Any], Any]) -> str:
+def at(roots: list[tuple[str, Any]], exc: BaseException, encode: Callable[[Any], Any],
+       failures: tuple = PICKLING_FAILURES) -> str:
     """``"at <path>, "`` for an error's message: where in a message (its ``roots``, as for
     ``culprit_path``) lies the part that ``encode`` (one part; raises as it fails) fails
     on as the whole message failed with ``exc``; ``""`` where that says nothing more
-    (the one root as a whole, or no such part)."""
+    (the one root as a whole, or no such part). ``failures``: what the pickling code may
+    raise that fails a part (``_errors.REPLY_PICKLING_FAILURES`` in an actor)."""
     def fails(part: Any) -> str | None:
         try:
             encode(part)
-        except PICKLING_FAILURES as e:  # (what the whole message raised, or another)
+        except failures as e:  # (what the whole message raised, or another)
             return str(e)
         return None
 
     try:
         path = culprit_path(roots, str(exc), fails)
-    except PICKLING_FAILURES:  # (the parts' own code: a dict's items(), a property)
+    except failures:  # (the parts' own code: a dict's items(), a property)
         path = None  # the error goes as it is, without a path
     if path is None or (len(roots) == 1 and path == roots[0][0]):
         return ""

@@ -22,6 +22,7 @@ __all__ = [
     "ActorGroupError",
     "Unsendable",
     "PICKLING_FAILURES",
+    "REPLY_PICKLING_FAILURES",
 ]
 
 # What user code run while a message is pickled (a ``__reduce__``, ``__getstate__``,
@@ -31,6 +32,11 @@ __all__ = [
 # was never answered. (KeyboardInterrupt and SystemExit stay what they are: the process
 # is interrupted, or exits.)
 PICKLING_FAILURES = (Exception, asyncio.CancelledError)
+# And in an actor, which leaves Ctrl-C to the driver (its SIGINT handler does nothing,
+# ``_util.leave_ctrl_c_to_the_driver``), a KeyboardInterrupt raised while its result or
+# stream item is pickled was raised by that pickling code too: it fails that reply
+# (raised on, the actor ended as "killed by SIGINT" when no signal was sent).
+REPLY_PICKLING_FAILURES = (*PICKLING_FAILURES, KeyboardInterrupt)
 
 
 class ActorError(Exception):

@@ -23,6 +23,7 @@ from typing import Any
 
 from . import _leases
 from . import _serialization as ser
+from ._errors import PICKLING_FAILURES
 from ._wire import ARENA, HAS_BLOCKS, LEN
 
 __all__ = ["call_many"]
@@ -82,7 +83,7 @@ def call_many(conns: list, method: str, args: tuple, kwargs: dict, what: list,
     try:
         payload, fds, enc, flags = ser.encode(call, _NO_PEER)
         frames = _Frames(payload, fds, enc, flags)
-    except Exception:  # the per-connection path raises it, or holds the call
+    except PICKLING_FAILURES:  # the per-connection path raises it, or holds the call
         frames = None
     # What the one encoding counted (arrays copied, sent by reference), for one member.
     moved = {k: counters[k] - b for k, b in zip(_ROLLBACK, before)}

@@ -24,14 +24,15 @@ import collections
 import logging
 import pickle
 import socket
+import traceback
 from typing import Any, Protocol
 
 from . import _leases, _results
 from . import _remote_errors as remote_errors
 from ._remote_errors import UNPICKLING_ERRORS, copy_exc, result_undecodable
 from . import _serialization as ser
-from ._errors import (PICKLING_FAILURES, ActorDiedError, ProtocolError,
-                      undeserializable_arguments)
+from ._errors import (PICKLING_FAILURES, REPLY_PICKLING_FAILURES, ActorDiedError,
+                      ProtocolError, undeserializable_arguments)
 from ._control import CallControl
 from ._culprit import TOO_DEEP, arguments_error, too_deep
 from ._culprit import at as culprit_at
@@ -239,6 +240,11 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
             raise TypeError(f"cannot send the arguments of {what or method}(): {exc}") \
                 from exc
         except PICKLING_FAILURES as exc:
+            # The failed encode's frames (in ``exc``'s traceback) hold its encoder, and
+            # with it the shared copies made of ordinary arrays so far: let them go now,
+            # keeping the traceback's lines. (An error kept in a cycle, as a pool's
+            # future that holds it, kept them until the garbage collector ran.)
+            traceback.clear_frames(exc.__traceback__)
             if method == "__init_actor__":  # (class, args, kwargs, config): the user's
                 args, kwargs = args[1], args[2]  # are the spawn's arguments
             raise arguments_error(what or method, exc, args, kwargs,
@@ -316,11 +322,12 @@ class Connection(CallControl, LeaseTraffic, FramedSocket):
         except MemoryError as exc:  # out of shared memory: the caller gets it as it is
             self.reply_error(cid, exc)
             return
-        except PICKLING_FAILURES as exc:
+        except REPLY_PICKLING_FAILURES as exc:
             mistake = ser.result_mistake(value)
             deep = too_deep(exc)
             where = "" if deep or mistake else \
-                culprit_at([("result", value)], exc, lambda part: ser.encode_part(part, self))
+                culprit_at([("result", value)], exc, lambda part: ser.encode_part(part, self),
+                           REPLY_PICKLING_FAILURES)
             if mistake is not None:
                 exc = TypeError(mistake)
             err = TypeError(f"the result of {what or 'the call'} cannot be sent back: "

@@ -27,7 +27,7 @@ from ._descendants import is_stopped, machine, process_start
 from ._client import ThreadCallFuture
 from ._results import (CallFuture, DependencyFailed, fail_not_made, futures_in, not_made,
                        with_results)
-from ._errors import ActorDiedError, class_not_loaded
+from ._errors import PICKLING_FAILURES, ActorDiedError, class_not_loaded
 from ._ray_errors import (arguments_unsent, check_args, outcome, pickling_failed, translate,
                           unavailable_error)
 from ._ray_host import Host, register_reducers, simple
@@ -460,6 +460,7 @@ class RayClient(CallOrder):
         """
         if number is None:  # (a call that waited was checked when it was made)
             check_args(args, kwargs, what)
+        std = sys.stdout, sys.stderr  # (``arguments_unsent``)
         try:
             with self._lock:
                 if number is None:
@@ -489,9 +490,9 @@ class RayClient(CallOrder):
                     opened[seq] = None
                     self._seqs[actor_id.key] = seq + 1
             return ref, seq
-        except Exception as exc:
+        except PICKLING_FAILURES as exc:  # (sync code: a CancelledError is a __reduce__'s)
             if isinstance(exc, TypeError) or pickling_failed(exc):  # (an argument's
-                raise arguments_unsent(exc, what, args, kwargs) from exc  # __reduce__ raised)
+                raise arguments_unsent(exc, what, args, kwargs, std) from exc  # reduce)
             raise
 
     def _call_from_thread(self, actor_id, method, args, kwargs, what):
@@ -750,14 +751,15 @@ class RayClient(CallOrder):
         req = requested(options.num_cpus, options.num_gpus)
         check_feasible(ray, cls.__qualname__, req, self.fixed_cluster)
         check_args(args, kwargs, what)  # (as a call's: what Ray would let through silently)
+        std = sys.stdout, sys.stderr  # (``arguments_unsent``)
         try:
             meta = (cls.__qualname__, methods, streams, options.max_pending_calls,
                     options.max_restarts)
             handle = self._remote_host.options(**opts).remote(
                 cls, args, kwargs, options.max_concurrency, get_client, meta)
-        except Exception as exc:
+        except PICKLING_FAILURES as exc:  # (sync code: a CancelledError is a __reduce__'s)
             if isinstance(exc, TypeError) or pickling_failed(exc):  # (an argument's
-                raise arguments_unsent(exc, what, args, kwargs) from exc  # __reduce__ raised)
+                raise arguments_unsent(exc, what, args, kwargs, std) from exc  # reduce)
             if isinstance(exc, ValueError) and options.name is not None and \
                     "already" in str(exc):
                 raise ValueError(f"an actor named {options.name!r} already exists; "

@@ -60,10 +60,18 @@ _RAY_REPORT = "could not serialize the argument"
 _RAY_FAIL = re.compile(r"FAIL serialization: (.*)")
 
 
-def arguments_unsent(exc: BaseException, what: str, args: tuple, kwargs: dict) -> TypeError:
+def arguments_unsent(exc: BaseException, what: str, args: tuple, kwargs: dict,
+                     std: tuple) -> TypeError:
     """The ``TypeError`` of a call or spawn whose arguments Ray could not serialize, as
     the local backend words it (what pickling raised, where in the arguments, what to
-    do), not Ray's report on its whole payload, internal names and all."""
+    do), not Ray's report on its whole payload, internal names and all.
+
+    ``std``: ``sys.stdout`` and ``sys.stderr`` before Ray was handed the call, put
+    back. Ray's report (``ray.util.check_serialize``) calls ``colorama.init()`` at every
+    level it inspects, each time wrapping both streams once more: after some hundreds of
+    calls that failed so, a write went through so many wrappers that it passed Python's
+    recursion limit, and the driver died ("lost sys.stderr")."""
+    sys.stdout, sys.stderr = std
     inner = exc
     while inner.__cause__ is not None and _RAY_REPORT in str(inner).lower():
         inner = inner.__cause__  # (Ray raises its report from pickling's own error)

@@ -591,6 +591,11 @@ class InterruptsPicklingError(Exception):
         raise KeyboardInterrupt("a __reduce__ raised KeyboardInterrupt")
 
 
+class InterruptsPickling:
+    def __reduce__(self):
+        raise KeyboardInterrupt("a __reduce__ raised KeyboardInterrupt")
+
+
 class Box:
     """An object that pickles as its ``__dict__``."""
 
@@ -700,6 +705,8 @@ class Arrays:
             raise CancelsPicklingError("raised")
         if what == "interrupt":
             raise InterruptsPicklingError("raised")
+        if what == "interrupting result":
+            return {"rows": [1, InterruptsPickling()]}
         return CancelsPickling()
 
     async def cancels_pickling_async(self):

@@ -142,6 +142,36 @@ async def test_a_cancelled_error_raised_while_pickling_fails_that_message_alone(
         async for _ in a.cancels_pickling_items():
             pass
     assert await asyncio.wait_for(a.echo(2), 30) == 2 and a.pid == pid
+    # A group call encodes once for all members: the same TypeError
+    b = await Arrays.spawn()
+    with pytest.raises(TypeError, match=r"at args\[0\]\[1\], a __reduce__ raised Cancelled"):
+        await actorshm.ActorGroup([a, b]).echo([1, CancelsPickling()])
+    # In an actor (Ctrl-C is the driver's), a KeyboardInterrupt raised by a result's
+    # pickling is that pickling's too: the call fails, the actor lives (it ended "killed
+    # by SIGINT", though no signal was sent)
+    with pytest.raises(TypeError, match=r"cannot be sent back: at result\['rows'\]\[1\], a "
+                                        r"__reduce__ raised KeyboardInterrupt"):
+        await asyncio.wait_for(a.cancels_pickling("interrupting result"), 30)
+    assert await asyncio.wait_for(a.echo(3), 30) == 3 and a.pid == pid
+
+
+async def test_a_pool_call_that_cannot_be_sent_lets_its_array_copies_go_at_once(rt):
+    # (the pool's future held the error, whose traceback held the failed encoder's frames
+    # in a cycle: the shared copy of each ordinary array stayed until gc ran)
+    import gc
+    import threading
+    from actors import Box
+    a = await Arrays.spawn()
+    pool = actorshm.ActorPool([a])
+    gc.disable()
+    try:
+        for _ in range(3):
+            with pytest.raises(TypeError, match="cannot pickle"):
+                await pool.submit(lambda h, v: h.unsendable_with(*v),
+                                  (np.ones(1 << 18), Box(threading.Lock())))
+            assert actorshm.stats()["blocks_live"] == 0
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("mode", ["r", "rb", "w", "r+b"])
