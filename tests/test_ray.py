@@ -2680,39 +2680,45 @@ def test_two_node_cluster_runs_actors_on_both_nodes(tmp_path):
     assert "nodes 2" in _run_script(tmp_path, "cluster.py", CLUSTER_SCRIPT)
 
 
-async def test_a_spawn_waiting_for_busy_cpus_says_so_and_starts_once_they_are_freed(
-        ray_session, monkeypatch, caplog):
+@pytest.fixture
+def spawn_warnings(ray_session, monkeypatch, caplog):
+    """The log of a waiting spawn's warning, given after 0.5 s instead of 10 s."""
     from actorshm import _ray_placement
     monkeypatch.setattr(_ray_placement, "WARN_AFTER", 0.5)
     caplog.set_level("WARNING", logger="actorshm")
+    return caplog
+
+
+async def _until_a_spawn_warns(log) -> str:
+    """The log's text once ``Counter.spawn()`` said it waits (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while "has waited" not in log.text and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert "Counter.spawn() has waited" in log.text
+    return log.text
+
+
+async def test_a_spawn_waiting_for_busy_cpus_says_so_and_starts_once_they_are_freed(
+        spawn_warnings):
     async with actorshm.Runtime(backend="ray"):
         first = await Counter.options(num_cpus=2).spawn(0)  # every CPU of the module's Ray
         second = asyncio.ensure_future(Counter.options(num_cpus=2).spawn(7))
-        deadline = time.monotonic() + 30
-        while "has waited" not in caplog.text and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert "Counter.spawn() has waited" in caplog.text
-        assert "needs 2 CPU" in caplog.text and "kill an actor" in caplog.text
+        text = await _until_a_spawn_warns(spawn_warnings)
+        assert "needs 2 CPU" in text and "kill an actor" in text
         assert not second.done()
         await first.kill()
         c = await asyncio.wait_for(second, 60)
         assert await c.incr(1) == 8
 
 
-async def test_a_spawn_whose_process_cannot_start_says_so(ray_session, monkeypatch, caplog):
+async def test_a_spawn_whose_process_cannot_start_says_so(spawn_warnings):
     # (Ray tries again and again to start a process that fails at once, saying so only
     # in the raylet's log: the spawn waited in silence; locally it fails at once)
-    from actorshm import _ray_placement
-    monkeypatch.setattr(_ray_placement, "WARN_AFTER", 0.5)
-    caplog.set_level("WARNING", logger="actorshm")
     async with actorshm.Runtime(backend="ray"):
         spawn = asyncio.ensure_future(
             Counter.options(env={"PYTHONHOME": "/nonexistent"}).spawn(0))
-        deadline = time.monotonic() + 30
-        while "has waited" not in caplog.text and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert "Counter.spawn() has waited" in caplog.text
-        assert "no process runs it yet" in caplog.text and "PYTHONHOME" in caplog.text
+        text = await _until_a_spawn_warns(spawn_warnings)
+        assert "no process runs it yet" in text and "PYTHONHOME" in text
         assert not spawn.done()
         spawn.cancel()
         with pytest.raises(asyncio.CancelledError):
